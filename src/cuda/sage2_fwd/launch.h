@@ -1,0 +1,29 @@
+// Host entry points of the SageAttention2-8b Hopper forward (sm_90a).
+// The api layer validates parameters and resolves defaults (sm_scale) before it
+// calls these; they only size the workspace and enqueue kernels on the stream.
+#pragma once
+
+#include <cstddef>
+
+#include "qattn/qattn.h"
+
+namespace qattn::sage2 {
+
+// Workspace layout (all offsets 256-byte aligned), padded lengths are multiples of
+// 128 (one KV tile / two Q blocks):
+//   q_i8    int8  (B, Hq, Nq_pad, D)        quantized Q (sm_scale·log2e folded in scale)
+//   q_scale float (B, Hq, Nq_pad / 64 * 32) per-thread (or coarser, replicated) Q scales
+//   q_dot_c float (B, Hq, Nq_pad)           sm_scale · q·c, the LSE correction for K smoothing
+//   k_i8    int8  (B, Hkv, Nkv_pad, D)      smoothed, quantized K
+//   k_scale float (B, Hkv, Nkv_pad / 128 * 4)
+//   k_mean  float (B, Hkv, D)               the smoothing vector c
+//   vt_f8   e4m3  (B, Hkv, D, Nkv_pad)      Vᵀ, tokens permuted in groups of 16
+//   v_scale float (B, Hkv, Nkv_pad / 128, D) per-(KV tile, channel) scales
+// D is the head dim padded to 64 or 128.
+std::size_t workspace_bytes(const qattn_fwd_params& p);
+
+// Enqueues quantization and attention on `stream`. Returns cudaSuccess or the first
+// CUDA error; never synchronizes.
+int launch_forward(const qattn_fwd_params& p, void* workspace, void* stream);
+
+}  // namespace qattn::sage2
