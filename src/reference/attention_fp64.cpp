@@ -1,0 +1,130 @@
+#include "reference/attention_fp64.h"
+
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+
+namespace qattn::reference {
+namespace {
+
+constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+
+// Softmax probabilities of one query row, with its log-sum-exp. Masked keys get
+// P = 0; a row with no visible key gets all zeros and lse = -inf.
+struct RowSoftmax {
+  std::vector<double> p;
+  double lse = kNegInf;
+};
+
+void row_softmax(const float* qrow, const Tensor4& k, int b, int hkv, int i, int nq, Mask mask,
+                 double sm_scale, RowSoftmax& out) {
+  const int nkv = k.n, d = k.d;
+  out.p.assign(nkv, 0.0);
+  double m = kNegInf;
+  bool any_visible = false, any_nan = false;
+  for (int j = 0; j < nkv; ++j) {
+    if (!key_visible(mask, i, j, nq, nkv)) continue;
+    const float* krow = k.row(b, hkv, j);
+    double s = 0.0;
+    for (int c = 0; c < d; ++c) s += static_cast<double>(qrow[c]) * krow[c];
+    s *= sm_scale;
+    out.p[j] = s;
+    any_visible = true;
+    if (std::isnan(s)) any_nan = true;
+    if (s > m) m = s;
+  }
+  if (!any_visible) {
+    out.lse = kNegInf;
+    return;
+  }
+  if (any_nan) m = std::numeric_limits<double>::quiet_NaN();  // NaN in, NaN out
+  double l = 0.0;
+  for (int j = 0; j < nkv; ++j) {
+    if (!key_visible(mask, i, j, nq, nkv)) continue;
+    out.p[j] = std::exp(out.p[j] - m);
+    l += out.p[j];
+  }
+  for (int j = 0; j < nkv; ++j) out.p[j] /= l;
+  out.lse = m + std::log(l);
+}
+
+}  // namespace
+
+ForwardResult attention_forward(const Tensor4& q, const Tensor4& k, const Tensor4& v,
+                                const AttentionParams& params) {
+  const double sm_scale = validate_attention_args("attention_forward", q, k, v, params);
+  const int group = q.h / k.h;
+  ForwardResult r{Tensor4d(q.b, q.h, q.n, q.d),
+                  std::vector<double>(static_cast<std::size_t>(q.b) * q.h * q.n)};
+  RowSoftmax sm;
+  for (int b = 0; b < q.b; ++b) {
+    for (int h = 0; h < q.h; ++h) {
+      const int hkv = h / group;
+      for (int i = 0; i < q.n; ++i) {
+        row_softmax(q.row(b, h, i), k, b, hkv, i, q.n, params.mask, sm_scale, sm);
+        r.lse[(static_cast<std::size_t>(b) * q.h + h) * q.n + i] = sm.lse;
+        double* orow = r.o.row(b, h, i);
+        for (int j = 0; j < k.n; ++j) {
+          if (sm.p[j] == 0.0) continue;
+          const float* vrow = v.row(b, hkv, j);
+          for (int c = 0; c < q.d; ++c) orow[c] += sm.p[j] * vrow[c];
+        }
+      }
+    }
+  }
+  return r;
+}
+
+BackwardResult attention_backward(const Tensor4& q, const Tensor4& k, const Tensor4& v,
+                                  const Tensor4& dout, const AttentionParams& params) {
+  const double sm_scale = validate_attention_args("attention_backward", q, k, v, params);
+  if (!dout.same_shape(q.b, q.h, q.n, q.d) || dout.data.size() != q.data.size()) {
+    throw std::invalid_argument("attention_backward: dout: shape must equal q's shape");
+  }
+  const int group = q.h / k.h, d = q.d;
+  BackwardResult r{Tensor4d(q.b, q.h, q.n, d), Tensor4d(k.b, k.h, k.n, d),
+                   Tensor4d(k.b, k.h, k.n, d)};
+  RowSoftmax sm;
+  std::vector<double> dp(k.n);
+  for (int b = 0; b < q.b; ++b) {
+    for (int h = 0; h < q.h; ++h) {
+      const int hkv = h / group;
+      for (int i = 0; i < q.n; ++i) {
+        const float* qrow = q.row(b, h, i);
+        const float* dorow = dout.row(b, h, i);
+        row_softmax(qrow, k, b, hkv, i, q.n, params.mask, sm_scale, sm);
+        if (std::isinf(sm.lse) && sm.lse < 0) continue;  // sees nothing: zero gradients
+        // dP_ij = dO_i . V_j;  D_i = sum_j P_ij dP_ij;  dS_ij = P_ij (dP_ij - D_i).
+        double delta = 0.0;
+        for (int j = 0; j < k.n; ++j) {
+          if (sm.p[j] == 0.0) {
+            dp[j] = 0.0;
+            continue;
+          }
+          const float* vrow = v.row(b, hkv, j);
+          double s = 0.0;
+          for (int c = 0; c < d; ++c) s += static_cast<double>(dorow[c]) * vrow[c];
+          dp[j] = s;
+          delta += sm.p[j] * s;
+        }
+        double* dqrow = r.dq.row(b, h, i);
+        for (int j = 0; j < k.n; ++j) {
+          const double pj = sm.p[j];
+          if (pj == 0.0) continue;
+          const double ds = pj * (dp[j] - delta) * sm_scale;
+          const float* krow = k.row(b, hkv, j);
+          double* dkrow = r.dk.row(b, hkv, j);
+          double* dvrow = r.dv.row(b, hkv, j);
+          for (int c = 0; c < d; ++c) {
+            dqrow[c] += ds * krow[c];
+            dkrow[c] += ds * qrow[c];
+            dvrow[c] += pj * dorow[c];
+          }
+        }
+      }
+    }
+  }
+  return r;
+}
+
+}  // namespace qattn::reference

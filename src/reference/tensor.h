@@ -1,0 +1,90 @@
+// Host tensors shared by the reference, the emulators, the CLI and the CPU tests.
+//
+// A Tensor4 is a dense (B, H, N, d) array, row-major with d fastest ("HND"), the
+// layout the C ABI calls contiguous. Inputs and outputs are stored as float (the
+// GPU reads fp16/bf16, both exact in float); the FP64 reference keeps double.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace qattn {
+
+template <class T>
+struct BasicTensor4 {
+  int b = 0, h = 0, n = 0, d = 0;
+  std::vector<T> data;
+
+  BasicTensor4() = default;
+  BasicTensor4(int batch, int heads, int tokens, int dim) : b(batch), h(heads), n(tokens), d(dim) {
+    if (batch < 0 || heads < 0 || tokens < 0 || dim < 0) {
+      throw std::invalid_argument("Tensor4: dimensions must be non-negative");
+    }
+    data.assign(static_cast<std::size_t>(batch) * heads * tokens * dim, T(0));
+  }
+
+  std::size_t size() const { return data.size(); }
+  std::size_t index(int ib, int ih, int in, int id) const {
+    return ((static_cast<std::size_t>(ib) * h + ih) * n + in) * d + id;
+  }
+  T& at(int ib, int ih, int in, int id) { return data[index(ib, ih, in, id)]; }
+  const T& at(int ib, int ih, int in, int id) const { return data[index(ib, ih, in, id)]; }
+  // Pointer to the d-long row of token `in` of head (ib, ih).
+  T* row(int ib, int ih, int in) { return data.data() + index(ib, ih, in, 0); }
+  const T* row(int ib, int ih, int in) const { return data.data() + index(ib, ih, in, 0); }
+  bool same_shape(int batch, int heads, int tokens, int dim) const {
+    return b == batch && h == heads && n == tokens && d == dim;
+  }
+};
+
+using Tensor4 = BasicTensor4<float>;
+using Tensor4d = BasicTensor4<double>;
+
+// Causal masks are aligned to the bottom-right corner (FlashAttention >= 2.1, SDPA):
+// query i sees key j iff j <= i + Nkv - Nq.
+enum class Mask { None, Causal };
+
+// Parameters every scheme shares (DESIGN.md §3).
+struct AttentionParams {
+  Mask mask = Mask::None;
+  std::optional<double> sm_scale;  // empty: 1/sqrt(d)
+};
+
+// True when query row i (of nq) may attend to key j (of nkv) under `mask`.
+inline bool key_visible(Mask mask, int i, int j, int nq, int nkv) {
+  return mask == Mask::None || static_cast<long long>(j) <= static_cast<long long>(i) + nkv - nq;
+}
+
+// Validates the q, k, v shapes (GQA: Hq a multiple of Hkv) and the params; throws
+// std::invalid_argument naming the offending parameter. Returns the resolved sm_scale.
+inline double validate_attention_args(const char* who, const Tensor4& q, const Tensor4& k,
+                                      const Tensor4& v, const AttentionParams& params) {
+  auto fail = [who](const std::string& what) {
+    throw std::invalid_argument(std::string(who) + ": " + what);
+  };
+  if (q.b <= 0 || q.h <= 0 || q.n <= 0 || q.d <= 0) fail("q: every dimension must be >= 1");
+  if (k.h <= 0 || k.n <= 0) fail("k: heads and tokens must be >= 1");
+  if (k.b != q.b) fail("k: batch must equal q's batch");
+  if (k.d != q.d) fail("k: head dim must equal q's head dim");
+  if (q.h % k.h != 0) fail("k: heads_kv must divide heads_q (GQA/MQA)");
+  if (!v.same_shape(k.b, k.h, k.n, k.d)) fail("v: shape must equal k's shape (B, Hkv, Nkv, d)");
+  for (const Tensor4* t : {&q, &k, &v}) {
+    if (t->data.size() != static_cast<std::size_t>(t->b) * t->h * t->n * t->d) {
+      fail("q/k/v: data size does not match the shape");
+    }
+  }
+  if (params.sm_scale) {
+    const double s = *params.sm_scale;
+    if (!std::isfinite(s) || s == 0.0) {
+      fail("sm_scale: must be finite and non-zero (or empty for 1/sqrt(d))");
+    }
+    return s;
+  }
+  return 1.0 / std::sqrt(static_cast<double>(q.d));
+}
+
+}  // namespace qattn
