@@ -20,11 +20,7 @@
 
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define QATTN_HD __host__ __device__ __forceinline__
-#else
-#define QATTN_HD inline
-#endif
+#include "numerics/hd.h"
 
 namespace qattn::groups {
 
