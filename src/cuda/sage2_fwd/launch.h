@@ -26,4 +26,8 @@ std::size_t workspace_bytes(const qattn_fwd_params& p);
 // CUDA error; never synchronizes.
 int launch_forward(const qattn_fwd_params& p, void* workspace, void* stream);
 
+// Only the attention kernel, on a workspace that an earlier launch_forward with the
+// same parameters filled (for kernel-only benchmarks; the inputs are not read).
+int launch_attention_only(const qattn_fwd_params& p, void* workspace, void* stream);
+
 }  // namespace qattn::sage2

@@ -1,0 +1,218 @@
+// SageAttention2-8b forward on sm_90a: INT8 Q·Kᵀ and E4M3 P·V on wgmma, TMA loads
+// into a ring of shared-memory stages, two-level accumulation.
+//
+// CTA = 3 warpgroups and 128 query rows. Warpgroup 0 is the producer: one thread
+// issues TMA loads of K and Vᵀ tiles into kStages stages guarded by "full" (TMA
+// transaction bytes) and "empty" (consumers done) mbarriers. Warpgroups 1 and 2 are
+// consumers, 64 query rows each; registers move to them with setmaxnreg.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "cuda/hopper/sync.cuh"
+#include "cuda/hopper/tma.cuh"
+#include "cuda/hopper/wgmma.cuh"
+#include "cuda/sage2_fwd/epilogue.cuh"
+#include "cuda/sage2_fwd/fragment.cuh"
+#include "cuda/sage2_fwd/mask.cuh"
+#include "cuda/sage2_fwd/softmax.cuh"
+#include "numerics/mma_groups.h"
+
+namespace qattn::sage2 {
+
+struct AttentionParams {
+  const float* q_scale;  // per-thread groups, (B, Hq, nq_pad / 64 * 32)
+  const float* k_scale;  // (B, Hkv, nkv_pad / 128 * 4)
+  const float* v_scale;  // (B, Hkv, nkv_pad / 128, D)
+  const float* q_dot_c;  // (B, Hq, nq_pad)
+  void* o;
+  int64_t o_stride_b, o_stride_h, o_stride_n;
+  float* lse;  // (B, Hq, Nq) or null
+  int heads_q, heads_kv, seqlen_q, seqlen_kv, head_dim, nq_pad, nkv_pad;
+  int causal;
+};
+
+template <int D>
+struct KernelTraits {
+  static constexpr int kBlockM = 128, kBlockN = groups::kKvTile;
+  static constexpr int kStages = D == 128 ? 3 : 4;
+  static constexpr int kThreads = 384;
+  static constexpr int kConsumerThreads = 256;
+  static constexpr int kConsumerWarps = kConsumerThreads / 32;
+  static constexpr int kQBytes = kBlockM * D, kKBytes = kBlockN * D, kVBytes = D * kBlockN;
+  static constexpr hopper::Swizzle kQKSwizzle = D == 128 ? hopper::Swizzle::k128B : hopper::Swizzle::k64B;
+  static constexpr hopper::Swizzle kVSwizzle = hopper::Swizzle::k128B;  // 128 tokens = 128 B
+  static constexpr int kSmemBytes = kQBytes + kStages * (kKBytes + kVBytes) + 1024 /*align*/ + 256;
+};
+
+template <int D>
+struct SharedStorage {
+  using Tr = KernelTraits<D>;
+  alignas(1024) uint8_t q[Tr::kQBytes];
+  alignas(1024) uint8_t k[Tr::kStages][Tr::kKBytes];
+  alignas(1024) uint8_t v[Tr::kStages][Tr::kVBytes];
+  uint64_t q_full;
+  uint64_t k_full[Tr::kStages], k_empty[Tr::kStages];
+  uint64_t v_full[Tr::kStages], v_empty[Tr::kStages];
+};
+
+// Number of KV tiles a 128-row query block must visit (all of them unless causal).
+__device__ __forceinline__ int kv_tiles_for_block(const AttentionParams& p, int m_block) {
+  const int n_tiles = (p.seqlen_kv + groups::kKvTile - 1) / groups::kKvTile;
+  if (!p.causal) return n_tiles;
+  const int last_row = min((m_block + 1) * 128, p.seqlen_q) - 1;
+  const int kv_end = last_row + (p.seqlen_kv - p.seqlen_q) + 1;  // keys visible to that row
+  if (kv_end <= 0) return 0;
+  return min(n_tiles, (kv_end + groups::kKvTile - 1) / groups::kKvTile);
+}
+
+template <int D, typename TOut>
+__global__ void __launch_bounds__(384, 1)
+    sage2_fwd_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                     const __grid_constant__ CUtensorMap tm_vt, const AttentionParams p) {
+  using Tr = KernelTraits<D>;
+  extern __shared__ uint8_t smem_raw[];
+  auto& s = *reinterpret_cast<SharedStorage<D>*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+
+  const int num_m_blocks = gridDim.x;
+  // Causal: the longest query blocks (the last ones) start first.
+  const int m_block = p.causal ? num_m_blocks - 1 - blockIdx.x : blockIdx.x;
+  const int hq = blockIdx.y, b = blockIdx.z;
+  const int hkv = hq / (p.heads_q / p.heads_kv);
+  const int n_tiles = kv_tiles_for_block(p, m_block);
+  const int warpgroup = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
+    hopper::mbarrier_init(&s.q_full, 1);
+#pragma unroll
+    for (int i = 0; i < Tr::kStages; ++i) {
+      hopper::mbarrier_init(&s.k_full[i], 1);
+      hopper::mbarrier_init(&s.v_full[i], 1);
+      hopper::mbarrier_init(&s.k_empty[i], Tr::kConsumerWarps);
+      hopper::mbarrier_init(&s.v_empty[i], Tr::kConsumerWarps);
+    }
+    hopper::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    // ---- producer ------------------------------------------------------------------------
+    hopper::setmaxnreg_dec<24>();
+    if (threadIdx.x == 0) {
+      hopper::tma_prefetch_descriptor(&tm_q);
+      hopper::tma_prefetch_descriptor(&tm_k);
+      hopper::tma_prefetch_descriptor(&tm_vt);
+      const uint64_t keep = hopper::policy_evict_last(), stream = hopper::policy_evict_first();
+      const int kv_slice = b * p.heads_kv + hkv;
+      hopper::mbarrier_arrive_expect_tx(&s.q_full, Tr::kQBytes);
+      hopper::tma_load_3d(s.q, &tm_q, &s.q_full, 0, m_block * Tr::kBlockM, b * p.heads_q + hq, stream);
+      for (int it = 0; it < n_tiles; ++it) {
+        const int st = it % Tr::kStages;
+        const uint32_t phase = (it / Tr::kStages) & 1;
+        hopper::mbarrier_wait(&s.k_empty[st], phase ^ 1);
+        hopper::mbarrier_arrive_expect_tx(&s.k_full[st], Tr::kKBytes);
+        hopper::tma_load_3d(s.k[st], &tm_k, &s.k_full[st], 0, it * Tr::kBlockN, kv_slice, keep);
+        hopper::mbarrier_wait(&s.v_empty[st], phase ^ 1);
+        hopper::mbarrier_arrive_expect_tx(&s.v_full[st], Tr::kVBytes);
+        hopper::tma_load_3d(s.v[st], &tm_vt, &s.v_full[st], it * Tr::kBlockN, 0, kv_slice, keep);
+      }
+    }
+    return;
+  }
+
+  // ---- consumers ---------------------------------------------------------------------------
+  hopper::setmaxnreg_inc<240>();
+  const int cw = warpgroup - 1;  // which 64 rows of the block
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const FragCoord fc{lane / 4, lane % 4};
+  const int row0 = m_block * Tr::kBlockM + cw * 64 + warp * 16 + fc.g;  // and row0 + 8
+  const int64_t bh_q = static_cast<int64_t>(b) * p.heads_q + hq;
+  const int64_t bh_kv = static_cast<int64_t>(b) * p.heads_kv + hkv;
+
+  const float q_scale =
+      p.q_scale[bh_q * (p.nq_pad / groups::kQBlock * groups::kQThreadGroupsPerBlock) +
+                (m_block * 2 + cw) * groups::kQThreadGroupsPerBlock + warp * 8 + fc.g];
+  const float* k_scale = p.k_scale + bh_kv * (p.nkv_pad / groups::kKvTile * groups::kKThreadGroupsPerTile) + fc.t;
+  const float* v_scale = p.v_scale + bh_kv * (p.nkv_pad / groups::kKvTile) * D + 2 * fc.t;
+  const CausalMask mask{p.seqlen_q, p.seqlen_kv, p.causal != 0};
+
+  constexpr int kS = Tr::kBlockN / 2;  // score elements per thread
+  constexpr int kO = D / 2;            // output elements per thread
+  float o[kO];
+#pragma unroll
+  for (int i = 0; i < kO; ++i) o[i] = 0.f;
+  OnlineSoftmax<kS> softmax;
+
+  hopper::mbarrier_wait(&s.q_full, 0);
+  const uint64_t desc_q = hopper::make_smem_desc<Tr::kQKSwizzle>(s.q + cw * 64 * D);
+
+  for (int it = 0; it < n_tiles; ++it) {
+    const int st = it % Tr::kStages;
+    const uint32_t phase = (it / Tr::kStages) & 1;
+    const float qk_scale = q_scale * __ldg(k_scale + it * groups::kKThreadGroupsPerTile);
+
+    // S = Q·Kᵀ (INT8 -> INT32)
+    int32_t acc_s[kS];
+    hopper::mbarrier_wait(&s.k_full[st], phase);
+    hopper::wgmma_fence();
+    const uint64_t desc_k = hopper::make_smem_desc<Tr::kQKSwizzle>(s.k[st]);
+#pragma unroll
+    for (int kk = 0; kk < D / 32; ++kk)
+      hopper::wgmma_m64n128k32_s8_ss(acc_s, hopper::desc_advance(desc_q, kk * 32),
+                                     hopper::desc_advance(desc_k, kk * 32), kk > 0);
+    hopper::wgmma_commit();
+    hopper::wgmma_wait<0>();
+    hopper::fence_operands(acc_s);
+    __syncwarp();
+    if (lane == 0) hopper::mbarrier_arrive(&s.k_empty[st]);
+
+    // Dequantize into the log2 domain, mask, online softmax.
+    float x[kS];
+#pragma unroll
+    for (int i = 0; i < kS; ++i) x[i] = __int2float_rn(acc_s[i]) * qk_scale;
+    if (mask.needed(it * Tr::kBlockN, m_block * Tr::kBlockM + cw * 64))
+      mask.apply(x, fc, it * Tr::kBlockN, row0);
+    float alpha[2];
+    softmax.step(x, alpha);
+    uint32_t a_p[kS / 16][4];
+    pack_p_fragments(x, a_p);
+
+    // O_tile = P·V (E4M3 -> FP32) in fresh registers, then the two-level merge.
+    float acc_o[kO];
+    hopper::mbarrier_wait(&s.v_full[st], phase);
+    hopper::wgmma_fence();
+    const uint64_t desc_v = hopper::make_smem_desc<Tr::kVSwizzle>(s.v[st]);
+#pragma unroll
+    for (int kk = 0; kk < Tr::kBlockN / 32; ++kk) {
+      if constexpr (D == 128)
+        hopper::wgmma_m64n128k32_e4m3_rs(acc_o, a_p[kk], hopper::desc_advance(desc_v, kk * 32), kk > 0);
+      else
+        hopper::wgmma_m64n64k32_e4m3_rs(acc_o, a_p[kk], hopper::desc_advance(desc_v, kk * 32), kk > 0);
+    }
+    hopper::wgmma_commit();
+    hopper::wgmma_wait<0>();
+    hopper::fence_operands(acc_o);
+    __syncwarp();
+    if (lane == 0) hopper::mbarrier_arrive(&s.v_empty[st]);
+
+    const float* vs = v_scale + static_cast<int64_t>(it) * D;
+#pragma unroll
+    for (int j = 0; j < kO / 4; ++j) {
+      const float2 sc = __ldg(reinterpret_cast<const float2*>(vs + 8 * j));
+      o[4 * j + 0] = fmaf(o[4 * j + 0], alpha[0], acc_o[4 * j + 0] * sc.x);
+      o[4 * j + 1] = fmaf(o[4 * j + 1], alpha[0], acc_o[4 * j + 1] * sc.y);
+      o[4 * j + 2] = fmaf(o[4 * j + 2], alpha[1], acc_o[4 * j + 2] * sc.x);
+      o[4 * j + 3] = fmaf(o[4 * j + 3], alpha[1], acc_o[4 * j + 3] * sc.y);
+    }
+  }
+
+  softmax.finish();
+  store_output<TOut, kO>(p, o, softmax, fc, bh_q, row0);
+}
+
+}  // namespace qattn::sage2

@@ -1,0 +1,127 @@
+#include "cuda/sage2_fwd/launch.h"
+
+#include <cmath>
+
+#include "cuda/hopper/tensor_map.h"
+#include "cuda/sage2_fwd/kernel.cuh"
+#include "cuda/sage2_fwd/quantize.cuh"
+#include "cuda/sage2_fwd/workspace.h"
+
+namespace qattn::sage2 {
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+float resolved_sm_scale(const qattn_fwd_params& p) {
+  return p.sm_scale > 0.f ? p.sm_scale : 1.f / std::sqrt(static_cast<float>(p.head_dim));
+}
+
+template <typename T>
+InputView<T> view(const qattn_tensor& t) {
+  return {static_cast<const T*>(t.data), t.stride_b, t.stride_h, t.stride_n};
+}
+
+QuantizeOutputs outputs(const WorkspaceLayout& w, void* ws) {
+  auto* base = static_cast<uint8_t*>(ws);
+  return {reinterpret_cast<int8_t*>(base + w.q_i8),     reinterpret_cast<float*>(base + w.q_scale),
+          reinterpret_cast<float*>(base + w.q_dot_c),   reinterpret_cast<int8_t*>(base + w.k_i8),
+          reinterpret_cast<float*>(base + w.k_scale),   reinterpret_cast<float*>(base + w.k_mean),
+          reinterpret_cast<uint8_t*>(base + w.vt_f8),   reinterpret_cast<float*>(base + w.v_scale)};
+}
+
+template <int D, typename TOut>
+cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout& w, void* ws,
+                               cudaStream_t stream) {
+  using Tr = KernelTraits<D>;
+  const QuantizeOutputs q = outputs(w, ws);
+  const uint64_t bq = static_cast<uint64_t>(p.batch) * p.heads_q;
+  const uint64_t bkv = static_cast<uint64_t>(p.batch) * p.heads_kv;
+  const auto qk_swizzle = D == 128 ? hopper::TmaSwizzle::k128B : hopper::TmaSwizzle::k64B;
+  CUtensorMap tm_q, tm_k, tm_vt;
+  if (auto e = hopper::make_tensor_map_u8_3d(&tm_q, q.q_i8, D, w.nq_pad, bq, D, Tr::kBlockM, qk_swizzle);
+      e != cudaSuccess)
+    return e;
+  if (auto e = hopper::make_tensor_map_u8_3d(&tm_k, q.k_i8, D, w.nkv_pad, bkv, D, Tr::kBlockN, qk_swizzle);
+      e != cudaSuccess)
+    return e;
+  if (auto e = hopper::make_tensor_map_u8_3d(&tm_vt, q.vt_f8, w.nkv_pad, D, bkv, Tr::kBlockN, D,
+                                             hopper::TmaSwizzle::k128B);
+      e != cudaSuccess)
+    return e;
+
+  AttentionParams ap{};
+  ap.q_scale = q.q_scale;
+  ap.k_scale = q.k_scale;
+  ap.v_scale = q.v_scale;
+  ap.q_dot_c = q.q_dot_c;
+  ap.o = p.o.data;
+  ap.o_stride_b = p.o.stride_b;
+  ap.o_stride_h = p.o.stride_h;
+  ap.o_stride_n = p.o.stride_n;
+  ap.lse = p.lse;
+  ap.heads_q = p.heads_q;
+  ap.heads_kv = p.heads_kv;
+  ap.seqlen_q = p.seqlen_q;
+  ap.seqlen_kv = p.seqlen_kv;
+  ap.head_dim = p.head_dim;
+  ap.nq_pad = w.nq_pad;
+  ap.nkv_pad = w.nkv_pad;
+  ap.causal = p.causal;
+
+  auto kernel = sage2_fwd_kernel<D, TOut>;
+  constexpr int smem = static_cast<int>(sizeof(SharedStorage<D>)) + 1024;
+  if (auto e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      e != cudaSuccess)
+    return e;
+  const dim3 grid(w.nq_pad / Tr::kBlockM, p.heads_q, p.batch);
+  kernel<<<grid, Tr::kThreads, smem, stream>>>(tm_q, tm_k, tm_vt, ap);
+  return cudaGetLastError();
+}
+
+template <typename T, int D>
+cudaError_t quantize_d(const qattn_fwd_params& p, const WorkspaceLayout& w, void* ws, cudaStream_t stream) {
+  QuantizeParams qp{};
+  qp.batch = p.batch;
+  qp.heads_q = p.heads_q;
+  qp.heads_kv = p.heads_kv;
+  qp.seqlen_q = p.seqlen_q;
+  qp.seqlen_kv = p.seqlen_kv;
+  qp.head_dim = p.head_dim;
+  qp.nq_pad = w.nq_pad;
+  qp.nkv_pad = w.nkv_pad;
+  qp.sm_scale = resolved_sm_scale(p);
+  qp.scale_log2 = qp.sm_scale * kLog2e;
+  qp.granularity = p.granularity;
+  return launch_quantize<T, D>(view<T>(p.q), view<T>(p.k), view<T>(p.v), qp, outputs(w, ws), stream);
+}
+
+template <typename T>
+cudaError_t run(const qattn_fwd_params& p, void* ws, cudaStream_t stream, bool quantize) {
+  const WorkspaceLayout w = workspace_layout(p);
+  if (w.head_dim_padded == 64) {
+    if (quantize)
+      if (auto e = quantize_d<T, 64>(p, w, ws, stream); e != cudaSuccess) return e;
+    return launch_attention_d<64, T>(p, w, ws, stream);
+  }
+  if (quantize)
+    if (auto e = quantize_d<T, 128>(p, w, ws, stream); e != cudaSuccess) return e;
+  return launch_attention_d<128, T>(p, w, ws, stream);
+}
+
+}  // namespace
+
+std::size_t workspace_bytes(const qattn_fwd_params& p) { return workspace_layout(p).total; }
+
+int launch_forward(const qattn_fwd_params& p, void* workspace, void* stream) {
+  auto s = static_cast<cudaStream_t>(stream);
+  return p.dtype == QATTN_DTYPE_BF16 ? run<__nv_bfloat16>(p, workspace, s, true)
+                                     : run<__half>(p, workspace, s, true);
+}
+
+int launch_attention_only(const qattn_fwd_params& p, void* workspace, void* stream) {
+  auto s = static_cast<cudaStream_t>(stream);
+  return p.dtype == QATTN_DTYPE_BF16 ? run<__nv_bfloat16>(p, workspace, s, false)
+                                     : run<__half>(p, workspace, s, false);
+}
+
+}  // namespace qattn::sage2

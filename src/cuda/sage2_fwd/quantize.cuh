@@ -1,0 +1,46 @@
+// Quantization kernels of the SageAttention2-8b forward. The arithmetic is the
+// contract in docs/sage2-kernel-arithmetic.md (steps 1-4), which the CPU emulator
+// follows too.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "qattn/qattn.h"
+
+namespace qattn::sage2 {
+
+// A read-only (B, H, N, d) view of 16-bit input, strides in elements.
+template <typename T>
+struct InputView {
+  const T* data;
+  int64_t stride_b, stride_h, stride_n;
+};
+
+struct QuantizeParams {
+  int batch, heads_q, heads_kv, seqlen_q, seqlen_kv, head_dim;
+  int nq_pad, nkv_pad;
+  float scale_log2;  // sm_scale * log2(e)
+  float sm_scale;
+  qattn_qk_granularity granularity;
+};
+
+struct QuantizeOutputs {
+  int8_t* q_i8;
+  float* q_scale;
+  float* q_dot_c;
+  int8_t* k_i8;
+  float* k_scale;
+  float* k_mean;
+  uint8_t* vt_f8;
+  float* v_scale;
+};
+
+// Enqueue the three quantization kernels (K mean, K+V, Q) on the stream.
+template <typename T, int D>
+cudaError_t launch_quantize(const InputView<T>& q, const InputView<T>& k, const InputView<T>& v,
+                            const QuantizeParams& p, const QuantizeOutputs& out, cudaStream_t stream);
+
+}  // namespace qattn::sage2

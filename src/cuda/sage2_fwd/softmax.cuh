@@ -1,0 +1,95 @@
+// Online softmax in the exp2 domain on a thread's two score rows (g and g + 8).
+//
+// Scores arrive as x = s_int32 * q_scale * k_scale, already in log2 units (sm_scale·log2e
+// is folded into q_scale). P is produced pre-multiplied by 448 for the E4M3 cast by
+// shifting the exponent bias by log2(448); the row sum carries the same factor, so the
+// final O / l needs no extra division (docs/sage2-kernel-arithmetic.md, step 6).
+#pragma once
+
+#include <cstdint>
+
+namespace qattn::sage2 {
+
+inline constexpr float kLog2E4m3Max = 8.807354922057604f;  // log2(448)
+
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Two E4M3 values packed as in a register fragment: `lo` in the low byte.
+__device__ __forceinline__ uint16_t pack_e4m3x2(float lo, float hi) {
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+template <int kCols>  // accumulator elements per thread (kBlockN / 2)
+struct OnlineSoftmax {
+  float m[2] = {-INFINITY, -INFINITY};  // running max of rows g, g + 8 (log2 units)
+  float l[2] = {0.f, 0.f};              // this thread's part of the row sums (x448)
+
+  // Updates max and sum with this tile's scores; turns x into 448·P in place and
+  // returns the factor by which the old O must be scaled, per row.
+  __device__ __forceinline__ void step(float (&x)[kCols], float (&alpha)[2]) {
+    float mx[2] = {m[0], m[1]};
+#pragma unroll
+    for (int i = 0; i < kCols; ++i) mx[(i % 4) / 2] = fmaxf(mx[(i % 4) / 2], x[i]);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 2));
+    }
+    float bias[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      // A row that has seen only masked keys keeps m = -inf; use 0 so no inf - inf.
+      const bool empty = mx[r] == -INFINITY;
+      alpha[r] = empty ? 1.f : exp2_approx(m[r] - mx[r]);
+      bias[r] = empty ? 0.f : mx[r] - kLog2E4m3Max;
+      m[r] = mx[r];
+    }
+    float sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < kCols; ++i) {
+      const int r = (i % 4) / 2;
+      x[i] = exp2_approx(x[i] - bias[r]);
+      sum[r] += x[i];
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + sum[r];
+  }
+
+  // Full row sums (the 4 threads of a quad share a row).
+  __device__ __forceinline__ void finish() {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      l[r] += __shfl_xor_sync(0xffffffff, l[r], 1);
+      l[r] += __shfl_xor_sync(0xffffffff, l[r], 2);
+    }
+  }
+};
+
+// Packs 448·P (accumulator layout, kCols = 64 for a 128-token tile) into the E4M3 A
+// fragments of the P·V wgmma: one k32 step per 4 column chunks. Vᵀ is stored with
+// tokens permuted (groups::kVPermute16), so the thread's own columns are exactly what
+// the fragment needs and no shuffles are required.
+template <int kCols>
+__device__ __forceinline__ void pack_p_fragments(const float (&p)[kCols], uint32_t (&a)[kCols / 16][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kCols / 16; ++kk) {
+    const int c0 = kk * 16;  // chunk 4kk starts at element 16kk
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {   // chunks (4kk, 4kk+1) then (4kk+2, 4kk+3)
+      const int e = c0 + half * 8;
+      // row g: elements e+0, e+1 (chunk j), e+4, e+5 (chunk j+1); row g+8: e+2, e+3, e+6, e+7
+      a[kk][half * 2 + 0] = static_cast<uint32_t>(pack_e4m3x2(p[e + 0], p[e + 1])) |
+                            static_cast<uint32_t>(pack_e4m3x2(p[e + 4], p[e + 5])) << 16;
+      a[kk][half * 2 + 1] = static_cast<uint32_t>(pack_e4m3x2(p[e + 2], p[e + 3])) |
+                            static_cast<uint32_t>(pack_e4m3x2(p[e + 6], p[e + 7])) << 16;
+    }
+  }
+}
+
+}  // namespace qattn::sage2

@@ -1,0 +1,60 @@
+// Workspace layout of the SageAttention2-8b forward (see launch.h). Plain C++ so the
+// CPU emulator's tests can read a kernel's workspace back and compare it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "numerics/mma_groups.h"
+#include "qattn/qattn.h"
+
+namespace qattn::sage2 {
+
+inline constexpr std::size_t kWorkspaceAlign = 256;
+inline constexpr int kQTile = 128;  // query rows per CTA (two 64-row warpgroups)
+
+struct WorkspaceLayout {
+  int head_dim_padded = 0;  // 64 or 128
+  int nq_pad = 0, nkv_pad = 0;
+  std::size_t q_i8 = 0, q_scale = 0, q_dot_c = 0, k_i8 = 0, k_scale = 0, k_mean = 0, vt_f8 = 0,
+              v_scale = 0, total = 0;
+  // Element counts per (batch, head) slice.
+  std::size_t q_scales_per_head() const {
+    return static_cast<std::size_t>(nq_pad) / groups::kQBlock * groups::kQThreadGroupsPerBlock;
+  }
+  std::size_t k_scales_per_head() const {
+    return static_cast<std::size_t>(nkv_pad) / groups::kKvTile * groups::kKThreadGroupsPerTile;
+  }
+  std::size_t kv_tiles() const { return static_cast<std::size_t>(nkv_pad) / groups::kKvTile; }
+};
+
+inline int padded_head_dim(int d) { return d <= 64 ? 64 : 128; }
+
+inline WorkspaceLayout workspace_layout(const qattn_fwd_params& p) {
+  auto round_up = [](std::size_t x, std::size_t m) { return (x + m - 1) / m * m; };
+  WorkspaceLayout w;
+  w.head_dim_padded = padded_head_dim(p.head_dim);
+  w.nq_pad = static_cast<int>(round_up(static_cast<std::size_t>(p.seqlen_q), kQTile));
+  w.nkv_pad = static_cast<int>(round_up(static_cast<std::size_t>(p.seqlen_kv), groups::kKvTile));
+  const std::size_t D = static_cast<std::size_t>(w.head_dim_padded);
+  const std::size_t bq = static_cast<std::size_t>(p.batch) * p.heads_q;
+  const std::size_t bkv = static_cast<std::size_t>(p.batch) * p.heads_kv;
+  std::size_t off = 0;
+  auto take = [&](std::size_t bytes) {
+    const std::size_t at = off;
+    off = round_up(off + bytes, kWorkspaceAlign);
+    return at;
+  };
+  w.q_i8 = take(bq * w.nq_pad * D);
+  w.q_scale = take(bq * w.q_scales_per_head() * sizeof(float));
+  w.q_dot_c = take(bq * w.nq_pad * sizeof(float));
+  w.k_i8 = take(bkv * w.nkv_pad * D);
+  w.k_scale = take(bkv * w.k_scales_per_head() * sizeof(float));
+  w.k_mean = take(bkv * D * sizeof(float));
+  w.vt_f8 = take(bkv * D * w.nkv_pad);
+  w.v_scale = take(bkv * w.kv_tiles() * D * sizeof(float));
+  w.total = off;
+  return w;
+}
+
+}  // namespace qattn::sage2
