@@ -1,0 +1,67 @@
+// Option enums shared by the CPU emulators of the SageAttention2 family and the
+// FP8-per-tensor baseline. Each enum names one switch of the scheme; the defaults in
+// the per-scheme option structs are the SageAttention2-8b kernel's choices.
+#pragma once
+
+#include "numerics/quantize.h"
+
+namespace qattn::emulate {
+
+// Format of the quantized Q and K for Q·Kᵀ.
+enum class QkFormat {
+  Int8,  // scale = amax/127, values in [-127, 127] (SageAttention2-8b)
+  Int4,  // scale = amax/7, values in [-7, 7] (SageAttention2-4b)
+  Fp32,  // no quantization: a check of the tiling and the online softmax alone
+};
+
+// Scale groups of Q and K (and of V) are numerics::Granularity (numerics/quantize.h):
+// Q·Kᵀ takes PerTensor, PerBlock, PerWarp, PerThread or PerToken (SageAttention2 §3.2;
+// the per-thread groups follow the wgmma fragment layout of numerics/mma_groups.h);
+// V takes PerTileChannel (the kernel's) or PerChannel.
+using numerics::Granularity;
+
+// The vector c subtracted from every key of a (batch, KV head) before quantization.
+// Softmax is unchanged by any c; the LSE is corrected by sm_scale·q·c.
+enum class KSmoothing {
+  None,
+  Mean,         // FP32 mean over all Nkv tokens
+  SampledMean,  // the kernel's: all tokens when Nkv <= 256, else tokens floor(i·Nkv/256)
+  Given,        // a caller-given vector (the kernel's c, to compare bit for bit)
+};
+
+// Q smoothing per 64-row Q block: S = (Q - q̄)Kᵀ + q̄Kᵀ with q̄Kᵀ computed in high
+// precision and added to the scores before softmax.
+enum class QSmoothing { None, BlockMean };
+
+// Format of P̃ and V in the P·V product.
+enum class PvFormat {
+  E4M3,  // P̃·448 cast to E4M3; V per channel E4M3 with scale amax/448 (the kernel)
+  E5M2,  // P̃·57344 cast to E5M2; V E5M2 with scale amax/57344
+  Int8,  // P̃·127 rounded to [0, 127]; V INT8 with scale amax/127 (exact INT32 MMA)
+  Fp16,  // P̃ and V rounded to IEEE half (no scales), FP32 accumulation
+  Bf16,  // P̃ and V rounded to bfloat16 (no scales), FP32 accumulation
+  Fp32,  // no rounding: a check of the tiling and the online softmax alone
+};
+
+// The accumulator of the FP8 MMA (E4M3/E5M2 products only; INT8 and 16-bit MMAs
+// accumulate exactly in INT32 / FP32).
+enum class Fp8Accumulator {
+  Fp32,  // an ideal FP32 accumulator
+  Fp22,  // Hopper/Ada's: after each k32 step the FP32 result keeps 13 fraction bits
+         // (the low 10 are truncated; SageAttention2 §3.4)
+};
+
+// How each KV tile's P·V product reaches the output.
+enum class AccumulationLevels {
+  TwoLevel,  // a fresh accumulator per tile, added to the FP32 O after the rescale
+  Single,    // accumulated straight into O (the FlashAttention-3 FP8 style)
+};
+
+// log2 of the factor P̃ is multiplied by before its cast, folded into the exponent
+// (docs/sage2-kernel-arithmetic.md step 6). Literals, so the kernel and the emulator
+// use the very same float.
+inline constexpr float kLog2E4M3Max = 8.807354922057604f;   // log2(448)
+inline constexpr float kLog2E5M2Max = 15.807354922057604f;  // log2(57344) = log2(448) + 7
+inline constexpr float kLog2Int8Max = 6.988684686772166f;   // log2(127)
+
+}  // namespace qattn::emulate

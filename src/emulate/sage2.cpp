@@ -1,0 +1,412 @@
+#include "emulate/sage2.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <stdexcept>
+#include <string>
+
+#include "emulate/pv_tile.h"
+#include "numerics/formats.h"
+#include "numerics/mma_groups.h"
+#include "numerics/quantize.h"
+
+// NOTE: the contract promises FP32 results without FMA contraction; x86-64 without
+// -mfma has no FMA instruction, and this keeps it so on targets that do.
+#pragma GCC optimize("fp-contract=off")
+
+namespace qattn::emulate {
+namespace {
+
+using detail::kNegInf;
+constexpr int kPadMultiple = 128;  // Nq_pad, Nkv_pad: one KV tile / two Q blocks
+constexpr int kKvTile = groups::kKvTile;
+constexpr int kQBlock = groups::kQBlock;
+constexpr int kKmeanSample = 256;  // tokens in the sampled mean of K (contract step 1)
+
+int round_up(int x, int m) { return (x + m - 1) / m * m; }
+
+[[noreturn]] void fail(const std::string& what) { throw std::invalid_argument("sage2: " + what); }
+
+bool is_qk_granularity(Granularity g) {
+  return g == Granularity::PerTensor || g == Granularity::PerBlock || g == Granularity::PerWarp ||
+         g == Granularity::PerThread || g == Granularity::PerToken;
+}
+
+void validate_options(const Sage2Options& o, const Tensor4& k) {
+  switch (o.qk_format) {
+    case QkFormat::Int8:
+    case QkFormat::Int4:
+    case QkFormat::Fp32:
+      break;
+    default:
+      fail("options.qk_format: expected Int8, Int4 or Fp32");
+  }
+  if (!is_qk_granularity(o.granularity)) {
+    fail("options.granularity: expected PerTensor, PerBlock, PerWarp, PerThread or PerToken");
+  }
+  if (static_cast<int>(o.k_smoothing) < 0 ||
+      static_cast<int>(o.k_smoothing) > static_cast<int>(KSmoothing::Given)) {
+    fail("options.k_smoothing: expected None, Mean, SampledMean or Given");
+  }
+  if (o.k_smoothing == KSmoothing::Given &&
+      o.k_mean.size() != static_cast<std::size_t>(k.b) * k.h * k.d) {
+    fail("options.k_mean: KSmoothing::Given needs B*Hkv*d = " +
+         std::to_string(static_cast<std::size_t>(k.b) * k.h * k.d) + " values, got " +
+         std::to_string(o.k_mean.size()));
+  }
+  if (o.q_smoothing != QSmoothing::None && o.q_smoothing != QSmoothing::BlockMean) {
+    fail("options.q_smoothing: expected None or BlockMean");
+  }
+  if (static_cast<int>(o.pv_format) < 0 ||
+      static_cast<int>(o.pv_format) > static_cast<int>(PvFormat::Fp32)) {
+    fail("options.pv_format: expected E4M3, E5M2, Int8, Fp16, Bf16 or Fp32");
+  }
+  if (o.v_scale != Granularity::PerTileChannel && o.v_scale != Granularity::PerChannel) {
+    fail("options.v_scale: expected PerTileChannel or PerChannel");
+  }
+  if (o.accumulator != Fp8Accumulator::Fp32 && o.accumulator != Fp8Accumulator::Fp22) {
+    fail("options.accumulator: expected Fp32 or Fp22");
+  }
+}
+
+// Step 1: the smoothing vector c of every (batch, KV head), FP32 (summed in double).
+void smoothing_vector(const Tensor4& k, const Sage2Options& o, int D, std::vector<float>& c_out) {
+  const int nkv = k.n, d = k.d;
+  c_out.assign(static_cast<std::size_t>(k.b) * k.h * D, 0.0f);
+  if (o.k_smoothing == KSmoothing::None) return;
+  std::vector<int> tokens;
+  if (o.k_smoothing == KSmoothing::SampledMean && nkv > kKmeanSample) {
+    for (int i = 0; i < kKmeanSample; ++i) {
+      tokens.push_back(static_cast<int>(static_cast<long long>(i) * nkv / kKmeanSample));
+    }
+  } else {
+    for (int j = 0; j < nkv; ++j) tokens.push_back(j);
+  }
+  for (int b = 0; b < k.b; ++b) {
+    for (int h = 0; h < k.h; ++h) {
+      float* c = c_out.data() + (static_cast<std::size_t>(b) * k.h + h) * D;
+      if (o.k_smoothing == KSmoothing::Given) {
+        std::copy_n(o.k_mean.data() + (static_cast<std::size_t>(b) * k.h + h) * d, d, c);
+        continue;
+      }
+      for (int ch = 0; ch < d; ++ch) {
+        double s = 0.0;
+        for (int j : tokens) s += k.at(b, h, j, ch);
+        c[ch] = static_cast<float>(s / static_cast<double>(tokens.size()));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+int sage2_padded_head_dim(int d) {
+  if (d <= 64) return 64;
+  if (d <= 128) return 128;
+  return round_up(d, 64);
+}
+
+Sage2Quantized quantize_sage2(const Tensor4& q, const Tensor4& k, const Tensor4& v,
+                              const AttentionParams& params, const Sage2Options& options) {
+  const double sm = validate_attention_args("quantize_sage2", q, k, v, params);
+  validate_options(options, k);
+  Sage2Quantized z;
+  const int B = q.b, Hq = q.h, Hkv = k.h, Nq = q.n, Nkv = k.n, d = q.d;
+  const int D = sage2_padded_head_dim(d);
+  const int nq_pad = round_up(Nq, kPadMultiple), nkv_pad = round_up(Nkv, kPadMultiple);
+  z.batch = B, z.heads_q = Hq, z.heads_kv = Hkv, z.seqlen_q = Nq, z.seqlen_kv = Nkv;
+  z.head_dim = d, z.head_dim_padded = D, z.nq_pad = nq_pad, z.nkv_pad = nkv_pad;
+  z.sm_scale = static_cast<float>(sm);
+  z.scale_log2 = z.sm_scale * detail::kLog2e;
+  z.mask = params.mask;
+  z.options = options;
+  const Granularity gran = options.granularity;
+  const bool int_qk = options.qk_format != QkFormat::Fp32;
+  const numerics::IntFormat fmt =
+      options.qk_format == QkFormat::Int4 ? numerics::IntFormat::Int4 : numerics::IntFormat::Int8;
+  const std::size_t bhq = static_cast<std::size_t>(B) * Hq, bhk = static_cast<std::size_t>(B) * Hkv;
+  const std::size_t tiles = static_cast<std::size_t>(nkv_pad) / kKvTile;
+  const std::size_t qblocks = static_cast<std::size_t>(nq_pad) / kQBlock;
+  const int rep = Hq / Hkv;
+
+  // ---- 1. smoothing vector c ----
+  smoothing_vector(k, options, D, z.k_mean);
+
+  // ---- 2. K: ks = k - c, per-group INT8/INT4 ----
+  // The whole padded tensor is one (B·Hkv·Nkv_pad) x D matrix: Nkv_pad is a multiple
+  // of the KV tile, so every group of numerics::GroupMap stays inside one head, and
+  // PerTensor spans every head. Zero tails enter no amax; all-zero groups get scale 0.
+  std::vector<float> ks(bhk * nkv_pad * D, 0.0f);
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < Hkv; ++h) {
+      const std::size_t bh = static_cast<std::size_t>(b) * Hkv + h;
+      const float* c = z.k_mean.data() + bh * D;
+      for (int j = 0; j < Nkv; ++j)
+        for (int ch = 0; ch < d; ++ch) ks[(bh * nkv_pad + j) * D + ch] = k.at(b, h, j, ch) - c[ch];
+    }
+  if (int_qk) {
+    numerics::IntQuantized kq = numerics::quantize_int(ks, static_cast<int64_t>(bhk) * nkv_pad, D,
+                                                       fmt, gran, numerics::Operand::K);
+    z.k_i8 = std::move(kq.values);
+    z.k_token_scale.resize(bhk * nkv_pad);
+    for (std::size_t t = 0; t < z.k_token_scale.size(); ++t) {
+      z.k_token_scale[t] = kq.scale_at(static_cast<int64_t>(t), 0);
+    }
+    if (gran != Granularity::PerToken) {
+      const std::size_t per_head = tiles * groups::kKThreadGroupsPerTile;
+      z.k_scale.assign(bhk * per_head, 0.0f);
+      for (std::size_t bh = 0; bh < bhk; ++bh)
+        for (int j = 0; j < nkv_pad; ++j) {
+          const std::size_t slot =
+              (j / kKvTile) * groups::kKThreadGroupsPerTile + groups::k_thread_group_in_tile(j);
+          z.k_scale[bh * per_head + slot] = z.k_token_scale[bh * nkv_pad + j];
+        }
+    }
+  } else {
+    z.k_f32 = ks;
+    z.k_token_scale.assign(bhk * nkv_pad, 1.0f);
+  }
+
+  // ---- 3. Q (optionally minus its block mean), per-group INT8/INT4, and q·c ----
+  std::vector<float> qs(bhq * nq_pad * D, 0.0f);
+  z.q_dot_c.assign(bhq * nq_pad, 0.0f);
+  const bool q_smooth = options.q_smoothing == QSmoothing::BlockMean;
+  if (q_smooth) z.q_mean.assign(bhq * qblocks * D, 0.0f);
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < Hq; ++h) {
+      const std::size_t bh = static_cast<std::size_t>(b) * Hq + h;
+      const float* c = z.k_mean.data() + (static_cast<std::size_t>(b) * Hkv + h / rep) * D;
+      for (int i = 0; i < Nq; ++i) {
+        float dot = 0.0f;  // sequential FP32 sum: the kernel sums in another order
+        for (int ch = 0; ch < d; ++ch) dot += q.at(b, h, i, ch) * c[ch];
+        z.q_dot_c[bh * nq_pad + i] = z.sm_scale * dot;
+      }
+      for (std::size_t blk = 0; blk < qblocks; ++blk) {
+        const int r0 = static_cast<int>(blk) * kQBlock, r1 = std::min(Nq, r0 + kQBlock);
+        float* qbar = q_smooth ? z.q_mean.data() + (bh * qblocks + blk) * D : nullptr;
+        if (qbar != nullptr && r1 > r0) {
+          for (int ch = 0; ch < d; ++ch) {
+            double s = 0.0;
+            for (int i = r0; i < r1; ++i) s += q.at(b, h, i, ch);
+            qbar[ch] = static_cast<float>(s / (r1 - r0));
+          }
+        }
+        for (int i = r0; i < r1; ++i)
+          for (int ch = 0; ch < d; ++ch)
+            qs[(bh * nq_pad + i) * D + ch] = q.at(b, h, i, ch) - (qbar ? qbar[ch] : 0.0f);
+      }
+    }
+  if (int_qk) {
+    // As for K: Nq_pad is a multiple of the Q block, so groups stay inside one head.
+    numerics::IntQuantized qq = numerics::quantize_int(qs, static_cast<int64_t>(bhq) * nq_pad, D,
+                                                       fmt, gran, numerics::Operand::Q);
+    z.q_i8 = std::move(qq.values);
+    z.q_row_scale.resize(bhq * nq_pad);
+    for (std::size_t r = 0; r < z.q_row_scale.size(); ++r) {
+      z.q_row_scale[r] = qq.scale_at(static_cast<int64_t>(r), 0) * z.scale_log2;
+    }
+    if (gran != Granularity::PerToken) {
+      const std::size_t per_head = qblocks * groups::kQThreadGroupsPerBlock;
+      z.q_scale.assign(bhq * per_head, 0.0f);
+      for (std::size_t bh = 0; bh < bhq; ++bh)
+        for (int r = 0; r < nq_pad; ++r) {
+          const std::size_t slot =
+              (r / kQBlock) * groups::kQThreadGroupsPerBlock + groups::q_thread_group_in_block(r);
+          z.q_scale[bh * per_head + slot] = z.q_row_scale[bh * nq_pad + r];
+        }
+    }
+  } else {
+    z.q_f32 = qs;
+    z.q_row_scale.assign(bhq * nq_pad, z.scale_log2);
+  }
+  // The high-precision half of Q smoothing: scale_log2 · q̄·(k_j - c), in double.
+  if (q_smooth) {
+    z.q_mean_k.assign(bhq * qblocks * nkv_pad, 0.0f);
+    for (int b = 0; b < B; ++b)
+      for (int h = 0; h < Hq; ++h) {
+        const std::size_t bh = static_cast<std::size_t>(b) * Hq + h;
+        const std::size_t bk = static_cast<std::size_t>(b) * Hkv + h / rep;
+        for (std::size_t blk = 0; blk < qblocks; ++blk) {
+          const float* qbar = z.q_mean.data() + (bh * qblocks + blk) * D;
+          for (int j = 0; j < Nkv; ++j) {
+            const float* kj = ks.data() + (bk * nkv_pad + j) * D;
+            double s = 0.0;
+            for (int ch = 0; ch < d; ++ch) s += static_cast<double>(qbar[ch]) * kj[ch];
+            z.q_mean_k[(bh * qblocks + blk) * nkv_pad + j] =
+                static_cast<float>(static_cast<double>(z.scale_log2) * s);
+          }
+        }
+      }
+  }
+
+  // ---- 4. V: per (tile, channel) or per channel scale; Vᵀ with permuted tokens ----
+  const PvFormat pv = options.pv_format;
+  const bool v8 = pv == PvFormat::E4M3 || pv == PvFormat::E5M2 || pv == PvFormat::Int8;
+  z.v_value.assign(bhk * nkv_pad * D, 0.0f);
+  z.v_scale.assign(bhk * tiles * D, 1.0f);
+  if (v8) z.vt_f8.assign(bhk * D * nkv_pad, 0);
+  std::vector<float> vh(static_cast<std::size_t>(nkv_pad) * D);
+  std::vector<std::uint8_t> codes;
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < Hkv; ++h) {
+      const std::size_t bh = static_cast<std::size_t>(b) * Hkv + h;
+      float* vv = z.v_value.data() + bh * nkv_pad * D;
+      if (!v8) {
+        float (*round16)(float) = pv == PvFormat::Fp16   ? numerics::fp16_round
+                                  : pv == PvFormat::Bf16 ? numerics::bf16_round
+                                                         : detail::identity;
+        for (int j = 0; j < Nkv; ++j)
+          for (int ch = 0; ch < d; ++ch) vv[j * D + ch] = round16(v.at(b, h, j, ch));
+        continue;
+      }
+      // One head at a time: PerChannel must not span heads.
+      std::fill(vh.begin(), vh.end(), 0.0f);
+      for (int j = 0; j < Nkv; ++j)
+        for (int ch = 0; ch < d; ++ch) vh[static_cast<std::size_t>(j) * D + ch] = v.at(b, h, j, ch);
+      std::vector<float> scales;
+      numerics::GroupMap map;
+      if (pv == PvFormat::Int8) {
+        numerics::IntQuantized vq = numerics::quantize_int(
+            vh, nkv_pad, D, numerics::IntFormat::Int8, options.v_scale, numerics::Operand::K);
+        codes.assign(vq.values.begin(), vq.values.end());  // two's complement bytes
+        for (std::size_t i = 0; i < codes.size(); ++i) vv[i] = vq.values[i];
+        scales = std::move(vq.scales);
+        map = vq.groups;
+      } else {
+        const auto f8 =
+            pv == PvFormat::E4M3 ? numerics::Fp8Format::E4M3 : numerics::Fp8Format::E5M2;
+        numerics::Fp8Quantized vq =
+            numerics::quantize_fp8(vh, nkv_pad, D, f8, options.v_scale, numerics::Operand::K);
+        codes = std::move(vq.codes);
+        for (std::size_t i = 0; i < codes.size(); ++i) {
+          vv[i] = f8 == numerics::Fp8Format::E4M3 ? numerics::e4m3_decode(codes[i])
+                                                  : numerics::e5m2_decode(codes[i]);
+        }
+        scales = std::move(vq.scales);
+        map = vq.groups;
+      }
+      for (std::size_t t = 0; t < tiles; ++t)
+        for (int ch = 0; ch < D; ++ch) {
+          z.v_scale[(bh * tiles + t) * D + ch] =
+              scales[map.group_of(static_cast<int64_t>(t) * kKvTile, ch)];
+        }
+      for (int ch = 0; ch < D; ++ch)
+        for (int pos = 0; pos < nkv_pad; ++pos)
+          z.vt_f8[(bh * D + ch) * nkv_pad + pos] =
+              codes[static_cast<std::size_t>(groups::v_token_at_position(pos)) * D + ch];
+    }
+  return z;
+}
+
+Sage2Quantized quantize_sage2_8b(const Tensor4& q, const Tensor4& k, const Tensor4& v,
+                                 const AttentionParams& params, const float* given_k_mean) {
+  Sage2Options o;
+  if (given_k_mean != nullptr) {
+    o.k_smoothing = KSmoothing::Given;
+    o.k_mean.assign(given_k_mean, given_k_mean + static_cast<std::size_t>(k.b) * k.h * k.d);
+  }
+  return quantize_sage2(q, k, v, params, o);
+}
+
+EmulatedForward sage2_attend(const Sage2Quantized& z) {
+  const int B = z.batch, Hq = z.heads_q, Hkv = z.heads_kv, Nq = z.seqlen_q, Nkv = z.seqlen_kv;
+  const int d = z.head_dim, D = z.head_dim_padded, nq_pad = z.nq_pad, nkv_pad = z.nkv_pad;
+  const bool int_qk = z.options.qk_format != QkFormat::Fp32;
+  const bool q_smooth = z.options.q_smoothing == QSmoothing::BlockMean;
+  if (B <= 0 || Hq <= 0 || Hkv <= 0 || Hq % Hkv != 0 || Nq <= 0 || Nkv <= 0 || d <= 0 || D < d ||
+      nq_pad < Nq || nkv_pad < Nkv || nq_pad % kPadMultiple != 0 || nkv_pad % kPadMultiple != 0) {
+    fail("sage2_attend: qz: inconsistent dimensions");
+  }
+  const std::size_t bhq = static_cast<std::size_t>(B) * Hq, bhk = static_cast<std::size_t>(B) * Hkv;
+  const std::size_t tiles = z.kv_tiles(), qblocks = z.q_blocks();
+  auto need = [](const auto& vec, std::size_t n, const char* name) {
+    if (vec.size() != n) fail(std::string("sage2_attend: qz.") + name + ": wrong size");
+  };
+  if (int_qk) {
+    need(z.q_i8, bhq * nq_pad * D, "q_i8");
+    need(z.k_i8, bhk * nkv_pad * D, "k_i8");
+  } else {
+    need(z.q_f32, bhq * nq_pad * D, "q_f32");
+    need(z.k_f32, bhk * nkv_pad * D, "k_f32");
+  }
+  need(z.q_row_scale, bhq * nq_pad, "q_row_scale");
+  need(z.k_token_scale, bhk * nkv_pad, "k_token_scale");
+  need(z.q_dot_c, bhq * nq_pad, "q_dot_c");
+  need(z.v_value, bhk * nkv_pad * D, "v_value");
+  need(z.v_scale, bhk * tiles * D, "v_scale");
+  if (q_smooth) need(z.q_mean_k, bhq * qblocks * nkv_pad, "q_mean_k");
+
+  const detail::PvSpec spec = detail::pv_spec(z.options.pv_format);
+  EmulatedForward out{Tensor4(B, Hq, Nq, d), std::vector<float>(bhq * Nq)};
+  const int rep = Hq / Hkv;
+  std::vector<float> x(kKvTile);
+  detail::RowState st(D);
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < Hq; ++h) {
+      const std::size_t bq = static_cast<std::size_t>(b) * Hq + h;
+      const std::size_t bk = static_cast<std::size_t>(b) * Hkv + h / rep;
+      for (int i = 0; i < Nq; ++i) {
+        st.m = kNegInf;
+        st.l = 0.0f;
+        std::fill(st.o.begin(), st.o.end(), 0.0f);
+        const std::size_t qr = bq * nq_pad + i;
+        const float q_scale = z.q_row_scale[qr];
+        const float* corr =
+            q_smooth ? z.q_mean_k.data() + (bq * qblocks + i / kQBlock) * nkv_pad : nullptr;
+        // Last visible key; tiles past it are skipped, as the kernel does (a fully
+        // masked tile would leave m, l and O unchanged anyway).
+        const long long last_ll =
+            z.mask == Mask::Causal
+                ? std::min<long long>(Nkv - 1, static_cast<long long>(i) + Nkv - Nq)
+                : Nkv - 1;
+        const int last = static_cast<int>(std::max<long long>(last_ll, -1));
+        for (int t = 0; t * kKvTile <= last; ++t) {
+          for (int jj = 0; jj < kKvTile; ++jj) {
+            const int j = t * kKvTile + jj;
+            if (j > last) {
+              x[jj] = kNegInf;
+              continue;
+            }
+            const std::size_t kr = bk * nkv_pad + j;
+            float s;
+            if (int_qk) {
+              const std::int8_t* qa = z.q_i8.data() + qr * D;
+              const std::int8_t* ka = z.k_i8.data() + kr * D;
+              std::int32_t acc = 0;  // exact, as the INT8 MMA
+              for (int c = 0; c < D; ++c) acc += static_cast<std::int32_t>(qa[c]) * ka[c];
+              s = static_cast<float>(acc);
+            } else {
+              const float* qa = z.q_f32.data() + qr * D;
+              const float* ka = z.k_f32.data() + kr * D;
+              double acc = 0.0;
+              for (int c = 0; c < D; ++c) acc += static_cast<double>(qa[c]) * ka[c];
+              s = static_cast<float>(acc);
+            }
+            const float scale = q_scale * z.k_token_scale[kr];
+            x[jj] = s * scale;
+            if (corr != nullptr) x[jj] = x[jj] + corr[j];
+          }
+          detail::online_softmax_tile(st, x, z.v_value.data() + (bk * nkv_pad + t * kKvTile) * D,
+                                      kKvTile, D, z.v_scale.data() + (bk * tiles + t) * D, spec,
+                                      z.options.accumulator, AccumulationLevels::TwoLevel);
+        }
+        float* orow = out.o.row(b, h, i);
+        float& lse = out.lse[bq * Nq + i];
+        if (st.m == kNegInf) {  // no visible key
+          lse = kNegInf;
+          continue;
+        }
+        for (int c = 0; c < d; ++c) orow[c] = st.o[c] / st.l;
+        lse = (st.m + std::log2(st.l / spec.p_mult)) * detail::kLn2 + z.q_dot_c[qr];
+      }
+    }
+  return out;
+}
+
+EmulatedForward sage2_attention(const Tensor4& q, const Tensor4& k, const Tensor4& v,
+                                const AttentionParams& params, const Sage2Options& options) {
+  return sage2_attend(quantize_sage2(q, k, v, params, options));
+}
+
+}  // namespace qattn::emulate

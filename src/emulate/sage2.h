@@ -1,0 +1,110 @@
+// SageAttention2 on the CPU, step by step as the Hopper kernel computes it.
+//
+// With the default options (INT8 per-thread Q·Kᵀ, sampled-mean K smoothing, E4M3 P·V
+// with per-(tile, channel) V scales, two-level accumulation) this follows
+// docs/sage2-kernel-arithmetic.md exactly: the quantized tensors equal the kernel's
+// workspace bit for bit (given the kernel's smoothing vector c), and the output equals
+// the kernel's to rounding (the kernel's ex2.approx against std::exp2). The other
+// options are the paper's ablations (INT4, coarser groups, E5M2/INT8/16-bit P·V,
+// Q smoothing, a global V scale) and are emulated with the same tiling.
+//
+// Tiling: Q blocks of 64 rows (groups::kQBlock), KV tiles of 128 tokens
+// (groups::kKvTile), online softmax per row in the log2 domain with sm_scale·log2(e)
+// folded into the Q scale. All arithmetic is FP32 unless stated.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "emulate/options.h"
+#include "numerics/mma_groups.h"
+#include "reference/tensor.h"
+
+namespace qattn::emulate {
+
+struct Sage2Options {
+  QkFormat qk_format = QkFormat::Int8;
+  Granularity granularity = Granularity::PerThread;  // of Q and K
+  KSmoothing k_smoothing = KSmoothing::SampledMean;
+  std::vector<float> k_mean;  // (B, Hkv, d) when k_smoothing == Given
+  QSmoothing q_smoothing = QSmoothing::None;
+  PvFormat pv_format = PvFormat::E4M3;
+  Granularity v_scale = Granularity::PerTileChannel;  // or PerChannel (a global pass)
+  // Defaults to the hardware's FP22 model: the emulator mirrors what the GPU computes.
+  Fp8Accumulator accumulator = Fp8Accumulator::Fp22;
+};
+
+// The quantized tensors, in the workspace layout of src/cuda/sage2_fwd/launch.h:
+// D = head dim padded to 64 or 128 (to a multiple of 64 above 128, which no kernel
+// takes), Nq_pad and Nkv_pad = lengths rounded up to multiples of 128. Padding (tail
+// rows/tokens, channels >= d) holds zeros and enters no amax; a group with no valid
+// element, or whose values are all zero, has scale 0.
+struct Sage2Quantized {
+  int batch = 0, heads_q = 0, heads_kv = 0, seqlen_q = 0, seqlen_kv = 0, head_dim = 0;
+  int head_dim_padded = 0, nq_pad = 0, nkv_pad = 0;
+  float sm_scale = 0.0f;
+  float scale_log2 = 0.0f;  // sm_scale * log2(e), FP32
+  Mask mask = Mask::None;
+  Sage2Options options;
+
+  // ---- the kernel workspace (INT8/INT4 Q·Kᵀ; INT4 values are stored in int8) -------
+  std::vector<std::int8_t> q_i8;    // (B, Hq, Nq_pad, D)
+  std::vector<float> q_scale;       // (B, Hq, Nq_pad/64*32), scale_log2 folded in; slot
+                                    // blk*32 + groups::q_thread_group_in_block(r); coarser
+                                    // groups replicated; empty for PerToken (no slot per row)
+  std::vector<float> q_dot_c;       // (B, Hq, Nq_pad): sm_scale · q·c (FP32), tails 0
+  std::vector<std::int8_t> k_i8;    // (B, Hkv, Nkv_pad, D), smoothed
+  std::vector<float> k_scale;       // (B, Hkv, Nkv_pad/128*4), slot tile*4 +
+                                    // groups::k_thread_group_in_tile(c); empty for PerToken
+  std::vector<float> k_mean;        // (B, Hkv, D): c (zeros for KSmoothing::None)
+  std::vector<std::uint8_t> vt_f8;  // (B, Hkv, D, Nkv_pad): Vᵀ codes (E4M3/E5M2 codes,
+                                    // INT8 two's complement), position k of each 16 holds
+                                    // token groups::v_token_at_position(k); empty for
+                                    // 16-bit and FP32 P·V
+  std::vector<float> v_scale;       // (B, Hkv, Nkv_pad/128, D); 1 for 16-bit/FP32 P·V
+
+  // ---- what the emulator computes from (not in the workspace) ----------------------
+  std::vector<float> q_row_scale;    // (B, Hq, Nq_pad): each row's Q scale (log2 folded)
+  std::vector<float> k_token_scale;  // (B, Hkv, Nkv_pad): each token's K scale
+  std::vector<float> q_f32;          // (B, Hq, Nq_pad, D) QkFormat::Fp32 only: Q (- q̄)
+  std::vector<float> k_f32;          // (B, Hkv, Nkv_pad, D) QkFormat::Fp32 only: K - c
+  std::vector<float> v_value;        // (B, Hkv, Nkv_pad, D): decoded V before v_scale,
+                                     // token order
+  std::vector<float> q_mean;         // (B, Hq, Nq_pad/64, D) QSmoothing::BlockMean: q̄
+  std::vector<float> q_mean_k;       // (B, Hq, Nq_pad/64, Nkv_pad) BlockMean only:
+                                     // scale_log2 · q̄·(k_j - c), added to the scores
+
+  std::size_t q_blocks() const { return static_cast<std::size_t>(nq_pad) / groups::kQBlock; }
+  std::size_t kv_tiles() const { return static_cast<std::size_t>(nkv_pad) / groups::kKvTile; }
+};
+
+// Output of an emulated forward: O (B, Hq, Nq, d) and the natural-log LSE (B, Hq, Nq),
+// corrected for K smoothing (fully masked rows: O = 0, LSE = -inf).
+struct EmulatedForward {
+  Tensor4 o;
+  std::vector<float> lse;
+};
+
+// Head dim padded as the kernel's workspace pads it.
+int sage2_padded_head_dim(int d);
+
+// Steps 1-4 of the contract: smoothing vector, K, Q (and q·c), V. Throws
+// std::invalid_argument naming the parameter on bad shapes or options.
+Sage2Quantized quantize_sage2(const Tensor4& q, const Tensor4& k, const Tensor4& v,
+                              const AttentionParams& params, const Sage2Options& options = {});
+
+// The SageAttention2-8b kernel's quantization with default options; a non-null
+// `given_k_mean` ((B, Hkv, d) floats, e.g. read back from the kernel's workspace) replaces
+// the sampled mean.
+Sage2Quantized quantize_sage2_8b(const Tensor4& q, const Tensor4& k, const Tensor4& v,
+                                 const AttentionParams& params,
+                                 const float* given_k_mean = nullptr);
+
+// Steps 5-8 on already quantized tensors (e.g. a kernel's workspace copied into `qz`).
+EmulatedForward sage2_attend(const Sage2Quantized& qz);
+
+// quantize_sage2 followed by sage2_attend.
+EmulatedForward sage2_attention(const Tensor4& q, const Tensor4& k, const Tensor4& v,
+                                const AttentionParams& params, const Sage2Options& options = {});
+
+}  // namespace qattn::emulate
