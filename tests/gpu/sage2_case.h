@@ -1,0 +1,162 @@
+// One SageAttention2-8b forward case on the GPU: inputs in a chosen memory layout,
+// a poisoned output with guard columns, and the FP64 reference to compare with.
+#pragma once
+
+#include <cmath>
+#include <random>
+
+#include "cuda/sage2_fwd/launch.h"
+#include "cuda/sage2_fwd/workspace.h"
+#include "gpu_util.h"
+#include "qattn/qattn.h"
+#include "reference/attention_fp64.h"
+#include "reference/metrics.h"
+
+namespace qattn::test {
+
+enum class Layout { HND, NHD };
+
+struct Sage2Case {
+  int batch = 1, heads_q = 2, heads_kv = 2, seqlen_q = 256, seqlen_kv = 256, head_dim = 128;
+  bool causal = false, bf16 = true;
+  Layout layout = Layout::HND;
+  qattn_qk_granularity granularity = QATTN_QK_PER_THREAD;
+  uint64_t seed = 1;
+  float k_bias = 1.0f;  // per-channel bias on K (what smoothing removes)
+
+  std::string describe() const {
+    return "B=" + std::to_string(batch) + " Hq=" + std::to_string(heads_q) + " Hkv=" + std::to_string(heads_kv) +
+           " Nq=" + std::to_string(seqlen_q) + " Nkv=" + std::to_string(seqlen_kv) + " d=" + std::to_string(head_dim) +
+           (causal ? " causal" : "") + (bf16 ? " bf16" : " fp16") + (layout == Layout::NHD ? " NHD" : " HND") +
+           " seed=" + std::to_string(seed);
+  }
+};
+
+struct Sage2Result {
+  Tensor4 q, k, v;            // the inputs as the GPU saw them (16-bit values)
+  Tensor4 o;                  // GPU output
+  std::vector<float> lse;     // GPU LSE
+  std::vector<uint8_t> workspace;
+  bool guard_intact = true;   // nothing written outside the output's rows
+  bool all_written = true;    // no poisoned element left
+  int status = 0;
+};
+
+// Strides (in elements) of a (B, H, N, d) tensor stored with `row_pad` extra elements
+// per row in the given layout.
+inline qattn_tensor make_view(void* data, Layout layout, int b, int h, int n, int row) {
+  (void)b;
+  qattn_tensor t{data, 0, 0, 0};
+  if (layout == Layout::HND) {
+    t.stride_n = row;
+    t.stride_h = static_cast<int64_t>(n) * row;
+    t.stride_b = t.stride_h * h;
+  } else {
+    t.stride_h = row;
+    t.stride_n = static_cast<int64_t>(h) * row;
+    t.stride_b = t.stride_n * n;
+  }
+  return t;
+}
+
+inline Tensor4 random_tensor(int b, int h, int n, int d, std::mt19937_64& rng, float bias, bool bf16) {
+  Tensor4 t(b, h, n, d);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<float> channel_bias(d);
+  for (auto& c : channel_bias) c = bias * normal(rng);
+  for (int ib = 0; ib < b; ++ib)
+    for (int ih = 0; ih < h; ++ih)
+      for (int in = 0; in < n; ++in)
+        for (int id = 0; id < d; ++id) {
+          const float x = normal(rng) + channel_bias[id];
+          t.at(ib, ih, in, id) = from_bits16(to_bits16(x, bf16), bf16);
+        }
+  return t;
+}
+
+inline qattn_fwd_params make_params(const Sage2Case& c) {
+  qattn_fwd_params p{};
+  p.dtype = c.bf16 ? QATTN_DTYPE_BF16 : QATTN_DTYPE_FP16;
+  p.batch = c.batch;
+  p.heads_q = c.heads_q;
+  p.heads_kv = c.heads_kv;
+  p.seqlen_q = c.seqlen_q;
+  p.seqlen_kv = c.seqlen_kv;
+  p.head_dim = c.head_dim;
+  p.causal = c.causal ? 1 : 0;
+  p.sm_scale = 0.f;
+  p.granularity = c.granularity;
+  return p;
+}
+
+// Runs the case through sage2::launch_forward (the kernel entry the C ABI calls).
+inline Sage2Result run_sage2(const Sage2Case& c) {
+  Sage2Result r;
+  std::mt19937_64 rng(c.seed);
+  r.q = random_tensor(c.batch, c.heads_q, c.seqlen_q, c.head_dim, rng, 0.2f * c.k_bias, c.bf16);
+  r.k = random_tensor(c.batch, c.heads_kv, c.seqlen_kv, c.head_dim, rng, c.k_bias, c.bf16);
+  r.v = random_tensor(c.batch, c.heads_kv, c.seqlen_kv, c.head_dim, rng, 0.f, c.bf16);
+
+  const int row = c.head_dim % 8 == 0 ? c.head_dim : (c.head_dim + 7) / 8 * 8;  // 16-byte rows
+  const int o_row = row + 8;  // guard columns after every output row
+  auto upload = [&](const Tensor4& t, int rowlen) {
+    std::vector<uint16_t> h(static_cast<std::size_t>(t.b) * t.h * t.n * rowlen, 0);
+    const qattn_tensor v = make_view(nullptr, c.layout, t.b, t.h, t.n, rowlen);
+    for (int ib = 0; ib < t.b; ++ib)
+      for (int ih = 0; ih < t.h; ++ih)
+        for (int in = 0; in < t.n; ++in)
+          for (int id = 0; id < t.d; ++id)
+            h[ib * v.stride_b + ih * v.stride_h + in * v.stride_n + id] = to_bits16(t.at(ib, ih, in, id), c.bf16);
+    return h;
+  };
+  const auto hq = upload(r.q, row), hk = upload(r.k, row), hv = upload(r.v, row);
+  DeviceBuffer<uint16_t> dq(hq.size()), dk(hk.size()), dv(hv.size());
+  dq.upload(hq);
+  dk.upload(hk);
+  dv.upload(hv);
+  const std::size_t o_count = static_cast<std::size_t>(c.batch) * c.heads_q * c.seqlen_q * o_row;
+  DeviceBuffer<uint16_t> dout(o_count);
+  cudaMemset(dout.ptr, 0xFF, o_count * sizeof(uint16_t));  // NaN in both 16-bit formats
+  const std::size_t lse_count = static_cast<std::size_t>(c.batch) * c.heads_q * c.seqlen_q;
+  DeviceBuffer<float> dlse(lse_count);
+  cudaMemset(dlse.ptr, 0xFF, lse_count * sizeof(float));
+
+  qattn_fwd_params p = make_params(c);
+  p.q = make_view(dq.ptr, c.layout, c.batch, c.heads_q, c.seqlen_q, row);
+  p.k = make_view(dk.ptr, c.layout, c.batch, c.heads_kv, c.seqlen_kv, row);
+  p.v = make_view(dv.ptr, c.layout, c.batch, c.heads_kv, c.seqlen_kv, row);
+  p.o = make_view(dout.ptr, c.layout, c.batch, c.heads_q, c.seqlen_q, o_row);
+  p.lse = dlse.ptr;
+  const std::size_t ws_bytes = sage2::workspace_bytes(p);
+  DeviceBuffer<uint8_t> ws(ws_bytes);
+  r.status = sage2::launch_forward(p, ws.ptr, nullptr);
+  if (r.status != 0) return r;
+  if (cudaDeviceSynchronize() != cudaSuccess) {
+    r.status = static_cast<int>(cudaGetLastError());
+    return r;
+  }
+  r.workspace = ws.download();
+  r.workspace.resize(ws_bytes);
+  const auto ho = dout.download();
+  r.lse = dlse.download();
+  r.lse.resize(lse_count);
+  r.o = Tensor4(c.batch, c.heads_q, c.seqlen_q, c.head_dim);
+  for (int ib = 0; ib < c.batch; ++ib)
+    for (int ih = 0; ih < c.heads_q; ++ih)
+      for (int in = 0; in < c.seqlen_q; ++in)
+        for (int id = 0; id < o_row; ++id) {
+          const uint16_t bits = ho[ib * p.o.stride_b + ih * p.o.stride_h + in * p.o.stride_n + id];
+          if (id < c.head_dim) {
+            const float x = from_bits16(bits, c.bf16);
+            if (std::isnan(x)) r.all_written = false;
+            r.o.at(ib, ih, in, id) = x;
+          } else if (bits != 0xFFFF) {
+            r.guard_intact = false;
+          }
+        }
+  for (float x : r.lse)
+    if (std::isnan(x)) r.all_written = false;
+  return r;
+}
+
+}  // namespace qattn::test

@@ -1,0 +1,167 @@
+// Device unit tests of the hopper/ PTX layer on its own: TMA loads with 128B swizzle
+// into shared memory, mbarrier completion, and one wgmma of each kind the attention
+// kernel uses, checked against an exact CPU product.
+#include <cuda.h>
+
+#include <random>
+
+#include "cuda/hopper/sync.cuh"
+#include "cuda/hopper/tensor_map.h"
+#include "cuda/hopper/tma.cuh"
+#include "cuda/hopper/wgmma.cuh"
+#include "gpu_util.h"
+#include "numerics/formats.h"
+#include "numerics/mma_groups.h"
+
+namespace {
+
+using namespace qattn;
+constexpr int kM = 64, kN = 128, kK = 128;  // one warpgroup, 4 k32 steps
+
+struct alignas(1024) Smem {
+  uint8_t a[kM * kK];
+  uint8_t b[kN * kK];
+  uint64_t bar;
+};
+
+// D = A(64 x 128 s8) * B(128 x 128 s8)ᵀ with both operands TMA-loaded (SW128).
+__global__ void s8_gemm_kernel(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensorMap tb,
+                               int32_t* out) {
+  __shared__ Smem s;
+  if (threadIdx.x == 0) {
+    hopper::mbarrier_init(&s.bar, 1);
+    hopper::fence_barrier_init();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    hopper::mbarrier_arrive_expect_tx(&s.bar, sizeof(s.a) + sizeof(s.b));
+    hopper::tma_load_3d(s.a, &ta, &s.bar, 0, 0, 0, hopper::policy_evict_first());
+    hopper::tma_load_3d(s.b, &tb, &s.bar, 0, 0, 0, hopper::policy_evict_first());
+  }
+  hopper::mbarrier_wait(&s.bar, 0);
+  int32_t d[64];
+  hopper::wgmma_fence();
+  const auto da = hopper::make_smem_desc<hopper::Swizzle::k128B>(s.a);
+  const auto db = hopper::make_smem_desc<hopper::Swizzle::k128B>(s.b);
+#pragma unroll
+  for (int kk = 0; kk < kK / 32; ++kk)
+    hopper::wgmma_m64n128k32_s8_ss(d, hopper::desc_advance(da, kk * 32), hopper::desc_advance(db, kk * 32), kk > 0);
+  hopper::wgmma_commit();
+  hopper::wgmma_wait<0>();
+  hopper::fence_operands(d);
+  const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+#pragma unroll
+  for (int i = 0; i < 64; ++i) {
+    const int row = warp * 16 + g + ((i % 4) >= 2 ? 8 : 0), col = 8 * (i / 4) + 2 * t + (i % 2);
+    out[row * kN + col] = d[i];
+  }
+}
+
+// D = P(64 x 128 e4m3, registers, packed as the attention kernel packs it) * Vᵀ, Vᵀ
+// stored (128 channels x 128 tokens) with tokens permuted in groups of 16.
+__global__ void e4m3_gemm_kernel(const __grid_constant__ CUtensorMap tv, const uint8_t* p_rowmajor, float* out) {
+  __shared__ Smem s;
+  if (threadIdx.x == 0) {
+    hopper::mbarrier_init(&s.bar, 1);
+    hopper::fence_barrier_init();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    hopper::mbarrier_arrive_expect_tx(&s.bar, sizeof(s.b));
+    hopper::tma_load_3d(s.b, &tv, &s.bar, 0, 0, 0, hopper::policy_evict_first());
+  }
+  const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+  // The thread's own accumulator-layout columns of P, as in sage2_fwd/softmax.cuh.
+  uint32_t a[4][4];
+  for (int kk = 0; kk < 4; ++kk)
+    for (int half = 0; half < 2; ++half)
+      for (int r = 0; r < 2; ++r) {
+        const int row = warp * 16 + g + 8 * r;
+        uint32_t w = 0;
+        const int cols[4] = {2 * t, 2 * t + 1, 8 + 2 * t, 9 + 2 * t};
+        for (int j = 0; j < 4; ++j)
+          w |= static_cast<uint32_t>(p_rowmajor[row * kK + kk * 32 + half * 16 + cols[j]]) << (8 * j);
+        a[kk][half * 2 + r] = w;
+      }
+  hopper::mbarrier_wait(&s.bar, 0);
+  float d[64];
+  hopper::wgmma_fence();
+  const auto db = hopper::make_smem_desc<hopper::Swizzle::k128B>(s.b);
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) hopper::wgmma_m64n128k32_e4m3_rs(d, a[kk], hopper::desc_advance(db, kk * 32), kk > 0);
+  hopper::wgmma_commit();
+  hopper::wgmma_wait<0>();
+  hopper::fence_operands(d);
+#pragma unroll
+  for (int i = 0; i < 64; ++i) {
+    const int row = warp * 16 + g + ((i % 4) >= 2 ? 8 : 0), col = 8 * (i / 4) + 2 * t + (i % 2);
+    out[row * kN + col] = d[i];
+  }
+}
+
+TEST(HopperPrimitives, TmaSwizzledS8WgmmaMatchesCpu) {
+  QATTN_SKIP_WITHOUT_GPU();
+  const uint64_t seed = test::fresh_seed();
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int> dist(-127, 127);
+  std::vector<int8_t> a(kM * kK), b(kN * kK);
+  for (auto& x : a) x = static_cast<int8_t>(dist(rng));
+  for (auto& x : b) x = static_cast<int8_t>(dist(rng));
+  test::DeviceBuffer<int8_t> da(a.size()), db(b.size());
+  test::DeviceBuffer<int32_t> dout(kM * kN);
+  da.upload(a);
+  db.upload(b);
+  CUtensorMap ta, tb;
+  QATTN_CUDA_OK(hopper::make_tensor_map_u8_3d(&ta, da.ptr, kK, kM, 1, kK, kM, hopper::TmaSwizzle::k128B));
+  QATTN_CUDA_OK(hopper::make_tensor_map_u8_3d(&tb, db.ptr, kK, kN, 1, kK, kN, hopper::TmaSwizzle::k128B));
+  s8_gemm_kernel<<<1, 128>>>(ta, tb, dout.ptr);
+  QATTN_CUDA_OK(cudaDeviceSynchronize());
+  const auto out = dout.download();
+  for (int m = 0; m < kM; ++m)
+    for (int n = 0; n < kN; ++n) {
+      int32_t ref = 0;
+      for (int k = 0; k < kK; ++k) ref += int32_t{a[m * kK + k]} * int32_t{b[n * kK + k]};
+      ASSERT_EQ(out[m * kN + n], ref) << "m=" << m << " n=" << n << " seed=" << seed;
+    }
+}
+
+TEST(HopperPrimitives, RegisterE4m3WgmmaWithPermutedVtMatchesCpu) {
+  QATTN_SKIP_WITHOUT_GPU();
+  const uint64_t seed = test::fresh_seed();
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> unit(0.f, 448.f);
+  std::normal_distribution<float> normal(0.f, 100.f);
+  std::vector<uint8_t> p(kM * kK), vt(kN * kK);  // P row-major (token order), Vᵀ permuted
+  std::vector<float> pf(kM * kK), vf(kK * kN);    // decoded, token order
+  for (int i = 0; i < kM * kK; ++i) {
+    p[i] = numerics::e4m3_encode(unit(rng));
+    pf[i] = numerics::e4m3_decode(p[i]);
+  }
+  for (int c = 0; c < kN; ++c)
+    for (int pos = 0; pos < kK; ++pos) {
+      const uint8_t code = numerics::e4m3_encode(normal(rng));
+      vt[c * kK + pos] = code;
+      vf[groups::v_token_at_position(pos) * kN + c] = numerics::e4m3_decode(code);
+    }
+  test::DeviceBuffer<uint8_t> dp(p.size()), dv(vt.size());
+  test::DeviceBuffer<float> dout(kM * kN);
+  dp.upload(p);
+  dv.upload(vt);
+  CUtensorMap tv;
+  QATTN_CUDA_OK(hopper::make_tensor_map_u8_3d(&tv, dv.ptr, kK, kN, 1, kK, kN, hopper::TmaSwizzle::k128B));
+  e4m3_gemm_kernel<<<1, 128>>>(tv, dp.ptr, dout.ptr);
+  QATTN_CUDA_OK(cudaDeviceSynchronize());
+  const auto out = dout.download();
+  for (int m = 0; m < kM; ++m)
+    for (int n = 0; n < kN; ++n) {
+      double ref = 0, mag = 0;
+      for (int k = 0; k < kK; ++k) {
+        ref += double{pf[m * kK + k]} * vf[k * kN + n];
+        mag += std::abs(double{pf[m * kK + k]} * vf[k * kN + n]);
+      }
+      // The FP8 MMA accumulates with ~13 mantissa bits (SageAttention2 §3.4).
+      ASSERT_NEAR(out[m * kN + n], ref, mag * 1e-3 + 1e-3) << "m=" << m << " n=" << n << " seed=" << seed;
+    }
+}
+
+}  // namespace
