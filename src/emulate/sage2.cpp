@@ -62,6 +62,10 @@ void validate_options(const Sage2Options& o, const Tensor4& k) {
       static_cast<int>(o.pv_format) > static_cast<int>(PvFormat::Fp32)) {
     fail("options.pv_format: expected E4M3, E5M2, Int8, Fp16, Bf16 or Fp32");
   }
+  if (o.v_format && (static_cast<int>(*o.v_format) < 0 ||
+                     static_cast<int>(*o.v_format) > static_cast<int>(PvFormat::Fp32))) {
+    fail("options.v_format: expected empty, E4M3, E5M2, Int8, Fp16, Bf16 or Fp32");
+  }
   if (o.v_scale != Granularity::PerTileChannel && o.v_scale != Granularity::PerChannel) {
     fail("options.v_scale: expected PerTileChannel or PerChannel");
   }
@@ -241,7 +245,7 @@ Sage2Quantized quantize_sage2(const Tensor4& q, const Tensor4& k, const Tensor4&
   }
 
   // ---- 4. V: per (tile, channel) or per channel scale; Vᵀ with permuted tokens ----
-  const PvFormat pv = options.pv_format;
+  const PvFormat pv = options.v_format.value_or(options.pv_format);
   const bool v8 = pv == PvFormat::E4M3 || pv == PvFormat::E5M2 || pv == PvFormat::Int8;
   z.v_value.assign(bhk * nkv_pad * D, 0.0f);
   z.v_scale.assign(bhk * tiles * D, 1.0f);

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "emulate/options.h"
@@ -29,6 +30,9 @@ struct Sage2Options {
   std::vector<float> k_mean;  // (B, Hkv, d) when k_smoothing == Given
   QSmoothing q_smoothing = QSmoothing::None;
   PvFormat pv_format = PvFormat::E4M3;
+  // V's format when it should differ from P's (an ablation that isolates P's format;
+  // no MMA mixes formats, and the FP22 model follows P's format). Empty: pv_format.
+  std::optional<PvFormat> v_format;
   Granularity v_scale = Granularity::PerTileChannel;  // or PerChannel (a global pass)
   // Defaults to the hardware's FP22 model: the emulator mirrors what the GPU computes.
   Fp8Accumulator accumulator = Fp8Accumulator::Fp22;
