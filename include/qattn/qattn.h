@@ -30,7 +30,7 @@ typedef enum qattn_status {
   QATTN_ERROR_NO_DEVICE = 3,        /* no CUDA device, the CUDA driver is missing, or a
                                        CPU-only build of the library */
   QATTN_ERROR_WORKSPACE_TOO_SMALL = 4,
-  QATTN_ERROR_CUDA = 5,             /* a CUDA runtime call failed; the message says which */
+  QATTN_ERROR_CUDA = 5, /* a CUDA runtime call failed; the message says which */
   QATTN_ERROR_INTERNAL = 6
 } qattn_status;
 
@@ -69,9 +69,9 @@ typedef struct qattn_fwd_params {
   qattn_dtype dtype;
   int batch, heads_q, heads_kv, seqlen_q, seqlen_kv; /* all >= 1; heads_q % heads_kv == 0;
                                                         batch, heads_q <= 65535 (grid) */
-  int head_dim;         /* 1..128; 64 and 128 run natively, others are zero-padded inside */
-  int causal;           /* 0 or 1; bottom-right aligned when seqlen_q != seqlen_kv */
-  float sm_scale;       /* <= 0 means 1/sqrt(head_dim); NaN and infinity are rejected */
+  int head_dim;   /* 1..128; 64 and 128 run natively, others are zero-padded inside */
+  int causal;     /* 0 or 1; bottom-right aligned when seqlen_q != seqlen_kv */
+  float sm_scale; /* <= 0 means 1/sqrt(head_dim); NaN and infinity are rejected */
   qattn_qk_granularity granularity;
 } qattn_fwd_params;
 

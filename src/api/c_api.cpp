@@ -83,13 +83,20 @@ const char* qattn_last_error_message(void) { return qattn::api::last_error(); }
 
 const char* qattn_status_string(qattn_status s) {
   switch (s) {
-    case QATTN_OK: return "QATTN_OK";
-    case QATTN_ERROR_INVALID_ARGUMENT: return "QATTN_ERROR_INVALID_ARGUMENT";
-    case QATTN_ERROR_UNSUPPORTED: return "QATTN_ERROR_UNSUPPORTED";
-    case QATTN_ERROR_NO_DEVICE: return "QATTN_ERROR_NO_DEVICE";
-    case QATTN_ERROR_WORKSPACE_TOO_SMALL: return "QATTN_ERROR_WORKSPACE_TOO_SMALL";
-    case QATTN_ERROR_CUDA: return "QATTN_ERROR_CUDA";
-    case QATTN_ERROR_INTERNAL: return "QATTN_ERROR_INTERNAL";
+    case QATTN_OK:
+      return "QATTN_OK";
+    case QATTN_ERROR_INVALID_ARGUMENT:
+      return "QATTN_ERROR_INVALID_ARGUMENT";
+    case QATTN_ERROR_UNSUPPORTED:
+      return "QATTN_ERROR_UNSUPPORTED";
+    case QATTN_ERROR_NO_DEVICE:
+      return "QATTN_ERROR_NO_DEVICE";
+    case QATTN_ERROR_WORKSPACE_TOO_SMALL:
+      return "QATTN_ERROR_WORKSPACE_TOO_SMALL";
+    case QATTN_ERROR_CUDA:
+      return "QATTN_ERROR_CUDA";
+    case QATTN_ERROR_INTERNAL:
+      return "QATTN_ERROR_INTERNAL";
   }
   return "QATTN_ERROR_UNKNOWN";
 }

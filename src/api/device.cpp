@@ -78,7 +78,8 @@ qattn_status check_device(const char* fn, const qattn_fwd_params& p, const void*
     return device_fail(fn, e);
   }
   Capability cc;
-  if (auto e = capability(device, &cc); e != cudaSuccess) return cuda_fail(fn, "cudaDeviceGetAttribute", e);
+  if (auto e = capability(device, &cc); e != cudaSuccess)
+    return cuda_fail(fn, "cudaDeviceGetAttribute", e);
   if (cc.major != kHopperMajor || cc.minor != kHopperMinor)
     return fail(QATTN_ERROR_UNSUPPORTED, fn, ": the current device ", device,
                 " has compute capability ", cc.major, ".", cc.minor,
@@ -86,9 +87,11 @@ qattn_status check_device(const char* fn, const qattn_fwd_params& p, const void*
   // Pointer attributes are host-side queries; skip them while capturing to keep the
   // capture free of anything but the launches.
   if (capturing(stream)) return QATTN_OK;
-  const std::array<std::pair<const char*, const void*>, 5> buffers{
-      {{"q.data", p.q.data}, {"k.data", p.k.data}, {"v.data", p.v.data}, {"o.data", p.o.data},
-       {"workspace", workspace}}};
+  const std::array<std::pair<const char*, const void*>, 5> buffers{{{"q.data", p.q.data},
+                                                                    {"k.data", p.k.data},
+                                                                    {"v.data", p.v.data},
+                                                                    {"o.data", p.o.data},
+                                                                    {"workspace", workspace}}};
   for (const auto& [name, ptr] : buffers)
     if (auto s = check_pointer(fn, name, ptr, device); s != QATTN_OK) return s;
   if (p.lse != nullptr)

@@ -97,7 +97,11 @@ qattn_status check_tensor(const char* fn, const char* name, const qattn_tensor& 
   if (writes) {
     // Sorted by stride, each dimension must step past everything the smaller ones
     // span; then every element has its own address (the rows are contiguous).
-    std::sort(dims.begin(), dims.end(), [](const Dim& a, const Dim& b) { return a.stride < b.stride; });
+    // Ties keep the natural order innermost first (n, h, b), so the message names the
+    // dimension whose stride does not step far enough.
+    std::reverse(dims.begin(), dims.end());
+    std::stable_sort(dims.begin(), dims.end(),
+                     [](const Dim& a, const Dim& b) { return a.stride < b.stride; });
     int64_t spanned = head_dim;  // elements covered by the dimensions seen so far
     for (const Dim& d : dims) {
       if (d.extent == 1) continue;
@@ -132,8 +136,8 @@ qattn_status check_overlaps(const char* fn, const Spans& s) {
 qattn_status check_int(const char* fn, const char* name, int value, int lo, int hi,
                        const char* why = "") {
   if (value < lo || value > hi)
-    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": ", name, " = ", value, "; allowed: ", lo,
-                "..", hi, why);
+    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": ", name, " = ", value, "; allowed: ", lo, "..",
+                hi, why);
   return QATTN_OK;
 }
 
@@ -169,8 +173,9 @@ qattn_status validate_forward(const char* fn, const qattn_fwd_params* pp) {
                 "; allowed: a finite number (<= 0 selects 1/sqrt(head_dim))");
   const int gran = static_cast<int>(p.granularity);
   if (gran != QATTN_QK_PER_THREAD && gran != QATTN_QK_PER_WARP && gran != QATTN_QK_PER_BLOCK)
-    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": granularity = ", gran,
-                "; allowed: QATTN_QK_PER_THREAD (0), QATTN_QK_PER_WARP (1), QATTN_QK_PER_BLOCK (2)");
+    return fail(
+        QATTN_ERROR_INVALID_ARGUMENT, fn, ": granularity = ", gran,
+        "; allowed: QATTN_QK_PER_THREAD (0), QATTN_QK_PER_WARP (1), QATTN_QK_PER_BLOCK (2)");
 
   // The workspace arrays hold (B*H*N_pad) rows of at most 128 bytes plus a few floats
   // each; a bound of 1 KiB per row keeps every size_t sum below in range.
@@ -221,7 +226,8 @@ qattn_status validate_workspace(const char* fn, const qattn_fwd_params& p, const
     return fail(QATTN_ERROR_WORKSPACE_TOO_SMALL, fn, ": workspace_bytes = ", workspace_bytes,
                 "; these parameters need at least ", need, " bytes (qattn_fwd_workspace_size)");
   if (addr > UINTPTR_MAX - need)
-    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": workspace runs past the end of the address space");
+    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn,
+                ": workspace runs past the end of the address space");
   const Span ws{addr, addr + need};
   const Spans s = spans_of(p);
   const std::array<std::pair<const char*, const Span*>, 4> tensors{

@@ -12,11 +12,11 @@
 namespace qattn::api {
 
 // ---- the support rules --------------------------------------------------------------
-inline constexpr int kMaxHeadDim = 128;           // larger d: a later kernel (QATTN_ERROR_UNSUPPORTED)
-inline constexpr int kMaxGridDim = 65535;         // batch and heads are grid y/z dimensions
-inline constexpr int kMaxSeqlen = 1 << 30;        // padded lengths must stay an int
-inline constexpr std::size_t kTensorAlign = 16;   // bytes: one 16-byte vector load/store
-inline constexpr int64_t kStrideMultiple = 8;     // elements: 16 bytes of a 16-bit type
+inline constexpr int kMaxHeadDim = 128;     // larger d: a later kernel (QATTN_ERROR_UNSUPPORTED)
+inline constexpr int kMaxGridDim = 65535;   // batch and heads are grid y/z dimensions
+inline constexpr int kMaxSeqlen = 1 << 30;  // padded lengths must stay an int
+inline constexpr std::size_t kTensorAlign = 16;  // bytes: one 16-byte vector load/store
+inline constexpr int64_t kStrideMultiple = 8;    // elements: 16 bytes of a 16-bit type
 inline constexpr int64_t kMaxStrideBytes = int64_t{1} << 40;  // cuTensorMapEncode limit
 inline constexpr std::size_t kLseAlign = alignof(float);
 inline constexpr std::size_t kWorkspaceAlign = 256;

@@ -1,0 +1,505 @@
+// The C ABI's parameter validation, without a GPU: every bad input returns the
+// right status and a message naming the parameter, and nothing is read or written.
+//
+// The tensors are fake device addresses (far apart, never mapped in this process):
+// had validation dereferenced one, the test would crash instead of failing.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "api/validate.h"
+#include "qattn/qattn.h"
+#include "qattn/qattn.hpp"
+
+namespace {
+
+void* fake(int slot, std::uintptr_t offset = 0) {
+  return reinterpret_cast<void*>((static_cast<std::uintptr_t>(slot) << 40) + offset);
+}
+
+struct Shape {
+  int batch = 2, heads_q = 8, heads_kv = 2, seqlen_q = 300, seqlen_kv = 500, head_dim = 64;
+};
+
+qattn_fwd_params valid_params(const Shape& s = {}, qattn::Layout layout = qattn::Layout::kHND) {
+  qattn::ForwardParams fp(qattn::DType::kBF16, s.batch, s.heads_q, s.heads_kv, s.seqlen_q,
+                          s.seqlen_kv, s.head_dim);
+  const int64_t row = (s.head_dim + 7) / 8 * 8;
+  fp.q(fake(1), layout, row)
+      .k(fake(2), layout, row)
+      .v(fake(3), layout, row)
+      .o(fake(4), layout, row);
+  fp.lse(static_cast<float*>(fake(5)));
+  return fp.raw();
+}
+
+struct Outcome {
+  qattn_status status;
+  std::string message;
+};
+
+Outcome size_of(const qattn_fwd_params& p) {
+  std::size_t bytes = 0;
+  const qattn_status s = qattn_fwd_workspace_size(&p, &bytes);
+  return {s, s == QATTN_OK ? "" : qattn_last_error_message()};
+}
+
+std::size_t need(const qattn_fwd_params& p) {
+  std::size_t bytes = 0;
+  EXPECT_EQ(qattn_fwd_workspace_size(&p, &bytes), QATTN_OK) << qattn_last_error_message();
+  return bytes;
+}
+
+Outcome fwd(const qattn_fwd_params& p, void* ws, std::size_t bytes) {
+  const qattn_status s = qattn_fwd(&p, ws, bytes, nullptr);
+  return {s, s == QATTN_OK ? "" : qattn_last_error_message()};
+}
+
+// Asserts the status and that the message names every one of `words`.
+#define EXPECT_REJECTS(outcome, code, ...)                           \
+  do {                                                               \
+    const Outcome o_ = (outcome);                                    \
+    EXPECT_EQ(o_.status, code) << o_.message;                        \
+    for (const char* w_ : {__VA_ARGS__})                             \
+      EXPECT_NE(o_.message.find(w_), std::string::npos)              \
+          << "message does not name '" << w_ << "': " << o_.message; \
+  } while (0)
+
+// ---- the valid baseline ------------------------------------------------------------
+
+TEST(ApiValidation, ValidParamsGiveAWorkspaceSize) {
+  for (auto layout : {qattn::Layout::kHND, qattn::Layout::kNHD}) {
+    const qattn_fwd_params p = valid_params({}, layout);
+    const Outcome o = size_of(p);
+    ASSERT_EQ(o.status, QATTN_OK) << o.message;
+    EXPECT_GT(need(p), 0u);
+    EXPECT_EQ(need(p) % qattn::api::kWorkspaceAlign, 0u);
+  }
+  // The size depends on the shape, not on the layout.
+  EXPECT_EQ(need(valid_params({}, qattn::Layout::kHND)),
+            need(valid_params({}, qattn::Layout::kNHD)));
+}
+
+TEST(ApiValidation, ParamsInitGivesDefaults) {
+  qattn_fwd_params p;
+  std::memset(&p, 0x5A, sizeof(p));
+  qattn_fwd_params_init(&p);
+  EXPECT_EQ(p.q.data, nullptr);
+  EXPECT_EQ(p.lse, nullptr);
+  EXPECT_EQ(p.dtype, QATTN_DTYPE_BF16);
+  EXPECT_EQ(p.granularity, QATTN_QK_PER_THREAD);
+  EXPECT_EQ(p.causal, 0);
+  EXPECT_EQ(p.sm_scale, 0.f);
+  qattn_fwd_params_init(nullptr);  // no crash
+  // Defaults alone are not a valid call: the first missing thing is named.
+  EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "batch");
+}
+
+TEST(ApiValidation, NullArguments) {
+  std::size_t bytes = 0;
+  EXPECT_EQ(qattn_fwd_workspace_size(nullptr, &bytes), QATTN_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(qattn_last_error_message()).find("params"), std::string::npos);
+  const qattn_fwd_params p = valid_params();
+  EXPECT_EQ(qattn_fwd_workspace_size(&p, nullptr), QATTN_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(qattn_last_error_message()).find("bytes"), std::string::npos);
+  EXPECT_EQ(qattn_fwd(nullptr, fake(6), 1 << 20, nullptr), QATTN_ERROR_INVALID_ARGUMENT);
+}
+
+TEST(ApiValidation, NullTensorPointers) {
+  for (auto [field, name] :
+       {std::pair{&qattn_fwd_params::q, "q.data"}, std::pair{&qattn_fwd_params::k, "k.data"},
+        std::pair{&qattn_fwd_params::v, "v.data"}, std::pair{&qattn_fwd_params::o, "o.data"}}) {
+    qattn_fwd_params p = valid_params();
+    (p.*field).data = nullptr;
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, name, "NULL");
+  }
+  qattn_fwd_params p = valid_params();
+  p.lse = nullptr;  // optional
+  EXPECT_EQ(size_of(p).status, QATTN_OK);
+}
+
+// ---- scalars -----------------------------------------------------------------------
+
+TEST(ApiValidation, ShapesMustBePositive) {
+  for (int bad : {0, -1, std::numeric_limits<int>::min()}) {
+    for (auto [field, name] : {std::pair{&qattn_fwd_params::batch, "batch"},
+                               std::pair{&qattn_fwd_params::heads_q, "heads_q"},
+                               std::pair{&qattn_fwd_params::heads_kv, "heads_kv"},
+                               std::pair{&qattn_fwd_params::seqlen_q, "seqlen_q"},
+                               std::pair{&qattn_fwd_params::seqlen_kv, "seqlen_kv"},
+                               std::pair{&qattn_fwd_params::head_dim, "head_dim"}}) {
+      qattn_fwd_params p = valid_params();
+      p.*field = bad;
+      SCOPED_TRACE(std::string(name) + " = " + std::to_string(bad));
+      EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, name, "allowed");
+    }
+  }
+}
+
+TEST(ApiValidation, GridAndLengthLimits) {
+  qattn_fwd_params p = valid_params();
+  p.batch = qattn::api::kMaxGridDim + 1;
+  EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "batch", "65535");
+  p = valid_params();
+  p.heads_q = p.heads_kv = qattn::api::kMaxGridDim + 1;
+  EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "heads_q");
+  p = valid_params();
+  p.seqlen_kv = std::numeric_limits<int>::max();  // its padded length would overflow an int
+  EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "seqlen_kv");
+}
+
+TEST(ApiValidation, HeadsMustGroup) {
+  qattn_fwd_params p = valid_params();
+  p.heads_q = 12;
+  p.heads_kv = 8;
+  EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "heads_q = 12", "heads_kv = 8");
+  // MQA and plain MHA are fine.
+  for (int hkv : {1, 12}) {
+    Shape s;
+    s.heads_q = 12;
+    s.heads_kv = hkv;
+    EXPECT_EQ(size_of(valid_params(s)).status, QATTN_OK) << size_of(valid_params(s)).message;
+  }
+}
+
+TEST(ApiValidation, HeadDim) {
+  for (int d : {129, 192, 256, 100000}) {
+    qattn_fwd_params p = valid_params();
+    p.head_dim = d;
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_UNSUPPORTED, "head_dim", "1..128");
+  }
+  // Any d <= 128 is accepted once its rows are padded to a multiple of 8 elements.
+  for (int d : {1, 8, 36, 64, 72, 96, 100, 128}) {
+    Shape s;
+    s.head_dim = d;
+    const Outcome o = size_of(valid_params(s));
+    EXPECT_EQ(o.status, QATTN_OK) << "d = " << d << ": " << o.message;
+  }
+  // Contiguous rows of 36 elements are not 16-byte strided: the message says to pad.
+  Shape s;
+  s.head_dim = 36;
+  qattn_fwd_params p = valid_params(s);
+  p.q = qattn::make_tensor(fake(1), qattn::Layout::kHND, s.heads_q, s.seqlen_q, 36);
+  EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "q.stride_n = 36", "multiple of 8",
+                 "pad");
+}
+
+TEST(ApiValidation, EnumsAndFlags) {
+  for (int bad : {2, -1, 255}) {
+    qattn_fwd_params p = valid_params();
+    p.dtype = static_cast<qattn_dtype>(bad);
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "dtype", "QATTN_DTYPE_BF16");
+  }
+  for (int bad : {2, -1}) {
+    qattn_fwd_params p = valid_params();
+    p.causal = bad;
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "causal", "0 or 1");
+  }
+  for (int bad : {3, -1}) {
+    qattn_fwd_params p = valid_params();
+    p.granularity = static_cast<qattn_qk_granularity>(bad);
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "granularity", "QATTN_QK_PER_WARP");
+  }
+  for (int g : {0, 1, 2}) {
+    qattn_fwd_params p = valid_params();
+    p.granularity = static_cast<qattn_qk_granularity>(g);
+    p.dtype = QATTN_DTYPE_FP16;
+    p.causal = 1;
+    EXPECT_EQ(size_of(p).status, QATTN_OK);
+  }
+}
+
+TEST(ApiValidation, SmScale) {
+  for (float bad : {std::nanf(""), std::numeric_limits<float>::infinity(),
+                    -std::numeric_limits<float>::infinity()}) {
+    qattn_fwd_params p = valid_params();
+    p.sm_scale = bad;
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "sm_scale", "finite");
+  }
+  for (float ok : {0.f, -0.f, -1.f, 0.125f, 1e-30f, 3e38f}) {
+    qattn_fwd_params p = valid_params();
+    p.sm_scale = ok;
+    EXPECT_EQ(size_of(p).status, QATTN_OK) << ok;
+  }
+  // <= 0 resolves to 1/sqrt(d) (the launch gets the explicit value).
+  qattn_fwd_params p = valid_params();
+  p.sm_scale = -2.f;
+  EXPECT_FLOAT_EQ(qattn::api::resolve_defaults(p).sm_scale, 1.f / std::sqrt(64.f));
+  p.sm_scale = 0.3f;
+  EXPECT_EQ(qattn::api::resolve_defaults(p).sm_scale, 0.3f);
+}
+
+// ---- strides, alignment, overlap ---------------------------------------------------
+
+TEST(ApiValidation, StridesMustBePositiveMultiplesOf8) {
+  for (int64_t bad : {0, -64, 4, 65, 36}) {
+    for (auto [field, tname] :
+         {std::pair{&qattn_fwd_params::q, "q"}, std::pair{&qattn_fwd_params::k, "k"},
+          std::pair{&qattn_fwd_params::v, "v"}, std::pair{&qattn_fwd_params::o, "o"}}) {
+      for (auto [stride, sname] : {std::pair{&qattn_tensor::stride_b, "stride_b"},
+                                   std::pair{&qattn_tensor::stride_h, "stride_h"},
+                                   std::pair{&qattn_tensor::stride_n, "stride_n"}}) {
+        qattn_fwd_params p = valid_params();
+        (p.*field).*stride = bad;
+        const std::string name = std::string(tname) + "." + sname;
+        SCOPED_TRACE(name + " = " + std::to_string(bad));
+        EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, name.c_str(), "multiple of 8");
+      }
+    }
+  }
+}
+
+TEST(ApiValidation, StrideOfExtentOneIsIgnored) {
+  Shape s;
+  s.batch = 1;
+  qattn_fwd_params p = valid_params(s);
+  p.q.stride_b = 0;
+  p.k.stride_b = -3;
+  p.o.stride_b = 7;
+  EXPECT_EQ(size_of(p).status, QATTN_OK) << size_of(p).message;
+}
+
+TEST(ApiValidation, HugeStridesAreRejectedNotWrapped) {
+  qattn_fwd_params p = valid_params();
+  p.k.stride_b = int64_t{1} << 40;  // 2^41 bytes: past the TMA limit
+  EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "k.stride_b", "2^40");
+  p = valid_params();
+  p.v.stride_b = (std::numeric_limits<int64_t>::max() / 8) * 8;
+  EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "v.stride_b");
+  // Largest legal strides, but the tensor would run past the address space.
+  p = valid_params();
+  p.q.data = reinterpret_cast<void*>(~std::uintptr_t{0} & ~std::uintptr_t{15});
+  EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "q", "address space");
+}
+
+TEST(ApiValidation, PointersMustBe16ByteAligned) {
+  for (std::uintptr_t off : {2u, 4u, 8u}) {
+    for (auto [field, name] :
+         {std::pair{&qattn_fwd_params::q, "q.data"}, std::pair{&qattn_fwd_params::k, "k.data"},
+          std::pair{&qattn_fwd_params::v, "v.data"}, std::pair{&qattn_fwd_params::o, "o.data"}}) {
+      qattn_fwd_params p = valid_params();
+      (p.*field).data = static_cast<char*>((p.*field).data) + off;
+      EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, name, "16-byte aligned");
+    }
+  }
+  qattn_fwd_params p = valid_params();
+  p.lse = reinterpret_cast<float*>(static_cast<char*>(fake(5)) + 2);
+  EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "lse", "4-byte aligned");
+  p.lse = reinterpret_cast<float*>(static_cast<char*>(fake(5)) + 4);
+  EXPECT_EQ(size_of(p).status, QATTN_OK);
+}
+
+TEST(ApiValidation, OutputMustNotOverlapInputs) {
+  const qattn_fwd_params base = valid_params();
+  for (auto [field, name] : {std::pair{&qattn_fwd_params::q, "o overlaps q"},
+                             std::pair{&qattn_fwd_params::k, "o overlaps k"},
+                             std::pair{&qattn_fwd_params::v, "o overlaps v"}}) {
+    qattn_fwd_params p = base;
+    (p.*field).data = p.o.data;
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, name);
+    // A partial overlap: the input starts inside the output's last row.
+    p = base;
+    (p.*field).data = static_cast<char*>(p.o.data) + 16 * 1024;
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, name);
+  }
+  // o right after q (touching, not overlapping) is fine.
+  qattn_fwd_params p = base;
+  const std::size_t q_bytes = std::size_t{2} * 8 * 300 * 64 * 2;
+  p.o.data = static_cast<char*>(p.q.data) + q_bytes;
+  EXPECT_EQ(size_of(p).status, QATTN_OK) << size_of(p).message;
+  p.o.data = static_cast<char*>(p.q.data) + q_bytes - 16;
+  EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "o overlaps q");
+}
+
+TEST(ApiValidation, InputsMayAlias) {
+  qattn_fwd_params p = valid_params();
+  p.v = p.k;  // the same buffer for K and V: only read
+  p.heads_q = p.heads_kv;
+  p.seqlen_q = p.seqlen_kv;
+  p.q = p.k;
+  p.o = qattn::make_tensor(fake(4), qattn::Layout::kHND, p.heads_q, p.seqlen_q, 64);
+  EXPECT_EQ(size_of(p).status, QATTN_OK) << size_of(p).message;
+}
+
+TEST(ApiValidation, OutputMustNotAliasItself) {
+  qattn_fwd_params p = valid_params();
+  p.o.stride_n = 8;  // rows of 64 elements, 8 apart
+  EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "o.stride_n", "share addresses");
+  p = valid_params();
+  p.o.stride_h = 64;  // two heads share all but one row
+  EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "o.stride_h", "share addresses");
+  // Inputs may (e.g. a broadcast view): they are only read.
+  p = valid_params();
+  p.k.stride_h = 64;
+  EXPECT_EQ(size_of(p).status, QATTN_OK) << size_of(p).message;
+}
+
+TEST(ApiValidation, LseMustNotOverlap) {
+  qattn_fwd_params p = valid_params();
+  p.lse = static_cast<float*>(p.o.data);
+  EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "lse overlaps o");
+  p = valid_params();
+  p.lse = static_cast<float*>(p.k.data);
+  EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "lse overlaps k");
+}
+
+// ---- workspace ---------------------------------------------------------------------
+
+TEST(ApiValidation, Workspace) {
+  const qattn_fwd_params p = valid_params();
+  const std::size_t n = need(p);
+  EXPECT_REJECTS(fwd(p, nullptr, n), QATTN_ERROR_INVALID_ARGUMENT, "workspace", "NULL");
+  EXPECT_REJECTS(fwd(p, fake(6, 128), n), QATTN_ERROR_INVALID_ARGUMENT, "workspace", "256-byte");
+  EXPECT_REJECTS(fwd(p, fake(6), n - 1), QATTN_ERROR_WORKSPACE_TOO_SMALL, "workspace_bytes",
+                 std::to_string(n).c_str());
+  EXPECT_REJECTS(fwd(p, fake(6), 0), QATTN_ERROR_WORKSPACE_TOO_SMALL, "workspace_bytes");
+  EXPECT_REJECTS(fwd(p, p.v.data, n), QATTN_ERROR_INVALID_ARGUMENT, "workspace overlaps v");
+  EXPECT_REJECTS(fwd(p, static_cast<char*>(p.o.data) + 256, n), QATTN_ERROR_INVALID_ARGUMENT,
+                 "workspace overlaps o");
+  EXPECT_REJECTS(fwd(p, p.lse, n), QATTN_ERROR_INVALID_ARGUMENT, "workspace overlaps lse");
+  // Parameter errors come before workspace errors.
+  qattn_fwd_params bad = p;
+  bad.causal = 7;
+  EXPECT_REJECTS(fwd(bad, nullptr, 0), QATTN_ERROR_INVALID_ARGUMENT, "causal");
+}
+
+TEST(ApiValidation, AttentionOnlyValidatesToo) {
+  qattn_fwd_params p = valid_params();
+  p.head_dim = 256;
+  EXPECT_EQ(qattn_fwd_attention_only(&p, fake(6), 1 << 30, nullptr), QATTN_ERROR_UNSUPPORTED);
+  EXPECT_NE(std::string(qattn_last_error_message()).find("qattn_fwd_attention_only"),
+            std::string::npos);
+}
+
+// ---- a valid call with no usable device launches nothing ---------------------------
+
+// Host buffers stand in for device memory: a valid call must stop at the device
+// check (no GPU, a CPU-only build, or "host memory" on a GPU machine) and leave the
+// poisoned output and workspace as they were.
+TEST(ApiValidation, ValidCallWithoutDeviceWritesNothing) {
+  Shape s;
+  s.batch = 1;
+  s.seqlen_q = 64;
+  s.seqlen_kv = 64;
+  const std::size_t n = std::size_t{1} * s.heads_q * 64 * 64;
+  struct alignas(256) Block {
+    unsigned char b[256];
+  };
+  auto blocks = [](std::size_t bytes) { return std::vector<Block>((bytes + 255) / 256); };
+  auto q = blocks(n * 2), k = blocks(n * 2), v = blocks(n * 2), o = blocks(n * 2),
+       lse = blocks(std::size_t{8} * 64 * 4);
+  qattn::ForwardParams fp(qattn::DType::kFP16, 1, s.heads_q, s.heads_kv, 64, 64, 64);
+  fp.q(q.data(), qattn::Layout::kNHD).k(k.data(), qattn::Layout::kNHD);
+  fp.v(v.data(), qattn::Layout::kNHD).o(o.data(), qattn::Layout::kNHD);
+  fp.lse(reinterpret_cast<float*>(lse.data()));
+  std::size_t ws_bytes = 0;
+  ASSERT_TRUE(qattn::workspace_size(fp, &ws_bytes).ok());
+  auto ws = blocks(ws_bytes);
+  for (auto* buf : {&o, &lse, &ws}) std::memset(buf->data(), 0xAB, buf->size() * sizeof(Block));
+
+  const qattn::Status st = qattn::forward(fp, ws.data(), ws_bytes, nullptr);
+  ASSERT_FALSE(st.ok());
+  if (st.code() == qattn::StatusCode::kInvalidArgument)
+    EXPECT_NE(st.message().find("host memory"), std::string::npos) << st.message();
+  else if (st.code() != qattn::StatusCode::kUnsupported)
+    EXPECT_EQ(st.code(), qattn::StatusCode::kNoDevice) << st.message();
+  if (!qattn::built_with_cuda()) {
+    EXPECT_EQ(st.code(), qattn::StatusCode::kNoDevice);
+    EXPECT_NE(st.message().find("no CUDA kernels"), std::string::npos) << st.message();
+  }
+  for (auto* buf : {&o, &lse, &ws})
+    for (const Block& blk : *buf)
+      for (unsigned char c : blk.b) ASSERT_EQ(c, 0xAB);
+}
+
+TEST(ApiValidation, DeviceQueriesNeverFail) {
+  EXPECT_EQ(qattn_built_with_cuda(), QATTN_HAVE_CUDA);
+  const int supported = qattn_device_supported(-1);
+  EXPECT_TRUE(supported == 0 || supported == 1);
+  EXPECT_EQ(qattn_device_supported(1 << 20), 0);
+  if (!QATTN_HAVE_CUDA) EXPECT_EQ(supported, 0);
+}
+
+// ---- messages ----------------------------------------------------------------------
+
+TEST(ApiValidation, LastErrorIsPerThreadAndKeptUntilTheNextFailure) {
+  qattn_fwd_params p = valid_params();
+  p.causal = 9;
+  ASSERT_NE(size_of(p).status, QATTN_OK);
+  const std::string mine = qattn_last_error_message();
+  EXPECT_NE(mine.find("qattn_fwd_workspace_size: causal = 9"), std::string::npos) << mine;
+
+  std::string other;
+  std::thread([&] { other = qattn_last_error_message(); }).join();
+  EXPECT_EQ(other, "");
+
+  EXPECT_EQ(size_of(valid_params()).status, QATTN_OK);  // success keeps the last failure
+  EXPECT_EQ(mine, qattn_last_error_message());
+}
+
+TEST(ApiValidation, StatusStringsAndVersion) {
+  EXPECT_STREQ(qattn_status_string(QATTN_OK), "QATTN_OK");
+  EXPECT_STREQ(qattn_status_string(QATTN_ERROR_UNSUPPORTED), "QATTN_ERROR_UNSUPPORTED");
+  EXPECT_STREQ(qattn_status_string(static_cast<qattn_status>(99)), "QATTN_ERROR_UNKNOWN");
+  EXPECT_EQ(std::string(qattn_version_string()), std::to_string(QATTN_VERSION_MAJOR) + "." +
+                                                     std::to_string(QATTN_VERSION_MINOR) + "." +
+                                                     std::to_string(QATTN_VERSION_PATCH));
+}
+
+// ---- the C++ layer -----------------------------------------------------------------
+
+TEST(ApiCpp, LayoutsGiveTheRightStrides) {
+  const qattn_tensor hnd = qattn::make_tensor(fake(1), qattn::Layout::kHND, 8, 300, 64);
+  EXPECT_EQ(hnd.stride_n, 64);
+  EXPECT_EQ(hnd.stride_h, 300 * 64);
+  EXPECT_EQ(hnd.stride_b, 8 * 300 * 64);
+  const qattn_tensor nhd = qattn::make_tensor(fake(1), qattn::Layout::kNHD, 8, 300, 64);
+  EXPECT_EQ(nhd.stride_h, 64);
+  EXPECT_EQ(nhd.stride_n, 8 * 64);
+  EXPECT_EQ(nhd.stride_b, 300 * 8 * 64);
+}
+
+TEST(ApiCpp, StatusAndError) {
+  qattn::ForwardParams fp(qattn::DType::kBF16, 1, 4, 3, 16, 16, 64);
+  std::size_t bytes = 0;
+  const qattn::Status st = qattn::workspace_size(fp, &bytes);
+  EXPECT_FALSE(st.ok());
+  EXPECT_FALSE(static_cast<bool>(st));
+  EXPECT_EQ(st.code(), qattn::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("heads_q"), std::string::npos);
+  EXPECT_STREQ(st.code_name(), "QATTN_ERROR_INVALID_ARGUMENT");
+  try {
+    st.throw_if_error();
+    FAIL() << "no exception";
+  } catch (const qattn::Error& e) {
+    EXPECT_EQ(e.code(), qattn::StatusCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("heads_kv"), std::string::npos);
+  }
+  EXPECT_NO_THROW(qattn::Status().throw_if_error());
+}
+
+TEST(ApiCpp, BuilderSetsEveryField) {
+  qattn::ForwardParams fp(qattn::DType::kFP16, 2, 8, 4, 100, 200, 128);
+  fp.causal(true).sm_scale(0.5f).granularity(qattn::Granularity::kPerBlock);
+  fp.lse(static_cast<float*>(fake(5)));
+  const qattn_fwd_params& p = fp.raw();
+  EXPECT_EQ(p.dtype, QATTN_DTYPE_FP16);
+  EXPECT_EQ(p.batch, 2);
+  EXPECT_EQ(p.heads_q, 8);
+  EXPECT_EQ(p.heads_kv, 4);
+  EXPECT_EQ(p.seqlen_q, 100);
+  EXPECT_EQ(p.seqlen_kv, 200);
+  EXPECT_EQ(p.head_dim, 128);
+  EXPECT_EQ(p.causal, 1);
+  EXPECT_EQ(p.sm_scale, 0.5f);
+  EXPECT_EQ(p.granularity, QATTN_QK_PER_BLOCK);
+  EXPECT_EQ(p.lse, fake(5));
+}
+
+}  // namespace
