@@ -1,0 +1,76 @@
+// SageBwd (INT8 trainable attention, SageAttention3 paper §4) on the CPU, step by step.
+//
+// Tiling: Q blocks of 64 rows (groups::kQBlock), KV tiles of 128 tokens
+// (groups::kKvTile); "per-block" below means one scale per Q block (64 × d), per KV
+// tile (128 × d), or per (Q block × KV tile) tile of P / dS. Scales are amax/127 for
+// INT8 and amax/448 for E4M3 (Bwd8Format::E4M3, the paper's "FP8 SageBwd" of §5.4).
+// Products of 8-bit values are summed exactly (INT32 on the GPU; double here) and the
+// scale product applied once per tile. FP32 elsewhere.
+//
+// Forward (paper Algorithm 2):
+//  1. Smooth K (line 2): K ← K − mean(K); the LSE gets sm_scale·q·c back at the end.
+//  2. ψ(Q_i), ψ(K_j), ψ(V_j): per-block 8-bit (§4.1, "per-block INT8 quantizer").
+//  3. S_ij = ψ⁻¹(Q̂_i K̂_jᵀ); online softmax in the log2 domain, as in sage3.h step 5.
+//  4. P per token (§4.1, Algorithm 2 line 10): s_P = exp(rowmax(S_ij) − m_ij)/127 —
+//     the row maximum of P̃ from the softmax statistics — P̂ = round(P̃/s_P).
+//  5. O ← O·exp2(m − m_new) + s_P·s_V·(P̂ V̂) (fresh accumulator per tile); at the end
+//     O /= l and LSE = (m + log2 l)·ln 2 + sm_scale·q·c (natural log, saved).
+//
+// Backward (paper Algorithm 3, the FlashAttention-2 order: KV tile j outer, Q block i
+// inner), given O, LSE and dO:
+//  0. D_i = rowsum(dO_i ∘ O_i) (FP32).
+//  1. Recompute S_ij from the same ψ(Q_i), ψ(K_j); P_ij = exp2(x − LSE_smoothed·log2 e).
+//  2. dV_j += ψ(P_ij)ᵀ ψ(dO_i) (lines 5-7; per-block P and dO).
+//  3. dP_ij = dO_i V_jᵀ (line 8): DoVFormat::Fp16 — both operands rounded to FP16,
+//     exact products, FP32 sum (the paper's choice, §4.2) — or DoVFormat::Quantized,
+//     ψ(dO_i) ψ(V_j)ᵀ in the 8-bit format (the ablation of Table 1(c)).
+//  4. dS_ij = P_ij ∘ (dP_ij − D_i) (line 9, FP32), then ψ(dS_ij) per tile.
+//  5. dQ_i += sm_scale·ψ(dS_ij) ψ(K_j) + sm_scale·rowsum(dS_ij)·c (line 10; the second
+//     term is the K-smoothing correction, FP32: dS·K = dS·(K − c) + (dS·1)c).
+//  6. dK_j += sm_scale·ψ(dS_ij)ᵀ ψ(Q_i) (line 11).
+// dK and dV of a KV head are summed over the query heads that share it (GQA).
+#pragma once
+
+#include <vector>
+
+#include "emulate/options.h"
+#include "emulate/sage2.h"
+#include "reference/tensor.h"
+
+namespace qattn::emulate {
+
+// The 8-bit format of SageBwd's quantized matmuls.
+enum class Bwd8Format {
+  Int8,  // scale amax/127, values in [-127, 127] (SageBwd)
+  E4M3,  // scale amax/448, values E4M3 (the paper's FP8 comparison, §5.4)
+};
+
+// Precision of dP = dO·Vᵀ in the backward.
+enum class DoVFormat {
+  Fp16,       // FP16 operands, FP32 accumulation (SageBwd: §4.2)
+  Quantized,  // the same 8-bit per-block format as the other matmuls (ablation)
+};
+
+struct SageBwdOptions {
+  Bwd8Format format = Bwd8Format::Int8;
+  DoVFormat dov = DoVFormat::Fp16;
+  KSmoothing k_smoothing = KSmoothing::Mean;  // None, Mean or SampledMean
+};
+
+struct EmulatedGrads {
+  Tensor4 dq;  // (B, Hq, Nq, d)
+  Tensor4 dk;  // (B, Hkv, Nkv, d)
+  Tensor4 dv;  // (B, Hkv, Nkv, d)
+};
+
+// Throws std::invalid_argument naming the parameter on bad shapes or options.
+EmulatedForward sagebwd_forward(const Tensor4& q, const Tensor4& k, const Tensor4& v,
+                                const AttentionParams& params, const SageBwdOptions& options = {});
+
+// Gradients of sum(O ∘ dO); `o` and `lse` are what sagebwd_forward returned for the
+// same inputs and options. Throws std::invalid_argument on bad shapes.
+EmulatedGrads sagebwd_backward(const Tensor4& q, const Tensor4& k, const Tensor4& v,
+                               const Tensor4& o, const std::vector<float>& lse, const Tensor4& dout,
+                               const AttentionParams& params, const SageBwdOptions& options = {});
+
+}  // namespace qattn::emulate
