@@ -79,7 +79,13 @@ inline void online_softmax_tile(RowState& st, std::vector<float>& x, const float
                                 int dim, const float* v_scale, const PvSpec& spec,
                                 Fp8Accumulator acc, AccumulationLevels levels) {
   float mx = st.m;
-  for (int j = 0; j < len; ++j) mx = std::fmax(mx, x[j]);
+  bool nan = std::isnan(st.m);
+  for (int j = 0; j < len; ++j) {
+    mx = std::fmax(mx, x[j]);
+    nan = nan || std::isnan(x[j]);
+  }
+  // fmax drops NaN; a NaN score must reach O and the LSE (DESIGN.md §2), never 0.
+  if (nan) mx = std::numeric_limits<float>::quiet_NaN();
   const bool empty = mx == kNegInf;  // the row has seen only masked keys so far
   const float alpha = empty ? 1.0f : std::exp2(st.m - mx);
   float sum = 0.0f;

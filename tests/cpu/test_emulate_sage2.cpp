@@ -383,6 +383,19 @@ TEST(Sage2Emulator, AllZeroInputsGiveZerosNotNaN) {
   for (float l : e.lse) EXPECT_NEAR(l, std::log(20.0f), 1e-5);  // uniform over 20 keys
 }
 
+// A NaN in Q reaches the outputs of its quantization group (its scale is NaN) and
+// no other row; it never turns into a silent number.
+TEST(Sage2Emulator, NanInQGivesNanInItsGroupOnly) {
+  Inputs in = make_inputs({1, 1, 1, 64, 130, 32, Mask::None}, 2);
+  in.q.at(0, 0, 3, 5) = std::numeric_limits<float>::quiet_NaN();
+  const auto e = emulate::sage2_attention(in.q, in.k, in.v, {});
+  for (int r = 0; r < 64; ++r) {
+    const bool in_group = r == 3 || r == 11;  // per-thread group of row 3: rows 3, 11
+    EXPECT_EQ(std::isnan(e.o.at(0, 0, r, 0)), in_group) << r;
+    EXPECT_EQ(std::isnan(e.lse[r]), in_group) << r;
+  }
+}
+
 TEST(Sage2Emulator, RejectsBadOptionsNamingTheParameter) {
   const Inputs in = make_inputs({1, 2, 1, 8, 8, 16, Mask::None}, 1);
   auto expect_throw_naming = [](auto&& f, const char* name) {
