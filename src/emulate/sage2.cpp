@@ -313,6 +313,52 @@ Sage2Quantized quantize_sage2_8b(const Tensor4& q, const Tensor4& k, const Tenso
   return quantize_sage2(q, k, v, params, o);
 }
 
+void sage2_views_from_workspace(Sage2Quantized& z) {
+  const PvFormat vf = z.options.v_format.value_or(z.options.pv_format);
+  if (z.options.qk_format == QkFormat::Fp32 || z.options.granularity == Granularity::PerToken) {
+    fail("sage2_views_from_workspace: qz.options: needs INT8/INT4 Q·Kᵀ and a kernel granularity");
+  }
+  if (vf != PvFormat::E4M3 && vf != PvFormat::E5M2 && vf != PvFormat::Int8) {
+    fail("sage2_views_from_workspace: qz.options: needs an 8-bit V format");
+  }
+  const std::size_t bhq = static_cast<std::size_t>(z.batch) * z.heads_q;
+  const std::size_t bhk = static_cast<std::size_t>(z.batch) * z.heads_kv;
+  const std::size_t D = static_cast<std::size_t>(z.head_dim_padded);
+  const std::size_t q_per_head = z.q_blocks() * groups::kQThreadGroupsPerBlock;
+  const std::size_t k_per_head = z.kv_tiles() * groups::kKThreadGroupsPerTile;
+  if (z.q_scale.size() != bhq * q_per_head)
+    fail("sage2_views_from_workspace: qz.q_scale: wrong size");
+  if (z.k_scale.size() != bhk * k_per_head)
+    fail("sage2_views_from_workspace: qz.k_scale: wrong size");
+  if (z.vt_f8.size() != bhk * D * z.nkv_pad)
+    fail("sage2_views_from_workspace: qz.vt_f8: wrong size");
+  z.q_row_scale.resize(bhq * z.nq_pad);
+  for (std::size_t bh = 0; bh < bhq; ++bh)
+    for (int r = 0; r < z.nq_pad; ++r) {
+      const std::size_t slot =
+          (r / kQBlock) * groups::kQThreadGroupsPerBlock + groups::q_thread_group_in_block(r);
+      z.q_row_scale[bh * z.nq_pad + r] = z.q_scale[bh * q_per_head + slot];
+    }
+  z.k_token_scale.resize(bhk * z.nkv_pad);
+  for (std::size_t bh = 0; bh < bhk; ++bh)
+    for (int j = 0; j < z.nkv_pad; ++j) {
+      const std::size_t slot =
+          (j / kKvTile) * groups::kKThreadGroupsPerTile + groups::k_thread_group_in_tile(j);
+      z.k_token_scale[bh * z.nkv_pad + j] = z.k_scale[bh * k_per_head + slot];
+    }
+  z.v_value.assign(bhk * z.nkv_pad * D, 0.0f);
+  for (std::size_t bh = 0; bh < bhk; ++bh)
+    for (std::size_t c = 0; c < D; ++c)
+      for (int pos = 0; pos < z.nkv_pad; ++pos) {
+        const std::uint8_t code = z.vt_f8[(bh * D + c) * z.nkv_pad + pos];
+        const float val = vf == PvFormat::E4M3 ? numerics::e4m3_decode(code)
+                          : vf == PvFormat::E5M2
+                              ? numerics::e5m2_decode(code)
+                              : static_cast<float>(static_cast<std::int8_t>(code));
+        z.v_value[(bh * z.nkv_pad + groups::v_token_at_position(pos)) * D + c] = val;
+      }
+}
+
 EmulatedForward sage2_attend(const Sage2Quantized& z) {
   const int B = z.batch, Hq = z.heads_q, Hkv = z.heads_kv, Nq = z.seqlen_q, Nkv = z.seqlen_kv;
   const int d = z.head_dim, D = z.head_dim_padded, nq_pad = z.nq_pad, nkv_pad = z.nkv_pad;

@@ -104,7 +104,15 @@ Sage2Quantized quantize_sage2_8b(const Tensor4& q, const Tensor4& k, const Tenso
                                  const AttentionParams& params,
                                  const float* given_k_mean = nullptr);
 
-// Steps 5-8 on already quantized tensors (e.g. a kernel's workspace copied into `qz`).
+// Recomputes the emulator's views (q_row_scale, k_token_scale, v_value) from the
+// workspace arrays (q_scale, k_scale, vt_f8), e.g. after a GPU test has copied a
+// kernel's workspace into them: then sage2_attend runs on exactly the kernel's
+// quantized tensors. Needs INT8/INT4 Q·Kᵀ with a kernel granularity (not PerToken)
+// and an 8-bit V format; throws std::invalid_argument otherwise.
+void sage2_views_from_workspace(Sage2Quantized& qz);
+
+// Steps 5-8 on already quantized tensors (e.g. a kernel's workspace copied into `qz`,
+// followed by sage2_views_from_workspace).
 EmulatedForward sage2_attend(const Sage2Quantized& qz);
 
 // quantize_sage2 followed by sage2_attend.
