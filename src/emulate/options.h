@@ -24,7 +24,7 @@ using numerics::Granularity;
 // Softmax is unchanged by any c; the LSE is corrected by sm_scale·q·c.
 enum class KSmoothing {
   None,
-  Mean,         // FP32 mean over all Nkv tokens
+  Mean,         // mean over all Nkv tokens (summed in double, stored as FP32)
   SampledMean,  // the kernel's: all tokens when Nkv <= 256, else tokens floor(i·Nkv/256)
   Given,        // a caller-given vector (the kernel's c, to compare bit for bit)
 };

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <span>
 #include <stdexcept>
 #include <string>
 
@@ -22,7 +23,6 @@ using detail::kNegInf;
 constexpr int kPadMultiple = 128;  // Nq_pad, Nkv_pad: one KV tile / two Q blocks
 constexpr int kKvTile = groups::kKvTile;
 constexpr int kQBlock = groups::kQBlock;
-constexpr int kKmeanSample = 256;  // tokens in the sampled mean of K (contract step 1)
 
 int round_up(int x, int m) { return (x + m - 1) / m * m; }
 
@@ -74,33 +74,27 @@ void validate_options(const Sage2Options& o, const Tensor4& k) {
   }
 }
 
-// Step 1: the smoothing vector c of every (batch, KV head), FP32 (summed in double).
+// Step 1: the smoothing vector c of every (batch, KV head), FP32 (numerics::token_mean
+// sums in double).
 void smoothing_vector(const Tensor4& k, const Sage2Options& o, int D, std::vector<float>& c_out) {
   const int nkv = k.n, d = k.d;
   c_out.assign(static_cast<std::size_t>(k.b) * k.h * D, 0.0f);
   if (o.k_smoothing == KSmoothing::None) return;
-  std::vector<int> tokens;
-  if (o.k_smoothing == KSmoothing::SampledMean && nkv > kKmeanSample) {
-    for (int i = 0; i < kKmeanSample; ++i) {
-      tokens.push_back(static_cast<int>(static_cast<long long>(i) * nkv / kKmeanSample));
-    }
-  } else {
-    for (int j = 0; j < nkv; ++j) tokens.push_back(j);
-  }
-  for (int b = 0; b < k.b; ++b) {
+  const auto estimate = o.k_smoothing == KSmoothing::SampledMean
+                            ? numerics::MeanEstimate::Sampled
+                            : numerics::MeanEstimate::AllTokens;
+  for (int b = 0; b < k.b; ++b)
     for (int h = 0; h < k.h; ++h) {
       float* c = c_out.data() + (static_cast<std::size_t>(b) * k.h + h) * D;
       if (o.k_smoothing == KSmoothing::Given) {
         std::copy_n(o.k_mean.data() + (static_cast<std::size_t>(b) * k.h + h) * d, d, c);
         continue;
       }
-      for (int ch = 0; ch < d; ++ch) {
-        double s = 0.0;
-        for (int j : tokens) s += k.at(b, h, j, ch);
-        c[ch] = static_cast<float>(s / static_cast<double>(tokens.size()));
-      }
+      const std::vector<float> mean = numerics::token_mean(
+          std::span<const float>(k.row(b, h, 0), static_cast<std::size_t>(nkv) * d), nkv, d,
+          estimate);
+      std::copy(mean.begin(), mean.end(), c);
     }
-  }
 }
 
 }  // namespace
@@ -190,11 +184,10 @@ Sage2Quantized quantize_sage2(const Tensor4& q, const Tensor4& k, const Tensor4&
         const int r0 = static_cast<int>(blk) * kQBlock, r1 = std::min(Nq, r0 + kQBlock);
         float* qbar = q_smooth ? z.q_mean.data() + (bh * qblocks + blk) * D : nullptr;
         if (qbar != nullptr && r1 > r0) {
-          for (int ch = 0; ch < d; ++ch) {
-            double s = 0.0;
-            for (int i = r0; i < r1; ++i) s += q.at(b, h, i, ch);
-            qbar[ch] = static_cast<float>(s / (r1 - r0));
-          }
+          const std::vector<float> mean = numerics::token_mean(
+              std::span<const float>(q.row(b, h, r0), static_cast<std::size_t>(r1 - r0) * d),
+              r1 - r0, d, numerics::MeanEstimate::AllTokens);
+          std::copy(mean.begin(), mean.end(), qbar);
         }
         for (int i = r0; i < r1; ++i)
           for (int ch = 0; ch < d; ++ch)
