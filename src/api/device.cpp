@@ -24,9 +24,13 @@ qattn_status cuda_fail(const char* fn, const char* what, cudaError_t e) {
 // A missing driver or device is "no device", any other runtime failure a CUDA error.
 qattn_status device_fail(const char* fn, cudaError_t e) {
   if (e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver ||
-      e == cudaErrorCallRequiresNewerDriver || e == cudaErrorInitializationError)
+      e == cudaErrorCallRequiresNewerDriver || e == cudaErrorInitializationError) {
+    int driver = 0;
+    if (cudaDriverGetVersion(&driver) != cudaSuccess || driver == 0)
+      return fail(QATTN_ERROR_NO_DEVICE, fn, ": no CUDA driver (libcuda) on this machine");
     return fail(QATTN_ERROR_NO_DEVICE, fn, ": no usable CUDA device: ", cudaGetErrorName(e), ": ",
                 cudaGetErrorString(e));
+  }
   return cuda_fail(fn, "cudaGetDevice", e);
 }
 
