@@ -43,9 +43,10 @@ __global__ void s8_gemm_kernel(const __grid_constant__ CUtensorMap ta, const __g
   hopper::wgmma_fence();
   const auto da = hopper::make_smem_desc<hopper::Swizzle::k128B>(s.a);
   const auto db = hopper::make_smem_desc<hopper::Swizzle::k128B>(s.b);
+  hopper::wgmma_m64n128k32_s8_ss_init(d, da, db);
 #pragma unroll
-  for (int kk = 0; kk < kK / 32; ++kk)
-    hopper::wgmma_m64n128k32_s8_ss(d, hopper::desc_advance(da, kk * 32), hopper::desc_advance(db, kk * 32), kk > 0);
+  for (int kk = 1; kk < kK / 32; ++kk)
+    hopper::wgmma_m64n128k32_s8_ss(d, hopper::desc_advance(da, kk * 32), hopper::desc_advance(db, kk * 32));
   hopper::wgmma_commit();
   hopper::wgmma_wait<0>();
   hopper::fence_operands(d);
@@ -87,8 +88,9 @@ __global__ void e4m3_gemm_kernel(const __grid_constant__ CUtensorMap tv, const u
   float d[64];
   hopper::wgmma_fence();
   const auto db = hopper::make_smem_desc<hopper::Swizzle::k128B>(s.b);
+  hopper::wgmma_m64n128k32_e4m3_rs_init(d, a[0], db);
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk) hopper::wgmma_m64n128k32_e4m3_rs(d, a[kk], hopper::desc_advance(db, kk * 32), kk > 0);
+  for (int kk = 1; kk < 4; ++kk) hopper::wgmma_m64n128k32_e4m3_rs(d, a[kk], hopper::desc_advance(db, kk * 32));
   hopper::wgmma_commit();
   hopper::wgmma_wait<0>();
   hopper::fence_operands(d);

@@ -10,6 +10,7 @@
 namespace qattn::sage2 {
 
 inline constexpr float kLn2 = 0.6931471805599453f;
+inline constexpr float kE4m3MaxF = 448.f;
 
 template <typename T>
 __device__ __forceinline__ uint32_t pack2(float a, float b) {
@@ -24,8 +25,17 @@ __device__ __forceinline__ uint32_t pack2(float a, float b) {
 
 template <typename TOut, int kO, typename Params, typename Softmax>
 __device__ __forceinline__ void store_output(const Params& p, const float (&o)[kO], const Softmax& sm,
-                                             FragCoord fc, int64_t bh_q, int row0) {
+                                             FragCoord fc, int64_t bh_q, int row0,
+                                             const float* v_amax) {
   const int b = static_cast<int>(bh_q / p.heads_q), h = static_cast<int>(bh_q % p.heads_q);
+  // Per-channel V scale (amax / 448) of the thread's columns 8j + 2t, 8j + 2t + 1.
+  float v_scale[kO / 2];
+#pragma unroll
+  for (int j = 0; j < kO / 4; ++j) {
+    const float2 a = *reinterpret_cast<const float2*>(v_amax + 8 * j + 2 * fc.t);
+    v_scale[2 * j] = a.x / kE4m3MaxF;
+    v_scale[2 * j + 1] = a.y / kE4m3MaxF;
+  }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = row0 + 8 * r;
@@ -37,7 +47,8 @@ __device__ __forceinline__ void store_output(const Params& p, const float (&o)[k
 #pragma unroll
     for (int j = 0; j < kO / 4; ++j) {
       const int col = 8 * j + 2 * fc.t;
-      const float v0 = o[4 * j + 2 * r] * inv, v1 = o[4 * j + 2 * r + 1] * inv;
+      const float v0 = o[4 * j + 2 * r] * v_scale[2 * j] * inv;
+      const float v1 = o[4 * j + 2 * r + 1] * v_scale[2 * j + 1] * inv;
       if (col + 1 < p.head_dim) {
         *reinterpret_cast<uint32_t*>(dst + col) = pack2<TOut>(v0, v1);
       } else if (col < p.head_dim) {

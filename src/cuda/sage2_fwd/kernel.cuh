@@ -11,7 +11,9 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cfloat>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/hopper/sync.cuh"
 #include "cuda/hopper/tma.cuh"
@@ -24,10 +26,21 @@
 
 namespace qattn::sage2 {
 
+// Ping-pong scheduling of the consumer warpgroups (on by default; the macro exists so
+// bench/kernel_timing can measure the lever: build it with -DQATTN_SAGE2_PINGPONG=0).
+#ifndef QATTN_SAGE2_PINGPONG
+#define QATTN_SAGE2_PINGPONG 1
+#endif
+inline constexpr bool kPingPong = QATTN_SAGE2_PINGPONG != 0;
+
+// Named barriers 1 and 2 order the consumer warpgroups' turns on the tensor cores
+// (barrier 0 is __syncthreads).
+inline constexpr uint32_t kTurnBarrier = 1;
+
 struct AttentionParams {
   const float* q_scale;  // per-thread groups, (B, Hq, nq_pad / 64 * 32)
   const float* k_scale;  // (B, Hkv, nkv_pad / 128 * 4)
-  const float* v_scale;  // (B, Hkv, nkv_pad / 128, D)
+  const float* v_amax;   // (B, Hkv, D): V scale = amax / 448
   const float* q_dot_c;  // (B, Hq, nq_pad)
   void* o;
   int64_t o_stride_b, o_stride_h, o_stride_n;
@@ -137,9 +150,11 @@ __global__ void __launch_bounds__(384, 1)
   const float q_scale =
       p.q_scale[bh_q * (p.nq_pad / groups::kQBlock * groups::kQThreadGroupsPerBlock) +
                 (m_block * 2 + cw) * groups::kQThreadGroupsPerBlock + warp * 8 + fc.g];
-  const float* k_scale = p.k_scale + bh_kv * (p.nkv_pad / groups::kKvTile * groups::kKThreadGroupsPerTile) + fc.t;
-  const float* v_scale = p.v_scale + bh_kv * (p.nkv_pad / groups::kKvTile) * D + 2 * fc.t;
+  const float* k_scale =
+      p.k_scale + bh_kv * (p.nkv_pad / groups::kKvTile * groups::kKThreadGroupsPerTile) + fc.t;
+
   const CausalMask mask{p.seqlen_q, p.seqlen_kv, p.causal != 0};
+  const int row_first = m_block * Tr::kBlockM + cw * 64;
 
   constexpr int kS = Tr::kBlockN / 2;  // score elements per thread
   constexpr int kO = D / 2;            // output elements per thread
@@ -147,72 +162,122 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
   for (int i = 0; i < kO; ++i) o[i] = 0.f;
   OnlineSoftmax<kS> softmax;
+  int32_t acc_s[kS];
+  uint32_t a_p[kS / 16][4];  // 448·P of the tile whose P·V is next, as E4M3 A fragments
+  float alpha[2];            // the O rescale that goes with a_p
 
   hopper::mbarrier_wait(&s.q_full, 0);
   const uint64_t desc_q = hopper::make_smem_desc<Tr::kQKSwizzle>(s.q + cw * 64 * D);
 
-  for (int it = 0; it < n_tiles; ++it) {
+  // Callers wait on the stage's "full" barrier first.
+  auto issue_qk = [&](int it) {
     const int st = it % Tr::kStages;
-    const uint32_t phase = (it / Tr::kStages) & 1;
-    const float qk_scale = q_scale * __ldg(k_scale + it * groups::kKThreadGroupsPerTile);
-
-    // S = Q·Kᵀ (INT8 -> INT32)
-    int32_t acc_s[kS];
-    hopper::mbarrier_wait(&s.k_full[st], phase);
-    hopper::wgmma_fence();
     const uint64_t desc_k = hopper::make_smem_desc<Tr::kQKSwizzle>(s.k[st]);
+    hopper::wgmma_m64n128k32_s8_ss_init(acc_s, desc_q, desc_k);
 #pragma unroll
-    for (int kk = 0; kk < D / 32; ++kk)
+    for (int kk = 1; kk < D / 32; ++kk)
       hopper::wgmma_m64n128k32_s8_ss(acc_s, hopper::desc_advance(desc_q, kk * 32),
-                                     hopper::desc_advance(desc_k, kk * 32), kk > 0);
+                                     hopper::desc_advance(desc_k, kk * 32));
     hopper::wgmma_commit();
-    hopper::wgmma_wait<0>();
-    hopper::fence_operands(acc_s);
-    __syncwarp();
-    if (lane == 0) hopper::mbarrier_arrive(&s.k_empty[st]);
-
-    // Dequantize into the log2 domain, mask, online softmax.
-    float x[kS];
-#pragma unroll
-    for (int i = 0; i < kS; ++i) x[i] = __int2float_rn(acc_s[i]) * qk_scale;
-    if (mask.needed(it * Tr::kBlockN, m_block * Tr::kBlockM + cw * 64))
-      mask.apply(x, fc, it * Tr::kBlockN, row0);
-    float alpha[2];
-    softmax.step(x, alpha);
-    uint32_t a_p[kS / 16][4];
-    pack_p_fragments(x, a_p);
-
-    // O_tile = P·V (E4M3 -> FP32) in fresh registers, then the two-level merge.
-    float acc_o[kO];
-    hopper::mbarrier_wait(&s.v_full[st], phase);
-    hopper::wgmma_fence();
+  };
+  auto issue_pv = [&](int st, float (&acc_o)[kO]) {
     const uint64_t desc_v = hopper::make_smem_desc<Tr::kVSwizzle>(s.v[st]);
+    if constexpr (D == 128) {
+      hopper::wgmma_m64n128k32_e4m3_rs_init(acc_o, a_p[0], desc_v);
 #pragma unroll
-    for (int kk = 0; kk < Tr::kBlockN / 32; ++kk) {
-      if constexpr (D == 128)
-        hopper::wgmma_m64n128k32_e4m3_rs(acc_o, a_p[kk], hopper::desc_advance(desc_v, kk * 32), kk > 0);
-      else
-        hopper::wgmma_m64n64k32_e4m3_rs(acc_o, a_p[kk], hopper::desc_advance(desc_v, kk * 32), kk > 0);
+      for (int kk = 1; kk < Tr::kBlockN / 32; ++kk)
+        hopper::wgmma_m64n128k32_e4m3_rs(acc_o, a_p[kk], hopper::desc_advance(desc_v, kk * 32));
+    } else {
+      hopper::wgmma_m64n64k32_e4m3_rs_init(acc_o, a_p[0], desc_v);
+#pragma unroll
+      for (int kk = 1; kk < Tr::kBlockN / 32; ++kk)
+        hopper::wgmma_m64n64k32_e4m3_rs(acc_o, a_p[kk], hopper::desc_advance(desc_v, kk * 32));
     }
     hopper::wgmma_commit();
+  };
+  // Scores and online softmax of tile `it` from acc_s (its Q·Kᵀ must be complete);
+  // frees its K stage and leaves 448·P in x.
+  // The tile's K scale is loaded by the caller before the MMAs it waits on, so the load
+  // latency hides behind them.
+  auto softmax_tile = [&](int it, float k_scale_tile, float (&x)[kS], float (&alpha_out)[2]) {
+    hopper::fence_operands(acc_s);
+    __syncwarp();
+    if (lane == 0) hopper::mbarrier_arrive(&s.k_empty[it % Tr::kStages]);
+    // qk > 0 keeps masked (-inf) scores at -inf; an all-zero scale group has all-zero
+    // products, so the floor changes nothing.
+    const float qk = fmaxf(q_scale * k_scale_tile, FLT_MIN);
+#pragma unroll
+    for (int i = 0; i < kS; ++i) x[i] = __int2float_rn(acc_s[i]);
+    if (mask.needed(it * Tr::kBlockN, row_first)) mask.apply(x, fc, it * Tr::kBlockN, row0);
+    softmax.step(x, qk, alpha_out);
+  };
+
+  // Ping-pong: the two consumer warpgroups take turns on the tensor cores, so one runs
+  // its softmax while the other's MMAs execute. Warpgroup cw waits on named barrier
+  // kTurnBarrier + cw before issuing MMAs and then hands the turn to the other.
+  const uint32_t my_turn = kTurnBarrier + cw, their_turn = kTurnBarrier + (1 - cw);
+  constexpr uint32_t kTurnThreads = 256;
+  // MMA rounds per warpgroup: the first Q·Kᵀ plus one round per tile. Warpgroup 1
+  // opens the first round of warpgroup 0 and does not hand over after its last one,
+  // so no barrier arrival is left pending at exit.
+  const int rounds = n_tiles > 0 ? n_tiles + 1 : 0;
+  constexpr bool pingpong = kPingPong;
+  if (pingpong && cw == 1 && rounds > 0) hopper::named_barrier_arrive(their_turn, kTurnThreads);
+  auto begin_turn = [&] {
+    if (pingpong) hopper::named_barrier_sync(my_turn, kTurnThreads);
+  };
+  auto end_turn = [&](int round) {
+    if (pingpong && (cw == 0 || round + 1 < rounds)) hopper::named_barrier_arrive(their_turn, kTurnThreads);
+  };
+
+  if (n_tiles > 0) {
+    const float ks0 = __ldg(k_scale);
+    hopper::mbarrier_wait(&s.k_full[0], 0);
+    begin_turn();
+    hopper::wgmma_fence();
+    issue_qk(0);
+    end_turn(0);
+    hopper::wgmma_wait<0>();
+    float x[kS];
+    softmax_tile(0, ks0, x, alpha);
+    pack_p_fragments(x, a_p);
+  }
+  // One turn on the tensor cores per tile: Q·Kᵀ of the next tile (if any) and P·V of
+  // this one. The MMAs are issued on straight-line paths (no branch around a wgmma),
+  // which ptxas needs to keep them asynchronous (C7520).
+  auto turn = [&](int it, auto has_next) {
+    const int st = it % Tr::kStages;
+    const float ks_next = has_next ? __ldg(k_scale + (it + 1) * groups::kKThreadGroupsPerTile) : 0.f;
+    float acc_o[kO];
+    hopper::mbarrier_wait(&s.v_full[st], (it / Tr::kStages) & 1);
+    if constexpr (has_next) hopper::mbarrier_wait(&s.k_full[(it + 1) % Tr::kStages], ((it + 1) / Tr::kStages) & 1);
+    begin_turn();
+    hopper::wgmma_fence();
+    if constexpr (has_next) issue_qk(it + 1);
+    issue_pv(st, acc_o);
+    end_turn(it + 1);
     hopper::wgmma_wait<0>();
     hopper::fence_operands(acc_o);
+    hopper::fence_operands(a_p);
     __syncwarp();
     if (lane == 0) hopper::mbarrier_arrive(&s.v_empty[st]);
 
-    const float* vs = v_scale + static_cast<int64_t>(it) * D;
+    // Two-level accumulation: the tile's product landed in fresh registers; one FMA.
 #pragma unroll
-    for (int j = 0; j < kO / 4; ++j) {
-      const float2 sc = __ldg(reinterpret_cast<const float2*>(vs + 8 * j));
-      o[4 * j + 0] = fmaf(o[4 * j + 0], alpha[0], acc_o[4 * j + 0] * sc.x);
-      o[4 * j + 1] = fmaf(o[4 * j + 1], alpha[0], acc_o[4 * j + 1] * sc.y);
-      o[4 * j + 2] = fmaf(o[4 * j + 2], alpha[1], acc_o[4 * j + 2] * sc.x);
-      o[4 * j + 3] = fmaf(o[4 * j + 3], alpha[1], acc_o[4 * j + 3] * sc.y);
+    for (int i = 0; i < kO; ++i) o[i] = fmaf(o[i], alpha[(i % 4) / 2], acc_o[i]);
+
+    if constexpr (has_next) {
+      float x[kS];
+      softmax_tile(it + 1, ks_next, x, alpha);
+      pack_p_fragments(x, a_p);
     }
-  }
+  };
+  for (int it = 0; it + 1 < n_tiles; ++it) turn(it, std::true_type{});
+  if (n_tiles > 0) turn(n_tiles - 1, std::false_type{});
 
   softmax.finish();
-  store_output<TOut, kO>(p, o, softmax, fc, bh_q, row0);
+  store_output<TOut, kO>(p, o, softmax, fc, bh_q, row0,
+                         p.v_amax + bh_kv * D);
 }
 
 }  // namespace qattn::sage2

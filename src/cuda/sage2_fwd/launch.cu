@@ -26,7 +26,7 @@ QuantizeOutputs outputs(const WorkspaceLayout& w, void* ws) {
   return {reinterpret_cast<int8_t*>(base + w.q_i8),     reinterpret_cast<float*>(base + w.q_scale),
           reinterpret_cast<float*>(base + w.q_dot_c),   reinterpret_cast<int8_t*>(base + w.k_i8),
           reinterpret_cast<float*>(base + w.k_scale),   reinterpret_cast<float*>(base + w.k_mean),
-          reinterpret_cast<uint8_t*>(base + w.vt_f8),   reinterpret_cast<float*>(base + w.v_scale)};
+          reinterpret_cast<uint8_t*>(base + w.vt_f8),   reinterpret_cast<float*>(base + w.v_amax)};
 }
 
 template <int D, typename TOut>
@@ -52,7 +52,7 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
   AttentionParams ap{};
   ap.q_scale = q.q_scale;
   ap.k_scale = q.k_scale;
-  ap.v_scale = q.v_scale;
+  ap.v_amax = q.v_amax;
   ap.q_dot_c = q.q_dot_c;
   ap.o = p.o.data;
   ap.o_stride_b = p.o.stride_b;

@@ -18,7 +18,7 @@ namespace qattn::sage2 {
 //   k_scale float (B, Hkv, Nkv_pad / 128 * 4)
 //   k_mean  float (B, Hkv, D)               the smoothing vector c
 //   vt_f8   e4m3  (B, Hkv, D, Nkv_pad)      Vᵀ, tokens permuted in groups of 16
-//   v_scale float (B, Hkv, Nkv_pad / 128, D) per-(KV tile, channel) scales
+//   v_amax  float (B, Hkv, D)               per-channel amax of V (scale = amax / 448)
 // D is the head dim padded to 64 or 128.
 std::size_t workspace_bytes(const qattn_fwd_params& p);
 

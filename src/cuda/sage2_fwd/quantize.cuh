@@ -35,10 +35,11 @@ struct QuantizeOutputs {
   float* k_scale;
   float* k_mean;
   uint8_t* vt_f8;
-  float* v_scale;
+  float* v_amax;  // (B, Hkv, D): per-channel amax of V; scale = amax / 448
 };
 
-// Enqueue the three quantization kernels (K mean, K+V, Q) on the stream.
+// Enqueues the quantization passes on the stream: K mean and V amax (reads a sample
+// of K and all of V), then K and V, then Q.
 template <typename T, int D>
 cudaError_t launch_quantize(const InputView<T>& q, const InputView<T>& k, const InputView<T>& v,
                             const QuantizeParams& p, const QuantizeOutputs& out, cudaStream_t stream);

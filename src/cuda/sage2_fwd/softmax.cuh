@@ -27,38 +27,52 @@ __device__ __forceinline__ uint16_t pack_e4m3x2(float lo, float hi) {
 
 template <int kCols>  // accumulator elements per thread (kBlockN / 2)
 struct OnlineSoftmax {
+  static constexpr int kPartials = 2;
   float m[2] = {-INFINITY, -INFINITY};  // running max of rows g, g + 8 (log2 units)
   float l[2] = {0.f, 0.f};              // this thread's part of the row sums (x448)
 
-  // Updates max and sum with this tile's scores; turns x into 448·P in place and
-  // returns the factor by which the old O must be scaled, per row.
-  __device__ __forceinline__ void step(float (&x)[kCols], float (&alpha)[2]) {
-    float mx[2] = {m[0], m[1]};
+  // Updates max and sum with this tile's raw scores s (float of the INT32 product,
+  // masked ones -inf) times qk = q_scale·k_scale (> 0, uniform over the thread's
+  // elements); turns s into 448·P in place and returns, per row, the factor by which
+  // the old O must be scaled. The max is taken on raw values, so each element costs
+  // one FFMA and one exp2.
+  __device__ __forceinline__ void step(float (&s)[kCols], float qk, float (&alpha)[2]) {
+    // Reductions run as kPartials independent chains per row: with ping-pong only one
+    // warp per scheduler is in its softmax at a time, so latency, not throughput, bounds
+    // a serial chain.
+    float mp[2][kPartials];
 #pragma unroll
-    for (int i = 0; i < kCols; ++i) mx[(i % 4) / 2] = fmaxf(mx[(i % 4) / 2], x[i]);
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int k = 0; k < kPartials; ++k) mp[r][k] = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < kCols; ++i) mp[(i % 4) / 2][(i / 4) % kPartials] = fmaxf(mp[(i % 4) / 2][(i / 4) % kPartials], s[i]);
+    float mx[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mp[r][0], mp[r][1]);
+      mx[r] = fmaxf(m[r], mx[r] * qk);
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 1));
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 2));
     }
-    float bias[2];
+    float neg_bias[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       // A row that has seen only masked keys keeps m = -inf; use 0 so no inf - inf.
       const bool empty = mx[r] == -INFINITY;
       alpha[r] = empty ? 1.f : exp2_approx(m[r] - mx[r]);
-      bias[r] = empty ? 0.f : mx[r] - kLog2E4m3Max;
+      neg_bias[r] = empty ? 0.f : kLog2E4m3Max - mx[r];
       m[r] = mx[r];
     }
-    float sum[2] = {0.f, 0.f};
+    float sp[2][kPartials] = {};
 #pragma unroll
     for (int i = 0; i < kCols; ++i) {
       const int r = (i % 4) / 2;
-      x[i] = exp2_approx(x[i] - bias[r]);
-      sum[r] += x[i];
+      s[i] = exp2_approx(fmaf(s[i], qk, neg_bias[r]));
+      sp[r][(i / 4) % kPartials] += s[i];
     }
 #pragma unroll
-    for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + sum[r];
+    for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + (sp[r][0] + sp[r][1]);
   }
 
   // Full row sums (the 4 threads of a quad share a row).

@@ -1,0 +1,361 @@
+#!/usr/bin/env python3
+"""Forward attention speed on the GPU, side by side in one process (DESIGN §4):
+
+  qattn         qattn.attention end-to-end (quantization + attention, Python call included)
+  qattn_kernel  the attention kernel alone, on the workspace a full call filled
+  sdpa_cudnn    torch SDPA, cuDNN backend (BF16)
+  sdpa_flash    torch SDPA, FlashAttention-2 backend (BF16)
+
+on the standard grid (B=4, H=32, N = 1K..32K, d = 64/128, causal off/on) and model
+shapes (video DiT, image DiT, LLM prefill with GQA). Writes OUT/forward-h200.json
+({"env": {...}, "rows": [{method, d, causal, n, batch, heads, tops, ms, ...}]}) and
+OUT/forward-h200.png (TOPS against N per (d, causal)), and prints a table last.
+
+Timing: CUDA events around every call, after warm-up; the median of each of two
+passes over the same configuration (both kept, to show the noise; `ms` is the lower
+one); random normal bf16 inputs; several input sets rotated when one set would fit in
+L2. TOPS = 4·B·Hq·Nq·Nkv·d / s, halved for causal (Nq = Nkv everywhere here).
+
+Run on the device from the repo root (after python/build_on_device.sh):
+  PYTHONPATH=python python3 bench/forward.py --out $OUT            # full, ~3-5 min
+  PYTHONPATH=python python3 bench/forward.py --quick --out $OUT    # ~1 min
+"""
+
+import argparse
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+import qattn  # noqa: E402
+
+METHODS = ("qattn", "qattn_kernel", "sdpa_cudnn", "sdpa_flash")
+L2_FALLBACK_BYTES = 60 << 20  # H200
+
+
+@dataclass
+class Shape:
+    name: str  # "grid" or a model label
+    batch: int
+    heads: int
+    heads_kv: int
+    n: int
+    d: int
+    causal: bool
+
+
+@dataclass
+class Row:
+    method: str
+    shape: str
+    d: int
+    causal: bool
+    n: int
+    batch: int
+    heads: int
+    heads_kv: int
+    tops: Optional[float]
+    ms: Optional[float]
+    ms_passes: List[float] = field(default_factory=list)
+    iters: int = 0
+    cossim_vs_cudnn: Optional[float] = None
+    note: str = ""
+
+
+def standard_grid(quick: bool) -> List[Shape]:
+    ns = [1024, 4096] if quick else [1024, 2048, 4096, 8192, 16384, 32768]
+    ds = [128] if quick else [64, 128]
+    return [Shape("grid", 4, 32, 32, n, d, c) for d in ds for c in (False, True) for n in ns]
+
+
+def model_shapes(quick: bool) -> List[Shape]:
+    shapes = [Shape("image_dit", 1, 24, 24, 4608, 128, False)]  # 72x64 latent patches
+    if quick:
+        return shapes + [Shape("llm_prefill_gqa", 1, 32, 8, 8192, 128, True)]
+    return shapes + [
+        Shape("video_dit_17k", 1, 24, 24, 17776, 128, False),  # ~CogVideoX 5B, 49 frames
+        Shape("video_dit_75k", 1, 24, 24, 75600, 128, False),  # ~HunyuanVideo 720p
+        Shape("llm_prefill_gqa", 1, 32, 8, 8192, 128, True),
+        Shape("llm_prefill_gqa", 1, 32, 8, 32768, 128, True),
+    ]
+
+
+def tera_ops(s: Shape) -> float:
+    ops = 4.0 * s.batch * s.heads * s.n * s.n * s.d
+    return (ops / 2 if s.causal else ops) / 1e12
+
+
+# ---- timing ----------------------------------------------------------------------------
+
+
+def time_fn(fn: Callable[[int], object], *, warmup: int, min_iters: int, max_iters: int,
+            budget_s: float, passes: int = 2):
+    """Median milliseconds of each pass of `fn(i)` (i = call index, for rotation)."""
+    for i in range(warmup):
+        fn(i)
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn(0)
+    stop.record()
+    stop.synchronize()
+    est_ms = max(start.elapsed_time(stop), 1e-3)
+    iters = int(min(max_iters, max(min_iters, budget_s * 1e3 / est_ms)))
+    medians = []
+    for _ in range(passes):
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        stops = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        for i in range(iters):
+            starts[i].record()
+            fn(i)
+            stops[i].record()
+        torch.cuda.synchronize()
+        ms = sorted(a.elapsed_time(b) for a, b in zip(starts, stops))
+        medians.append(ms[len(ms) // 2] if len(ms) % 2 else 0.5 * (ms[len(ms) // 2 - 1] + ms[len(ms) // 2]))
+    return medians, iters
+
+
+def input_sets(s: Shape, l2_bytes: int, seed: int = 0):
+    """Random normal bf16 (q, k, v) sets in HND; several when one set fits in L2."""
+    set_bytes = 2 * (s.batch * s.heads * s.n * s.d * 2 + 2 * s.batch * s.heads_kv * s.n * s.d)
+    count = 1 if set_bytes >= 2 * l2_bytes else min(8, math.ceil(3 * l2_bytes / set_bytes))
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    sets = []
+    for _ in range(count):
+        q = torch.randn(s.batch, s.heads, s.n, s.d, device="cuda", dtype=torch.bfloat16, generator=g)
+        k = torch.randn(s.batch, s.heads_kv, s.n, s.d, device="cuda", dtype=torch.bfloat16, generator=g)
+        v = torch.randn(s.batch, s.heads_kv, s.n, s.d, device="cuda", dtype=torch.bfloat16, generator=g)
+        sets.append((q, k, v))
+    return sets
+
+
+def cossim(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float().flatten(), b.float().flatten()
+    return (a @ b / (a.norm() * b.norm())).item()
+
+
+def measure_shape(s: Shape, args, l2_bytes: int) -> List[Row]:
+    sets = input_sets(s, l2_bytes)
+    n_sets = len(sets)
+    gqa = s.heads != s.heads_kv
+    timing = dict(warmup=args.warmup, min_iters=args.min_iters, max_iters=args.max_iters,
+                  budget_s=args.budget_s)
+    rows = []
+
+    def row(method, medians=None, iters=0, note=""):
+        ms = min(medians) if medians else None
+        r = Row(method, s.name, s.d, s.causal, s.n, s.batch, s.heads, s.heads_kv,
+                tera_ops(s) / (ms * 1e-3) if ms else None, ms, medians or [], iters, note=note)
+        rows.append(r)
+        return r
+
+    # Baselines see K/V expanded to Hq heads for GQA (expanded before timing).
+    def sdpa_inputs(i):
+        q, k, v = sets[i % n_sets]
+        if gqa:
+            k, v = (t.repeat_interleave(s.heads // s.heads_kv, dim=1) for t in (k, v))
+        return q, k, v
+
+    base_sets = [sdpa_inputs(i) for i in range(n_sets)]
+    ref = None
+    for method, backend in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
+        if method not in args.methods:
+            continue
+        if args.skip_baseline_above and s.n > args.skip_baseline_above:
+            row(method, note=f"skipped: N > {args.skip_baseline_above} (--skip-baseline-above)")
+            continue
+        try:
+            with sdpa_kernel(backend):
+                fn = lambda i: F.scaled_dot_product_attention(*base_sets[i % n_sets], is_causal=s.causal)  # noqa: E731
+                out = fn(0)
+                if method == "sdpa_cudnn":
+                    ref = out
+                medians, iters = time_fn(fn, **timing)
+            row(method, medians, iters, "K/V expanded to Hq heads" if gqa else "")
+        except RuntimeError as e:  # backend refuses the shape
+            row(method, note=f"unavailable: {str(e).splitlines()[0][:160]}")
+        torch.cuda.empty_cache()
+
+    if "qattn" in args.methods:
+        fn = lambda i: qattn.attention(*sets[i % n_sets], is_causal=s.causal)  # noqa: E731
+        out = fn(0)
+        medians, iters = time_fn(fn, **timing)
+        r = row("qattn", medians, iters, f"{n_sets} rotating input sets" if n_sets > 1 else "")
+        if ref is not None:
+            r.cossim_vs_cudnn = cossim(out, ref)
+    if "qattn_kernel" in args.methods:
+        run = qattn.attention_kernel_only(*sets[0], is_causal=s.causal)
+        medians, iters = time_fn(lambda i: run(), **timing)
+        row("qattn_kernel", medians, iters, "one workspace (inputs quantized once)")
+    del sets, base_sets, ref
+    torch.cuda.empty_cache()
+    return rows
+
+
+# ---- environment, output -----------------------------------------------------------
+
+
+def nvidia_smi(query: str) -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits", "-i",
+                              str(torch.cuda.current_device())], capture_output=True, text=True, timeout=20)
+        return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def commit_id(explicit: str) -> str:
+    if explicit:
+        return explicit
+    if os.environ.get("QATTN_COMMIT"):
+        return os.environ["QATTN_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).resolve().parent, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def environment(args) -> dict:
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    smi = nvidia_smi("clocks.max.sm,clocks.sm,driver_version").split(", ")
+    return {
+        "gpu": props.name,
+        "sm_clock_mhz": int(smi[0]) if smi and smi[0].isdigit() else None,
+        "sm_clock_now_mhz": int(smi[1]) if len(smi) > 1 and smi[1].isdigit() else None,
+        "driver": smi[2] if len(smi) > 2 else "",
+        "cuda": torch.version.cuda,
+        "torch": torch.__version__,
+        "cudnn": torch.backends.cudnn.version(),
+        "qattn": qattn.__version__,
+        "commit": commit_id(args.commit),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "sm_count": props.multi_processor_count,
+        "dtype": "bf16",
+        "layout": "HND",
+        "timing": f"CUDA events per call, {args.warmup} warm-up, median of each of 2 passes of "
+                  f"{args.min_iters}..{args.max_iters} calls (~{args.budget_s}s), ms = lower median",
+    }
+
+
+def plot(rows: List[Row], path: Path, env: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    grid = [r for r in rows if r.shape == "grid" and r.tops]
+    keys = sorted({(r.d, r.causal) for r in grid})
+    if not keys:
+        return
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.8), squeeze=False)
+    for ax, (d, causal) in zip(axes[0], keys):
+        for method in METHODS:
+            pts = sorted((r.n, r.tops) for r in grid if r.method == method and r.d == d and r.causal == causal)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=method)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length N")
+        ax.set_title(f"d={d}, {'causal' if causal else 'full'}")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("TOPS")
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle(f"Forward attention, B=4 H=32 bf16, {env['gpu']} (commit {env['commit']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def print_table(rows: List[Row]) -> None:
+    configs = []
+    for r in rows:
+        key = (r.shape, r.batch, r.heads, r.heads_kv, r.d, r.causal, r.n)
+        if key not in configs:
+            configs.append(key)
+    print(f"\n{'shape':<16}{'B':>3}{'Hq':>4}{'Hkv':>4}{'d':>5}{'causal':>7}{'N':>7}"
+          + "".join(f"{m:>14}" for m in METHODS) + f"{'cos':>9}")
+    for key in configs:
+        cells, cos = [], ""
+        for m in METHODS:
+            r = next((r for r in rows if (r.shape, r.batch, r.heads, r.heads_kv, r.d, r.causal, r.n) == key
+                      and r.method == m), None)
+            cells.append(f"{r.tops:14.1f}" if r and r.tops else f"{'-':>14}")
+            if r and r.cossim_vs_cudnn is not None:
+                cos = f"{r.cossim_vs_cudnn:9.5f}"
+        shape, b, h, hkv, d, causal, n = key
+        print(f"{shape:<16}{b:>3}{h:>4}{hkv:>4}{d:>5}{int(causal):>7}{n:>7}" + "".join(cells) + cos)
+    print("(TOPS; cos = CosSim of qattn's output to cuDNN's)")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a small grid (~1 minute)")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"), help="output folder")
+    ap.add_argument("--name", default="forward-h200", help="file name stem of the JSON and PNG")
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--no-models", action="store_true", help="standard grid only")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--min-iters", type=int, default=10)
+    ap.add_argument("--max-iters", type=int, default=100)
+    ap.add_argument("--budget-s", type=float, default=0.25, help="target timed seconds per pass")
+    ap.add_argument("--skip-baseline-above", type=int, default=0,
+                    help="skip the SDPA baselines above this N (0: never)")
+    ap.add_argument("--time-limit-s", type=float, default=540,
+                    help="stop measuring (and still write the results) after this long")
+    ap.add_argument("--commit", default="", help="commit id to record (else $QATTN_COMMIT or git)")
+    args = ap.parse_args()
+    if args.quick:
+        args.min_iters, args.max_iters, args.budget_s = 5, 30, 0.1
+
+    if not torch.cuda.is_available():
+        print("bench/forward.py: no CUDA device", file=sys.stderr)
+        return 2
+    if not qattn.device_supported():
+        print(f"bench/forward.py: qattn cannot run on {torch.cuda.get_device_name()}", file=sys.stderr)
+        return 2
+    torch.backends.cuda.matmul.allow_tf32 = False
+    env = environment(args)
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or L2_FALLBACK_BYTES
+    shapes = standard_grid(args.quick) + ([] if args.no_models else model_shapes(args.quick))
+
+    t0 = time.time()
+    rows: List[Row] = []
+    truncated = False
+    for i, s in enumerate(shapes):
+        if time.time() - t0 > args.time_limit_s:
+            truncated = True
+            print(f"time limit reached: {len(shapes) - i} shapes not measured", file=sys.stderr)
+            break
+        new = measure_shape(s, args, l2)
+        rows += new
+        summary = ", ".join(f"{r.method} {r.tops:.0f}" for r in new if r.tops)
+        print(f"[{i + 1}/{len(shapes)} {time.time() - t0:5.0f}s] {s.name} B={s.batch} H={s.heads}/{s.heads_kv} "
+              f"N={s.n} d={s.d} causal={int(s.causal)}: {summary}", file=sys.stderr, flush=True)
+
+    env["wall_s"] = round(time.time() - t0, 1)
+    env["truncated"] = truncated
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = out / f"{args.name}.json", out / f"{args.name}.png"
+    json_path.write_text(json.dumps({"env": env, "rows": [asdict(r) for r in rows]}, indent=1) + "\n")
+    plot(rows, png_path, env)
+    print(f"{env['gpu']}, SM clock max {env['sm_clock_mhz']} MHz, driver {env['driver']}, CUDA {env['cuda']}, "
+          f"torch {env['torch']}, cuDNN {env['cudnn']}, commit {env['commit']}; wrote {json_path} and {png_path}")
+    print_table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
