@@ -1,0 +1,45 @@
+"""qattn: low-bit attention (SageAttention family) with a C ABI core.
+
+    import qattn
+    o = qattn.attention(q, k, v, is_causal=True)          # like F.scaled_dot_product_attention
+    o = qattn.sageattn(q, k, v, tensor_layout="NHD")       # drop-in for SageAttention's sageattn
+
+The compiled module qattn._C links no PyTorch library; the PyTorch integration
+(qattn/ops.py, a torch.library custom op) is pure Python, so one build works with any
+PyTorch version. Without PyTorch, only the _C-level helpers below are available.
+"""
+
+from __future__ import annotations
+
+from . import _C
+from .errors import QattnBackwardNotImplemented, QattnError
+
+__version__ = _C.version()
+
+
+def built_with_cuda() -> bool:
+    """True when the library was built with its CUDA kernels."""
+    return _C.built_with_cuda()
+
+
+def device_supported(device: int = -1) -> bool:
+    """True when the CUDA device (-1: the current one) can run qattn's kernels (sm_90)."""
+    return _C.device_supported(device)
+
+
+__all__ = [
+    "QattnBackwardNotImplemented",
+    "QattnError",
+    "__version__",
+    "built_with_cuda",
+    "device_supported",
+]
+
+try:
+    import torch  # noqa: F401
+except ImportError:  # pragma: no cover - the torch layer needs torch
+    pass
+else:
+    from .ops import attention, attention_kernel_only, sageattn  # noqa: F401
+
+    __all__ += ["attention", "attention_kernel_only", "sageattn"]

@@ -1,0 +1,272 @@
+"""PyTorch integration: qattn.attention as the torch.library custom op "qattn::attention".
+
+The op calls the C ABI through qattn._C with raw pointers, strides and the current
+CUDA stream; its workspace is a uint8 tensor from PyTorch's caching allocator on that
+stream, so a call never synchronizes and can be captured in a CUDA graph. A fake
+(meta) implementation lets torch.compile(fullgraph=True) trace through it.
+"""
+
+# No `from __future__ import annotations`: torch.library reads the real annotations.
+import math
+import warnings
+from typing import Callable, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from . import _C
+from .errors import QattnBackwardNotImplemented, check, invalid
+
+_LAYOUTS = ("HND", "NHD")
+_DTYPES = {torch.float16: _C.DTYPE_FP16, torch.bfloat16: _C.DTYPE_BF16}
+_GRANULARITIES = {"per_thread": 0, "per_warp": 1, "per_block": 2}
+_ROW_MULTIPLE = 8  # elements: the C ABI wants 16-byte strides and pointers
+_ALIGN_BYTES = 16
+
+
+# ---- shape checks (run on real and on fake tensors) ----------------------------------
+
+
+def _bhnd(t: torch.Tensor, layout: str) -> Tuple[int, int, int, int]:
+    """(B, H, N, d) of a tensor in `layout`."""
+    if layout == "HND":
+        b, h, n, d = t.shape
+    else:
+        b, n, h, d = t.shape
+    return b, h, n, d
+
+
+def _check_inputs(q, k, v, layout: str, scale: Optional[float], granularity: str) -> None:
+    if layout not in _LAYOUTS:
+        raise invalid(f"layout = {layout!r}; allowed: 'HND' (B, H, N, d) or 'NHD' (B, N, H, d)")
+    if granularity not in _GRANULARITIES:
+        raise invalid(f"granularity = {granularity!r}; allowed: {', '.join(_GRANULARITIES)}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise invalid(f"{name} is a {type(t).__name__}; allowed: a torch.Tensor")
+        if t.dim() != 4:
+            raise invalid(
+                f"{name} has {t.dim()} dimensions (shape {tuple(t.shape)}); allowed: 4, "
+                f"{'(B, H, N, d)' if layout == 'HND' else '(B, N, H, d)'} for layout {layout!r}"
+            )
+        if t.dtype not in _DTYPES:
+            raise invalid(f"{name}.dtype = {t.dtype}; allowed: torch.float16 or torch.bfloat16")
+        if t.dtype != q.dtype:
+            raise invalid(f"{name}.dtype = {t.dtype} differs from q.dtype = {q.dtype}; allowed: one dtype")
+        if t.device != q.device:
+            raise invalid(f"{name} is on {t.device} but q is on {q.device}; allowed: one CUDA device")
+    if q.device.type not in ("cuda", "meta"):
+        raise invalid(f"q is on {q.device}; allowed: a CUDA device")
+    bq, hq, nq, d = _bhnd(q, layout)
+    bk, hk, nk, dk = _bhnd(k, layout)
+    bv, hv, nv, dv = _bhnd(v, layout)
+    if (bk, hk, nk, dk) != (bv, hv, nv, dv):
+        raise invalid(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ; allowed: the same shape")
+    if bk != bq or dk != d:
+        raise invalid(
+            f"q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch or head_dim ({layout}); "
+            "allowed: the same batch and head_dim"
+        )
+    if hk == 0 or hq % hk != 0:
+        raise invalid(
+            f"heads_q = {hq} is not a multiple of heads_kv = {hk}; allowed: heads_q = g * heads_kv (GQA/MQA)"
+        )
+    if scale is not None and not (math.isfinite(scale) and scale > 0):
+        raise invalid(f"scale = {scale}; allowed: None (1/sqrt(head_dim)) or a finite positive number")
+
+
+# ---- the real call -----------------------------------------------------------------
+
+
+def _usable(t: torch.Tensor, layout: str, d_pad: int) -> torch.Tensor:
+    """A view the C ABI accepts: last dim contiguous and d_pad long, 16-byte aligned
+    pointer, strides of multiples of 8 elements. Copies only when `t` is not one."""
+    d = t.shape[-1]
+    if d != d_pad:
+        return F.pad(t, (0, d_pad - d))  # a fresh contiguous tensor
+    if t.stride(-1) != 1 or t.data_ptr() % _ALIGN_BYTES != 0 or any(
+        s % _ROW_MULTIPLE != 0 for s, n in zip(t.stride()[:3], t.shape[:3]) if n > 1
+    ):
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+def _tensor_arg(t: torch.Tensor, layout: str) -> Tuple[int, int, int, int]:
+    if layout == "HND":
+        return (t.data_ptr(), t.stride(0), t.stride(1), t.stride(2))
+    return (t.data_ptr(), t.stride(0), t.stride(2), t.stride(1))
+
+
+class _Call:
+    """Everything one C call needs, with the buffers kept alive."""
+
+    def __init__(self, q, k, v, is_causal, scale, layout, return_lse, granularity):
+        _check_inputs(q, k, v, layout, scale, granularity)
+        b, hq, nq, d = _bhnd(q, layout)
+        _, hkv, nkv, _ = _bhnd(k, layout)
+        d_pad = -(-d // _ROW_MULTIPLE) * _ROW_MULTIPLE
+        self.d, self.d_pad = d, d_pad
+        self.q, self.k, self.v = (_usable(t, layout, d_pad) for t in (q, k, v))
+        self.o = q.new_empty(self.q.shape)  # contiguous, in the layout
+        self.lse = q.new_empty((b, hq, nq) if return_lse else (0,), dtype=torch.float32)
+        self.args = (
+            _tensor_arg(self.q, layout),
+            _tensor_arg(self.k, layout),
+            _tensor_arg(self.v, layout),
+            _tensor_arg(self.o, layout),
+            self.lse.data_ptr() if return_lse else 0,
+            _DTYPES[q.dtype],
+            (b, hq, hkv, nq, nkv, d_pad),
+            1 if is_causal else 0,
+            # Padded rows keep the caller's d in the default scale.
+            float(scale) if scale is not None else 1.0 / math.sqrt(d),
+            _GRANULARITIES[granularity],
+        )
+        status, self.ws_bytes = _C.workspace_size(*self.args)
+        check(status)
+        self.device = q.device
+        self.workspace = torch.empty(self.ws_bytes, dtype=torch.uint8, device=q.device)
+
+    def launch(self, attention_only: bool = False) -> None:
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        status = _C.forward(
+            *self.args, self.workspace.data_ptr(), self.ws_bytes, stream, attention_only
+        )
+        check(status)
+
+    def outputs(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        o = self.o if self.d == self.d_pad else self.o[..., : self.d].contiguous()
+        return o, self.lse
+
+
+def _run(q, k, v, is_causal, scale, layout, return_lse, granularity):
+    if q.device.type != "cuda":
+        raise invalid(f"q is on {q.device}; allowed: a CUDA device")
+    with torch.cuda.device(q.device):  # the C library runs on the current device
+        call = _Call(q, k, v, is_causal, scale, layout, return_lse, granularity)
+        call.launch()
+        return call.outputs()
+
+
+# ---- the custom op -----------------------------------------------------------------
+
+
+@torch.library.custom_op("qattn::attention", mutates_args=())
+def _attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    is_causal: bool,
+    scale: Optional[float],
+    layout: str,
+    return_lse: bool,
+    granularity: str,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _run(q, k, v, is_causal, scale, layout, return_lse, granularity)
+
+
+@_attention_op.register_fake
+def _attention_fake(q, k, v, is_causal, scale, layout, return_lse, granularity):
+    _check_inputs(q, k, v, layout, scale, granularity)
+    b, hq, nq, _ = _bhnd(q, layout)
+    o = q.new_empty(q.shape)
+    lse = q.new_empty((b, hq, nq) if return_lse else (0,), dtype=torch.float32)
+    return o, lse
+
+
+def _backward(ctx, grad_o, grad_lse):
+    raise QattnBackwardNotImplemented(
+        "qattn.attention has no backward pass yet: training support arrives with the SageBwd "
+        "INT8 backward. For training, use torch.nn.functional.scaled_dot_product_attention, "
+        "or run qattn under torch.no_grad() / torch.inference_mode()."
+    )
+
+
+_attention_op.register_autograd(_backward, setup_context=lambda ctx, inputs, output: None)
+
+
+# ---- public functions --------------------------------------------------------------
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    layout: str = "HND",
+    return_lse: bool = False,
+    *,
+    granularity: str = "per_thread",
+):
+    """SageAttention2-8b attention (INT8 Q·Kᵀ, FP8 P·V) on a Hopper GPU.
+
+    Semantics follow torch.nn.functional.scaled_dot_product_attention: q is
+    (B, Hq, Nq, d) and k, v are (B, Hkv, Nkv, d) for layout "HND", or (B, N, H, d) for
+    "NHD"; fp16 or bf16 on one CUDA device; Hq a multiple of Hkv (GQA/MQA); scale
+    defaults to 1/sqrt(d); with is_causal and Nq != Nkv the mask is aligned to the
+    bottom-right (as FlashAttention >= 2.1; SDPA aligns top-left). d <= 128.
+
+    Returns o (q's shape and dtype, contiguous), and with return_lse also the
+    natural-log log-sum-exp of the scaled scores, (B, Hq, Nq) float32.
+    granularity: quantization groups of Q and K, "per_thread" (default), "per_warp" or
+    "per_block". Raises QattnError with a message naming the bad parameter.
+    """
+    o, lse = torch.ops.qattn.attention(q, k, v, is_causal, scale, layout, return_lse, granularity)
+    return (o, lse) if return_lse else o
+
+
+def sageattn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tensor_layout: str = "HND",
+    is_causal: bool = False,
+    sm_scale: Optional[float] = None,
+    return_lse: bool = False,
+    **kwargs,
+):
+    """Drop-in for SageAttention's `sageattn` (same signature and return values).
+
+    Of the upstream keyword options, `qk_quant_gran` ("per_thread", "per_warp",
+    "per_block") is honoured; `smooth_k` is always on (it is exact: softmax ignores a
+    per-row constant); `pv_accum_dtype`, `smooth_v` and others are accepted and ignored
+    with a warning, since qattn has one SageAttention2-8b kernel."""
+    granularity = kwargs.pop("qk_quant_gran", "per_thread")
+    kwargs.pop("smooth_k", None)
+    if kwargs:
+        warnings.warn(
+            f"qattn.sageattn ignores {sorted(kwargs)}: qattn runs the SageAttention2-8b kernel "
+            "(INT8 Q·Kᵀ with K smoothing, FP8 P·V, two-level FP32 accumulation)",
+            stacklevel=2,
+        )
+    return attention(
+        q, k, v, is_causal=is_causal, scale=sm_scale, layout=tensor_layout,
+        return_lse=return_lse, granularity=granularity,
+    )
+
+
+def attention_kernel_only(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    layout: str = "HND",
+) -> Callable[[], torch.Tensor]:
+    """Benchmarks only ("kernel-only" time, DESIGN §4). Runs one full forward now and
+    returns a function that enqueues only the attention kernel again, on the current
+    stream, over the quantized workspace that forward filled (q, k, v are not read
+    again). The function returns the output tensor it writes."""
+    if q.device.type != "cuda":
+        raise invalid(f"q is on {q.device}; allowed: a CUDA device")
+    with torch.cuda.device(q.device):
+        call = _Call(q, k, v, is_causal, scale, layout, False, "per_thread")
+        call.launch()
+
+    def run() -> torch.Tensor:
+        with torch.cuda.device(call.device):
+            call.launch(attention_only=True)
+        return call.o
+
+    return run
