@@ -193,7 +193,7 @@ void sage3_head(const HeadIo& io, const HeadShape& sh, const Sage3Options& opt,
         }
         const float sp1 = opt.p_scaling == PScaling::TwoLevel ? s_p1[r] : 1.0f;
         for (int c = 0; c < d; ++c) orow[c] = orow[c] * alpha[r] + pv[c] * sp1;
-        if (trace != nullptr) {
+        if (trace != nullptr && r0 + r < trace->row_limit) {
           const int i = r0 + r;
           for (int jj = 0; jj < kKvTile; ++jj) {
             const int j = j0 + jj;

@@ -34,6 +34,7 @@
 // block (16 for NVFP4, 32 for MXFP4).
 #pragma once
 
+#include <limits>
 #include <vector>
 
 #include "emulate/options.h"
@@ -57,8 +58,10 @@ struct Sage3Options {
 };
 
 // Optional record of what the emulator fed to the P·V product: every dequantized P
-// value (E2M1 × block scale, × s_p1 for two-level) of every visible (row, key).
+// value (E2M1 × block scale, × s_p1 for two-level) of every visible (row, key) of the
+// query rows below `row_limit` of each head (a bound on memory for long sequences).
 struct Sage3PTrace {
+  int row_limit = std::numeric_limits<int>::max();
   std::vector<float> p_dequantized;
 };
 

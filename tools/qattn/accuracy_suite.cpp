@@ -1,0 +1,639 @@
+#include "accuracy_suite.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <exception>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <stdexcept>
+#include <thread>
+
+#include "emulate/fp8_per_tensor.h"
+#include "emulate/sage2.h"
+#include "emulate/sage3.h"
+#include "emulate/sagebwd.h"
+#include "emulate/synthetic.h"
+#include "numerics/formats.h"
+#include "reference/attention_fp64.h"
+#include "reference/metrics.h"
+
+namespace qattn::cli {
+namespace {
+
+using emulate::KSmoothing;
+using emulate::PvFormat;
+using emulate::QkFormat;
+using emulate::QSmoothing;
+using numerics::Fp4Format;
+using numerics::Granularity;
+
+// Limits that keep a run on a CPU in minutes rather than hours, and head dims every
+// emulated scheme takes (MXFP4 blocks of 32; the SA2 workspace pads to 64/128).
+constexpr int kMaxSeqLen = 16384;
+constexpr int kMaxHeadDim = 256;
+constexpr int kHeadDimMultiple = 32;
+// Query rows of each head whose P values the P studies and facts look at (all when the
+// sequence is shorter): bounds their memory at long sequence lengths.
+constexpr int kPRows = 256;
+
+// One (batch, head) slice of the inputs: every scheme runs per head, so heads are the
+// unit of parallel work and Hq = Hkv here.
+struct HeadIn {
+  Tensor4 q, k, v, dout;
+};
+
+struct HeadOut {
+  std::vector<float> o, dq, dk, dv;
+  std::vector<float> p;        // dequantized softmax rows (p_quant_softmax)
+  std::vector<float> p_trace;  // distinct dequantized P values (sorted) when traced
+};
+
+enum class Which { O, DQ, DK, DV, P };
+
+const char* which_name(Which w) {
+  switch (w) {
+    case Which::O:
+      return "o";
+    case Which::DQ:
+      return "dq";
+    case Which::DK:
+      return "dk";
+    case Which::DV:
+      return "dv";
+    case Which::P:
+      return "p";
+  }
+  return "?";
+}
+
+using RunFn = std::function<HeadOut(const HeadIn&)>;
+
+struct Run {
+  int temp = 0;  // index into the suite's temperature list
+  RunFn fn;
+  std::vector<HeadOut> heads;
+};
+
+struct RowSpec {
+  std::string study, variant;
+  Which which;
+  int run;
+};
+
+struct RefHead {
+  std::vector<double> o, dq, dk, dv, p;
+  double entropy = 0.0;
+};
+
+std::string temp_label(double t) { return fmt::format("{:g}", t); }
+
+int p_rows(int n) { return std::min(n, kPRows); }
+
+// The exact normalized softmax rows P of the first p_rows(n) queries (double).
+std::vector<double> exact_softmax_rows(const HeadIn& in) {
+  const int n = in.q.n, d = in.q.d, rows = p_rows(n);
+  const double sm_scale = 1.0 / std::sqrt(static_cast<double>(d));
+  std::vector<double> p(static_cast<std::size_t>(rows) * n);
+  for (int i = 0; i < rows; ++i) {
+    double* pr = p.data() + static_cast<std::size_t>(i) * n;
+    double mx = -INFINITY;
+    for (int j = 0; j < n; ++j) {
+      double acc = 0.0;
+      for (int c = 0; c < d; ++c)
+        acc += static_cast<double>(in.q.data[i * d + c]) * in.k.data[j * d + c];
+      pr[j] = acc * sm_scale;
+      mx = std::max(mx, pr[j]);
+    }
+    double z = 0.0;
+    for (int j = 0; j < n; ++j) z += (pr[j] = std::exp(pr[j] - mx));
+    for (int j = 0; j < n; ++j) pr[j] /= z;
+  }
+  return p;
+}
+
+void sort_unique(std::vector<float>& v) {
+  std::sort(v.begin(), v.end());
+  v.erase(std::unique(v.begin(), v.end()), v.end());
+}
+
+// ---- the emulated variants -------------------------------------------------------------
+
+RunFn sa3(Fp4Format f, emulate::PScaling p, KSmoothing k, QSmoothing q, bool trace = false) {
+  return [=](const HeadIn& in) {
+    emulate::Sage3Options o;
+    o.format = f;
+    o.p_scaling = p;
+    o.k_smoothing = k;
+    o.q_smoothing = q;
+    emulate::Sage3PTrace tr;
+    tr.row_limit = kPRows;
+    HeadOut out;
+    out.o = emulate::sage3_attention(in.q, in.k, in.v, {}, o, trace ? &tr : nullptr).o.data;
+    if (trace) {
+      out.p_trace = std::move(tr.p_dequantized);
+      sort_unique(out.p_trace);
+    }
+    return out;
+  };
+}
+
+RunFn sa2(emulate::Sage2Options o) {
+  return [o](const HeadIn& in) {
+    HeadOut out;
+    out.o = emulate::sage2_attention(in.q, in.k, in.v, {}, o).o.data;
+    return out;
+  };
+}
+
+RunFn sagebwd(emulate::Bwd8Format f, emulate::DoVFormat dov) {
+  return [=](const HeadIn& in) {
+    emulate::SageBwdOptions o;
+    o.format = f;
+    o.dov = dov;
+    const auto fwd = emulate::sagebwd_forward(in.q, in.k, in.v, {}, o);
+    auto g = emulate::sagebwd_backward(in.q, in.k, in.v, fwd.o, fwd.lse, in.dout, {}, o);
+    HeadOut out;
+    out.o = fwd.o.data;
+    out.dq = std::move(g.dq.data);
+    out.dk = std::move(g.dk.data);
+    out.dv = std::move(g.dv.data);
+    return out;
+  };
+}
+
+// The normalized softmax rows quantized as a standalone matrix, rows along keys in
+// NVFP4 blocks of 16 (zero-padded to a multiple of 16): the setting where direct
+// scaling meets the [0, 1/6] scale range head-on (SageAttention3 §3.2, Figure 3).
+RunFn softmax_p(emulate::PScaling scaling) {
+  return [scaling](const HeadIn& in) {
+    const int n = in.q.n, rows = p_rows(n);
+    const int cols =
+        (n + numerics::kNvFp4Block - 1) / numerics::kNvFp4Block * numerics::kNvFp4Block;
+    const std::vector<double> exact = exact_softmax_rows(in);
+    std::vector<float> p(static_cast<std::size_t>(rows) * cols, 0.0f);
+    for (int i = 0; i < rows; ++i)
+      for (int j = 0; j < n; ++j)
+        p[static_cast<std::size_t>(i) * cols + j] =
+            static_cast<float>(exact[static_cast<std::size_t>(i) * n + j]);
+    const std::vector<float> deq = scaling == emulate::PScaling::TwoLevel
+                                       ? numerics::quantize_p_two_level(p, rows, cols).dequantized
+                                       : numerics::quantize_p_direct(p, rows, cols).dequantized;
+    HeadOut out;
+    out.p.resize(static_cast<std::size_t>(rows) * n);
+    for (int i = 0; i < rows; ++i)
+      for (int j = 0; j < n; ++j)
+        out.p[static_cast<std::size_t>(i) * n + j] = deq[static_cast<std::size_t>(i) * cols + j];
+    out.p_trace = out.p;
+    sort_unique(out.p_trace);
+    return out;
+  };
+}
+
+RunFn fp8_per_tensor() {
+  return [](const HeadIn& in) {
+    HeadOut out;
+    out.o = emulate::fp8_per_tensor_attention(in.q, in.k, in.v, {}).o.data;
+    return out;
+  };
+}
+
+// ---- the study table ---------------------------------------------------------------------
+
+class Plan {
+ public:
+  // A run shared by every row that names the same key (e.g. SA3's default appears in
+  // four studies) is computed once.
+  int run(const std::string& key, int temp, RunFn fn) {
+    const std::string full = key + "@" + std::to_string(temp);
+    auto it = index_.find(full);
+    if (it != index_.end()) return it->second;
+    runs.push_back(Run{temp, std::move(fn), {}});
+    index_[full] = static_cast<int>(runs.size()) - 1;
+    return index_[full];
+  }
+  void row(const std::string& study, const std::string& variant, Which w, int run_index) {
+    rows.push_back({study, variant, w, run_index});
+  }
+
+  std::vector<Run> runs;
+  std::vector<RowSpec> rows;
+
+ private:
+  std::map<std::string, int> index_;
+};
+
+// Runs whose P values the facts count.
+struct Traced {
+  int kernel_direct = -1, kernel_two_level = -1, softmax_direct = -1, softmax_two_level = -1;
+};
+
+void build_plan(Plan& plan, int study_t, const std::vector<int>& sweep_t,
+                const std::vector<double>& temps, Traced* traced) {
+  using emulate::PScaling;
+  const auto nv = Fp4Format::NvFp4, mx = Fp4Format::MxFp4;
+  const auto two = PScaling::TwoLevel, direct = PScaling::Direct;
+  const auto kmean = KSmoothing::Mean, knone = KSmoothing::None;
+  const auto qmean = QSmoothing::BlockMean, qnone = QSmoothing::None;
+
+  // SageAttention3 (NVFP4, two-level P, Q+K smoothing) and its ablations.
+  const int sa3_default = plan.run("sa3/nv/two/kq", study_t, sa3(nv, two, kmean, qmean, true));
+  const int sa3_direct = plan.run("sa3/nv/direct/kq", study_t, sa3(nv, direct, kmean, qmean, true));
+  traced->kernel_two_level = sa3_default;
+  traced->kernel_direct = sa3_direct;
+  plan.row("fp4_format", "nvfp4", Which::O, sa3_default);
+  plan.row("fp4_format", "mxfp4", Which::O,
+           plan.run("sa3/mx/two/kq", study_t, sa3(mx, two, kmean, qmean)));
+  plan.row("p_scaling", "two_level", Which::O, sa3_default);
+  plan.row("p_scaling", "direct", Which::O, sa3_direct);
+  traced->softmax_two_level = plan.run("p/two", study_t, softmax_p(two));
+  traced->softmax_direct = plan.run("p/direct", study_t, softmax_p(direct));
+  plan.row("p_quant_softmax", "two_level", Which::P, traced->softmax_two_level);
+  plan.row("p_quant_softmax", "direct", Which::P, traced->softmax_direct);
+  plan.row("smoothing_fp4", "none", Which::O,
+           plan.run("sa3/nv/two/-", study_t, sa3(nv, two, knone, qnone)));
+  plan.row("smoothing_fp4", "k", Which::O,
+           plan.run("sa3/nv/two/k", study_t, sa3(nv, two, kmean, qnone)));
+  plan.row("smoothing_fp4", "q", Which::O,
+           plan.run("sa3/nv/two/q", study_t, sa3(nv, two, knone, qmean)));
+  plan.row("smoothing_fp4", "qk", Which::O, sa3_default);
+
+  // SageAttention2 §3.3: the 8-bit format of P̃ in P·V, Q·Kᵀ unquantized so that only
+  // P·V's formats differ. pv_format holds V in FP16 and varies P̃ alone (the claim is
+  // about P̃'s distribution); pv_format_joint puts V in the same format too, as the
+  // paper's Table 7 does.
+  const std::pair<const char*, PvFormat> pv[] = {{"e4m3", PvFormat::E4M3},
+                                                 {"e5m2", PvFormat::E5M2},
+                                                 {"int8", PvFormat::Int8},
+                                                 {"fp16", PvFormat::Fp16}};
+  auto pv_run = [&](PvFormat p_format, std::optional<PvFormat> v_format, int t) {
+    emulate::Sage2Options o;
+    o.qk_format = QkFormat::Fp32;
+    o.pv_format = p_format;
+    o.v_format = v_format;
+    const int v_key = v_format ? static_cast<int>(*v_format) : -1;
+    return plan.run(fmt::format("sa2/p{}/v{}", static_cast<int>(p_format), v_key), t, sa2(o));
+  };
+  for (const auto& [name, f] : pv) {
+    plan.row("pv_format", name, Which::O, pv_run(f, PvFormat::Fp16, study_t));
+  }
+  for (const auto& [name, f] : pv) {
+    plan.row("pv_format_joint", name, Which::O, pv_run(f, std::nullopt, study_t));
+  }
+
+  // SageAttention2 §3.2 (Table 6): INT4 Q·Kᵀ granularity, Q and K smoothed, P·V in FP16.
+  const std::pair<const char*, Granularity> gran[] = {{"per_tensor", Granularity::PerTensor},
+                                                      {"per_block", Granularity::PerBlock},
+                                                      {"per_thread", Granularity::PerThread},
+                                                      {"per_token", Granularity::PerToken}};
+  for (const auto& [name, g] : gran) {
+    emulate::Sage2Options o;
+    o.qk_format = QkFormat::Int4;
+    o.granularity = g;
+    o.q_smoothing = qmean;
+    o.pv_format = PvFormat::Fp16;
+    plan.row("qk_granularity_int4", name, Which::O,
+             plan.run(fmt::format("sa2/int4/g{}", static_cast<int>(g)), study_t, sa2(o)));
+  }
+
+  // SageBwd (SageAttention3 §4): dO·Vᵀ precision and the 8-bit format.
+  using emulate::Bwd8Format;
+  using emulate::DoVFormat;
+  const int bwd = plan.run("bwd/int8/fp16", study_t, sagebwd(Bwd8Format::Int8, DoVFormat::Fp16));
+  const int bwd_dov8 =
+      plan.run("bwd/int8/int8", study_t, sagebwd(Bwd8Format::Int8, DoVFormat::Quantized));
+  const int bwd_fp8 = plan.run("bwd/fp8/fp16", study_t, sagebwd(Bwd8Format::E4M3, DoVFormat::Fp16));
+  for (Which w : {Which::DQ, Which::DK, Which::DV}) {
+    plan.row("sagebwd_dov", "fp16", w, bwd);
+    plan.row("sagebwd_dov", "int8", w, bwd_dov8);
+  }
+  for (Which w : {Which::DQ, Which::DK, Which::DV, Which::O}) {
+    plan.row("sagebwd_format", "int8", w, bwd);
+    plan.row("sagebwd_format", "fp8", w, bwd_fp8);
+  }
+
+  // From diffuse to peaked attention.
+  for (int t : sweep_t) {
+    const std::string at = "@" + temp_label(temps[t]);
+    plan.row("entropy_sweep", "two_level" + at, Which::O,
+             plan.run("sa3/nv/two/kq", t, sa3(nv, two, kmean, qmean, t == study_t)));
+    plan.row("entropy_sweep", "direct" + at, Which::O,
+             plan.run("sa3/nv/direct/kq", t, sa3(nv, direct, kmean, qmean, t == study_t)));
+  }
+  for (int t : sweep_t) {
+    const std::string at = "@" + temp_label(temps[t]);
+    plan.row("p_format_sweep", "e4m3" + at, Which::O, pv_run(PvFormat::E4M3, PvFormat::Fp16, t));
+    plan.row("p_format_sweep", "int8" + at, Which::O, pv_run(PvFormat::Int8, PvFormat::Fp16, t));
+  }
+
+  // The schemes side by side, each with its own defaults.
+  plan.row("schemes", "sa2_8b", Which::O, plan.run("sa2/8b", study_t, sa2({})));
+  emulate::Sage2Options four;
+  four.qk_format = QkFormat::Int4;
+  four.q_smoothing = qmean;
+  plan.row("schemes", "sa2_4b", Which::O, plan.run("sa2/4b", study_t, sa2(four)));
+  plan.row("schemes", "sa3_nvfp4", Which::O, sa3_default);
+  plan.row("schemes", "fp8_per_tensor", Which::O, plan.run("fp8pt", study_t, fp8_per_tensor()));
+  for (Which w : {Which::O, Which::DQ, Which::DK, Which::DV})
+    plan.row("schemes", "sagebwd", w, bwd);
+}
+
+struct CheckSpec {
+  const char* claim;
+  const char* study;
+  const char* better;
+  const char* worse;
+  Which which;
+};
+
+constexpr CheckSpec kChecks[] = {
+    {"NVFP4 above MXFP4 (SageAttention3 Table 1a)", "fp4_format", "nvfp4", "mxfp4", Which::O},
+    {"two-level above direct P scaling (SageAttention3 Table 1b)", "p_scaling", "two_level",
+     "direct", Which::O},
+    {"two-level above direct on the softmax rows P (SA3 Figure 3e)", "p_quant_softmax", "two_level",
+     "direct", Which::P},
+    {"Q+K smoothing above none (SageAttention3 Table 16)", "smoothing_fp4", "qk", "none", Which::O},
+    {"K smoothing above none (SageAttention3 Table 16)", "smoothing_fp4", "k", "none", Which::O},
+    {"Q smoothing above none (SageAttention3 Table 16)", "smoothing_fp4", "q", "none", Which::O},
+    {"E4M3 above INT8 for P (V in FP16; SageAttention2 §3.3)", "pv_format", "e4m3", "int8",
+     Which::O},
+    {"E4M3 above E5M2 for P (V in FP16; SageAttention2 §3.3)", "pv_format", "e4m3", "e5m2",
+     Which::O},
+    {"E4M3 above INT8 for P and V (SageAttention2 Table 7)", "pv_format_joint", "e4m3", "int8",
+     Which::O},
+    {"per-thread above per-block for INT4 (SageAttention2 Table 6)", "qk_granularity_int4",
+     "per_thread", "per_block", Which::O},
+    {"16-bit dO·Vᵀ above INT8 on dQ (SageAttention3 Table 1c)", "sagebwd_dov", "fp16", "int8",
+     Which::DQ},
+    {"INT8 above FP8 SageBwd on dQ (SageAttention3 Table 7)", "sagebwd_format", "int8", "fp8",
+     Which::DQ},
+};
+
+// ---- facts ----------------------------------------------------------------------------------
+
+void count_format_facts(SuiteFacts& f) {
+  std::set<float> e4m3, e2m1;
+  for (int c = 0; c < 256; ++c) {
+    const float v = numerics::e4m3_decode(static_cast<std::uint8_t>(c));
+    if (std::isfinite(v) && v >= 0.0f) e4m3.insert(v);  // −0 and +0 are one value
+  }
+  for (int c = 0; c < 16; ++c) {
+    const float v = numerics::e2m1_decode(static_cast<std::uint8_t>(c));
+    if (v >= 0.0f) e2m1.insert(v);
+  }
+  f.e4m3_nonneg_values = static_cast<int>(e4m3.size());
+  f.e4m3_values_le_one_sixth = static_cast<int>(
+      std::count_if(e4m3.begin(), e4m3.end(), [](float v) { return v <= 1.0f / 6.0f; }));
+  f.e2m1_magnitudes = static_cast<int>(e2m1.size());
+}
+
+long long distinct_over_heads(const Run& run) {
+  std::vector<float> all;
+  for (const HeadOut& h : run.heads) all.insert(all.end(), h.p_trace.begin(), h.p_trace.end());
+  std::sort(all.begin(), all.end());
+  return std::unique(all.begin(), all.end()) - all.begin();
+}
+
+// Runs the tasks on `threads` workers; rethrows the first exception.
+void run_parallel(std::vector<std::function<void()>>& tasks, int threads) {
+  std::atomic<std::size_t> next{0};
+  std::exception_ptr error;
+  std::mutex error_mutex;
+  auto worker = [&] {
+    for (std::size_t i = next++; i < tasks.size(); i = next++) {
+      try {
+        tasks[i]();
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(error_mutex);
+        if (!error) error = std::current_exception();
+      }
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
+  worker();
+  for (std::thread& t : pool) t.join();
+  if (error) std::rethrow_exception(error);
+}
+
+}  // namespace
+
+const std::vector<std::string>& study_order() {
+  static const std::vector<std::string> order = {
+      "fp4_format",     "p_scaling",       "p_quant_softmax",     "smoothing_fp4",
+      "pv_format",      "pv_format_joint", "qk_granularity_int4", "sagebwd_dov",
+      "sagebwd_format", "entropy_sweep",   "p_format_sweep",      "schemes"};
+  return order;
+}
+
+std::string study_description(const std::string& s) {
+  if (s == "fp4_format") return "FP4 format of Q, K, P, V (SA3: two-level P, Q+K smoothing)";
+  if (s == "p_scaling") return "P scaling for the FP4 P·V (SA3: NVFP4, Q+K smoothing)";
+  if (s == "smoothing_fp4") return "Q/K smoothing before FP4 (SA3: NVFP4, two-level P)";
+  if (s == "pv_format") return "format of P̃ in P·V (SA2; V in FP16, Q·Kᵀ unquantized)";
+  if (s == "pv_format_joint") {
+    return "format of P̃ and V together (SA2 Table 7 setup; Q·Kᵀ unquantized)";
+  }
+  if (s == "qk_granularity_int4") {
+    return "INT4 Q·Kᵀ scale groups (SA2: Q and K smoothed, P·V in FP16)";
+  }
+  if (s == "sagebwd_dov") return "precision of dO·Vᵀ in the SageBwd backward (INT8 elsewhere)";
+  if (s == "sagebwd_format") return "8-bit format of SageBwd's quantized matmuls (dO·Vᵀ FP16)";
+  if (s == "entropy_sweep")
+    return "SA3 two-level vs direct P as attention sharpens (T: temperature)";
+  if (s == "p_format_sweep") {
+    return "P̃'s format alone (V in FP16, Q·Kᵀ unquantized), E4M3 vs INT8, as attention sharpens";
+  }
+  if (s == "p_quant_softmax") {
+    return "the normalized softmax rows P quantized to NVFP4 on their own (error of P itself)";
+  }
+  if (s == "schemes") return "every scheme with its own defaults";
+  return s;
+}
+
+void validate(const SuiteConfig& c) {
+  auto fail = [](const std::string& m) { throw std::invalid_argument(m); };
+  if (c.batch < 1) fail(fmt::format("--batch must be >= 1, got {}", c.batch));
+  if (c.heads < 1) fail(fmt::format("--heads must be >= 1, got {}", c.heads));
+  if (c.seq_len < 1 || c.seq_len > kMaxSeqLen) {
+    fail(fmt::format("--seq-len must be in [1, {}], got {}", kMaxSeqLen, c.seq_len));
+  }
+  if (c.head_dim < kHeadDimMultiple || c.head_dim > kMaxHeadDim ||
+      c.head_dim % kHeadDimMultiple != 0) {
+    fail(fmt::format("--head-dim must be a multiple of {} in [{}, {}] (MXFP4 blocks of 32), got {}",
+                     kHeadDimMultiple, kHeadDimMultiple, kMaxHeadDim, c.head_dim));
+  }
+  if (c.temperatures.empty()) fail("--temperatures must list at least one temperature");
+  for (double t : c.temperatures) {
+    if (!std::isfinite(t) || t <= 0.0) fail(fmt::format("--temperatures: {} is not > 0", t));
+  }
+  if (!std::isfinite(c.study_temperature) || c.study_temperature <= 0.0) {
+    fail(fmt::format("--study-temperature must be > 0, got {}", c.study_temperature));
+  }
+  if (c.threads < 0) fail(fmt::format("--threads must be >= 0, got {}", c.threads));
+}
+
+SuiteResult run_suite(const SuiteConfig& config) {
+  validate(config);
+  const auto start = std::chrono::steady_clock::now();
+  SuiteResult result;
+  result.config = config;
+  count_format_facts(result.facts);
+
+  // Temperatures: the study temperature first, then the sweep's (each generated once).
+  std::vector<double> temps = {config.study_temperature};
+  std::vector<int> sweep_t;
+  for (double t : config.temperatures) {
+    auto it = std::find(temps.begin(), temps.end(), t);
+    if (it == temps.end()) {
+      temps.push_back(t);
+      it = temps.end() - 1;
+    }
+    sweep_t.push_back(static_cast<int>(it - temps.begin()));
+  }
+  const int study_t = 0;
+
+  const int nheads = config.batch * config.heads;
+  const int n = config.seq_len, d = config.head_dim;
+  const std::size_t head_elems = static_cast<std::size_t>(n) * d;
+  std::vector<std::vector<HeadIn>> inputs(temps.size());
+  for (std::size_t t = 0; t < temps.size(); ++t) {
+    emulate::SyntheticSpec s;
+    s.batch = config.batch;
+    s.heads_q = s.heads_kv = config.heads;
+    s.seq_q = s.seq_kv = n;
+    s.head_dim = d;
+    s.temperature = temps[t];
+    s.seed = config.seed;
+    const emulate::SyntheticInputs full = emulate::make_synthetic(s);
+    for (int b = 0; b < config.batch; ++b) {
+      for (int h = 0; h < config.heads; ++h) {
+        HeadIn in{Tensor4(1, 1, n, d), Tensor4(1, 1, n, d), Tensor4(1, 1, n, d),
+                  Tensor4(1, 1, n, d)};
+        std::copy_n(full.q.row(b, h, 0), head_elems, in.q.data.begin());
+        std::copy_n(full.k.row(b, h, 0), head_elems, in.k.data.begin());
+        std::copy_n(full.v.row(b, h, 0), head_elems, in.v.data.begin());
+        std::copy_n(full.dout.row(b, h, 0), head_elems, in.dout.data.begin());
+        inputs[t].push_back(std::move(in));
+      }
+    }
+  }
+
+  Plan plan;
+  Traced traced;
+  build_plan(plan, study_t, sweep_t, temps, &traced);
+
+  // Tasks: the references (with the backward at the study temperature, the costliest
+  // first), then every run on every head.
+  std::vector<std::vector<RefHead>> refs(temps.size(), std::vector<RefHead>(nheads));
+  std::vector<std::function<void()>> tasks;
+  const double sm_scale = 1.0 / std::sqrt(static_cast<double>(d));
+  for (std::size_t t = 0; t < temps.size(); ++t) {
+    for (int h = 0; h < nheads; ++h) {
+      tasks.push_back([&, t, h] {
+        const HeadIn& in = inputs[t][h];
+        RefHead& r = refs[t][h];
+        r.o = reference::attention_forward(in.q, in.k, in.v).o.data;
+        r.entropy = emulate::mean_normalized_entropy(in.q, in.k, sm_scale);
+        if (t == study_t) {
+          r.p = exact_softmax_rows(in);
+          auto g = reference::attention_backward(in.q, in.k, in.v, in.dout);
+          r.dq = std::move(g.dq.data);
+          r.dk = std::move(g.dk.data);
+          r.dv = std::move(g.dv.data);
+        }
+      });
+    }
+  }
+  for (Run& run : plan.runs) run.heads.resize(nheads);
+  for (std::size_t r = 0; r < plan.runs.size(); ++r) {
+    for (int h = 0; h < nheads; ++h) {
+      tasks.push_back([&, r, h] {
+        Run& run = plan.runs[r];
+        run.heads[h] = run.fn(inputs[run.temp][h]);
+      });
+    }
+  }
+  const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  result.threads_used = config.threads > 0 ? config.threads : hw;
+  run_parallel(tasks, result.threads_used);
+
+  // Metrics over all heads at once.
+  auto out_of = [](const HeadOut& h, Which w) -> const std::vector<float>& {
+    return w == Which::O    ? h.o
+           : w == Which::DQ ? h.dq
+           : w == Which::DK ? h.dk
+           : w == Which::DV ? h.dv
+                            : h.p;
+  };
+  auto ref_of = [](const RefHead& h, Which w) -> const std::vector<double>& {
+    return w == Which::O    ? h.o
+           : w == Which::DQ ? h.dq
+           : w == Which::DK ? h.dk
+           : w == Which::DV ? h.dv
+                            : h.p;
+  };
+  for (const RowSpec& row : plan.rows) {
+    const Run& run = plan.runs[row.run];
+    std::vector<float> out;
+    std::vector<double> ref;
+    for (int h = 0; h < nheads; ++h) {
+      const auto& o = out_of(run.heads[h], row.which);
+      const auto& r = ref_of(refs[run.temp][h], row.which);
+      out.insert(out.end(), o.begin(), o.end());
+      ref.insert(ref.end(), r.begin(), r.end());
+    }
+    const metrics::ErrorMetrics m = metrics::compare(out, ref);
+    result.ablations.push_back(
+        {row.study, row.variant, which_name(row.which), m.cos_sim, m.rel_l1, m.rmse});
+  }
+
+  std::vector<CheckSpec> checks(std::begin(kChecks), std::end(kChecks));
+  std::vector<std::string> names;  // storage for the generated checks' strings
+  names.reserve(3 * sweep_t.size());
+  for (int t : sweep_t) {
+    const std::string at = "@" + temp_label(temps[t]);
+    names.push_back("E4M3 above INT8 for P (V in FP16), T = " + temp_label(temps[t]));
+    names.push_back("e4m3" + at);
+    names.push_back("int8" + at);
+    const std::size_t b = names.size() - 3;
+    checks.push_back(
+        {names[b].c_str(), "p_format_sweep", names[b + 1].c_str(), names[b + 2].c_str(), Which::O});
+  }
+  for (const CheckSpec& c : checks) {
+    DirectionCheck dc{c.claim, c.study, c.better, c.worse, which_name(c.which)};
+    for (const AblationRow& a : result.ablations) {
+      if (a.study != c.study || a.tensor != dc.tensor) continue;
+      if (a.variant == c.better) dc.better_cos = a.cos;
+      if (a.variant == c.worse) dc.worse_cos = a.cos;
+    }
+    dc.holds = dc.better_cos > dc.worse_cos;
+    result.directions.push_back(dc);
+  }
+
+  auto mean_entropy = [&](int t) {
+    double s = 0.0;
+    for (const RefHead& r : refs[t]) s += r.entropy;
+    return s / nheads;
+  };
+  result.study_entropy = mean_entropy(study_t);
+  for (int t : sweep_t) result.normalized_entropy.push_back(mean_entropy(t));
+
+  result.facts.p_distinct_direct = distinct_over_heads(plan.runs[traced.softmax_direct]);
+  result.facts.p_distinct_two_level = distinct_over_heads(plan.runs[traced.softmax_two_level]);
+  result.facts.kernel_p_distinct_direct = distinct_over_heads(plan.runs[traced.kernel_direct]);
+  result.facts.kernel_p_distinct_two_level =
+      distinct_over_heads(plan.runs[traced.kernel_two_level]);
+  result.facts.p_values_counted = static_cast<long long>(nheads) * p_rows(n) * n;
+
+  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return result;
+}
+
+}  // namespace qattn::cli

@@ -1,0 +1,76 @@
+// The ablation suite behind `qattn accuracy`: every scheme's CPU emulation against the
+// FP64 reference on synthetic inputs (emulate/synthetic.h). docs/accuracy-report.md
+// describes the studies and how to read them.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace qattn::cli {
+
+struct SuiteConfig {
+  int batch = 1;
+  int heads = 2;
+  int seq_len = 1024;
+  int head_dim = 128;
+  std::uint64_t seed = 0;
+  // The temperature of every study but the sweeps (1: the generator's natural scale).
+  double study_temperature = 1.0;
+  std::vector<double> temperatures = {1.0, 0.5, 0.25, 0.125, 0.0625};  // the sweeps
+  int threads = 0;                                                     // 0: one per hardware thread
+};
+
+// One row of the report: a scheme variant's output (or gradient) against the reference.
+struct AblationRow {
+  std::string study, variant, tensor;
+  double cos = 0.0, l1 = 0.0, rmse = 0.0;
+};
+
+// A paper direction checked on this run: `better` should beat `worse` on CosSim.
+struct DirectionCheck {
+  std::string claim;  // e.g. "NVFP4 above MXFP4 (SageAttention3 Table 1a)"
+  std::string study, better, worse, tensor;
+  double better_cos = 0.0, worse_cos = 0.0;
+  bool holds = false;
+};
+
+struct SuiteFacts {
+  int e4m3_nonneg_values = 0;        // distinct non-negative finite E4M3 values
+  int e4m3_values_le_one_sixth = 0;  // ... of them in [0, 1/6]
+  int e2m1_magnitudes = 0;           // distinct non-negative E2M1 values
+  // Distinct dequantized values of the suite's normalized softmax rows (study
+  // temperature, the first 256 query rows of every head) quantized to NVFP4 with direct
+  // and two-level scaling (SageAttention3 Appendix A.10: at most 35·8 = 280 direct).
+  long long p_distinct_direct = 0;
+  long long p_distinct_two_level = 0;
+  // The same count for what the emulated SA3 kernel feeds to P·V: the unnormalized
+  // P̃ = exp(S − m) of each KV tile (NVFP4, Q+K smoothing), same rows.
+  long long kernel_p_distinct_direct = 0;
+  long long kernel_p_distinct_two_level = 0;
+  long long p_values_counted = 0;  // how many P values each count is taken over
+};
+
+struct SuiteResult {
+  SuiteConfig config;
+  SuiteFacts facts;
+  std::vector<AblationRow> ablations;
+  std::vector<DirectionCheck> directions;
+  std::vector<double> normalized_entropy;  // per config.temperatures entry
+  double study_entropy = 0.0;              // at config.study_temperature
+  double seconds = 0.0;                    // wall time of run_suite
+  int threads_used = 0;
+};
+
+// Throws std::invalid_argument naming the option on a bad configuration.
+void validate(const SuiteConfig& config);
+
+// Runs every study; throws std::invalid_argument on a bad configuration.
+SuiteResult run_suite(const SuiteConfig& config);
+
+// One line per study: what it varies and what it holds fixed.
+std::string study_description(const std::string& study);
+// Study names in report order.
+const std::vector<std::string>& study_order();
+
+}  // namespace qattn::cli

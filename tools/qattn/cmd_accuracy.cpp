@@ -1,0 +1,188 @@
+// `qattn accuracy`: the ablation suite of accuracy_suite.h as readable tables and JSON.
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+
+#include "accuracy_suite.h"
+#include "commands.h"
+#include "emulate/synthetic.h"
+
+namespace qattn::cli {
+namespace {
+
+// The generator in one line, from its own defaults (emulate/synthetic.h).
+std::string generator_line() {
+  const emulate::SyntheticSpec g;
+  return fmt::format(
+      "q=(z+b_q)/T, k=z+b_k, v=z, dO=z; z~N(0,1); per (batch, head, channel) b_k~N(0,{:g}^2), "
+      "b_q~N(0,{:g}^2); FP16-rounded",
+      g.k_bias_std, g.q_bias_std);
+}
+
+struct AccuracyArgs {
+  SuiteConfig config;
+  std::string json_path;  // empty: no JSON; "-": standard output
+};
+
+nlohmann::json to_json(const SuiteResult& r) {
+  using nlohmann::json;
+  json j;
+  const SuiteConfig& c = r.config;
+  j["config"] = {{"batch", c.batch},
+                 {"heads", c.heads},
+                 {"seq_len", c.seq_len},
+                 {"head_dim", c.head_dim},
+                 {"seed", c.seed},
+                 {"study_temperature", c.study_temperature},
+                 {"temperatures", c.temperatures},
+                 {"threads", r.threads_used},
+                 {"generator", generator_line()}};
+  const SuiteFacts& f = r.facts;
+  j["facts"] = {{"e4m3_nonneg_values", f.e4m3_nonneg_values},
+                {"e4m3_values_le_one_sixth", f.e4m3_values_le_one_sixth},
+                {"e2m1_magnitudes", f.e2m1_magnitudes},
+                {"p_distinct_values_direct", f.p_distinct_direct},
+                {"p_distinct_values_two_level", f.p_distinct_two_level},
+                {"kernel_p_distinct_values_direct", f.kernel_p_distinct_direct},
+                {"kernel_p_distinct_values_two_level", f.kernel_p_distinct_two_level},
+                {"p_values_counted", f.p_values_counted},
+                {"study_normalized_entropy", r.study_entropy}};
+  json sweep = json::array();
+  for (std::size_t i = 0; i < c.temperatures.size(); ++i) {
+    sweep.push_back(
+        {{"temperature", c.temperatures[i]}, {"normalized_entropy", r.normalized_entropy[i]}});
+  }
+  j["facts"]["entropy_by_temperature"] = sweep;
+  json ab = json::array();
+  for (const AblationRow& a : r.ablations) {
+    ab.push_back({{"study", a.study},
+                  {"variant", a.variant},
+                  {"tensor", a.tensor},
+                  {"cos", a.cos},
+                  {"l1", a.l1},
+                  {"rmse", a.rmse}});
+  }
+  j["ablations"] = ab;
+  json dirs = json::array();
+  for (const DirectionCheck& d : r.directions) {
+    dirs.push_back({{"claim", d.claim},
+                    {"study", d.study},
+                    {"better", d.better},
+                    {"worse", d.worse},
+                    {"tensor", d.tensor},
+                    {"better_cos", d.better_cos},
+                    {"worse_cos", d.worse_cos},
+                    {"holds", d.holds}});
+  }
+  j["directions"] = dirs;
+  j["seconds"] = r.seconds;
+  return j;
+}
+
+void print_tables(std::FILE* out, const SuiteResult& r) {
+  const SuiteConfig& c = r.config;
+  fmt::print(out, "qattn accuracy: every scheme's CPU emulation against the FP64 reference\n");
+  fmt::print(out,
+             "inputs: batch {} x heads {} x seq {} x head_dim {}, seed {}, study temperature {:g} "
+             "(normalized attention entropy {:.3f})\n",
+             c.batch, c.heads, c.seq_len, c.head_dim, c.seed, c.study_temperature, r.study_entropy);
+  fmt::print(out, "generator: {}\n\n", generator_line());
+
+  const SuiteFacts& f = r.facts;
+  fmt::print(out, "facts\n");
+  fmt::print(out, "  E4M3 distinct non-negative finite values   {:>8}\n", f.e4m3_nonneg_values);
+  fmt::print(out, "  ... of them in [0, 1/6]                    {:>8}\n",
+             f.e4m3_values_le_one_sixth);
+  fmt::print(out, "  E2M1 magnitudes                            {:>8}\n", f.e2m1_magnitudes);
+  fmt::print(out, "  distinct dequantized P over {} softmax values (normalized rows | kernel P̃):\n",
+             f.p_values_counted);
+  fmt::print(out,
+             "    direct NVFP4                             {:>8} | {:>8}  (bound 35 x 8 = 280)\n",
+             f.p_distinct_direct, f.kernel_p_distinct_direct);
+  fmt::print(out, "    two-level NVFP4                          {:>8} | {:>8}\n\n",
+             f.p_distinct_two_level, f.kernel_p_distinct_two_level);
+
+  for (const std::string& study : study_order()) {
+    fmt::print(out, "{}: {}\n", study, study_description(study));
+    fmt::print(out, "  {:<18} {:<6} {:>10} {:>10} {:>10}\n", "variant", "tensor", "CosSim",
+               "rel L1", "RMSE");
+    for (const AblationRow& a : r.ablations) {
+      if (a.study != study) continue;
+      fmt::print(out, "  {:<18} {:<6} {:>10.6f} {:>10.5f} {:>10.3e}\n", a.variant, a.tensor, a.cos,
+                 a.l1, a.rmse);
+    }
+    if (study == "entropy_sweep" || study == "p_format_sweep") {
+      fmt::print(out, "  temperature -> normalized entropy:");
+      for (std::size_t i = 0; i < c.temperatures.size(); ++i) {
+        fmt::print(out, "  {:g} -> {:.3f}", c.temperatures[i], r.normalized_entropy[i]);
+      }
+      fmt::print(out, "\n");
+    }
+    fmt::print(out, "\n");
+  }
+
+  fmt::print(out, "paper directions on this run (CosSim)\n");
+  for (const DirectionCheck& d : r.directions) {
+    fmt::print(out, "  [{}] {:<62} {:.6f} vs {:.6f}\n", d.holds ? "holds" : "FAILS", d.claim,
+               d.better_cos, d.worse_cos);
+  }
+  fmt::print(out, "\n{:.1f} s on {} threads\n", r.seconds, r.threads_used);
+}
+
+int run_accuracy(const AccuracyArgs& args) {
+  const bool json_to_stdout = args.json_path == "-";
+  // Open the JSON file before the run, so a bad path fails in a second, not a minute.
+  std::ofstream file;
+  if (!args.json_path.empty() && !json_to_stdout) {
+    file.open(args.json_path);
+    if (!file) throw std::runtime_error("--json: cannot open '" + args.json_path + "' for writing");
+  }
+  const SuiteResult result = run_suite(args.config);
+  // With JSON on stdout the tables go to stderr, so stdout stays valid JSON.
+  print_tables(json_to_stdout ? stderr : stdout, result);
+  if (args.json_path.empty()) return 0;
+  const std::string text = to_json(result).dump(2) + "\n";
+  if (json_to_stdout) {
+    std::fputs(text.c_str(), stdout);
+    return 0;
+  }
+  file << text;
+  if (!file) throw std::runtime_error("--json: failed writing '" + args.json_path + "'");
+  return 0;
+}
+
+}  // namespace
+
+Runner add_accuracy(CLI::App& app) {
+  auto args = std::make_shared<AccuracyArgs>();
+  CLI::App* sub = app.add_subcommand(
+      "accuracy",
+      "Ablation suite on synthetic inputs: every scheme's CPU emulation against FP64 "
+      "(no GPU needed); see docs/accuracy-report.md");
+  SuiteConfig& c = args->config;
+  sub->add_option("--seq-len", c.seq_len, "tokens per sequence (queries = keys)")
+      ->capture_default_str();
+  sub->add_option("--head-dim", c.head_dim, "head dimension, a multiple of 32 up to 256")
+      ->capture_default_str();
+  sub->add_option("--heads", c.heads, "attention heads")->capture_default_str();
+  sub->add_option("--batch", c.batch, "batch size")->capture_default_str();
+  sub->add_option("--seed", c.seed, "generator seed")->capture_default_str();
+  sub->add_option("--temperatures", c.temperatures,
+                  "temperatures of the sweeps (comma-separated; logits are divided by T)")
+      ->delimiter(',')
+      ->capture_default_str();
+  sub->add_option("--study-temperature", c.study_temperature,
+                  "temperature of every study but the sweeps")
+      ->capture_default_str();
+  sub->add_option("--threads", c.threads, "worker threads (0: one per hardware thread)")
+      ->capture_default_str();
+  sub->add_option("--json", args->json_path,
+                  "also write the results as JSON to FILE ('-': stdout)");
+  return [args] { return run_accuracy(*args); };
+}
+
+}  // namespace qattn::cli
