@@ -17,6 +17,13 @@ namespace {
 using numerics::Fp4Format;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// max that keeps a NaN (std::fmax drops it): a NaN score must reach O and the LSE
+// (DESIGN.md §2) instead of making its row look fully masked.
+float nan_max(float a, float b) {
+  if (std::isnan(a) || std::isnan(b)) return std::numeric_limits<float>::quiet_NaN();
+  return a > b ? a : b;
+}
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr double kLog2e = 1.4426950408889634;
 constexpr int kQBlock = groups::kQBlock;
@@ -144,7 +151,7 @@ void sage3_head(const HeadIo& io, const HeadShape& sh, const Sage3Options& opt,
             xv = s * scale_log2;
           }
           x[static_cast<std::size_t>(r) * kKvTile + jj] = xv;
-          mx = std::fmax(mx, xv);
+          mx = nan_max(mx, xv);
         }
         tile_rowmax[r] = mx;
       }
@@ -152,7 +159,7 @@ void sage3_head(const HeadIo& io, const HeadShape& sh, const Sage3Options& opt,
       // Step 5: online softmax; step 6: P̃ (or P2 = P̃/s_p1) for the quantizer.
       std::vector<float> alpha(rows, 1.0f);
       for (int r = 0; r < rows; ++r) {
-        const float m_new = std::fmax(m[r], tile_rowmax[r]);
+        const float m_new = nan_max(m[r], tile_rowmax[r]);
         float* xr = x.data() + static_cast<std::size_t>(r) * kKvTile;
         float* pr = p2.data() + static_cast<std::size_t>(r) * kKvTile;
         if (m_new == kNegInf) {  // no visible key yet: nothing to add, no inf − inf

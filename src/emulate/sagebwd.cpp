@@ -18,6 +18,13 @@ using numerics::Granularity;
 using numerics::Operand;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// max that keeps a NaN (std::fmax drops it): a NaN score must reach O and the LSE
+// (DESIGN.md §2) instead of making its row look fully masked.
+float nan_max(float a, float b) {
+  if (std::isnan(a) || std::isnan(b)) return std::numeric_limits<float>::quiet_NaN();
+  return a > b ? a : b;
+}
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr double kLog2e = 1.4426950408889634;
 constexpr int kQBlock = groups::kQBlock;
@@ -163,8 +170,8 @@ void forward_head(const float* q, const float* k, const float* v, float* o_out, 
         const float* xr = x.data() + static_cast<std::size_t>(r) * kKvTile;
         float* pr = p.data() + static_cast<std::size_t>(r) * kKvTile;
         float mx = kNegInf;
-        for (int jj = 0; jj < kKvTile; ++jj) mx = std::fmax(mx, xr[jj]);
-        const float m_new = std::fmax(m[r], mx);
+        for (int jj = 0; jj < kKvTile; ++jj) mx = nan_max(mx, xr[jj]);
+        const float m_new = nan_max(m[r], mx);
         if (m_new == kNegInf) {  // no visible key yet
           std::fill(pr, pr + kKvTile, 0.0f);
           alpha[r] = 1.0f;

@@ -269,6 +269,23 @@ TEST(Sage3, DirectPHasAtMost280DistinctValuesTwoLevelMany) {
   EXPECT_GT(tset.size(), 10 * dset.size());
 }
 
+// DESIGN.md §2: a NaN input gives NaN in the affected outputs, never a silent number.
+// A NaN in query row 5 poisons its 64-row Q block (the block mean of Q smoothing and
+// the FP4 block scale) and nothing else.
+TEST(Sage3, NanInQueryReachesItsOutputs) {
+  SyntheticSpec s = small_spec(8);
+  s.heads_q = s.heads_kv = 1;
+  auto in = emulate::make_synthetic(s);
+  in.q.at(0, 0, 5, 3) = std::numeric_limits<float>::quiet_NaN();
+  const auto out = sage3_attention(in.q, in.k, in.v, {});
+  EXPECT_TRUE(std::isnan(out.lse[5]));
+  for (int c = 0; c < s.head_dim; ++c) EXPECT_TRUE(std::isnan(out.o.at(0, 0, 5, c)));
+  for (int i = 64; i < s.seq_q; ++i) {
+    EXPECT_TRUE(std::isfinite(out.lse[i]));
+    EXPECT_TRUE(std::isfinite(out.o.at(0, 0, i, 0)));
+  }
+}
+
 // ---- bad inputs -----------------------------------------------------------------------
 
 TEST(Sage3, RejectsBadArguments) {

@@ -267,6 +267,21 @@ TEST(SageBwd, FreshRandomInputs) {
   EXPECT_GT(c.dv, kGradCosMin);
 }
 
+// DESIGN.md §2: a NaN input gives NaN in the affected outputs. A NaN in query row 5
+// poisons its per-block Q scale (rows 0-63) in the forward; dQ of the row is NaN too.
+TEST(SageBwd, NanInQueryReachesItsOutputs) {
+  SyntheticSpec s = small_spec(8);
+  s.heads_q = s.heads_kv = 1;
+  auto in = emulate::make_synthetic(s);
+  in.q.at(0, 0, 5, 3) = std::numeric_limits<float>::quiet_NaN();
+  const auto f = sagebwd_forward(in.q, in.k, in.v, {});
+  const auto g = sagebwd_backward(in.q, in.k, in.v, f.o, f.lse, in.dout, {});
+  EXPECT_TRUE(std::isnan(f.lse[5]));
+  EXPECT_TRUE(std::isnan(f.o.at(0, 0, 5, 0)));
+  EXPECT_TRUE(std::isnan(g.dq.at(0, 0, 5, 0)));
+  for (int i = 64; i < s.seq_q; ++i) EXPECT_TRUE(std::isfinite(f.o.at(0, 0, i, 0)));
+}
+
 // ---- bad inputs --------------------------------------------------------------------------
 
 TEST(SageBwd, RejectsBadArguments) {
