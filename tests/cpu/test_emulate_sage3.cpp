@@ -240,15 +240,17 @@ TEST(Sage3, PaperOrderingsOnFixedSeeds) {
   }
 }
 
-// Fresh inputs each run (seed printed on failure): the threshold and the orderings
-// with wide margins on this generator (two-level vs direct, NVFP4 vs MXFP4, smoothing).
+// Fresh inputs each run (seed printed on failure): the threshold and the orderings with
+// wide margins on this generator (NVFP4 vs MXFP4 ~0.01, smoothing ~0.02). Two-level vs
+// direct is left to the fixed seeds: inside the kernel P̃ = exp(S − m) keeps block
+// maxima near 1 on these rows, so its margin is ~1e-4 (min 1.5e-5 over 40 seeds) —
+// see docs/accuracy-report.md.
 TEST(Sage3, FreshRandomInputs) {
   const std::uint64_t seed = testutil::fresh_seed();
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   const Variants v = measure(seed);
   EXPECT_GT(v.nvfp4, kNvfp4CosMin);
   EXPECT_GT(v.nvfp4, v.mxfp4);
-  EXPECT_GT(v.two_level, v.direct);
   EXPECT_GT(v.qk, v.none);
 }
 
