@@ -55,8 +55,6 @@ def _check_inputs(q, k, v, layout: str, scale: Optional[float], granularity: str
             raise invalid(f"{name}.dtype = {t.dtype} differs from q.dtype = {q.dtype}; allowed: one dtype")
         if t.device != q.device:
             raise invalid(f"{name} is on {t.device} but q is on {q.device}; allowed: one CUDA device")
-    if q.device.type not in ("cuda", "meta"):
-        raise invalid(f"q is on {q.device}; allowed: a CUDA device")
     bq, hq, nq, d = _bhnd(q, layout)
     bk, hk, nk, dk = _bhnd(k, layout)
     bv, hv, nv, dv = _bhnd(v, layout)

@@ -1,0 +1,83 @@
+"""The binding qattn._C without a GPU and without torch: validation through raw
+integers (fake, never-mapped addresses), status codes and messages."""
+
+import pytest
+
+qattn = pytest.importorskip("qattn")
+from qattn import _C  # noqa: E402
+
+
+def fake_tensor(slot, b, h, n, d):
+    """(pointer, stride_b, stride_h, stride_n) of a contiguous HND tensor at a fake,
+    never-mapped address: validation must not read it."""
+    return (slot << 40, h * n * d, n * d, d)
+
+
+def args(b=2, hq=8, hkv=2, nq=300, nkv=500, d=64, causal=0, scale=0.0, gran=0):
+    return (
+        fake_tensor(1, b, hq, nq, d),
+        fake_tensor(2, b, hkv, nkv, d),
+        fake_tensor(3, b, hkv, nkv, d),
+        fake_tensor(4, b, hq, nq, d),
+        5 << 40,
+        _C.DTYPE_BF16,
+        (b, hq, hkv, nq, nkv, d),
+        causal,
+        scale,
+        gran,
+    )
+
+
+# ---- the binding ---------------------------------------------------------------------
+
+
+def test_workspace_size_of_valid_params():
+    status, nbytes = _C.workspace_size(*args())
+    assert status == _C.OK, _C.last_error_message()
+    assert nbytes > 0 and nbytes % 256 == 0
+
+
+@pytest.mark.parametrize(
+    "change,status,words",
+    [
+        (dict(hkv=3), _C.ERROR_INVALID_ARGUMENT, ["heads_q = 8", "heads_kv = 3"]),
+        (dict(d=256), _C.ERROR_UNSUPPORTED, ["head_dim = 256", "1..128"]),
+        (dict(causal=2), _C.ERROR_INVALID_ARGUMENT, ["causal = 2"]),
+        (dict(scale=float("nan")), _C.ERROR_INVALID_ARGUMENT, ["sm_scale"]),
+        (dict(gran=5), _C.ERROR_INVALID_ARGUMENT, ["granularity = 5"]),
+        (dict(b=0), _C.ERROR_INVALID_ARGUMENT, ["batch = 0"]),
+    ],
+)
+def test_binding_reports_the_parameter(change, status, words):
+    got, _ = _C.workspace_size(*args(**change))
+    message = _C.last_error_message()
+    assert got == status, message
+    for w in words:
+        assert w in message, message
+
+
+def test_forward_stops_before_the_device_without_a_usable_gpu():
+    a = args()
+    status, nbytes = _C.workspace_size(*a)
+    status = _C.forward(*a, 6 << 40, nbytes, 0, False)
+    message = _C.last_error_message()
+    # No GPU / CPU-only build: no device. A GPU machine: the fake addresses are not
+    # device memory. Either way nothing was launched.
+    assert status in (_C.ERROR_NO_DEVICE, _C.ERROR_INVALID_ARGUMENT, _C.ERROR_UNSUPPORTED), message
+    status = _C.forward(*a, 6 << 40, nbytes - 1, 0, False)
+    assert status == _C.ERROR_WORKSPACE_TOO_SMALL
+    assert str(nbytes) in _C.last_error_message()
+
+
+def test_error_type_carries_status_and_message():
+    _C.workspace_size(*args(hkv=3))
+    with pytest.raises(qattn.QattnError, match="heads_kv = 3") as info:
+        qattn.errors.check(_C.ERROR_INVALID_ARGUMENT)
+    assert info.value.status == _C.ERROR_INVALID_ARGUMENT
+    assert info.value.status_name == "QATTN_ERROR_INVALID_ARGUMENT"
+
+
+def test_version_and_build():
+    assert qattn.__version__ == _C.version()
+    assert isinstance(qattn.built_with_cuda(), bool)
+    assert isinstance(qattn.device_supported(), bool)

@@ -1,0 +1,133 @@
+"""The torch layer without a GPU, on meta tensors: the custom op's schema and fake
+implementation, torch.compile(fullgraph=True) tracing, the backward error and the
+sageattn keyword handling. Needs torch (any build; CPU is enough) and qattn._C."""
+
+import warnings
+
+import pytest
+
+qattn = pytest.importorskip("qattn")
+torch = pytest.importorskip("torch")
+
+from qattn import _C, ops  # noqa: E402
+
+
+def meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def test_schema():
+    schema = str(torch.ops.qattn.attention.default._schema)
+    assert schema.startswith("qattn::attention(Tensor q, Tensor k, Tensor v, bool is_causal, float? scale")
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_fake_shapes(layout):
+    if layout == "HND":
+        q, k = meta(2, 8, 300, 72), meta(2, 2, 500, 72)
+    else:
+        q, k = meta(2, 300, 8, 72), meta(2, 500, 2, 72)
+    o, lse = qattn.attention(q, k, k, is_causal=True, layout=layout, return_lse=True)
+    assert o.shape == q.shape and o.dtype == q.dtype and o.is_contiguous()
+    assert lse.shape == (2, 8, 300) and lse.dtype == torch.float32
+    assert qattn.attention(q, k, k, layout=layout).shape == q.shape
+
+
+def test_compile_fullgraph_traces():
+    def f(q, k, v):
+        o, lse = qattn.attention(q * 2, k, v, is_causal=True, return_lse=True)
+        return o.float().sum(-1) + lse
+
+    q, k = meta(2, 8, 300, 128), meta(2, 2, 300, 128)
+    out = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, k)
+    assert out.shape == (2, 8, 300)
+
+
+def test_backward_raises_a_clear_error():
+    q = meta(1, 4, 128, 64).requires_grad_(True)
+    o = qattn.attention(q, meta(1, 4, 128, 64), meta(1, 4, 128, 64))
+    assert o.requires_grad
+    with pytest.raises(qattn.QattnBackwardNotImplemented, match="SageBwd"):
+        o.float().sum().backward()
+
+
+def test_shape_errors_at_trace_time():
+    q = meta(1, 8, 128, 64)
+    with pytest.raises(qattn.QattnError, match="heads_q = 8 is not a multiple of heads_kv = 3"):
+        qattn.attention(q, meta(1, 3, 128, 64), meta(1, 3, 128, 64))
+    with pytest.raises(qattn.QattnError, match="dtype"):
+        qattn.attention(q.float(), q.float(), q.float())
+    with pytest.raises(qattn.QattnError, match="layout"):
+        qattn.attention(q, q, q, layout="BSHD")
+    with pytest.raises(qattn.QattnError, match="scale"):
+        qattn.attention(q, q, q, scale=0.0)
+
+
+def test_cpu_tensors_are_refused():
+    q = torch.zeros(1, 2, 16, 64, dtype=torch.bfloat16)
+    with pytest.raises(qattn.QattnError, match="CUDA device"):
+        qattn.attention(q, q, q)
+
+
+def test_sageattn_keywords():
+    q = meta(1, 300, 8, 128)
+    with pytest.warns(UserWarning, match="pv_accum_dtype"):
+        qattn.sageattn(q, q, q, tensor_layout="NHD", pv_accum_dtype="fp32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        o, lse = qattn.sageattn(q, q, q, tensor_layout="NHD", is_causal=True, sm_scale=0.1,
+                                return_lse=True, qk_quant_gran="per_warp", smooth_k=True)
+    assert o.shape == q.shape and lse.shape == (1, 8, 300)
+
+
+# ---- what the op hands the C ABI (built on CPU tensors; nothing is launched) ----------
+
+
+def call_for(q, k, v, layout="HND", **kw):
+    opts = dict(is_causal=False, scale=None, layout=layout, return_lse=False, granularity="per_thread")
+    opts.update(kw)
+    return ops._Call(q, k, v, **opts)
+
+
+def test_call_arguments_hnd_and_nhd():
+    q = torch.zeros(2, 8, 300, 64, dtype=torch.bfloat16)
+    k = torch.zeros(2, 2, 500, 64, dtype=torch.bfloat16)
+    c = call_for(q, k, k, is_causal=True, return_lse=True, granularity="per_block")
+    (qp, *qs), _, _, (op, *os_), lse, dtype, shape, causal, scale, gran = c.args
+    assert qp == q.data_ptr() and qs == [8 * 300 * 64, 300 * 64, 64]  # no copy
+    assert os_ == [8 * 300 * 64, 300 * 64, 64] and op == c.o.data_ptr()
+    assert lse == c.lse.data_ptr() and c.lse.shape == (2, 8, 300)
+    assert (dtype, shape, causal, gran) == (_C.DTYPE_BF16, (2, 8, 2, 300, 500, 64), 1, 2)
+    assert scale == pytest.approx(1 / 8)
+    assert c.ws_bytes > 0 and c.workspace.numel() == c.ws_bytes
+
+    qn = torch.zeros(2, 300, 8, 64, dtype=torch.float16)  # NHD
+    kn = torch.zeros(2, 500, 2, 64, dtype=torch.float16)
+    c = call_for(qn, kn, kn, layout="NHD", scale=0.3)
+    (_, sb, sh, sn) = c.args[0]
+    assert (sb, sh, sn) == (300 * 8 * 64, 64, 8 * 64)
+    assert c.args[5] == _C.DTYPE_FP16 and c.args[6] == (2, 8, 2, 300, 500, 64)
+    assert c.args[8] == pytest.approx(0.3) and c.args[4] == 0
+
+
+def test_call_pads_rows_to_multiples_of_8():
+    q = torch.randn(1, 4, 100, 36).to(torch.bfloat16)
+    c = call_for(q, q, q)
+    assert c.q.shape == (1, 4, 100, 40) and torch.equal(c.q[..., :36], q)
+    assert (c.q[..., 36:] == 0).all()
+    assert c.args[6][-1] == 40
+    assert c.args[8] == pytest.approx(1 / 36 ** 0.5)  # the caller's d, not the padded one
+    o, _ = c.outputs()
+    assert o.shape == q.shape and o.is_contiguous()
+
+
+def test_call_copies_only_what_the_abi_cannot_take():
+    base = torch.zeros(1 + 4 * 64 * 64, dtype=torch.bfloat16)
+    misaligned = base[1:].view(1, 4, 64, 64)  # 2 bytes past a 16-byte boundary
+    c = call_for(misaligned, misaligned, misaligned)
+    assert c.q.data_ptr() % 16 == 0 and c.q.data_ptr() != misaligned.data_ptr()
+    nhd = torch.zeros(1, 64, 4, 64, dtype=torch.bfloat16)
+    view = nhd.transpose(1, 2)  # HND view of NHD memory: legal strides, no copy
+    c = call_for(view, view, view)
+    assert c.q.data_ptr() == nhd.data_ptr()
+    assert c.args[0][1:] == (64 * 4 * 64, 64, 4 * 64)
