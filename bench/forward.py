@@ -260,18 +260,23 @@ def plot(rows: List[Row], path: Path, env: dict) -> None:
     keys = sorted({(r.d, r.causal) for r in grid})
     if not keys:
         return
-    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.8), squeeze=False)
-    for ax, (d, causal) in zip(axes[0], keys):
+    ds = sorted({d for d, _ in keys})
+    fig, axes = plt.subplots(len(ds), 2, figsize=(9, 3.6 * len(ds)), squeeze=False)
+    for (d, causal) in keys:
+        ax = axes[ds.index(d)][int(causal)]
         for method in METHODS:
             pts = sorted((r.n, r.tops) for r in grid if r.method == method and r.d == d and r.causal == causal)
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=method)
+        ns = sorted({r.n for r in grid})
         ax.set_xscale("log", base=2)
+        ax.set_xticks(ns, [f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in ns])
+        ax.set_ylim(bottom=0)
         ax.set_xlabel("sequence length N")
-        ax.set_title(f"d={d}, {'causal' if causal else 'full'}")
+        ax.set_ylabel("TOPS")
+        ax.set_title(f"d={d}, {'causal' if causal else 'non-causal'}")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("TOPS")
-    axes[0][-1].legend(fontsize=8)
+        ax.legend(fontsize=8)
     fig.suptitle(f"Forward attention, B=4 H=32 bf16, {env['gpu']} (commit {env['commit']})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
