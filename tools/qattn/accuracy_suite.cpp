@@ -125,7 +125,11 @@ void sort_unique(std::vector<float>& v) {
 
 // ---- the emulated variants -------------------------------------------------------------
 
-RunFn sa3(Fp4Format f, emulate::PScaling p, KSmoothing k, QSmoothing q, bool trace = false) {
+// Whether a run records the P values it feeds to P·V (for the facts).
+enum class PTrace { Off, On };
+
+RunFn sa3(Fp4Format f, emulate::PScaling p, KSmoothing k, QSmoothing q,
+          PTrace trace = PTrace::Off) {
   return [=](const HeadIn& in) {
     emulate::Sage3Options o;
     o.format = f;
@@ -135,8 +139,9 @@ RunFn sa3(Fp4Format f, emulate::PScaling p, KSmoothing k, QSmoothing q, bool tra
     emulate::Sage3PTrace tr;
     tr.row_limit = kPRows;
     HeadOut out;
-    out.o = emulate::sage3_attention(in.q, in.k, in.v, {}, o, trace ? &tr : nullptr).o.data;
-    if (trace) {
+    out.o = emulate::sage3_attention(in.q, in.k, in.v, {}, o, trace == PTrace::On ? &tr : nullptr)
+                .o.data;
+    if (trace == PTrace::On) {
       out.p_trace = std::move(tr.p_dequantized);
       sort_unique(out.p_trace);
     }
@@ -243,8 +248,10 @@ void build_plan(Plan& plan, int study_t, const std::vector<int>& sweep_t,
   const auto qmean = QSmoothing::BlockMean, qnone = QSmoothing::None;
 
   // SageAttention3 (NVFP4, two-level P, Q+K smoothing) and its ablations.
-  const int sa3_default = plan.run("sa3/nv/two/kq", study_t, sa3(nv, two, kmean, qmean, true));
-  const int sa3_direct = plan.run("sa3/nv/direct/kq", study_t, sa3(nv, direct, kmean, qmean, true));
+  const int sa3_default =
+      plan.run("sa3/nv/two/kq", study_t, sa3(nv, two, kmean, qmean, PTrace::On));
+  const int sa3_direct =
+      plan.run("sa3/nv/direct/kq", study_t, sa3(nv, direct, kmean, qmean, PTrace::On));
   traced->kernel_two_level = sa3_default;
   traced->kernel_direct = sa3_direct;
   plan.row("fp4_format", "nvfp4", Which::O, sa3_default);
@@ -322,9 +329,11 @@ void build_plan(Plan& plan, int study_t, const std::vector<int>& sweep_t,
   for (int t : sweep_t) {
     const std::string at = "@" + temp_label(temps[t]);
     plan.row("entropy_sweep", "two_level" + at, Which::O,
-             plan.run("sa3/nv/two/kq", t, sa3(nv, two, kmean, qmean, t == study_t)));
+             plan.run("sa3/nv/two/kq", t,
+                      sa3(nv, two, kmean, qmean, t == study_t ? PTrace::On : PTrace::Off)));
     plan.row("entropy_sweep", "direct" + at, Which::O,
-             plan.run("sa3/nv/direct/kq", t, sa3(nv, direct, kmean, qmean, t == study_t)));
+             plan.run("sa3/nv/direct/kq", t,
+                      sa3(nv, direct, kmean, qmean, t == study_t ? PTrace::On : PTrace::Off)));
   }
   for (int t : sweep_t) {
     const std::string at = "@" + temp_label(temps[t]);
