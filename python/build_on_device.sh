@@ -14,13 +14,16 @@
 #
 # The top-level CMake finds fmt and nlohmann_json even when tests and tools are off;
 # the GPU machine has neither and no package registry. Carry them as Debian packages
-# (once, here, in the repo root):
-#   mkdir -p .deps && (cd .deps && apt-get download libfmt-dev libfmt9 nlohmann-json3-dev)
+# (once, here, in the repo root; CLI11 and GoogleTest too, for the CLI and the tests):
+#   mkdir -p .deps && (cd .deps && apt-get download libfmt-dev libfmt9 \
+#       nlohmann-json3-dev libcli11-dev libgtest-dev)
 #   grep -qx '/.deps/' .git/info/exclude || echo /.deps/ >> .git/info/exclude
 # and name ".deps" in the run's carry list. They are unpacked under /tmp, never into /.
 #
 # Environment: QATTN_BUILD_DIR (default build-py), JOBS (default nproc), PYTHON
-# (default python3), QATTN_BUILD_TESTS / QATTN_BUILD_TOOLS (default OFF).
+# (default python3), QATTN_BUILD_TESTS / QATTN_BUILD_TOOLS (default OFF), and
+# QATTN_TARGETS (default qattn_C; e.g. "qattn_C qattn_cli" with QATTN_BUILD_TOOLS=ON
+# also builds $QATTN_BUILD_DIR/qattn for `qattn info` and `qattn bench`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -49,7 +52,8 @@ cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DQATTN_CUDA=ON \
   -DQATTN_BUILD_PYTHON=ON -DQATTN_BUILD_TESTS="${QATTN_BUILD_TESTS:-OFF}" \
   -DQATTN_BUILD_TOOLS="${QATTN_BUILD_TOOLS:-OFF}" -DPython_EXECUTABLE="$py" "${extra[@]}" >/dev/null ||
   { echo "build_on_device.sh: CMake configure failed (fmt/nlohmann_json missing? see the header)" >&2; exit 1; }
-cmake --build "$build_dir" --target qattn_C -j "$jobs"
+# shellcheck disable=SC2086  # a list of targets
+cmake --build "$build_dir" -j "$jobs" --target ${QATTN_TARGETS:-qattn_C}
 cp "$build_dir"/python/_C*.so python/qattn/
 echo "build_on_device.sh: built qattn._C in $(($(date +%s) - start)) s"
 PYTHONPATH=python "$py" -c 'import qattn; print("qattn", qattn.__version__, "cuda:", qattn.built_with_cuda(), "sm90:", qattn.device_supported())'
