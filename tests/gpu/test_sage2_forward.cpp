@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <limits>
 
 #include "sage2_case.h"
 
@@ -187,6 +188,45 @@ TEST(Sage2Forward, MatchesEmulationRandomCases) {
     if (HasFailure()) {
       ADD_FAILURE() << "seed " << seed;
       return;
+    }
+  }
+}
+
+}  // namespace
+
+// ---- NaN in, NaN out (DESIGN.md §2) --------------------------------------------------------
+namespace {
+
+// A NaN in one Q element makes its per-thread Q group's scale NaN: the rows of that group
+// (r and r ^ 8 in its 16-row slice) come out NaN; rows of other Q blocks stay finite. A
+// NaN in V reaches every row through its channel's scale.
+TEST(Sage2Forward, NaNInputsGiveNaNOutputs) {
+  QATTN_SKIP_WITHOUT_GPU();
+  for (const char which : {'q', 'k', 'v'}) {
+    SCOPED_TRACE(std::string("NaN in ") + which);
+    Sage2Case c;
+    c.seqlen_q = c.seqlen_kv = 256;
+    c.heads_q = c.heads_kv = 1;
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    test::InputHook hook = [&](Tensor4& q, Tensor4& k, Tensor4& v) {
+      if (which == 'q') q.at(0, 0, 5, 3) = nan;
+      if (which == 'k') k.at(0, 0, 7, 3) = nan;
+      if (which == 'v') v.at(0, 0, 9, 3) = nan;
+    };
+    const auto r = test::run_sage2(c, hook);
+    ASSERT_EQ(r.status, 0);
+    auto row_has_nan = [&](int row) {
+      for (int d = 0; d < c.head_dim; ++d)
+        if (std::isnan(r.o.at(0, 0, row, d))) return true;
+      return false;
+    };
+    if (which == 'q') {
+      EXPECT_TRUE(row_has_nan(5));
+      EXPECT_TRUE(row_has_nan(13));     // 5 ^ 8: same per-thread group
+      EXPECT_FALSE(row_has_nan(100));   // another Q block
+    } else {
+      EXPECT_TRUE(row_has_nan(0));
+      EXPECT_TRUE(row_has_nan(200));
     }
   }
 }

@@ -26,12 +26,18 @@
 
 namespace qattn::sage2 {
 
-// Ping-pong scheduling of the consumer warpgroups (on by default; the macro exists so
-// bench/kernel_timing can measure the lever: build it with -DQATTN_SAGE2_PINGPONG=0).
+// Scheduling levers, measured side by side in bench/NOTES.md (bench/kernel_timing builds
+// with -D overrides): ping-pong turns between the consumer warpgroups (off: slower on
+// the H200 than letting the two interleave freely), and the softmax of tile j+1
+// overlapped with P·V of tile j inside a warpgroup (on).
 #ifndef QATTN_SAGE2_PINGPONG
-#define QATTN_SAGE2_PINGPONG 1
+#define QATTN_SAGE2_PINGPONG 0
 #endif
 inline constexpr bool kPingPong = QATTN_SAGE2_PINGPONG != 0;
+#ifndef QATTN_SAGE2_OVERLAP
+#define QATTN_SAGE2_OVERLAP 1
+#endif
+inline constexpr bool kOverlapSoftmax = QATTN_SAGE2_OVERLAP != 0;
 
 // Named barriers 1 and 2 order the consumer warpgroups' turns on the tensor cores
 // (barrier 0 is __syncthreads).
@@ -52,7 +58,11 @@ struct AttentionParams {
 template <int D>
 struct KernelTraits {
   static constexpr int kBlockM = 128, kBlockN = groups::kKvTile;
+#ifdef QATTN_SAGE2_STAGES
+  static constexpr int kStages = QATTN_SAGE2_STAGES;
+#else
   static constexpr int kStages = D == 128 ? 3 : 4;
+#endif
   static constexpr int kThreads = 384;
   static constexpr int kConsumerThreads = 256;
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
@@ -204,10 +214,19 @@ __global__ void __launch_bounds__(384, 1)
     __syncwarp();
     if (lane == 0) hopper::mbarrier_arrive(&s.k_empty[it % Tr::kStages]);
     // qk > 0 keeps masked (-inf) scores at -inf; an all-zero scale group has all-zero
-    // products, so the floor changes nothing.
-    const float qk = fmaxf(q_scale * k_scale_tile, FLT_MIN);
+    // products, so the floor changes nothing. A NaN scale (NaN in Q or K) stays NaN and
+    // reaches O through P.
+    float qk = q_scale * k_scale_tile;
+    qk = qk < FLT_MIN ? FLT_MIN : qk;
 #pragma unroll
     for (int i = 0; i < kS; ++i) x[i] = __int2float_rn(acc_s[i]);
+#if QATTN_EXPERIMENT_NO_SOFTMAX
+#pragma unroll
+    for (int i = 0; i < kS; ++i) x[i] *= qk;
+    alpha_out[0] = alpha_out[1] = 1.f;
+    softmax.l[0] = softmax.l[1] = 1.f;
+    return;
+#endif
     if (mask.needed(it * Tr::kBlockN, row_first)) mask.apply(x, fc, it * Tr::kBlockN, row0);
     softmax.step(x, qk, alpha_out);
   };
@@ -256,6 +275,24 @@ __global__ void __launch_bounds__(384, 1)
     if constexpr (has_next) issue_qk(it + 1);
     issue_pv(st, acc_o);
     end_turn(it + 1);
+    if constexpr (kOverlapSoftmax && has_next) {
+      // The softmax of tile it+1 runs while P·V(it) still computes; its P waits in x
+      // until P·V(it) has finished reading a_p.
+      hopper::wgmma_wait<1>();
+      float x[kS], alpha_next[2];
+      softmax_tile(it + 1, ks_next, x, alpha_next);
+      hopper::wgmma_wait<0>();
+      hopper::fence_operands(acc_o);
+      hopper::fence_operands(a_p);
+      __syncwarp();
+      if (lane == 0) hopper::mbarrier_arrive(&s.v_empty[st]);
+#pragma unroll
+      for (int i = 0; i < kO; ++i) o[i] = fmaf(o[i], alpha[(i % 4) / 2], acc_o[i]);
+      pack_p_fragments(x, a_p);
+      alpha[0] = alpha_next[0];
+      alpha[1] = alpha_next[1];
+      return;
+    }
     hopper::wgmma_wait<0>();
     hopper::fence_operands(acc_o);
     hopper::fence_operands(a_p);

@@ -19,22 +19,29 @@ __device__ __forceinline__ float to_float(T x) {
   else return __half2float(x);
 }
 
-// Reads N channels starting at `ch` of one row, zeros past head_dim. Inputs are 16-byte
-// aligned with row strides a multiple of 8 elements (the api checks), so a chunk
-// inside the head dim can be read with one vector load.
-template <typename T, int N>
-__device__ __forceinline__ void load_row_chunk(const T* row, int ch, int head_dim, float (&out)[N]) {
-  static_assert(N == 4 || N == 8 || N == 2, "chunks of 2, 4 or 8 elements");
-  if (ch + N <= head_dim) {
+// Reads N channels at `ch` of row `row` of a (rows x head_dim) matrix. The row is
+// clamped into range so the load is unconditional (the loads of a thread's items can
+// all be in flight at once) and rows past the end read as zero. With kFullDim (head_dim
+// equals the padded D) every chunk is a single vector load: inputs are 16-byte aligned
+// with row strides a multiple of 8 elements (the api checks).
+template <bool kFullDim, typename T, int N>
+__device__ __forceinline__ void load_chunk(const T* base, int64_t stride, int row, int rows, int ch, int head_dim,
+                                           float (&out)[N]) {
+  static_assert(N == 2 || N == 4 || N == 8, "chunks of 2, 4 or 8 elements");
+  const T* src = base + static_cast<int64_t>(min(row, rows - 1)) * stride + ch;
+  if (kFullDim || ch + N <= head_dim) {
     using Vec = std::conditional_t<N == 8, uint4, std::conditional_t<N == 4, uint2, uint32_t>>;
-    const Vec raw = *reinterpret_cast<const Vec*>(row + ch);
+    const Vec raw = *reinterpret_cast<const Vec*>(src);
     const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
     for (int j = 0; j < N; ++j) out[j] = to_float(e[j]);
   } else {
 #pragma unroll
-    for (int j = 0; j < N; ++j) out[j] = ch + j < head_dim ? to_float(row[ch + j]) : 0.f;
+    for (int j = 0; j < N; ++j) out[j] = ch + j < head_dim ? to_float(src[j]) : 0.f;
   }
+  if (row >= rows)
+#pragma unroll
+    for (int j = 0; j < N; ++j) out[j] = 0.f;
 }
 
 // NaN-propagating max of |x|: a NaN input must make its group's scale NaN.
@@ -95,7 +102,7 @@ __global__ void __launch_bounds__(D * kMeanParts) k_mean_kernel(InputView<T> k, 
 
 // ---- 2. statistics: per-channel amax of V over all tokens ----------------------------------
 // grid (nkv_pad / 128, Hkv, B), block 256: thread = (8-channel chunk, token lane).
-template <typename T, int D>
+template <typename T, int D, bool kFullDim>
 __global__ void __launch_bounds__(kThreads) v_amax_kernel(InputView<T> v, QuantizeParams p, float* v_amax) {
   constexpr int kChunks = D / 8, kTokStep = kThreads / kChunks, kItems = groups::kKvTile / kTokStep;
   __shared__ float chan[D];
@@ -105,15 +112,9 @@ __global__ void __launch_bounds__(kThreads) v_amax_kernel(InputView<T> v, Quanti
   __syncthreads();
   float vals[kItems][8];
 #pragma unroll
-  for (int i = 0; i < kItems; ++i) {
-    const int tok = tile * groups::kKvTile + tok0 + i * kTokStep;
-    if (tok < p.seqlen_kv)
-      load_row_chunk<T, 8>(v.data + b * v.stride_b + h * v.stride_h + tok * v.stride_n, chunk * 8, p.head_dim,
-                           vals[i]);
-    else
-#pragma unroll
-      for (int j = 0; j < 8; ++j) vals[i][j] = 0.f;
-  }
+  for (int i = 0; i < kItems; ++i)
+    load_chunk<kFullDim>(v.data + b * v.stride_b + h * v.stride_h, v.stride_n, tile * groups::kKvTile + tok0 + i * kTokStep,
+                         p.seqlen_kv, chunk * 8, p.head_dim, vals[i]);
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     float a = 0.f;
@@ -127,20 +128,22 @@ __global__ void __launch_bounds__(kThreads) v_amax_kernel(InputView<T> v, Quanti
 }
 
 // ---- 3. K (smoothed INT8) and V (E4M3, transposed, permuted) of one 128-token tile ---------
-// grid (nkv_pad / 128, Hkv, B), block 256.
-template <typename T, int D>
+// grid (2 · nkv_pad / 128, Hkv, B), block 256: even blocks quantize a K tile, odd ones
+// the V tile (two small CTAs keep more loads in flight than one doing both in turn).
+template <typename T, int D, bool kFullDim>
 __global__ void __launch_bounds__(kThreads) kv_quantize_kernel(InputView<T> k, InputView<T> v,
                                                                QuantizeParams p, QuantizeOutputs out) {
   constexpr int kTile = groups::kKvTile;
   __shared__ float group_amax[groups::kKThreadGroupsPerTile];
-  const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int tile = blockIdx.x / 2, h = blockIdx.y, b = blockIdx.z;
+  const bool is_k = blockIdx.x % 2 == 0;
   const int64_t bh = static_cast<int64_t>(b) * p.heads_kv + h;
   if (threadIdx.x < groups::kKThreadGroupsPerTile) group_amax[threadIdx.x] = 0.f;
   __syncthreads();
 
   // K. Thread: one 8-channel chunk at tokens tok0 + kTokStep·i; kTokStep is a multiple
   // of 8, so all of a thread's tokens share one per-thread group ((tok % 8) / 2).
-  {
+  if (is_k) {
     constexpr int kChunks = D / 8, kTokStep = kThreads / kChunks, kItems = kTile / kTokStep;
     static_assert(kTokStep % 8 == 0, "a thread's tokens must share one K group");
     const int chunk = threadIdx.x % kChunks, tok0 = threadIdx.x / kChunks, ch0 = chunk * 8;
@@ -150,18 +153,18 @@ __global__ void __launch_bounds__(kThreads) kv_quantize_kernel(InputView<T> k, I
     float kv[kItems][8];
     float amax = 0.f;
 #pragma unroll
+    for (int i = 0; i < kItems; ++i)
+      load_chunk<kFullDim>(k.data + b * k.stride_b + h * k.stride_h, k.stride_n, tile * kTile + tok0 + i * kTokStep,
+                           p.seqlen_kv, ch0, p.head_dim, kv[i]);
+#pragma unroll
     for (int i = 0; i < kItems; ++i) {
-      const int tok = tile * kTile + tok0 + i * kTokStep;
-      if (tok < p.seqlen_kv) {
-        load_row_chunk<T, 8>(k.data + b * k.stride_b + h * k.stride_h + tok * k.stride_n, ch0, p.head_dim, kv[i]);
+      // Tail tokens stay zero (outside every amax); padded channels have c = 0.
+      const bool valid = tile * kTile + tok0 + i * kTokStep < p.seqlen_kv;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) kv[i][j] = ch0 + j < p.head_dim ? kv[i][j] - c[j] : 0.f;
-      } else {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) kv[i][j] = 0.f;  // tail tokens are zero, outside every amax
+      for (int j = 0; j < 8; ++j) {
+        kv[i][j] = valid ? kv[i][j] - c[j] : 0.f;
+        amax = amax_nan(amax, kv[i][j]);
       }
-#pragma unroll
-      for (int j = 0; j < 8; ++j) amax = amax_nan(amax, kv[i][j]);
     }
     const bool per_thread = p.granularity == QATTN_QK_PER_THREAD;
     const int group = per_thread ? groups::k_thread_group_in_tile(tok0) : 0;
@@ -183,7 +186,7 @@ __global__ void __launch_bounds__(kThreads) kv_quantize_kernel(InputView<T> k, I
   // V, with its global per-channel scale: E4M3 codes go to a shared Vᵀ tile in the
   // permuted token order, then out as 16-byte rows. Tokens vary fastest across a warp,
   // so the byte stores of a warp land in few rows (bank conflicts ≤ 2-way).
-  {
+  if (!is_k) {
     constexpr int kChunks = D / 8, kTokStep = kThreads / kChunks, kItems = kTile / kTokStep;
     constexpr int kPosOfToken[16] = {0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15};
     __shared__ __align__(16) uint8_t vt[D][kTile];
@@ -196,18 +199,18 @@ __global__ void __launch_bounds__(kThreads) kv_quantize_kernel(InputView<T> k, I
       inv[j] = kE4m3Max / a;
       zero[j] = !(a > 0.f);
     }
+    float x[kItems][8];
+#pragma unroll
+    for (int i = 0; i < kItems; ++i)
+      load_chunk<kFullDim>(v.data + b * v.stride_b + h * v.stride_h, v.stride_n, tile * kTile + tok0 + i * kTokStep,
+                           p.seqlen_kv, ch0, p.head_dim, x[i]);
 #pragma unroll
     for (int i = 0; i < kItems; ++i) {
-      const int t = tok0 + i * kTokStep, tok = tile * kTile + t;
-      float x[8];
-      if (tok < p.seqlen_kv)
-        load_row_chunk<T, 8>(v.data + b * v.stride_b + h * v.stride_h + tok * v.stride_n, ch0, p.head_dim, x);
-      else
-#pragma unroll
-        for (int j = 0; j < 8; ++j) x[j] = 0.f;
+      const int t = tok0 + i * kTokStep;
       const int pos = (t & ~15) | kPosOfToken[t & 15];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) vt[ch0 + j][pos] = zero[j] ? 0 : static_cast<uint8_t>(quantize_e4m3(x[j] * inv[j]));
+      for (int j = 0; j < 8; ++j)
+        vt[ch0 + j][pos] = zero[j] ? 0 : static_cast<uint8_t>(quantize_e4m3(x[i][j] * inv[j]));
     }
     __syncthreads();
     for (int idx = threadIdx.x; idx < D * kTile / 16; idx += kThreads) {
@@ -220,7 +223,7 @@ __global__ void __launch_bounds__(kThreads) kv_quantize_kernel(InputView<T> k, I
 
 // ---- 4. Q (INT8, sm_scale·log2e folded into the scale) and q·c ------------------------------
 // grid (nq_pad / 64, Hq, B), block 256 = 8 warps × 8 rows; a lane holds D/32 channels.
-template <typename T, int D>
+template <typename T, int D, bool kFullDim>
 __global__ void __launch_bounds__(kThreads) q_quantize_kernel(InputView<T> q, QuantizeParams p, QuantizeOutputs out) {
   constexpr int kRows = groups::kQBlock;
   constexpr int kRowsPerWarp = kRows / (kThreads / 32);
@@ -239,14 +242,9 @@ __global__ void __launch_bounds__(kThreads) q_quantize_kernel(InputView<T> q, Qu
 
   float x[kRowsPerWarp][kPerLane];
 #pragma unroll
-  for (int i = 0; i < kRowsPerWarp; ++i) {
-    const int row = blk * kRows + warp * kRowsPerWarp + i;
-    if (row < p.seqlen_q)
-      load_row_chunk<T, kPerLane>(q.data + b * q.stride_b + h * q.stride_h + row * q.stride_n, ch0, p.head_dim, x[i]);
-    else
-#pragma unroll
-      for (int j = 0; j < kPerLane; ++j) x[i][j] = 0.f;
-  }
+  for (int i = 0; i < kRowsPerWarp; ++i)
+    load_chunk<kFullDim>(q.data + b * q.stride_b + h * q.stride_h, q.stride_n, blk * kRows + warp * kRowsPerWarp + i,
+                         p.seqlen_q, ch0, p.head_dim, x[i]);
 #pragma unroll
   for (int i = 0; i < kRowsPerWarp; ++i) {
     const int r = warp * kRowsPerWarp + i;
@@ -305,20 +303,29 @@ __global__ void __launch_bounds__(kThreads) q_quantize_kernel(InputView<T> q, Qu
   }
 }
 
-}  // namespace
-
-template <typename T, int D>
-cudaError_t launch_quantize(const InputView<T>& q, const InputView<T>& k, const InputView<T>& v,
-                            const QuantizeParams& p, const QuantizeOutputs& out, cudaStream_t stream) {
+template <typename T, int D, bool kFullDim>
+cudaError_t launch_quantize_passes(const InputView<T>& q, const InputView<T>& k, const InputView<T>& v,
+                                   const QuantizeParams& p, const QuantizeOutputs& out, cudaStream_t stream) {
   const dim3 kv_grid(p.nkv_pad / groups::kKvTile, p.heads_kv, p.batch);
   if (cudaError_t e = cudaMemsetAsync(out.v_amax, 0, sizeof(float) * D * p.heads_kv * p.batch, stream);
       e != cudaSuccess)
     return e;
   k_mean_kernel<T, D><<<dim3(p.heads_kv, p.batch), dim3(D, kMeanParts), 0, stream>>>(k, p, out.k_mean);
-  v_amax_kernel<T, D><<<kv_grid, kThreads, 0, stream>>>(v, p, out.v_amax);
-  kv_quantize_kernel<T, D><<<kv_grid, kThreads, 0, stream>>>(k, v, p, out);
-  q_quantize_kernel<T, D><<<dim3(p.nq_pad / groups::kQBlock, p.heads_q, p.batch), kThreads, 0, stream>>>(q, p, out);
+  v_amax_kernel<T, D, kFullDim><<<kv_grid, kThreads, 0, stream>>>(v, p, out.v_amax);
+  kv_quantize_kernel<T, D, kFullDim>
+      <<<dim3(2 * kv_grid.x, kv_grid.y, kv_grid.z), kThreads, 0, stream>>>(k, v, p, out);
+  q_quantize_kernel<T, D, kFullDim>
+      <<<dim3(p.nq_pad / groups::kQBlock, p.heads_q, p.batch), kThreads, 0, stream>>>(q, p, out);
   return cudaGetLastError();
+}
+
+}  // namespace
+
+template <typename T, int D>
+cudaError_t launch_quantize(const InputView<T>& q, const InputView<T>& k, const InputView<T>& v,
+                            const QuantizeParams& p, const QuantizeOutputs& out, cudaStream_t stream) {
+  return p.head_dim == D ? launch_quantize_passes<T, D, true>(q, k, v, p, out, stream)
+                         : launch_quantize_passes<T, D, false>(q, k, v, p, out, stream);
 }
 
 #define QATTN_INSTANTIATE(T, D)                                                                            \
