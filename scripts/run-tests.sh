@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Builds everything (library, CLI, tests) and runs the whole CTest suite: labels cpu
+# (numerics, reference, emulation, API validation, CLI) and gpu (the sm_90a kernels;
+# without a usable GPU each reports itself skipped with the reason).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+./scripts/build.sh
+ctest --preset "${QATTN_PRESET:-release}"
