@@ -57,6 +57,14 @@ enum class AccumulationLevels {
   Single,    // accumulated straight into O (the FlashAttention-3 FP8 style)
 };
 
+// Where the softmax denominator l comes from.
+enum class RowSum {
+  FloatP,      // the sum of the FP32 P̃ values before their cast
+  QuantizedP,  // the sum of the cast P values, accumulated like one more V channel of
+               // ones in the tile's MMA (the Hopper kernel's: the ones ride along in the
+               // P·V wgmma, so numerator and denominator use the same P)
+};
+
 // log2 of the factor P̃ is multiplied by before its cast, folded into the exponent
 // (docs/sage2-kernel-arithmetic.md step 6). Literals, so the kernel and the emulator
 // use the very same float.

@@ -77,7 +77,8 @@ struct RowState {
 // into `o` and `v_scale` is ignored (the caller applies a per-tensor scale at the end).
 inline void online_softmax_tile(RowState& st, std::vector<float>& x, const float* v, int len,
                                 int dim, const float* v_scale, const PvSpec& spec,
-                                Fp8Accumulator acc, AccumulationLevels levels) {
+                                Fp8Accumulator acc, AccumulationLevels levels,
+                                RowSum row_sum = RowSum::FloatP) {
   float mx = st.m;
   bool nan = std::isnan(st.m);
   for (int j = 0; j < len; ++j) {
@@ -96,7 +97,7 @@ inline void online_softmax_tile(RowState& st, std::vector<float>& x, const float
     x[j] = spec.round_p(p);
   }
   st.m = mx;
-  st.l = st.l * alpha + sum;
+  if (row_sum == RowSum::FloatP) st.l = st.l * alpha + sum;
 
   const bool truncate = spec.fp8_mma && acc == Fp8Accumulator::Fp22;
   std::vector<float>& target = levels == AccumulationLevels::TwoLevel ? st.tile : st.o;
@@ -108,12 +109,15 @@ inline void online_softmax_tile(RowState& st, std::vector<float>& x, const float
   // Each k32 step's 32 products are summed exactly (8-bit products have <= 8
   // significant bits; double holds the sum exactly), then added to the FP32
   // accumulator, which the FP22 model truncates after every step.
+  float tile_sum = 0.0f;  // the ones channel (RowSum::QuantizedP)
   for (int k0 = 0; k0 < len; k0 += kMmaK8bit) {
     std::fill(st.step.begin(), st.step.end(), 0.0);
+    double step_sum = 0.0;
     const int k1 = std::min(len, k0 + kMmaK8bit);
     for (int j = k0; j < k1; ++j) {
       if (x[j] == 0.0f) continue;
       const double pj = x[j];
+      step_sum += pj;
       const float* vj = v + static_cast<std::size_t>(j) * dim;
       for (int c = 0; c < dim; ++c) st.step[c] += pj * vj[c];
     }
@@ -121,7 +125,10 @@ inline void online_softmax_tile(RowState& st, std::vector<float>& x, const float
       const float s = static_cast<float>(static_cast<double>(target[c]) + st.step[c]);
       target[c] = truncate ? truncate_to_fp22(s) : s;
     }
+    const float s = static_cast<float>(static_cast<double>(tile_sum) + step_sum);
+    tile_sum = truncate ? truncate_to_fp22(s) : s;
   }
+  if (row_sum == RowSum::QuantizedP) st.l = st.l * alpha + tile_sum;
   if (levels == AccumulationLevels::TwoLevel) {
     for (int c = 0; c < dim; ++c) {
       const float scaled = st.tile[c] * v_scale[c];

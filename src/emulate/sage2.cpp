@@ -432,7 +432,8 @@ EmulatedForward sage2_attend(const Sage2Quantized& z) {
           }
           detail::online_softmax_tile(st, x, z.v_value.data() + (bk * nkv_pad + t * kKvTile) * D,
                                       kKvTile, D, z.v_scale.data() + (bk * tiles + t) * D, spec,
-                                      z.options.accumulator, AccumulationLevels::TwoLevel);
+                                      z.options.accumulator, AccumulationLevels::TwoLevel,
+                                      z.options.row_sum);
         }
         float* orow = out.o.row(b, h, i);
         float& lse = out.lse[bq * Nq + i];

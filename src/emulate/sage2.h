@@ -36,6 +36,9 @@ struct Sage2Options {
   Granularity v_scale = Granularity::PerTileChannel;  // or PerChannel (a global pass)
   // Defaults to the hardware's FP22 model: the emulator mirrors what the GPU computes.
   Fp8Accumulator accumulator = Fp8Accumulator::Fp22;
+  // The kernel sums the FP32 P (docs/sage2-kernel-arithmetic.md step 6). QuantizedP is
+  // the ablation "row sums from a ones column in the P·V MMA" (bench/NOTES.md v5).
+  RowSum row_sum = RowSum::FloatP;
 };
 
 // The quantized tensors, in the workspace layout of src/cuda/sage2_fwd/launch.h:

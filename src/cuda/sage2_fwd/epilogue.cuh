@@ -24,9 +24,9 @@ __device__ __forceinline__ uint32_t pack2(float a, float b) {
 }
 
 template <typename TOut, int kO, typename Params, typename Softmax>
-__device__ __forceinline__ void store_output(const Params& p, const float (&o)[kO], const Softmax& sm,
-                                             FragCoord fc, int64_t bh_q, int row0,
-                                             const float* v_amax) {
+__device__ __forceinline__ void store_output(const Params& p, const float (&o)[kO],
+                                             const Softmax& sm, FragCoord fc, int64_t bh_q,
+                                             int row0, const float* v_amax) {
   const int b = static_cast<int>(bh_q / p.heads_q), h = static_cast<int>(bh_q % p.heads_q);
   // Per-channel V scale (amax / 448) of the thread's columns 8j + 2t, 8j + 2t + 1.
   float v_scale[kO / 2];

@@ -1,5 +1,6 @@
 #include "cuda/sage2_fwd/launch.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "cuda/hopper/tensor_map.h"
@@ -73,7 +74,15 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
   if (auto e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
       e != cudaSuccess)
     return e;
-  const dim3 grid(w.nq_pad / Tr::kBlockM, p.heads_q, p.batch);
+  ap.num_m_blocks = w.nq_pad / Tr::kBlockM;
+  ap.batch = p.batch;
+  // Persistent grid: one CTA per SM (384 threads at 168 registers fill an SM).
+  int device = 0, num_sms = 0;
+  if (auto e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  if (auto e = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device); e != cudaSuccess)
+    return e;
+  const int64_t items = static_cast<int64_t>(ap.num_m_blocks) * p.heads_q * p.batch;
+  const int grid = static_cast<int>(std::min<int64_t>(items, num_sms));
   kernel<<<grid, Tr::kThreads, smem, stream>>>(tm_q, tm_k, tm_vt, ap);
   return cudaGetLastError();
 }

@@ -42,6 +42,7 @@ struct QuantizeOutputs {
 // of K and all of V), then K and V, then Q.
 template <typename T, int D>
 cudaError_t launch_quantize(const InputView<T>& q, const InputView<T>& k, const InputView<T>& v,
-                            const QuantizeParams& p, const QuantizeOutputs& out, cudaStream_t stream);
+                            const QuantizeParams& p, const QuantizeOutputs& out,
+                            cudaStream_t stream);
 
 }  // namespace qattn::sage2

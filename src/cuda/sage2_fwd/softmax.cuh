@@ -40,7 +40,7 @@ struct OnlineSoftmax {
   // the old O must be scaled. The max is taken on raw values, so each element costs
   // one FFMA and one exp2.
   __device__ __forceinline__ void step(float (&s)[kCols], float qk, float (&alpha)[2]) {
-    // Reductions run as kPartials independent chains per row: with ping-pong only one
+    // The max runs as kPartials independent chains per row: with ping-pong only one
     // warp per scheduler is in its softmax at a time, so latency, not throughput, bounds
     // a serial chain.
     float mp[2][kPartials];
@@ -49,7 +49,8 @@ struct OnlineSoftmax {
 #pragma unroll
       for (int k = 0; k < kPartials; ++k) mp[r][k] = -INFINITY;
 #pragma unroll
-    for (int i = 0; i < kCols; ++i) mp[(i % 4) / 2][(i / 4) % kPartials] = fmaxf(mp[(i % 4) / 2][(i / 4) % kPartials], s[i]);
+    for (int i = 0; i < kCols; ++i)
+      mp[(i % 4) / 2][(i / 4) % kPartials] = fmaxf(mp[(i % 4) / 2][(i / 4) % kPartials], s[i]);
     float mx[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -67,15 +68,15 @@ struct OnlineSoftmax {
       neg_bias[r] = empty ? 0.f : kLog2E4m3Max - mx[r];
       m[r] = mx[r];
     }
-    float sp[2][kPartials] = {};
+    float sum[2] = {0.f, 0.f};
 #pragma unroll
     for (int i = 0; i < kCols; ++i) {
       const int r = (i % 4) / 2;
       s[i] = exp2_approx(fmaf(s[i], qk, neg_bias[r]));
-      sp[r][(i / 4) % kPartials] += s[i];
+      sum[r] += s[i];
     }
 #pragma unroll
-    for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + (sp[r][0] + sp[r][1]);
+    for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + sum[r];
   }
 
   // Full row sums (the 4 threads of a quad share a row).
@@ -93,12 +94,13 @@ struct OnlineSoftmax {
 // tokens permuted (groups::kVPermute16), so the thread's own columns are exactly what
 // the fragment needs and no shuffles are required.
 template <int kCols>
-__device__ __forceinline__ void pack_p_fragments(const float (&p)[kCols], uint32_t (&a)[kCols / 16][4]) {
+__device__ __forceinline__ void pack_p_fragments(const float (&p)[kCols],
+                                                 uint32_t (&a)[kCols / 16][4]) {
 #pragma unroll
   for (int kk = 0; kk < kCols / 16; ++kk) {
     const int c0 = kk * 16;  // chunk 4kk starts at element 16kk
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {   // chunks (4kk, 4kk+1) then (4kk+2, 4kk+3)
+    for (int half = 0; half < 2; ++half) {  // chunks (4kk, 4kk+1) then (4kk+2, 4kk+3)
       const int e = c0 + half * 8;
       // row g: elements e+0, e+1 (chunk j), e+4, e+5 (chunk j+1); row g+8: e+2, e+3, e+6, e+7
       a[kk][half * 2 + 0] = static_cast<uint32_t>(pack_e4m3x2(p[e + 0], p[e + 1])) |
