@@ -2,8 +2,11 @@
 // and returns its status in one expression: `return fail(QATTN_ERROR_..., "...", x);`.
 #pragma once
 
-#include <sstream>
+#include <charconv>
+#include <cstdint>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <utility>
 
 #include "qattn/qattn.h"
@@ -14,12 +17,34 @@ namespace qattn::api {
 void set_last_error(std::string message);
 const char* last_error();
 
-// Concatenates the pieces with operator<<.
+// Appends one piece of a message. std::to_chars, not iostreams: an ostream inside a
+// module that carries its own copy of the C++ runtime crashed in its locale facets when
+// loaded into a PyTorch process (seen on the device, 2026-11-29).
+template <typename T>
+void append_piece(std::string& out, const T& x) {
+  using U = std::decay_t<T>;
+  if constexpr (std::is_same_v<U, bool>) {
+    out += x ? "true" : "false";
+  } else if constexpr (std::is_arithmetic_v<U>) {
+    char buf[64];
+    const auto r = std::to_chars(buf, buf + sizeof(buf), x);
+    out.append(buf, r.ptr);
+  } else if constexpr (std::is_pointer_v<U> && !std::is_same_v<U, const char*> &&
+                       !std::is_same_v<U, char*>) {
+    char buf[32] = "0x";
+    const auto r = std::to_chars(buf + 2, buf + sizeof(buf), reinterpret_cast<std::uintptr_t>(x), 16);
+    out.append(buf, r.ptr);
+  } else {
+    out += std::string_view(x);
+  }
+}
+
+// Concatenates the pieces (strings, numbers, pointers).
 template <typename... Args>
 std::string cat(Args&&... args) {
-  std::ostringstream s;
-  (s << ... << std::forward<Args>(args));
-  return s.str();
+  std::string s;
+  (append_piece(s, args), ...);
+  return s;
 }
 
 template <typename... Args>
