@@ -75,13 +75,17 @@ struct KernelTraits {
   static constexpr int kSmemBytes = kQBytes + kStages * (kKBytes + kVBytes) + 1024 /*align*/ + 256;
 };
 
+// Two Q buffers: the producer loads the next work item's Q while the consumers still
+// use the current one, so no item starts by waiting for its Q.
+inline constexpr int kQSlots = 2;
+
 template <int D>
 struct SharedStorage {
   using Tr = KernelTraits<D>;
-  alignas(1024) uint8_t q[Tr::kQBytes];
+  alignas(1024) uint8_t q[kQSlots][Tr::kQBytes];
   alignas(1024) uint8_t k[Tr::kStages][Tr::kKBytes];
   alignas(1024) uint8_t v[Tr::kStages][Tr::kVBytes];
-  uint64_t q_full, q_empty;
+  uint64_t q_full[kQSlots], q_empty[kQSlots];
   uint64_t k_full[Tr::kStages], k_empty[Tr::kStages];
   uint64_t v_full[Tr::kStages], v_empty[Tr::kStages];
 };
@@ -123,8 +127,11 @@ __global__ void __launch_bounds__(384, 1)
   const int num_items = p.num_m_blocks * p.heads_q * p.batch;
 
   if (threadIdx.x == 0) {
-    hopper::mbarrier_init(&s.q_full, 1);
-    hopper::mbarrier_init(&s.q_empty, Tr::kConsumerWarps);
+#pragma unroll
+    for (int i = 0; i < kQSlots; ++i) {
+      hopper::mbarrier_init(&s.q_full[i], 1);
+      hopper::mbarrier_init(&s.q_empty[i], Tr::kConsumerWarps);
+    }
 #pragma unroll
     for (int i = 0; i < Tr::kStages; ++i) {
       hopper::mbarrier_init(&s.k_full[i], 1);
@@ -150,9 +157,10 @@ __global__ void __launch_bounds__(384, 1)
         const WorkItem w = decode_item(p, item);
         const int kv_slice = w.b * p.heads_kv + w.hq / (p.heads_q / p.heads_kv);
         const int n_tiles = kv_tiles_for_block(p, w.m_block);
-        hopper::mbarrier_wait(&s.q_empty, (local & 1) ^ 1);
-        hopper::mbarrier_arrive_expect_tx(&s.q_full, Tr::kQBytes);
-        hopper::tma_load_3d(s.q, &tm_q, &s.q_full, 0, w.m_block * Tr::kBlockM,
+        const int slot = local % kQSlots;
+        hopper::mbarrier_wait(&s.q_empty[slot], ((local / kQSlots) & 1) ^ 1);
+        hopper::mbarrier_arrive_expect_tx(&s.q_full[slot], Tr::kQBytes);
+        hopper::tma_load_3d(s.q[slot], &tm_q, &s.q_full[slot], 0, w.m_block * Tr::kBlockM,
                             w.b * p.heads_q + w.hq, stream);
         for (int it = 0; it < n_tiles; ++it, ++iter) {
           const int st = iter % Tr::kStages;
@@ -186,7 +194,7 @@ __global__ void __launch_bounds__(384, 1)
     // Q's buffer is free for the next item once this item's last Q·Kᵀ has completed.
     auto release_q = [&] {
       __syncwarp();
-      if (lane == 0) hopper::mbarrier_arrive(&s.q_empty);
+      if (lane == 0) hopper::mbarrier_arrive(&s.q_empty[local % kQSlots]);
     };
     const int row0 = m_block * Tr::kBlockM + cw * 64 + warp * 16 + fc.g;  // and row0 + 8
     const int64_t bh_q = static_cast<int64_t>(b) * p.heads_q + hq;
@@ -211,9 +219,9 @@ __global__ void __launch_bounds__(384, 1)
     uint32_t a_p[kS / 16][4];  // 448·P of the tile whose P·V is next, as E4M3 A fragments
     float alpha[2];            // the O rescale that goes with a_p
 
-    hopper::mbarrier_wait(&s.q_full, local & 1);
+    hopper::mbarrier_wait(&s.q_full[local % kQSlots], (local / kQSlots) & 1);
     if (n_tiles == 0) release_q();
-    const uint64_t desc_q = hopper::make_smem_desc<Tr::kQKSwizzle>(s.q + cw * 64 * D);
+    const uint64_t desc_q = hopper::make_smem_desc<Tr::kQKSwizzle>(s.q[local % kQSlots] + cw * 64 * D);
 
     // Callers wait on the stage's "full" barrier first.
     auto issue_qk = [&](int it) {

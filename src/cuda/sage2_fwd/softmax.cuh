@@ -30,7 +30,11 @@ __device__ __forceinline__ uint16_t pack_e4m3x2(float lo, float hi) {
 
 template <int kCols>  // accumulator elements per thread (kBlockN / 2)
 struct OnlineSoftmax {
-  static constexpr int kPartials = 2;
+#ifdef QATTN_SAGE2_SOFTMAX_CHAINS
+  static constexpr int kPartials = QATTN_SAGE2_SOFTMAX_CHAINS;
+#else
+  static constexpr int kPartials = 4;
+#endif
   float m[2] = {-INFINITY, -INFINITY};  // running max of rows g, g + 8 (log2 units)
   float l[2] = {0.f, 0.f};              // this thread's part of the row sums (x448)
 
@@ -40,7 +44,7 @@ struct OnlineSoftmax {
   // the old O must be scaled. The max is taken on raw values, so each element costs
   // one FFMA and one exp2.
   __device__ __forceinline__ void step(float (&s)[kCols], float qk, float (&alpha)[2]) {
-    // The max runs as kPartials independent chains per row: with ping-pong only one
+    // Max and sum run as kPartials independent chains per row: with ping-pong only one
     // warp per scheduler is in its softmax at a time, so latency, not throughput, bounds
     // a serial chain.
     float mp[2][kPartials];
@@ -54,7 +58,9 @@ struct OnlineSoftmax {
     float mx[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      mx[r] = fmaxf(mp[r][0], mp[r][1]);
+      mx[r] = mp[r][0];
+#pragma unroll
+      for (int k = 1; k < kPartials; ++k) mx[r] = fmaxf(mx[r], mp[r][k]);
       mx[r] = fmaxf(m[r], mx[r] * qk);
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 1));
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 2));
@@ -68,15 +74,20 @@ struct OnlineSoftmax {
       neg_bias[r] = empty ? 0.f : kLog2E4m3Max - mx[r];
       m[r] = mx[r];
     }
-    float sum[2] = {0.f, 0.f};
+    float sp[2][kPartials] = {};
 #pragma unroll
     for (int i = 0; i < kCols; ++i) {
       const int r = (i % 4) / 2;
       s[i] = exp2_approx(fmaf(s[i], qk, neg_bias[r]));
-      sum[r] += s[i];
+      sp[r][(i / 4) % kPartials] += s[i];
     }
 #pragma unroll
-    for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + sum[r];
+    for (int r = 0; r < 2; ++r) {
+      float sum = sp[r][0];
+#pragma unroll
+      for (int k = 1; k < kPartials; ++k) sum += sp[r][k];
+      l[r] = l[r] * alpha[r] + sum;
+    }
   }
 
   // Full row sums (the 4 threads of a quad share a row).
