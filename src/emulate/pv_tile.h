@@ -9,14 +9,15 @@
 #include <limits>
 #include <vector>
 
+#include "emulate/common.h"
 #include "emulate/options.h"
 #include "numerics/formats.h"
 
 namespace qattn::emulate::detail {
 
-inline constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-inline constexpr float kLn2 = 0.6931471805599453f;
-inline constexpr float kLog2e = 1.4426950408889634f;
+using emulate::kLn2;
+using emulate::kLog2e;
+using emulate::kNegInf;
 // Tokens per k-step of an 8-bit wgmma (m64nNk32): the unit after which the FP8
 // accumulator is modelled as truncated.
 inline constexpr int kMmaK8bit = 32;

@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "emulate/common.h"
 #include "numerics/block_scale.h"
 #include "numerics/formats.h"
 #include "numerics/mma_groups.h"
@@ -16,16 +17,6 @@ namespace {
 
 using numerics::Fp4Format;
 
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// max that keeps a NaN (std::fmax drops it): a NaN score must reach O and the LSE
-// (DESIGN.md §2) instead of making its row look fully masked.
-float nan_max(float a, float b) {
-  if (std::isnan(a) || std::isnan(b)) return std::numeric_limits<float>::quiet_NaN();
-  return a > b ? a : b;
-}
-constexpr float kLn2 = 0.6931471805599453f;
-constexpr double kLog2e = 1.4426950408889634;
 constexpr int kQBlock = groups::kQBlock;
 constexpr int kKvTile = groups::kKvTile;
 
@@ -124,7 +115,7 @@ void sage3_head(const HeadIo& io, const HeadShape& sh, const Sage3Options& opt,
   const Fp4Matrix vf = to_fp4(vt, d, nkv_pad, opt.format);
   const int pblock = vf.block;
 
-  const float scale_log2 = static_cast<float>(sh.sm_scale * kLog2e);
+  const float scale_log2 = static_cast<float>(sh.sm_scale * kLog2eDouble);
   std::vector<float> x(static_cast<std::size_t>(kQBlock) * kKvTile);
   std::vector<float> p2(x.size());
   std::vector<float> tile_rowmax(kQBlock), s_p1(kQBlock), pv(d);

@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "emulate/common.h"
 #include "numerics/formats.h"
 #include "numerics/mma_groups.h"
 #include "numerics/quantize.h"
@@ -17,16 +18,6 @@ namespace {
 using numerics::Granularity;
 using numerics::Operand;
 
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// max that keeps a NaN (std::fmax drops it): a NaN score must reach O and the LSE
-// (DESIGN.md §2) instead of making its row look fully masked.
-float nan_max(float a, float b) {
-  if (std::isnan(a) || std::isnan(b)) return std::numeric_limits<float>::quiet_NaN();
-  return a > b ? a : b;
-}
-constexpr float kLn2 = 0.6931471805599453f;
-constexpr double kLog2e = 1.4426950408889634;
 constexpr int kQBlock = groups::kQBlock;
 constexpr int kKvTile = groups::kKvTile;
 
@@ -154,7 +145,7 @@ void forward_head(const float* q, const float* k, const float* v, float* o_out, 
   const Rows8 v8 =
       quant8(v_pad, ntiles * kKvTile, d, opt.format, Granularity::PerBlock, Operand::K);
 
-  const float scale_log2 = static_cast<float>(sh.sm_scale * kLog2e);
+  const float scale_log2 = static_cast<float>(sh.sm_scale * kLog2eDouble);
   std::vector<float> x(static_cast<std::size_t>(kQBlock) * kKvTile), p(x.size());
   std::vector<float> rowmax(kQBlock), alpha(kQBlock);
   std::vector<double> acc(d);
@@ -227,7 +218,7 @@ void backward_head(const float* q, const float* k, const float* v, const float* 
   const int nq = sh.nq, nkv = sh.nkv, d = sh.d;
   const HeadQuant h = quantize_head(q, k, nq, nkv, d, opt);
   const int ntiles = (nkv + kKvTile - 1) / kKvTile;
-  const float scale_log2 = static_cast<float>(sh.sm_scale * kLog2e);
+  const float scale_log2 = static_cast<float>(sh.sm_scale * kLog2eDouble);
 
   // Step 0 and the saved LSE back in the smoothed log2 domain of the scores.
   std::vector<float> D(nq), lse2(nq);
@@ -235,7 +226,7 @@ void backward_head(const float* q, const float* k, const float* v, const float* 
     float acc = 0.0f;
     for (int c = 0; c < d; ++c) acc += dout[i * d + c] * o[i * d + c];
     D[i] = acc;
-    lse2[i] = (lse[i] - sh.sm_scale * h.q_dot_c[i]) * static_cast<float>(kLog2e);
+    lse2[i] = (lse[i] - sh.sm_scale * h.q_dot_c[i]) * static_cast<float>(kLog2eDouble);
   }
   const std::span<const float> dout_in(dout, static_cast<std::size_t>(nq) * d);
   const Rows8 do8 = quant8(dout_in, nq, d, opt.format, Granularity::PerBlock, Operand::Q);

@@ -221,7 +221,8 @@ __global__ void __launch_bounds__(384, 1)
 
     hopper::mbarrier_wait(&s.q_full[local % kQSlots], (local / kQSlots) & 1);
     if (n_tiles == 0) release_q();
-    const uint64_t desc_q = hopper::make_smem_desc<Tr::kQKSwizzle>(s.q[local % kQSlots] + cw * 64 * D);
+    const uint64_t desc_q =
+        hopper::make_smem_desc<Tr::kQKSwizzle>(s.q[local % kQSlots] + cw * 64 * D);
 
     // Callers wait on the stage's "full" barrier first.
     auto issue_qk = [&](int it) {
@@ -322,23 +323,12 @@ __global__ void __launch_bounds__(384, 1)
       if constexpr (has_next) issue_qk(it + 1);
       issue_pv(st, acc_o);
       end_turn(it + 1);
+      float x[kS], alpha_next[2];
       if constexpr (kOverlapSoftmax && has_next) {
         // The softmax of tile it+1 runs while P·V(it) still computes; its P waits in x
         // until P·V(it) has finished reading a_p.
         hopper::wgmma_wait<1>();
-        float x[kS], alpha_next[2];
         softmax_tile(it + 1, ks_next, x, alpha_next);
-        hopper::wgmma_wait<0>();
-        hopper::fence_operands(acc_o);
-        hopper::fence_operands(a_p);
-        __syncwarp();
-        if (lane == 0) hopper::mbarrier_arrive(&s.v_empty[st]);
-#pragma unroll
-        for (int i = 0; i < kO; ++i) o[i] = fmaf(o[i], alpha[(i % 4) / 2], acc_o[i]);
-        pack_p_fragments(x, a_p);
-        alpha[0] = alpha_next[0];
-        alpha[1] = alpha_next[1];
-        return;
       }
       hopper::wgmma_wait<0>();
       hopper::fence_operands(acc_o);
@@ -351,9 +341,10 @@ __global__ void __launch_bounds__(384, 1)
       for (int i = 0; i < kO; ++i) o[i] = fmaf(o[i], alpha[(i % 4) / 2], acc_o[i]);
 
       if constexpr (has_next) {
-        float x[kS];
-        softmax_tile(it + 1, ks_next, x, alpha);
+        if constexpr (!kOverlapSoftmax) softmax_tile(it + 1, ks_next, x, alpha_next);
         pack_p_fragments(x, a_p);
+        alpha[0] = alpha_next[0];
+        alpha[1] = alpha_next[1];
       }
     };
     for (int it = 0; it + 1 < n_tiles; ++it) turn(it, std::true_type{});
