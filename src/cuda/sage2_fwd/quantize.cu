@@ -69,44 +69,52 @@ __device__ __forceinline__ uint32_t quantize_e4m3(float x) {
   return static_cast<uint32_t>(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3));
 }
 
-// ---- 1. statistics: the K smoothing vector (mean of a token sample) -----------------------
-// grid (Hkv, B), block (D, kMeanParts): each thread sums every kMeanParts-th sampled
-// token of one channel (all loads independent), then the parts add in a fixed order.
-constexpr int kMeanParts = 8;
+// ---- 1. statistics, one launch: the K smoothing vector and the V amax ---------------------
+// grid (nkv_pad / 128 + 1, Hkv, B), block 256. The last block of each head averages K
+// over the token sample (in the shadow of the amax blocks, which read all of V).
+
+// The K smoothing vector c: the mean of a sample of tokens (docs/sage2-kernel-arithmetic.md
+// step 1). Thread = (channel, part): each part sums every kParts-th sampled token, the
+// loads in batches of independent ones; the parts then add in a fixed order.
 template <typename T, int D>
-__global__ void __launch_bounds__(D * kMeanParts) k_mean_kernel(InputView<T> k, QuantizeParams p, float* k_mean) {
-  __shared__ float partial[kMeanParts][D];
-  const int h = blockIdx.x, b = blockIdx.y, ch = threadIdx.x, part = threadIdx.y;
+__device__ void k_mean_block(const InputView<T>& k, const QuantizeParams& p, int h, int b, float* k_mean) {
+  constexpr int kParts = kThreads / D;
+  constexpr int kPerPart = kSmoothingSample / kParts;
+  constexpr int kBatch = 32;
+  __shared__ float partial[kParts][D];
+  const int ch = threadIdx.x % D, part = threadIdx.x / D;
   const int n = min(p.seqlen_kv, kSmoothingSample);
   const T* base = k.data + b * k.stride_b + h * k.stride_h + ch;
-  constexpr int kPerPart = kSmoothingSample / kMeanParts;
-  float vals[kPerPart];
-#pragma unroll
-  for (int j = 0; j < kPerPart; ++j) {
-    const int i = part + j * kMeanParts;
-    const int64_t tok = p.seqlen_kv <= kSmoothingSample ? i : static_cast<int64_t>(i) * p.seqlen_kv / kSmoothingSample;
-    vals[j] = (ch < p.head_dim && i < n) ? to_float(base[tok * k.stride_n]) : 0.f;
-  }
   float sum = 0.f;
+#pragma unroll 1
+  for (int j0 = 0; j0 < kPerPart; j0 += kBatch) {
+    float vals[kBatch];
 #pragma unroll
-  for (int j = 0; j < kPerPart; ++j) sum += vals[j];
+    for (int j = 0; j < kBatch; ++j) {
+      const int i = part + (j0 + j) * kParts;
+      const int64_t tok =
+          p.seqlen_kv <= kSmoothingSample ? i : static_cast<int64_t>(i) * p.seqlen_kv / kSmoothingSample;
+      vals[j] = (ch < p.head_dim && i < n) ? to_float(base[tok * k.stride_n]) : 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) sum += vals[j];
+  }
   partial[part][ch] = sum;
   __syncthreads();
   if (part == 0) {
     float total = 0.f;
 #pragma unroll
-    for (int i = 0; i < kMeanParts; ++i) total += partial[i][ch];
+    for (int i = 0; i < kParts; ++i) total += partial[i][ch];
     k_mean[(static_cast<int64_t>(b) * p.heads_kv + h) * D + ch] = ch < p.head_dim ? total / static_cast<float>(n) : 0.f;
   }
 }
 
-// ---- 2. statistics: per-channel amax of V over all tokens ----------------------------------
-// grid (nkv_pad / 128, Hkv, B), block 256: thread = (8-channel chunk, token lane).
+// Per-channel amax of V over one 128-token tile, merged into v_amax (zeroed before).
+// Thread = (8-channel chunk, token lane).
 template <typename T, int D, bool kFullDim>
-__global__ void __launch_bounds__(kThreads) v_amax_kernel(InputView<T> v, QuantizeParams p, float* v_amax) {
+__device__ void v_amax_block(const InputView<T>& v, const QuantizeParams& p, int tile, int h, int b, float* v_amax) {
   constexpr int kChunks = D / 8, kTokStep = kThreads / kChunks, kItems = groups::kKvTile / kTokStep;
   __shared__ float chan[D];
-  const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int chunk = threadIdx.x % kChunks, tok0 = threadIdx.x / kChunks;
   if (threadIdx.x < D) chan[threadIdx.x] = 0.f;
   __syncthreads();
@@ -125,6 +133,16 @@ __global__ void __launch_bounds__(kThreads) v_amax_kernel(InputView<T> v, Quanti
   __syncthreads();
   if (threadIdx.x < D)
     atomic_amax(&v_amax[(static_cast<int64_t>(b) * p.heads_kv + h) * D + threadIdx.x], chan[threadIdx.x]);
+}
+
+template <typename T, int D, bool kFullDim>
+__global__ void __launch_bounds__(kThreads)
+    statistics_kernel(InputView<T> k, InputView<T> v, QuantizeParams p, float* k_mean, float* v_amax) {
+  const int tiles = p.nkv_pad / groups::kKvTile;
+  if (blockIdx.x == tiles)
+    k_mean_block<T, D>(k, p, blockIdx.y, blockIdx.z, k_mean);
+  else
+    v_amax_block<T, D, kFullDim>(v, p, blockIdx.x, blockIdx.y, blockIdx.z, v_amax);
 }
 
 // ---- 3. K (smoothed INT8) and V (E4M3, transposed, permuted) of one 128-token tile ---------
@@ -310,8 +328,8 @@ cudaError_t launch_quantize_passes(const InputView<T>& q, const InputView<T>& k,
   if (cudaError_t e = cudaMemsetAsync(out.v_amax, 0, sizeof(float) * D * p.heads_kv * p.batch, stream);
       e != cudaSuccess)
     return e;
-  k_mean_kernel<T, D><<<dim3(p.heads_kv, p.batch), dim3(D, kMeanParts), 0, stream>>>(k, p, out.k_mean);
-  v_amax_kernel<T, D, kFullDim><<<kv_grid, kThreads, 0, stream>>>(v, p, out.v_amax);
+  statistics_kernel<T, D, kFullDim>
+      <<<dim3(kv_grid.x + 1, kv_grid.y, kv_grid.z), kThreads, 0, stream>>>(k, v, p, out.k_mean, out.v_amax);
   kv_quantize_kernel<T, D, kFullDim>
       <<<dim3(2 * kv_grid.x, kv_grid.y, kv_grid.z), kThreads, 0, stream>>>(k, v, p, out);
   q_quantize_kernel<T, D, kFullDim>
