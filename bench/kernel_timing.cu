@@ -16,7 +16,9 @@ __global__ void fill_normal(uint16_t* x, size_t n, uint64_t seed) {
   size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x;
   for (; i < n; i += size_t(gridDim.x) * blockDim.x) {
     uint64_t h = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
-    h ^= h >> 31; h *= 0xBF58476D1CE4E5B9ull; h ^= h >> 29;
+    h ^= h >> 31;
+    h *= 0xBF58476D1CE4E5B9ull;
+    h ^= h >> 29;
     const float u1 = ((h & 0xFFFFFF) + 1) / 16777217.f, u2 = ((h >> 24) & 0xFFFFFF) / 16777216.f;
     const float z = sqrtf(-2.f * logf(u1)) * cospif(2.f * u2);
     const uint32_t bits = __float_as_uint(z);
@@ -32,50 +34,83 @@ float median(std::vector<float> v) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  struct Cfg { int b, h, n, d, causal; };
+  struct Cfg {
+    int b, h, n, d, causal;
+  };
   std::vector<Cfg> cfgs;
   for (int i = 1; i + 4 < argc + 0 && i + 4 <= argc - 1 + 1; i += 5)
-    cfgs.push_back({atoi(argv[i]), atoi(argv[i + 1]), atoi(argv[i + 2]), atoi(argv[i + 3]), atoi(argv[i + 4])});
+    cfgs.push_back({atoi(argv[i]), atoi(argv[i + 1]), atoi(argv[i + 2]), atoi(argv[i + 3]),
+                    atoi(argv[i + 4])});
   if (cfgs.empty())
     for (int d : {128, 64})
       for (int causal : {0, 1})
         for (int n : {1024, 2048, 4096, 8192, 16384}) cfgs.push_back({4, 32, n, d, causal});
-  std::printf("%6s %4s %6s %4s %6s | %9s %9s | %9s %9s\n", "B", "H", "N", "d", "causal", "e2e_ms", "e2e_TOPS",
-              "kern_ms", "kern_TOPS");
+  std::printf("%6s %4s %6s %4s %6s | %9s %9s | %9s %9s\n", "B", "H", "N", "d", "causal", "e2e_ms",
+              "e2e_TOPS", "kern_ms", "kern_TOPS");
   for (const Cfg& c : cfgs) {
     const size_t elems = size_t(c.b) * c.h * c.n * c.d;
     uint16_t *q, *k, *v, *o;
-    cudaMalloc(&q, elems * 2); cudaMalloc(&k, elems * 2); cudaMalloc(&v, elems * 2); cudaMalloc(&o, elems * 2);
-    fill_normal<<<1024, 256>>>(q, elems, 1); fill_normal<<<1024, 256>>>(k, elems, 2); fill_normal<<<1024, 256>>>(v, elems, 3);
+    cudaMalloc(&q, elems * 2);
+    cudaMalloc(&k, elems * 2);
+    cudaMalloc(&v, elems * 2);
+    cudaMalloc(&o, elems * 2);
+    fill_normal<<<1024, 256>>>(q, elems, 1);
+    fill_normal<<<1024, 256>>>(k, elems, 2);
+    fill_normal<<<1024, 256>>>(v, elems, 3);
     qattn_fwd_params p{};
     p.dtype = QATTN_DTYPE_BF16;
-    p.batch = c.b; p.heads_q = c.h; p.heads_kv = c.h; p.seqlen_q = c.n; p.seqlen_kv = c.n; p.head_dim = c.d;
-    p.causal = c.causal; p.granularity = QATTN_QK_PER_THREAD;
+    p.batch = c.b;
+    p.heads_q = c.h;
+    p.heads_kv = c.h;
+    p.seqlen_q = c.n;
+    p.seqlen_kv = c.n;
+    p.head_dim = c.d;
+    p.causal = c.causal;
+    p.granularity = QATTN_QK_PER_THREAD;
     const int64_t sn = c.d, sh = int64_t(c.n) * c.d, sb = sh * c.h;
-    p.q = {q, sb, sh, sn}; p.k = {k, sb, sh, sn}; p.v = {v, sb, sh, sn}; p.o = {o, sb, sh, sn};
+    p.q = {q, sb, sh, sn};
+    p.k = {k, sb, sh, sn};
+    p.v = {v, sb, sh, sn};
+    p.o = {o, sb, sh, sn};
     void* ws;
     cudaMalloc(&ws, qattn::sage2::workspace_bytes(p));
     cudaEvent_t e0, e1;
-    cudaEventCreate(&e0); cudaEventCreate(&e1);
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
     auto time = [&](bool e2e) {
       std::vector<float> ms;
-      for (int it = 0; it < 5; ++it) e2e ? qattn::sage2::launch_forward(p, ws, nullptr) : qattn::sage2::launch_attention_only(p, ws, nullptr);
+      for (int it = 0; it < 5; ++it)
+        e2e ? qattn::sage2::launch_forward(p, ws, nullptr)
+            : qattn::sage2::launch_attention_only(p, ws, nullptr);
       for (int it = 0; it < 30; ++it) {
         cudaEventRecord(e0);
-        int rc = e2e ? qattn::sage2::launch_forward(p, ws, nullptr) : qattn::sage2::launch_attention_only(p, ws, nullptr);
+        int rc = e2e ? qattn::sage2::launch_forward(p, ws, nullptr)
+                     : qattn::sage2::launch_attention_only(p, ws, nullptr);
         cudaEventRecord(e1);
         cudaEventSynchronize(e1);
-        if (rc != 0) { std::printf("launch error %d %s\n", rc, cudaGetErrorString(cudaError_t(rc))); std::exit(1); }
-        float t; cudaEventElapsedTime(&t, e0, e1); ms.push_back(t);
+        if (rc != 0) {
+          std::printf("launch error %d %s\n", rc, cudaGetErrorString(cudaError_t(rc)));
+          std::exit(1);
+        }
+        float t;
+        cudaEventElapsedTime(&t, e0, e1);
+        ms.push_back(t);
       }
       return median(ms);
     };
     const float t_e2e = time(true), t_k = time(false);
     const double ops = 4.0 * c.b * c.h * double(c.n) * c.n * c.d * (c.causal ? 0.5 : 1.0);
-    std::printf("%6d %4d %6d %4d %6d | %9.3f %9.1f | %9.3f %9.1f\n", c.b, c.h, c.n, c.d, c.causal, t_e2e,
-                ops / t_e2e / 1e9, t_k, ops / t_k / 1e9);
-    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) { std::printf("CUDA error %s\n", cudaGetErrorString(e)); return 1; }
-    cudaFree(q); cudaFree(k); cudaFree(v); cudaFree(o); cudaFree(ws);
+    std::printf("%6d %4d %6d %4d %6d | %9.3f %9.1f | %9.3f %9.1f\n", c.b, c.h, c.n, c.d, c.causal,
+                t_e2e, ops / t_e2e / 1e9, t_k, ops / t_k / 1e9);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) {
+      std::printf("CUDA error %s\n", cudaGetErrorString(e));
+      return 1;
+    }
+    cudaFree(q);
+    cudaFree(k);
+    cudaFree(v);
+    cudaFree(o);
+    cudaFree(ws);
   }
   return 0;
 }

@@ -52,17 +52,20 @@ NB_MODULE(_C, m) {
 
   m.def("version", [] { return std::string(qattn_version_string()); });
   m.def("built_with_cuda", [] { return qattn_built_with_cuda() != 0; });
-  m.def("device_supported", [](int device) { return qattn_device_supported(device) != 0; },
-        "device"_a = -1, "True when the CUDA device (-1: current) can run the kernels.");
+  m.def(
+      "device_supported", [](int device) { return qattn_device_supported(device) != 0; },
+      "device"_a = -1, "True when the CUDA device (-1: current) can run the kernels.");
   m.def("last_error_message", [] { return std::string(qattn_last_error_message()); });
-  m.def("status_string", [](int s) { return std::string(qattn_status_string(static_cast<qattn_status>(s))); });
+  m.def("status_string",
+        [](int s) { return std::string(qattn_status_string(static_cast<qattn_status>(s))); });
 
   m.def(
       "workspace_size",
       [](const TensorArg& q, const TensorArg& k, const TensorArg& v, const TensorArg& o,
          std::uintptr_t lse, int dtype, const ShapeArg& shape, int causal, float sm_scale,
          int granularity) {
-        const qattn_fwd_params p = make_params(q, k, v, o, lse, dtype, shape, causal, sm_scale, granularity);
+        const qattn_fwd_params p =
+            make_params(q, k, v, o, lse, dtype, shape, causal, sm_scale, granularity);
         std::size_t bytes = 0;
         const int status = qattn_fwd_workspace_size(&p, &bytes);
         return std::make_tuple(status, static_cast<std::uint64_t>(bytes));
@@ -76,12 +79,14 @@ NB_MODULE(_C, m) {
          std::uintptr_t lse, int dtype, const ShapeArg& shape, int causal, float sm_scale,
          int granularity, std::uintptr_t workspace, std::uint64_t workspace_bytes,
          std::uintptr_t stream, bool attention_only) {
-        const qattn_fwd_params p = make_params(q, k, v, o, lse, dtype, shape, causal, sm_scale, granularity);
+        const qattn_fwd_params p =
+            make_params(q, k, v, o, lse, dtype, shape, causal, sm_scale, granularity);
         auto* ws = reinterpret_cast<void*>(workspace);
         auto* st = reinterpret_cast<void*>(stream);
         nb::gil_scoped_release release;  // an enqueue; other Python threads may run
-        return static_cast<int>(attention_only ? qattn_fwd_attention_only(&p, ws, workspace_bytes, st)
-                                               : qattn_fwd(&p, ws, workspace_bytes, st));
+        return static_cast<int>(attention_only
+                                    ? qattn_fwd_attention_only(&p, ws, workspace_bytes, st)
+                                    : qattn_fwd(&p, ws, workspace_bytes, st));
       },
       "q"_a, "k"_a, "v"_a, "o"_a, "lse"_a, "dtype"_a, "shape"_a, "causal"_a, "sm_scale"_a,
       "granularity"_a, "workspace"_a, "workspace_bytes"_a, "stream"_a, "attention_only"_a = false,

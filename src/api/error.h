@@ -32,7 +32,8 @@ void append_piece(std::string& out, const T& x) {
   } else if constexpr (std::is_pointer_v<U> && !std::is_same_v<U, const char*> &&
                        !std::is_same_v<U, char*>) {
     char buf[32] = "0x";
-    const auto r = std::to_chars(buf + 2, buf + sizeof(buf), reinterpret_cast<std::uintptr_t>(x), 16);
+    const auto r =
+        std::to_chars(buf + 2, buf + sizeof(buf), reinterpret_cast<std::uintptr_t>(x), 16);
     out.append(buf, r.ptr);
   } else {
     out += std::string_view(x);

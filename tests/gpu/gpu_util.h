@@ -24,14 +24,16 @@ inline std::string gpu_skip_reason() {
   }
   cudaDeviceProp prop{};
   cudaGetDeviceProperties(&prop, 0);
-  if (prop.major != 9) return std::string("device is sm_") + std::to_string(prop.major * 10 + prop.minor) + ", kernels need sm_90";
+  if (prop.major != 9)
+    return std::string("device is sm_") + std::to_string(prop.major * 10 + prop.minor) +
+           ", kernels need sm_90";
   return {};
 }
 
-#define QATTN_SKIP_WITHOUT_GPU()                                         \
-  do {                                                                   \
+#define QATTN_SKIP_WITHOUT_GPU()                                                \
+  do {                                                                          \
     if (const std::string why = ::qattn::test::gpu_skip_reason(); !why.empty()) \
-      GTEST_SKIP() << why;                                               \
+      GTEST_SKIP() << why;                                                      \
   } while (0)
 
 #define QATTN_CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << cudaGetErrorString(cudaGetLastError())
@@ -46,7 +48,9 @@ struct DeviceBuffer {
   ~DeviceBuffer() { cudaFree(ptr); }
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  void upload(const std::vector<T>& h) { cudaMemcpy(ptr, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice); }
+  void upload(const std::vector<T>& h) {
+    cudaMemcpy(ptr, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice);
+  }
   std::vector<T> download() const {
     std::vector<T> h(count);
     cudaMemcpy(h.data(), ptr, count * sizeof(T), cudaMemcpyDeviceToHost);
@@ -63,6 +67,8 @@ inline float from_bits16(uint16_t b, bool bf16) {
 }
 
 // A seed: fixed when given, else fresh (printed by the caller on failure).
-inline uint64_t fresh_seed() { return std::random_device{}() * 0x9E3779B97F4A7C15ull + std::random_device{}(); }
+inline uint64_t fresh_seed() {
+  return std::random_device{}() * 0x9E3779B97F4A7C15ull + std::random_device{}();
+}
 
 }  // namespace qattn::test

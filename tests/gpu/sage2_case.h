@@ -2,8 +2,8 @@
 // a poisoned output with guard columns, and the FP64 reference to compare with.
 #pragma once
 
-#include <cmath>
 #include <bit>
+#include <cmath>
 #include <functional>
 #include <random>
 
@@ -27,20 +27,21 @@ struct Sage2Case {
   float k_bias = 1.0f;  // per-channel bias on K (what smoothing removes)
 
   std::string describe() const {
-    return "B=" + std::to_string(batch) + " Hq=" + std::to_string(heads_q) + " Hkv=" + std::to_string(heads_kv) +
-           " Nq=" + std::to_string(seqlen_q) + " Nkv=" + std::to_string(seqlen_kv) + " d=" + std::to_string(head_dim) +
-           (causal ? " causal" : "") + (bf16 ? " bf16" : " fp16") + (layout == Layout::NHD ? " NHD" : " HND") +
-           " seed=" + std::to_string(seed);
+    return "B=" + std::to_string(batch) + " Hq=" + std::to_string(heads_q) +
+           " Hkv=" + std::to_string(heads_kv) + " Nq=" + std::to_string(seqlen_q) +
+           " Nkv=" + std::to_string(seqlen_kv) + " d=" + std::to_string(head_dim) +
+           (causal ? " causal" : "") + (bf16 ? " bf16" : " fp16") +
+           (layout == Layout::NHD ? " NHD" : " HND") + " seed=" + std::to_string(seed);
   }
 };
 
 struct Sage2Result {
-  Tensor4 q, k, v;            // the inputs as the GPU saw them (16-bit values)
-  Tensor4 o;                  // GPU output
-  std::vector<float> lse;     // GPU LSE
+  Tensor4 q, k, v;         // the inputs as the GPU saw them (16-bit values)
+  Tensor4 o;               // GPU output
+  std::vector<float> lse;  // GPU LSE
   std::vector<uint8_t> workspace;
-  bool guard_intact = true;   // nothing written outside the output's rows
-  bool all_written = true;    // no poisoned element left
+  bool guard_intact = true;  // nothing written outside the output's rows
+  bool all_written = true;   // no poisoned element left
   int status = 0;
 };
 
@@ -61,7 +62,8 @@ inline qattn_tensor make_view(void* data, Layout layout, int b, int h, int n, in
   return t;
 }
 
-inline Tensor4 random_tensor(int b, int h, int n, int d, std::mt19937_64& rng, float bias, bool bf16) {
+inline Tensor4 random_tensor(int b, int h, int n, int d, std::mt19937_64& rng, float bias,
+                             bool bf16) {
   Tensor4 t(b, h, n, d);
   std::normal_distribution<float> normal(0.f, 1.f);
   std::vector<float> channel_bias(d);
@@ -112,7 +114,8 @@ inline Sage2Result run_sage2(const Sage2Case& c, const InputHook& hook = {}) {
       for (int ih = 0; ih < t.h; ++ih)
         for (int in = 0; in < t.n; ++in)
           for (int id = 0; id < t.d; ++id)
-            h[ib * v.stride_b + ih * v.stride_h + in * v.stride_n + id] = to_bits16(t.at(ib, ih, in, id), c.bf16);
+            h[ib * v.stride_b + ih * v.stride_h + in * v.stride_n + id] =
+                to_bits16(t.at(ib, ih, in, id), c.bf16);
     return h;
   };
   const auto hq = upload(r.q, row), hk = upload(r.k, row), hv = upload(r.v, row);

@@ -20,8 +20,9 @@ using namespace qattn;
 constexpr int kB = 1, kHq = 4, kHkv = 2, kN = 200, kD = 128;
 
 struct Buffers {
-  test::DeviceBuffer<uint16_t> q{std::size_t(kB) * kHq * kN * kD}, k{std::size_t(kB) * kHkv * kN * kD},
-      v{std::size_t(kB) * kHkv * kN * kD}, o{std::size_t(kB) * kHq * kN * kD};
+  test::DeviceBuffer<uint16_t> q{std::size_t(kB) * kHq * kN * kD},
+      k{std::size_t(kB) * kHkv * kN * kD}, v{std::size_t(kB) * kHkv * kN * kD},
+      o{std::size_t(kB) * kHq * kN * kD};
   test::DeviceBuffer<uint8_t> ws{64 << 20};
   Tensor4 hq{kB, kHq, kN, kD}, hk{kB, kHkv, kN, kD}, hv{kB, kHkv, kN, kD};
 
@@ -85,16 +86,20 @@ TEST(ApiOnDevice, BadCallsFailNamedAndWriteNothing) {
     const char* word;  // the parameter the message must name
   };
   const std::vector<Bad> cases = {
-      {"heads", [](qattn_fwd_params& p) { p.heads_kv = 3; }, bytes, StatusCode::kInvalidArgument, "heads_kv"},
-      {"head_dim", [](qattn_fwd_params& p) { p.head_dim = 256; }, bytes, StatusCode::kUnsupported, "head_dim"},
-      {"o misaligned",
-       [](qattn_fwd_params& p) { p.o.data = static_cast<char*>(p.o.data) + 2; }, bytes,
+      {"heads", [](qattn_fwd_params& p) { p.heads_kv = 3; }, bytes, StatusCode::kInvalidArgument,
+       "heads_kv"},
+      {"head_dim", [](qattn_fwd_params& p) { p.head_dim = 256; }, bytes, StatusCode::kUnsupported,
+       "head_dim"},
+      {"o misaligned", [](qattn_fwd_params& p) { p.o.data = static_cast<char*>(p.o.data) + 2; },
+       bytes, StatusCode::kInvalidArgument, "o"},
+      {"o overlaps q", [](qattn_fwd_params& p) { p.o.data = p.q.data; }, bytes,
        StatusCode::kInvalidArgument, "o"},
-      {"o overlaps q", [](qattn_fwd_params& p) { p.o.data = p.q.data; }, bytes, StatusCode::kInvalidArgument, "o"},
-      {"workspace", [](qattn_fwd_params&) {}, bytes - 256, StatusCode::kWorkspaceTooSmall, "workspace"},
-      {"sm_scale", [](qattn_fwd_params& p) { p.sm_scale = std::numeric_limits<float>::infinity(); }, bytes,
-       StatusCode::kInvalidArgument, "sm_scale"},
-      {"causal", [](qattn_fwd_params& p) { p.causal = 2; }, bytes, StatusCode::kInvalidArgument, "causal"},
+      {"workspace", [](qattn_fwd_params&) {}, bytes - 256, StatusCode::kWorkspaceTooSmall,
+       "workspace"},
+      {"sm_scale", [](qattn_fwd_params& p) { p.sm_scale = std::numeric_limits<float>::infinity(); },
+       bytes, StatusCode::kInvalidArgument, "sm_scale"},
+      {"causal", [](qattn_fwd_params& p) { p.causal = 2; }, bytes, StatusCode::kInvalidArgument,
+       "causal"},
   };
   for (const Bad& c : cases) {
     SCOPED_TRACE(c.name);

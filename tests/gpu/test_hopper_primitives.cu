@@ -25,8 +25,8 @@ struct alignas(1024) Smem {
 };
 
 // D = A(64 x 128 s8) * B(128 x 128 s8)ᵀ with both operands TMA-loaded (SW128).
-__global__ void s8_gemm_kernel(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensorMap tb,
-                               int32_t* out) {
+__global__ void s8_gemm_kernel(const __grid_constant__ CUtensorMap ta,
+                               const __grid_constant__ CUtensorMap tb, int32_t* out) {
   __shared__ Smem s;
   if (threadIdx.x == 0) {
     hopper::mbarrier_init(&s.bar, 1);
@@ -46,7 +46,8 @@ __global__ void s8_gemm_kernel(const __grid_constant__ CUtensorMap ta, const __g
   hopper::wgmma_m64n128k32_s8_ss_init(d, da, db);
 #pragma unroll
   for (int kk = 1; kk < kK / 32; ++kk)
-    hopper::wgmma_m64n128k32_s8_ss(d, hopper::desc_advance(da, kk * 32), hopper::desc_advance(db, kk * 32));
+    hopper::wgmma_m64n128k32_s8_ss(d, hopper::desc_advance(da, kk * 32),
+                                   hopper::desc_advance(db, kk * 32));
   hopper::wgmma_commit();
   hopper::wgmma_wait<0>();
   hopper::fence_operands(d);
@@ -60,7 +61,8 @@ __global__ void s8_gemm_kernel(const __grid_constant__ CUtensorMap ta, const __g
 
 // D = P(64 x 128 e4m3, registers, packed as the attention kernel packs it) * Vᵀ, Vᵀ
 // stored (128 channels x 128 tokens) with tokens permuted in groups of 16.
-__global__ void e4m3_gemm_kernel(const __grid_constant__ CUtensorMap tv, const uint8_t* p_rowmajor, float* out) {
+__global__ void e4m3_gemm_kernel(const __grid_constant__ CUtensorMap tv, const uint8_t* p_rowmajor,
+                                 float* out) {
   __shared__ Smem s;
   if (threadIdx.x == 0) {
     hopper::mbarrier_init(&s.bar, 1);
@@ -81,7 +83,8 @@ __global__ void e4m3_gemm_kernel(const __grid_constant__ CUtensorMap tv, const u
         uint32_t w = 0;
         const int cols[4] = {2 * t, 2 * t + 1, 8 + 2 * t, 9 + 2 * t};
         for (int j = 0; j < 4; ++j)
-          w |= static_cast<uint32_t>(p_rowmajor[row * kK + kk * 32 + half * 16 + cols[j]]) << (8 * j);
+          w |= static_cast<uint32_t>(p_rowmajor[row * kK + kk * 32 + half * 16 + cols[j]])
+               << (8 * j);
         a[kk][half * 2 + r] = w;
       }
   hopper::mbarrier_wait(&s.bar, 0);
@@ -90,7 +93,8 @@ __global__ void e4m3_gemm_kernel(const __grid_constant__ CUtensorMap tv, const u
   const auto db = hopper::make_smem_desc<hopper::Swizzle::k128B>(s.b);
   hopper::wgmma_m64n128k32_e4m3_rs_init(d, a[0], db);
 #pragma unroll
-  for (int kk = 1; kk < 4; ++kk) hopper::wgmma_m64n128k32_e4m3_rs(d, a[kk], hopper::desc_advance(db, kk * 32));
+  for (int kk = 1; kk < 4; ++kk)
+    hopper::wgmma_m64n128k32_e4m3_rs(d, a[kk], hopper::desc_advance(db, kk * 32));
   hopper::wgmma_commit();
   hopper::wgmma_wait<0>();
   hopper::fence_operands(d);
@@ -114,8 +118,10 @@ TEST(HopperPrimitives, TmaSwizzledS8WgmmaMatchesCpu) {
   da.upload(a);
   db.upload(b);
   CUtensorMap ta, tb;
-  QATTN_CUDA_OK(hopper::make_tensor_map_u8_3d(&ta, da.ptr, kK, kM, 1, kK, kM, hopper::TmaSwizzle::k128B));
-  QATTN_CUDA_OK(hopper::make_tensor_map_u8_3d(&tb, db.ptr, kK, kN, 1, kK, kN, hopper::TmaSwizzle::k128B));
+  QATTN_CUDA_OK(
+      hopper::make_tensor_map_u8_3d(&ta, da.ptr, kK, kM, 1, kK, kM, hopper::TmaSwizzle::k128B));
+  QATTN_CUDA_OK(
+      hopper::make_tensor_map_u8_3d(&tb, db.ptr, kK, kN, 1, kK, kN, hopper::TmaSwizzle::k128B));
   s8_gemm_kernel<<<1, 128>>>(ta, tb, dout.ptr);
   QATTN_CUDA_OK(cudaDeviceSynchronize());
   const auto out = dout.download();
@@ -134,7 +140,7 @@ TEST(HopperPrimitives, RegisterE4m3WgmmaWithPermutedVtMatchesCpu) {
   std::uniform_real_distribution<float> unit(0.f, 448.f);
   std::normal_distribution<float> normal(0.f, 100.f);
   std::vector<uint8_t> p(kM * kK), vt(kN * kK);  // P row-major (token order), Vᵀ permuted
-  std::vector<float> pf(kM * kK), vf(kK * kN);    // decoded, token order
+  std::vector<float> pf(kM * kK), vf(kK * kN);   // decoded, token order
   for (int i = 0; i < kM * kK; ++i) {
     p[i] = numerics::e4m3_encode(unit(rng));
     pf[i] = numerics::e4m3_decode(p[i]);
@@ -150,7 +156,8 @@ TEST(HopperPrimitives, RegisterE4m3WgmmaWithPermutedVtMatchesCpu) {
   dp.upload(p);
   dv.upload(vt);
   CUtensorMap tv;
-  QATTN_CUDA_OK(hopper::make_tensor_map_u8_3d(&tv, dv.ptr, kK, kN, 1, kK, kN, hopper::TmaSwizzle::k128B));
+  QATTN_CUDA_OK(
+      hopper::make_tensor_map_u8_3d(&tv, dv.ptr, kK, kN, 1, kK, kN, hopper::TmaSwizzle::k128B));
   e4m3_gemm_kernel<<<1, 128>>>(tv, dp.ptr, dout.ptr);
   QATTN_CUDA_OK(cudaDeviceSynchronize());
   const auto out = dout.download();
@@ -162,7 +169,8 @@ TEST(HopperPrimitives, RegisterE4m3WgmmaWithPermutedVtMatchesCpu) {
         mag += std::abs(double{pf[m * kK + k]} * vf[k * kN + n]);
       }
       // The FP8 MMA accumulates with ~13 mantissa bits (SageAttention2 §3.4).
-      ASSERT_NEAR(out[m * kN + n], ref, mag * 1e-3 + 1e-3) << "m=" << m << " n=" << n << " seed=" << seed;
+      ASSERT_NEAR(out[m * kN + n], ref, mag * 1e-3 + 1e-3)
+          << "m=" << m << " n=" << n << " seed=" << seed;
     }
 }
 

@@ -31,12 +31,14 @@ void check_case(const Sage2Case& c) {
   AttentionParams ap;
   ap.mask = c.causal ? Mask::Causal : Mask::None;
   const auto ref = reference::attention_forward(r.q, r.k, r.v, ap);
-  const auto m = metrics::compare(std::span<const float>(r.o.data), std::span<const double>(ref.o.data));
+  const auto m =
+      metrics::compare(std::span<const float>(r.o.data), std::span<const double>(ref.o.data));
   EXPECT_GE(m.cos_sim, kMinCos) << "rel_l1=" << m.rel_l1 << " rmse=" << m.rmse;
   double lse_err = 0;
   for (std::size_t i = 0; i < ref.lse.size(); ++i) {
     if (std::isinf(ref.lse[i])) {
-      EXPECT_TRUE(std::isinf(r.lse[i]) && r.lse[i] < 0) << "row " << i << " sees no key: LSE must be -inf";
+      EXPECT_TRUE(std::isinf(r.lse[i]) && r.lse[i] < 0)
+          << "row " << i << " sees no key: LSE must be -inf";
       continue;
     }
     lse_err = std::max(lse_err, std::abs(r.lse[i] - ref.lse[i]));
@@ -136,18 +138,22 @@ void check_against_emulation(const Sage2Case& c) {
   const auto v_amax = slice<float>(r.workspace, w.v_amax, bkv * D);
   for (std::size_t h = 0; h < bkv; ++h)
     for (int d = 0; d < D; ++d)
-      ASSERT_EQ(v_amax[h * D + d] / 448.f, qz.v_scale[(h * qz.kv_tiles()) * D + d]) << "v scale h=" << h << " d=" << d;
+      ASSERT_EQ(v_amax[h * D + d] / 448.f, qz.v_scale[(h * qz.kv_tiles()) * D + d])
+          << "v scale h=" << h << " d=" << d;
   const auto q_dot_c = slice<float>(r.workspace, w.q_dot_c, bq * w.nq_pad);
   for (std::size_t i = 0; i < q_dot_c.size(); ++i)
-    ASSERT_NEAR(q_dot_c[i], qz.q_dot_c[i], 1e-4 + 1e-5 * std::abs(qz.q_dot_c[i])) << "q_dot_c " << i;
+    ASSERT_NEAR(q_dot_c[i], qz.q_dot_c[i], 1e-4 + 1e-5 * std::abs(qz.q_dot_c[i]))
+        << "q_dot_c " << i;
 
   const auto emu = emulate::sage2_attend(qz);
-  const auto m = metrics::compare(std::span<const float>(r.o.data), std::span<const float>(emu.o.data));
+  const auto m =
+      metrics::compare(std::span<const float>(r.o.data), std::span<const float>(emu.o.data));
   EXPECT_GE(m.cos_sim, 0.99999) << "rel_l1=" << m.rel_l1;
   EXPECT_LE(m.rel_l1, 5e-3);
   double lse_err = 0;
   for (std::size_t i = 0; i < emu.lse.size(); ++i)
-    if (!std::isinf(emu.lse[i])) lse_err = std::max(lse_err, double(std::abs(r.lse[i] - emu.lse[i])));
+    if (!std::isinf(emu.lse[i]))
+      lse_err = std::max(lse_err, double(std::abs(r.lse[i] - emu.lse[i])));
   EXPECT_LE(lse_err, 2e-3);
 }
 
@@ -222,8 +228,8 @@ TEST(Sage2Forward, NaNInputsGiveNaNOutputs) {
     };
     if (which == 'q') {
       EXPECT_TRUE(row_has_nan(5));
-      EXPECT_TRUE(row_has_nan(13));     // 5 ^ 8: same per-thread group
-      EXPECT_FALSE(row_has_nan(100));   // another Q block
+      EXPECT_TRUE(row_has_nan(13));    // 5 ^ 8: same per-thread group
+      EXPECT_FALSE(row_has_nan(100));  // another Q block
     } else {
       EXPECT_TRUE(row_has_nan(0));
       EXPECT_TRUE(row_has_nan(200));

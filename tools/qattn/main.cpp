@@ -1,6 +1,7 @@
 // qattn: accuracy report (CPU), device info, and a GPU benchmark.
-#include <exception>
 #include <fmt/core.h>
+
+#include <exception>
 
 #include "commands.h"
 

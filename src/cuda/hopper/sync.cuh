@@ -10,22 +10,25 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 }
 
 __device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t arrive_count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(arrive_count));
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)),
+               "r"(arrive_count));
 }
 // Makes mbarrier.init visible to the async proxy (TMA) before first use.
 __device__ __forceinline__ void fence_barrier_init() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
 __device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
-  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(smem_addr(bar))
-               : "memory");
+  asm volatile(
+      "{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(smem_addr(bar))
+      : "memory");
 }
 // Arrives and tells the barrier to also wait for `bytes` of TMA transactions.
 __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(
-                   smem_addr(bar)),
-               "r"(bytes)
-               : "memory");
+  asm volatile(
+      "{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(
+          smem_addr(bar)),
+      "r"(bytes)
+      : "memory");
 }
 // Blocks until the phase with the given parity has completed.
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
@@ -53,12 +56,14 @@ __device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t threa
 
 template <uint32_t kRegs>
 __device__ __forceinline__ void setmaxnreg_inc() {
-  static_assert(kRegs % 8 == 0 && kRegs >= 24 && kRegs <= 256, "setmaxnreg: 24..256, multiple of 8");
+  static_assert(kRegs % 8 == 0 && kRegs >= 24 && kRegs <= 256,
+                "setmaxnreg: 24..256, multiple of 8");
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 }
 template <uint32_t kRegs>
 __device__ __forceinline__ void setmaxnreg_dec() {
-  static_assert(kRegs % 8 == 0 && kRegs >= 24 && kRegs <= 256, "setmaxnreg: 24..256, multiple of 8");
+  static_assert(kRegs % 8 == 0 && kRegs >= 24 && kRegs <= 256,
+                "setmaxnreg: 24..256, multiple of 8");
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 }
 

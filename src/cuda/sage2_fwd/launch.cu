@@ -1,10 +1,9 @@
-#include "cuda/sage2_fwd/launch.h"
-
 #include <algorithm>
 #include <cmath>
 
 #include "cuda/hopper/tensor_map.h"
 #include "cuda/sage2_fwd/kernel.cuh"
+#include "cuda/sage2_fwd/launch.h"
 #include "cuda/sage2_fwd/quantize.cuh"
 #include "cuda/sage2_fwd/workspace.h"
 
@@ -24,10 +23,10 @@ InputView<T> view(const qattn_tensor& t) {
 
 QuantizeOutputs outputs(const WorkspaceLayout& w, void* ws) {
   auto* base = static_cast<uint8_t*>(ws);
-  return {reinterpret_cast<int8_t*>(base + w.q_i8),     reinterpret_cast<float*>(base + w.q_scale),
-          reinterpret_cast<float*>(base + w.q_dot_c),   reinterpret_cast<int8_t*>(base + w.k_i8),
-          reinterpret_cast<float*>(base + w.k_scale),   reinterpret_cast<float*>(base + w.k_mean),
-          reinterpret_cast<uint8_t*>(base + w.vt_f8),   reinterpret_cast<float*>(base + w.v_amax)};
+  return {reinterpret_cast<int8_t*>(base + w.q_i8),   reinterpret_cast<float*>(base + w.q_scale),
+          reinterpret_cast<float*>(base + w.q_dot_c), reinterpret_cast<int8_t*>(base + w.k_i8),
+          reinterpret_cast<float*>(base + w.k_scale), reinterpret_cast<float*>(base + w.k_mean),
+          reinterpret_cast<uint8_t*>(base + w.vt_f8), reinterpret_cast<float*>(base + w.v_amax)};
 }
 
 template <int D, typename TOut>
@@ -39,10 +38,12 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
   const uint64_t bkv = static_cast<uint64_t>(p.batch) * p.heads_kv;
   const auto qk_swizzle = D == 128 ? hopper::TmaSwizzle::k128B : hopper::TmaSwizzle::k64B;
   CUtensorMap tm_q, tm_k, tm_vt;
-  if (auto e = hopper::make_tensor_map_u8_3d(&tm_q, q.q_i8, D, w.nq_pad, bq, D, Tr::kBlockM, qk_swizzle);
+  if (auto e =
+          hopper::make_tensor_map_u8_3d(&tm_q, q.q_i8, D, w.nq_pad, bq, D, Tr::kBlockM, qk_swizzle);
       e != cudaSuccess)
     return e;
-  if (auto e = hopper::make_tensor_map_u8_3d(&tm_k, q.k_i8, D, w.nkv_pad, bkv, D, Tr::kBlockN, qk_swizzle);
+  if (auto e = hopper::make_tensor_map_u8_3d(&tm_k, q.k_i8, D, w.nkv_pad, bkv, D, Tr::kBlockN,
+                                             qk_swizzle);
       e != cudaSuccess)
     return e;
   if (auto e = hopper::make_tensor_map_u8_3d(&tm_vt, q.vt_f8, w.nkv_pad, D, bkv, Tr::kBlockN, D,
@@ -79,7 +80,8 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
   // Persistent grid: one CTA per SM (384 threads at 168 registers fill an SM).
   int device = 0, num_sms = 0;
   if (auto e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  if (auto e = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device); e != cudaSuccess)
+  if (auto e = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
+      e != cudaSuccess)
     return e;
   const int64_t items = static_cast<int64_t>(ap.num_m_blocks) * p.heads_q * p.batch;
   const int grid = static_cast<int>(std::min<int64_t>(items, num_sms));
@@ -88,7 +90,8 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
 }
 
 template <typename T, int D>
-cudaError_t quantize_d(const qattn_fwd_params& p, const WorkspaceLayout& w, void* ws, cudaStream_t stream) {
+cudaError_t quantize_d(const qattn_fwd_params& p, const WorkspaceLayout& w, void* ws,
+                       cudaStream_t stream) {
   QuantizeParams qp{};
   qp.batch = p.batch;
   qp.heads_q = p.heads_q;
@@ -101,7 +104,8 @@ cudaError_t quantize_d(const qattn_fwd_params& p, const WorkspaceLayout& w, void
   qp.sm_scale = resolved_sm_scale(p);
   qp.scale_log2 = qp.sm_scale * kLog2e;
   qp.granularity = p.granularity;
-  return launch_quantize<T, D>(view<T>(p.q), view<T>(p.k), view<T>(p.v), qp, outputs(w, ws), stream);
+  return launch_quantize<T, D>(view<T>(p.q), view<T>(p.k), view<T>(p.v), qp, outputs(w, ws),
+                               stream);
 }
 
 template <typename T>

@@ -1,7 +1,6 @@
-#include "cuda/sage2_fwd/quantize.cuh"
-
 #include <cuda_fp8.h>
 
+#include "cuda/sage2_fwd/quantize.cuh"
 #include "numerics/mma_groups.h"
 
 namespace qattn::sage2 {
@@ -15,8 +14,10 @@ constexpr uint32_t kNaNBits = 0x7fffffff;
 
 template <typename T>
 __device__ __forceinline__ float to_float(T x) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) return __bfloat162float(x);
-  else return __half2float(x);
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    return __bfloat162float(x);
+  else
+    return __half2float(x);
 }
 
 // Reads N channels at `ch` of row `row` of a (rows x head_dim) matrix. The row is
@@ -25,8 +26,8 @@ __device__ __forceinline__ float to_float(T x) {
 // equals the padded D) every chunk is a single vector load: inputs are 16-byte aligned
 // with row strides a multiple of 8 elements (the api checks).
 template <bool kFullDim, typename T, int N>
-__device__ __forceinline__ void load_chunk(const T* base, int64_t stride, int row, int rows, int ch, int head_dim,
-                                           float (&out)[N]) {
+__device__ __forceinline__ void load_chunk(const T* base, int64_t stride, int row, int rows, int ch,
+                                           int head_dim, float (&out)[N]) {
   static_assert(N == 2 || N == 4 || N == 8, "chunks of 2, 4 or 8 elements");
   const T* src = base + static_cast<int64_t>(min(row, rows - 1)) * stride + ch;
   if (kFullDim || ch + N <= head_dim) {
@@ -77,7 +78,8 @@ __device__ __forceinline__ uint32_t quantize_e4m3(float x) {
 // step 1). Thread = (channel, part): each part sums every kParts-th sampled token, the
 // loads in batches of independent ones; the parts then add in a fixed order.
 template <typename T, int D>
-__device__ void k_mean_block(const InputView<T>& k, const QuantizeParams& p, int h, int b, float* k_mean) {
+__device__ void k_mean_block(const InputView<T>& k, const QuantizeParams& p, int h, int b,
+                             float* k_mean) {
   constexpr int kParts = kThreads / D;
   constexpr int kPerPart = kSmoothingSample / kParts;
   constexpr int kBatch = 32;
@@ -92,8 +94,9 @@ __device__ void k_mean_block(const InputView<T>& k, const QuantizeParams& p, int
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
       const int i = part + (j0 + j) * kParts;
-      const int64_t tok =
-          p.seqlen_kv <= kSmoothingSample ? i : static_cast<int64_t>(i) * p.seqlen_kv / kSmoothingSample;
+      const int64_t tok = p.seqlen_kv <= kSmoothingSample
+                              ? i
+                              : static_cast<int64_t>(i) * p.seqlen_kv / kSmoothingSample;
       vals[j] = (ch < p.head_dim && i < n) ? to_float(base[tok * k.stride_n]) : 0.f;
     }
 #pragma unroll
@@ -105,14 +108,16 @@ __device__ void k_mean_block(const InputView<T>& k, const QuantizeParams& p, int
     float total = 0.f;
 #pragma unroll
     for (int i = 0; i < kParts; ++i) total += partial[i][ch];
-    k_mean[(static_cast<int64_t>(b) * p.heads_kv + h) * D + ch] = ch < p.head_dim ? total / static_cast<float>(n) : 0.f;
+    k_mean[(static_cast<int64_t>(b) * p.heads_kv + h) * D + ch] =
+        ch < p.head_dim ? total / static_cast<float>(n) : 0.f;
   }
 }
 
 // Per-channel amax of V over one 128-token tile, merged into v_amax (zeroed before).
 // Thread = (8-channel chunk, token lane).
 template <typename T, int D, bool kFullDim>
-__device__ void v_amax_block(const InputView<T>& v, const QuantizeParams& p, int tile, int h, int b, float* v_amax) {
+__device__ void v_amax_block(const InputView<T>& v, const QuantizeParams& p, int tile, int h, int b,
+                             float* v_amax) {
   constexpr int kChunks = D / 8, kTokStep = kThreads / kChunks, kItems = groups::kKvTile / kTokStep;
   __shared__ float chan[D];
   const int chunk = threadIdx.x % kChunks, tok0 = threadIdx.x / kChunks;
@@ -121,8 +126,9 @@ __device__ void v_amax_block(const InputView<T>& v, const QuantizeParams& p, int
   float vals[kItems][8];
 #pragma unroll
   for (int i = 0; i < kItems; ++i)
-    load_chunk<kFullDim>(v.data + b * v.stride_b + h * v.stride_h, v.stride_n, tile * groups::kKvTile + tok0 + i * kTokStep,
-                         p.seqlen_kv, chunk * 8, p.head_dim, vals[i]);
+    load_chunk<kFullDim>(v.data + b * v.stride_b + h * v.stride_h, v.stride_n,
+                         tile * groups::kKvTile + tok0 + i * kTokStep, p.seqlen_kv, chunk * 8,
+                         p.head_dim, vals[i]);
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     float a = 0.f;
@@ -132,12 +138,14 @@ __device__ void v_amax_block(const InputView<T>& v, const QuantizeParams& p, int
   }
   __syncthreads();
   if (threadIdx.x < D)
-    atomic_amax(&v_amax[(static_cast<int64_t>(b) * p.heads_kv + h) * D + threadIdx.x], chan[threadIdx.x]);
+    atomic_amax(&v_amax[(static_cast<int64_t>(b) * p.heads_kv + h) * D + threadIdx.x],
+                chan[threadIdx.x]);
 }
 
 template <typename T, int D, bool kFullDim>
 __global__ void __launch_bounds__(kThreads)
-    statistics_kernel(InputView<T> k, InputView<T> v, QuantizeParams p, float* k_mean, float* v_amax) {
+    statistics_kernel(InputView<T> k, InputView<T> v, QuantizeParams p, float* k_mean,
+                      float* v_amax) {
   const int tiles = p.nkv_pad / groups::kKvTile;
   if (blockIdx.x == tiles)
     k_mean_block<T, D>(k, p, blockIdx.y, blockIdx.z, k_mean);
@@ -149,8 +157,8 @@ __global__ void __launch_bounds__(kThreads)
 // grid (2 · nkv_pad / 128, Hkv, B), block 256: even blocks quantize a K tile, odd ones
 // the V tile (two small CTAs keep more loads in flight than one doing both in turn).
 template <typename T, int D, bool kFullDim>
-__global__ void __launch_bounds__(kThreads) kv_quantize_kernel(InputView<T> k, InputView<T> v,
-                                                               QuantizeParams p, QuantizeOutputs out) {
+__global__ void __launch_bounds__(kThreads)
+    kv_quantize_kernel(InputView<T> k, InputView<T> v, QuantizeParams p, QuantizeOutputs out) {
   constexpr int kTile = groups::kKvTile;
   __shared__ float group_amax[groups::kKThreadGroupsPerTile];
   const int tile = blockIdx.x / 2, h = blockIdx.y, b = blockIdx.z;
@@ -172,8 +180,8 @@ __global__ void __launch_bounds__(kThreads) kv_quantize_kernel(InputView<T> k, I
     float amax = 0.f;
 #pragma unroll
     for (int i = 0; i < kItems; ++i)
-      load_chunk<kFullDim>(k.data + b * k.stride_b + h * k.stride_h, k.stride_n, tile * kTile + tok0 + i * kTokStep,
-                           p.seqlen_kv, ch0, p.head_dim, kv[i]);
+      load_chunk<kFullDim>(k.data + b * k.stride_b + h * k.stride_h, k.stride_n,
+                           tile * kTile + tok0 + i * kTokStep, p.seqlen_kv, ch0, p.head_dim, kv[i]);
 #pragma unroll
     for (int i = 0; i < kItems; ++i) {
       // Tail tokens stay zero (outside every amax); padded channels have c = 0.
@@ -193,12 +201,13 @@ __global__ void __launch_bounds__(kThreads) kv_quantize_kernel(InputView<T> k, I
 #pragma unroll
     for (int i = 0; i < kItems; ++i) {
       const int tok = tile * kTile + tok0 + i * kTokStep;
-      *reinterpret_cast<uint2*>(out.k_i8 + (bh * p.nkv_pad + tok) * D + ch0) =
-          make_uint2(quantize_int8x4(kv[i], inv, !(a > 0.f)), quantize_int8x4(kv[i] + 4, inv, !(a > 0.f)));
+      *reinterpret_cast<uint2*>(out.k_i8 + (bh * p.nkv_pad + tok) * D + ch0) = make_uint2(
+          quantize_int8x4(kv[i], inv, !(a > 0.f)), quantize_int8x4(kv[i] + 4, inv, !(a > 0.f)));
     }
     if (threadIdx.x < groups::kKThreadGroupsPerTile)
-      out.k_scale[bh * (p.nkv_pad / kTile * groups::kKThreadGroupsPerTile) + tile * groups::kKThreadGroupsPerTile +
-                  threadIdx.x] = group_amax[per_thread ? threadIdx.x : 0] / kInt8Max;
+      out.k_scale[bh * (p.nkv_pad / kTile * groups::kKThreadGroupsPerTile) +
+                  tile * groups::kKThreadGroupsPerTile + threadIdx.x] =
+          group_amax[per_thread ? threadIdx.x : 0] / kInt8Max;
   }
 
   // V, with its global per-channel scale: E4M3 codes go to a shared Vᵀ tile in the
@@ -220,8 +229,8 @@ __global__ void __launch_bounds__(kThreads) kv_quantize_kernel(InputView<T> k, I
     float x[kItems][8];
 #pragma unroll
     for (int i = 0; i < kItems; ++i)
-      load_chunk<kFullDim>(v.data + b * v.stride_b + h * v.stride_h, v.stride_n, tile * kTile + tok0 + i * kTokStep,
-                           p.seqlen_kv, ch0, p.head_dim, x[i]);
+      load_chunk<kFullDim>(v.data + b * v.stride_b + h * v.stride_h, v.stride_n,
+                           tile * kTile + tok0 + i * kTokStep, p.seqlen_kv, ch0, p.head_dim, x[i]);
 #pragma unroll
     for (int i = 0; i < kItems; ++i) {
       const int t = tok0 + i * kTokStep;
@@ -242,7 +251,8 @@ __global__ void __launch_bounds__(kThreads) kv_quantize_kernel(InputView<T> k, I
 // ---- 4. Q (INT8, sm_scale·log2e folded into the scale) and q·c ------------------------------
 // grid (nq_pad / 64, Hq, B), block 256 = 8 warps × 8 rows; a lane holds D/32 channels.
 template <typename T, int D, bool kFullDim>
-__global__ void __launch_bounds__(kThreads) q_quantize_kernel(InputView<T> q, QuantizeParams p, QuantizeOutputs out) {
+__global__ void __launch_bounds__(kThreads)
+    q_quantize_kernel(InputView<T> q, QuantizeParams p, QuantizeOutputs out) {
   constexpr int kRows = groups::kQBlock;
   constexpr int kRowsPerWarp = kRows / (kThreads / 32);
   constexpr int kPerLane = D / 32;
@@ -261,8 +271,8 @@ __global__ void __launch_bounds__(kThreads) q_quantize_kernel(InputView<T> q, Qu
   float x[kRowsPerWarp][kPerLane];
 #pragma unroll
   for (int i = 0; i < kRowsPerWarp; ++i)
-    load_chunk<kFullDim>(q.data + b * q.stride_b + h * q.stride_h, q.stride_n, blk * kRows + warp * kRowsPerWarp + i,
-                         p.seqlen_q, ch0, p.head_dim, x[i]);
+    load_chunk<kFullDim>(q.data + b * q.stride_b + h * q.stride_h, q.stride_n,
+                         blk * kRows + warp * kRowsPerWarp + i, p.seqlen_q, ch0, p.head_dim, x[i]);
 #pragma unroll
   for (int i = 0; i < kRowsPerWarp; ++i) {
     const int r = warp * kRowsPerWarp + i;
@@ -310,26 +320,31 @@ __global__ void __launch_bounds__(kThreads) q_quantize_kernel(InputView<T> q, Qu
       *reinterpret_cast<uint32_t*>(dst) = quantize_int8x4(x[i], inv, !(a > 0.f));
     } else {
       const float pair[4] = {x[i][0], x[i][1], 0.f, 0.f};
-      *reinterpret_cast<uint16_t*>(dst) = static_cast<uint16_t>(quantize_int8x4(pair, inv, !(a > 0.f)));
+      *reinterpret_cast<uint16_t*>(dst) =
+          static_cast<uint16_t>(quantize_int8x4(pair, inv, !(a > 0.f)));
     }
   }
   if (threadIdx.x < groups::kQThreadGroupsPerBlock) {
     const int gi = threadIdx.x;  // rows (gi / 8) * 16 + gi % 8 and that + 8
     const int r = (gi / 8) * groups::kQWarpRows + gi % 8;
-    out.q_scale[bh * (p.nq_pad / kRows * groups::kQThreadGroupsPerBlock) + blk * groups::kQThreadGroupsPerBlock + gi] =
+    out.q_scale[bh * (p.nq_pad / kRows * groups::kQThreadGroupsPerBlock) +
+                blk * groups::kQThreadGroupsPerBlock + gi] =
         (group_amax(r) / kInt8Max) * p.scale_log2;
   }
 }
 
 template <typename T, int D, bool kFullDim>
-cudaError_t launch_quantize_passes(const InputView<T>& q, const InputView<T>& k, const InputView<T>& v,
-                                   const QuantizeParams& p, const QuantizeOutputs& out, cudaStream_t stream) {
+cudaError_t launch_quantize_passes(const InputView<T>& q, const InputView<T>& k,
+                                   const InputView<T>& v, const QuantizeParams& p,
+                                   const QuantizeOutputs& out, cudaStream_t stream) {
   const dim3 kv_grid(p.nkv_pad / groups::kKvTile, p.heads_kv, p.batch);
-  if (cudaError_t e = cudaMemsetAsync(out.v_amax, 0, sizeof(float) * D * p.heads_kv * p.batch, stream);
+  if (cudaError_t e =
+          cudaMemsetAsync(out.v_amax, 0, sizeof(float) * D * p.heads_kv * p.batch, stream);
       e != cudaSuccess)
     return e;
   statistics_kernel<T, D, kFullDim>
-      <<<dim3(kv_grid.x + 1, kv_grid.y, kv_grid.z), kThreads, 0, stream>>>(k, v, p, out.k_mean, out.v_amax);
+      <<<dim3(kv_grid.x + 1, kv_grid.y, kv_grid.z), kThreads, 0, stream>>>(k, v, p, out.k_mean,
+                                                                           out.v_amax);
   kv_quantize_kernel<T, D, kFullDim>
       <<<dim3(2 * kv_grid.x, kv_grid.y, kv_grid.z), kThreads, 0, stream>>>(k, v, p, out);
   q_quantize_kernel<T, D, kFullDim>
@@ -341,14 +356,16 @@ cudaError_t launch_quantize_passes(const InputView<T>& q, const InputView<T>& k,
 
 template <typename T, int D>
 cudaError_t launch_quantize(const InputView<T>& q, const InputView<T>& k, const InputView<T>& v,
-                            const QuantizeParams& p, const QuantizeOutputs& out, cudaStream_t stream) {
+                            const QuantizeParams& p, const QuantizeOutputs& out,
+                            cudaStream_t stream) {
   return p.head_dim == D ? launch_quantize_passes<T, D, true>(q, k, v, p, out, stream)
                          : launch_quantize_passes<T, D, false>(q, k, v, p, out, stream);
 }
 
-#define QATTN_INSTANTIATE(T, D)                                                                            \
-  template cudaError_t launch_quantize<T, D>(const InputView<T>&, const InputView<T>&, const InputView<T>&, \
-                                             const QuantizeParams&, const QuantizeOutputs&, cudaStream_t);
+#define QATTN_INSTANTIATE(T, D)                                                          \
+  template cudaError_t launch_quantize<T, D>(const InputView<T>&, const InputView<T>&,   \
+                                             const InputView<T>&, const QuantizeParams&, \
+                                             const QuantizeOutputs&, cudaStream_t);
 QATTN_INSTANTIATE(__nv_bfloat16, 64)
 QATTN_INSTANTIATE(__nv_bfloat16, 128)
 QATTN_INSTANTIATE(__half, 64)
