@@ -1,3 +1,4 @@
+#include <cstdint>
 #include "api/validate.h"
 
 #include <algorithm>
@@ -187,6 +188,10 @@ qattn_status validate_forward(const char* fn, const qattn_fwd_params* pp) {
       !mul(bound, 1024, &bound))
     return fail(QATTN_ERROR_INVALID_ARGUMENT, fn,
                 ": batch * heads * seqlen is too large for the workspace size to be represented");
+  // The kernel numbers its work items (128-row query blocks of every head) in an int.
+  if (int64_t{p.batch} * p.heads_q * (nq_pad / 128) > int64_t{INT32_MAX})
+    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": batch * heads_q * ceil(seqlen_q / 128) = ",
+                int64_t{p.batch} * p.heads_q * (nq_pad / 128), "; allowed: at most 2^31 - 1");
 
   // ---- tensors ----
   const int64_t d = p.head_dim;

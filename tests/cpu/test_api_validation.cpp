@@ -503,3 +503,17 @@ TEST(ApiCpp, BuilderSetsEveryField) {
 }
 
 }  // namespace
+
+namespace {
+
+// The kernel numbers its work items (128-row query blocks of every head) in an int.
+TEST(ApiValidation, TooManyQueryBlocksIsRejected) {
+  Shape s;
+  s.batch = 1024;
+  s.heads_q = s.heads_kv = 1024;
+  s.seqlen_q = 1 << 20;
+  EXPECT_REJECTS(size_of(valid_params(s)), QATTN_ERROR_INVALID_ARGUMENT, "ceil(seqlen_q / 128)",
+                 "2^31");
+}
+
+}  // namespace
