@@ -1,7 +1,7 @@
 // SageAttention2 on the CPU, step by step as the Hopper kernel computes it.
 //
 // With the default options (INT8 per-thread Q·Kᵀ, sampled-mean K smoothing, E4M3 P·V
-// with per-(tile, channel) V scales, two-level accumulation) this follows
+// with per-channel V scales, two-level accumulation) this follows
 // docs/sage2-kernel-arithmetic.md exactly: the quantized tensors equal the kernel's
 // workspace bit for bit (given the kernel's smoothing vector c), and the output equals
 // the kernel's to rounding (the kernel's ex2.approx against std::exp2). The other
@@ -33,7 +33,9 @@ struct Sage2Options {
   // V's format when it should differ from P's (an ablation that isolates P's format;
   // no MMA mixes formats, and the FP22 model follows P's format). Empty: pv_format.
   std::optional<PvFormat> v_format;
-  Granularity v_scale = Granularity::PerTileChannel;  // or PerChannel (a global pass)
+  // The kernel's: one scale per channel over all tokens. PerTileChannel (one per KV
+  // tile and channel, no global pass over V) is the ablation of bench/NOTES.md v1.
+  Granularity v_scale = Granularity::PerChannel;
   // Defaults to the hardware's FP22 model: the emulator mirrors what the GPU computes.
   Fp8Accumulator accumulator = Fp8Accumulator::Fp22;
   // The kernel sums the FP32 P (docs/sage2-kernel-arithmetic.md step 6). QuantizedP is
