@@ -8,6 +8,7 @@ stream, so a call never synchronizes and can be captured in a CUDA graph. A fake
 
 # No `from __future__ import annotations`: torch.library reads the real annotations.
 import math
+import struct
 import warnings
 from typing import Callable, Optional, Tuple
 
@@ -69,8 +70,15 @@ def _check_inputs(q, k, v, layout: str, scale: Optional[float], granularity: str
         raise invalid(
             f"heads_q = {hq} is not a multiple of heads_kv = {hk}; allowed: heads_q = g * heads_kv (GQA/MQA)"
         )
-    if scale is not None and not (math.isfinite(scale) and scale > 0):
-        raise invalid(f"scale = {scale}; allowed: None (1/sqrt(head_dim)) or a finite positive number")
+    # The C ABI takes an FP32 sm_scale and reads 0 as "the default": a positive scale that
+    # rounds to 0 (or overflows) in FP32 must not turn into 1/sqrt(d) silently.
+    if scale is not None and not (
+        math.isfinite(scale) and scale > 0 and 0.0 < struct.unpack("f", struct.pack("f", scale))[0] < math.inf
+    ):
+        raise invalid(
+            f"scale = {scale}; allowed: None (1/sqrt(head_dim)) or a positive number that is "
+            "finite and non-zero in FP32"
+        )
 
 
 # ---- the real call -----------------------------------------------------------------
@@ -82,8 +90,10 @@ def _usable(t: torch.Tensor, layout: str, d_pad: int) -> torch.Tensor:
     d = t.shape[-1]
     if d != d_pad:
         return F.pad(t, (0, d_pad - d))  # a fresh contiguous tensor
+    # Stride 0 (an expanded tensor, e.g. K/V broadcast over heads) is copied too: the C ABI
+    # takes positive strides only.
     if t.stride(-1) != 1 or t.data_ptr() % _ALIGN_BYTES != 0 or any(
-        s % _ROW_MULTIPLE != 0 for s, n in zip(t.stride()[:3], t.shape[:3]) if n > 1
+        s <= 0 or s % _ROW_MULTIPLE != 0 for s, n in zip(t.stride()[:3], t.shape[:3]) if n > 1
     ):
         return t.clone(memory_format=torch.contiguous_format)
     return t

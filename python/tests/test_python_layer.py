@@ -131,3 +131,20 @@ def test_call_copies_only_what_the_abi_cannot_take():
     c = call_for(view, view, view)
     assert c.q.data_ptr() == nhd.data_ptr()
     assert c.args[0][1:] == (64 * 4 * 64, 64, 4 * 64)
+
+
+def test_call_copies_expanded_inputs():
+    # K/V broadcast over the query heads (stride 0) must be copied, not rejected: the C
+    # ABI takes positive strides only.
+    q = torch.zeros(1, 4, 64, 64, dtype=torch.bfloat16)
+    kv = torch.zeros(1, 1, 64, 64, dtype=torch.bfloat16).expand(1, 4, 64, 64)
+    c = call_for(q, kv, kv)
+    assert c.k.stride(1) > 0 and c.k.data_ptr() != kv.data_ptr()
+    assert all(s > 0 for s in c.args[1][1:])
+
+
+def test_scale_that_vanishes_in_fp32_is_refused():
+    q = torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16)
+    for bad in (1e-50, 1e300):
+        with pytest.raises(qattn.QattnError, match="scale"):
+            ops._check_inputs(q, q, q, "HND", bad, "per_thread")
