@@ -174,4 +174,40 @@ TEST(HopperPrimitives, RegisterE4m3WgmmaWithPermutedVtMatchesCpu) {
     }
 }
 
+// Two bulk copies (16 bytes and 1 KiB, at 16-byte offsets) completing on one mbarrier,
+// read back from shared memory; as the attention kernel loads its scales.
+__global__ void bulk_load_kernel(const float* src, float* out) {
+  __shared__ alignas(16) float buf[4 + 256];
+  __shared__ uint64_t bar;
+  if (threadIdx.x == 0) {
+    hopper::mbarrier_init(&bar, 1);
+    hopper::fence_barrier_init();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    hopper::mbarrier_arrive_expect_tx(&bar, sizeof(buf));
+    hopper::bulk_load(buf, src + 4, 16, &bar);
+    hopper::bulk_load(buf + 4, src + 12, 1024, &bar);
+  }
+  hopper::mbarrier_wait(&bar, 0);
+  for (int i = threadIdx.x; i < 4 + 256; i += blockDim.x) out[i] = buf[i];
+}
+
+TEST(HopperPrimitives, BulkLoadsCompleteOnOneBarrier) {
+  QATTN_SKIP_WITHOUT_GPU();
+  const uint64_t seed = test::fresh_seed();
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<float> src(12 + 256);
+  for (auto& x : src) x = normal(rng);
+  test::DeviceBuffer<float> dsrc(src.size()), dout(4 + 256);
+  dsrc.upload(src);
+  bulk_load_kernel<<<1, 128>>>(dsrc.ptr, dout.ptr);
+  QATTN_CUDA_OK(cudaDeviceSynchronize());
+  const auto out = dout.download();
+  for (int i = 0; i < 4; ++i) ASSERT_EQ(out[i], src[4 + i]) << "i=" << i << " seed=" << seed;
+  for (int i = 0; i < 256; ++i)
+    ASSERT_EQ(out[4 + i], src[12 + i]) << "i=" << i << " seed=" << seed;
+}
+
 }  // namespace

@@ -26,7 +26,9 @@ __device__ __forceinline__ uint32_t pack2(float a, float b) {
 template <typename TOut, int kO, typename Params, typename Softmax>
 __device__ __forceinline__ void store_output(const Params& p, const float (&o)[kO],
                                              const Softmax& sm, FragCoord fc, int64_t bh_q,
-                                             int row0, const float* v_amax) {
+                                             int block_row0, int row_in_block,
+                                             const float* v_amax, const float* q_dot_c) {
+  // v_amax (the KV head's D channels) and q_dot_c (the block's rows) are in shared memory.
   const int b = static_cast<int>(bh_q / p.heads_q), h = static_cast<int>(bh_q % p.heads_q);
   // Per-channel V scale (amax / 448) of the thread's columns 8j + 2t, 8j + 2t + 1.
   float v_scale[kO / 2];
@@ -38,7 +40,7 @@ __device__ __forceinline__ void store_output(const Params& p, const float (&o)[k
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int row = row0 + 8 * r;
+    const int row = block_row0 + row_in_block + 8 * r;
     if (row >= p.seqlen_q) continue;
     const float l = sm.l[r];
     // A row with no visible key (causal, Nq > Nkv) has l = 0: O = 0, LSE = -inf.
@@ -57,7 +59,7 @@ __device__ __forceinline__ void store_output(const Params& p, const float (&o)[k
     }
     if (p.lse != nullptr && fc.t == 0) {
       p.lse[bh_q * p.seqlen_q + row] =
-          l > 0.f ? (sm.m[r] + log2f(l) - kLog2E4m3Max) * kLn2 + p.q_dot_c[bh_q * p.nq_pad + row]
+          l > 0.f ? (sm.m[r] + log2f(l) - kLog2E4m3Max) * kLn2 + q_dot_c[row_in_block + 8 * r]
                   : -INFINITY;
     }
   }

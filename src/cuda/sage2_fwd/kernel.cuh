@@ -26,22 +26,14 @@
 
 namespace qattn::sage2 {
 
-// Scheduling levers, measured side by side in bench/NOTES.md (bench/kernel_timing builds
-// with -D overrides): ping-pong turns between the consumer warpgroups (off: slower on
-// the H200 than letting the two interleave freely), and the softmax of tile j+1
-// overlapped with P·V of tile j inside a warpgroup (on).
-#ifndef QATTN_SAGE2_PINGPONG
-#define QATTN_SAGE2_PINGPONG 0
-#endif
-inline constexpr bool kPingPong = QATTN_SAGE2_PINGPONG != 0;
+// Scheduling lever, measured side by side in bench/NOTES.md (bench/kernel_timing builds
+// with -D overrides): the softmax of tile j+1 overlapped with P·V of tile j inside a
+// warpgroup (on). Ping-pong turns between the consumer warpgroups were slower on the
+// H200 than letting the two interleave freely (NOTES v3/v4) and were removed.
 #ifndef QATTN_SAGE2_OVERLAP
 #define QATTN_SAGE2_OVERLAP 1
 #endif
 inline constexpr bool kOverlapSoftmax = QATTN_SAGE2_OVERLAP != 0;
-
-// Named barriers 1 and 2 order the consumer warpgroups' turns on the tensor cores
-// (barrier 0 is __syncthreads).
-inline constexpr uint32_t kTurnBarrier = 1;
 
 struct AttentionParams {
   const float* q_scale;  // per-thread groups, (B, Hq, nq_pad / 64 * 32)
@@ -72,12 +64,20 @@ struct KernelTraits {
   static constexpr hopper::Swizzle kQKSwizzle =
       D == 128 ? hopper::Swizzle::k128B : hopper::Swizzle::k64B;
   static constexpr hopper::Swizzle kVSwizzle = hopper::Swizzle::k128B;  // 128 tokens = 128 B
-  static constexpr int kSmemBytes = kQBytes + kStages * (kKBytes + kVBytes) + 1024 /*align*/ + 256;
 };
 
 // Two Q buffers: the producer loads the next work item's Q while the consumers still
 // use the current one, so no item starts by waiting for its Q.
 inline constexpr int kQSlots = 2;
+
+// The small per-item inputs, bulk-copied into shared memory with the item's Q tile so
+// no consumer waits on a global load at the start or the end of an item (NOTES v10).
+template <int D>
+struct ItemSide {
+  float q_scale[2 * groups::kQThreadGroupsPerBlock];  // the 128 rows' Q scale groups
+  float q_dot_c[128];                                  // q·c per row (LSE correction)
+  float v_amax[D];                                     // per-channel V amax of the KV head
+};
 
 template <int D>
 struct SharedStorage {
@@ -85,6 +85,8 @@ struct SharedStorage {
   alignas(1024) uint8_t q[kQSlots][Tr::kQBytes];
   alignas(1024) uint8_t k[Tr::kStages][Tr::kKBytes];
   alignas(1024) uint8_t v[Tr::kStages][Tr::kVBytes];
+  alignas(16) ItemSide<D> side[kQSlots];
+  alignas(16) float k_scale[Tr::kStages][groups::kKThreadGroupsPerTile];  // with its K tile
   uint64_t q_full[kQSlots], q_empty[kQSlots];
   uint64_t k_full[Tr::kStages], k_empty[Tr::kStages];
   uint64_t v_full[Tr::kStages], v_empty[Tr::kStages];
@@ -158,16 +160,35 @@ __global__ void __launch_bounds__(384, 1)
         const int kv_slice = w.b * p.heads_kv + w.hq / (p.heads_q / p.heads_kv);
         const int n_tiles = kv_tiles_for_block(p, w.m_block);
         const int slot = local % kQSlots;
+        const int64_t bh_q = static_cast<int64_t>(w.b) * p.heads_q + w.hq;
+        ItemSide<D>& side = s.side[slot];
+        const uint32_t side_bytes = sizeof(side.q_scale) + sizeof(side.v_amax) +
+                                    (p.lse != nullptr ? sizeof(side.q_dot_c) : 0);
         hopper::mbarrier_wait(&s.q_empty[slot], ((local / kQSlots) & 1) ^ 1);
-        hopper::mbarrier_arrive_expect_tx(&s.q_full[slot], Tr::kQBytes);
+        hopper::mbarrier_arrive_expect_tx(&s.q_full[slot], Tr::kQBytes + side_bytes);
         hopper::tma_load_3d(s.q[slot], &tm_q, &s.q_full[slot], 0, w.m_block * Tr::kBlockM,
-                            w.b * p.heads_q + w.hq, stream);
+                            static_cast<int>(bh_q), stream);
+        hopper::bulk_load(side.q_scale,
+                          p.q_scale + bh_q * (p.nq_pad / groups::kQBlock *
+                                              groups::kQThreadGroupsPerBlock) +
+                              w.m_block * 2 * groups::kQThreadGroupsPerBlock,
+                          sizeof(side.q_scale), &s.q_full[slot]);
+        hopper::bulk_load(side.v_amax, p.v_amax + static_cast<int64_t>(kv_slice) * D,
+                          sizeof(side.v_amax), &s.q_full[slot]);
+        if (p.lse != nullptr)
+          hopper::bulk_load(side.q_dot_c, p.q_dot_c + bh_q * p.nq_pad + w.m_block * Tr::kBlockM,
+                            sizeof(side.q_dot_c), &s.q_full[slot]);
+        const float* k_scale = p.k_scale + static_cast<int64_t>(kv_slice) *
+                                               (p.nkv_pad / groups::kKvTile *
+                                                groups::kKThreadGroupsPerTile);
         for (int it = 0; it < n_tiles; ++it, ++iter) {
           const int st = iter % Tr::kStages;
           const uint32_t phase = (iter / Tr::kStages) & 1;
           hopper::mbarrier_wait(&s.k_empty[st], phase ^ 1);
-          hopper::mbarrier_arrive_expect_tx(&s.k_full[st], Tr::kKBytes);
+          hopper::mbarrier_arrive_expect_tx(&s.k_full[st], Tr::kKBytes + sizeof(s.k_scale[st]));
           hopper::tma_load_3d(s.k[st], &tm_k, &s.k_full[st], 0, it * Tr::kBlockN, kv_slice, keep);
+          hopper::bulk_load(s.k_scale[st], k_scale + it * groups::kKThreadGroupsPerTile,
+                            sizeof(s.k_scale[st]), &s.k_full[st]);
           hopper::mbarrier_wait(&s.v_empty[st], phase ^ 1);
           hopper::mbarrier_arrive_expect_tx(&s.v_full[st], Tr::kVBytes);
           hopper::tma_load_3d(s.v[st], &tm_vt, &s.v_full[st], it * Tr::kBlockN, 0, kv_slice, keep);
@@ -178,181 +199,197 @@ __global__ void __launch_bounds__(384, 1)
   }
 
   // ---- consumers ---------------------------------------------------------------------------
+  // The consumers run one flat pipeline over (item, tile) pairs: the Q·Kᵀ of the next
+  // item's first tile is issued with the P·V of this item's last tile, so the next
+  // item's first softmax overlaps that P·V and no item starts or ends with the tensor
+  // cores idle (NOTES v10).
   hopper::setmaxnreg_inc<240>();
   const int cw = warpgroup - 1;  // which 64 rows of the block
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const FragCoord fc{lane / 4, lane % 4};
-  int iter_base = 0;  // KV tiles consumed by earlier items: the ring's stage and phase
-  int local = 0;
-  for (int item = blockIdx.x; item < num_items; item += gridDim.x, ++local) {
-    const WorkItem w = decode_item(p, item);
-    const int m_block = w.m_block, hq = w.hq, b = w.b;
-    const int hkv = hq / (p.heads_q / p.heads_kv);
-    const int n_tiles = kv_tiles_for_block(p, m_block);
-    auto stage = [&](int it) { return (iter_base + it) % Tr::kStages; };
-    auto phase = [&](int it) { return static_cast<uint32_t>((iter_base + it) / Tr::kStages) & 1; };
-    // Q's buffer is free for the next item once this item's last Q·Kᵀ has completed.
-    auto release_q = [&] {
-      __syncwarp();
-      if (lane == 0) hopper::mbarrier_arrive(&s.q_empty[local % kQSlots]);
-    };
-    const int row0 = m_block * Tr::kBlockM + cw * 64 + warp * 16 + fc.g;  // and row0 + 8
-    const int64_t bh_q = static_cast<int64_t>(b) * p.heads_q + hq;
-    const int64_t bh_kv = static_cast<int64_t>(b) * p.heads_kv + hkv;
+  const CausalMask mask{p.seqlen_q, p.seqlen_kv, p.causal != 0};
+  constexpr int kS = Tr::kBlockN / 2;  // score elements per thread
+  constexpr int kO = D / 2;            // output elements per thread
+  using Softmax = OnlineSoftmax<kS>;
 
-    const float q_scale =
-        p.q_scale[bh_q * (p.nq_pad / groups::kQBlock * groups::kQThreadGroupsPerBlock) +
-                  (m_block * 2 + cw) * groups::kQThreadGroupsPerBlock + warp * 8 + fc.g];
-    const float* k_scale =
-        p.k_scale + bh_kv * (p.nkv_pad / groups::kKvTile * groups::kKThreadGroupsPerTile) + fc.t;
+  // A work item as a consumer thread sees it.
+  struct Item {
+    int m_block, hq, b, n_tiles;
+    int local;       // ordinal on this CTA: Q slot and its phase
+    int first_iter;  // KV tiles consumed before it: the ring's stage and phase
+    float q_scale;   // this thread's Q scale group
+    __device__ int slot() const { return local % kQSlots; }
+    __device__ int stage(int it) const { return (first_iter + it) % Tr::kStages; }
+    __device__ uint32_t phase(int it) const {
+      return static_cast<uint32_t>((first_iter + it) / Tr::kStages) & 1;
+    }
+  };
+  auto row_in_block = [&](int r) { return cw * 64 + warp * 16 + fc.g + 8 * r; };
+  auto row_first = [&](const Item& w) { return w.m_block * Tr::kBlockM + cw * 64; };
+  auto bh_q = [&](const Item& w) { return static_cast<int64_t>(w.b) * p.heads_q + w.hq; };
+  auto write_output = [&](const Item& w, const float(&o)[kO], const Softmax& sm) {
+    const ItemSide<D>& side = s.side[w.slot()];
+    store_output<TOut, kO>(p, o, sm, fc, bh_q(w), w.m_block * Tr::kBlockM, row_in_block(0),
+                           side.v_amax, side.q_dot_c);
+    // The slot (Q tile and side data) is free once every warp has written its rows.
+    __syncwarp();
+    if (lane == 0) hopper::mbarrier_arrive(&s.q_empty[w.slot()]);
+  };
 
-    const CausalMask mask{p.seqlen_q, p.seqlen_kv, p.causal != 0};
-    const int row_first = m_block * Tr::kBlockM + cw * 64;
-
-    constexpr int kS = Tr::kBlockN / 2;  // score elements per thread
-    constexpr int kO = D / 2;            // output elements per thread
-    float o[kO];
-#pragma unroll
-    for (int i = 0; i < kO; ++i) o[i] = 0.f;
-    OnlineSoftmax<kS> softmax;
-    int32_t acc_s[kS];
-    uint32_t a_p[kS / 16][4];  // 448·P of the tile whose P·V is next, as E4M3 A fragments
-    float alpha[2];            // the O rescale that goes with a_p
-
-    hopper::mbarrier_wait(&s.q_full[local % kQSlots], (local / kQSlots) & 1);
-    if (n_tiles == 0) release_q();
-    const uint64_t desc_q =
-        hopper::make_smem_desc<Tr::kQKSwizzle>(s.q[local % kQSlots] + cw * 64 * D);
-
-    // Callers wait on the stage's "full" barrier first.
-    auto issue_qk = [&](int it) {
-      const int st = stage(it);
-      const uint64_t desc_k = hopper::make_smem_desc<Tr::kQKSwizzle>(s.k[st]);
-      hopper::wgmma_m64n128k32_s8_ss_init(acc_s, desc_q, desc_k);
-#pragma unroll
-      for (int kk = 1; kk < D / 32; ++kk)
-        hopper::wgmma_m64n128k32_s8_ss(acc_s, hopper::desc_advance(desc_q, kk * 32),
-                                       hopper::desc_advance(desc_k, kk * 32));
-      hopper::wgmma_commit();
-    };
-    auto issue_pv = [&](int st, float(&acc_o)[kO]) {
-      const uint64_t desc_v = hopper::make_smem_desc<Tr::kVSwizzle>(s.v[st]);
-      if constexpr (D == 128) {
-        hopper::wgmma_m64n128k32_e4m3_rs_init(acc_o, a_p[0], desc_v);
-#pragma unroll
-        for (int kk = 1; kk < Tr::kBlockN / 32; ++kk)
-          hopper::wgmma_m64n128k32_e4m3_rs(acc_o, a_p[kk], hopper::desc_advance(desc_v, kk * 32));
-      } else {
-        hopper::wgmma_m64n64k32_e4m3_rs_init(acc_o, a_p[0], desc_v);
-#pragma unroll
-        for (int kk = 1; kk < Tr::kBlockN / 32; ++kk)
-          hopper::wgmma_m64n64k32_e4m3_rs(acc_o, a_p[kk], hopper::desc_advance(desc_v, kk * 32));
+  int next_id = blockIdx.x, next_local = 0, next_iter = 0;
+  // Opens this CTA's next item that has KV tiles: waits for its Q and side data, and
+  // writes the output of items whose rows see no key (O = 0, LSE = -inf) on the way.
+  auto open_item = [&](Item& w) -> bool {
+    for (; next_id < num_items; next_id += gridDim.x, ++next_local) {
+      const WorkItem wi = decode_item(p, next_id);
+      w = Item{wi.m_block, wi.hq, wi.b, kv_tiles_for_block(p, wi.m_block), next_local, next_iter,
+               0.f};
+      hopper::mbarrier_wait(&s.q_full[w.slot()], (w.local / kQSlots) & 1);
+      w.q_scale = s.side[w.slot()].q_scale[row_in_block(0) / 16 * 8 + fc.g];
+      if (w.n_tiles > 0) {
+        next_id += gridDim.x;
+        ++next_local;
+        next_iter += w.n_tiles;
+        return true;
       }
-      hopper::wgmma_commit();
-    };
-    // Scores and online softmax of tile `it` from acc_s (its Q·Kᵀ must be complete);
-    // frees its K stage and leaves 448·P in x.
-    // The tile's K scale is loaded by the caller before the MMAs it waits on, so the load
-    // latency hides behind them.
-    auto softmax_tile = [&](int it, float k_scale_tile, float(&x)[kS], float(&alpha_out)[2]) {
-      hopper::fence_operands(acc_s);
-      if (it == n_tiles - 1) release_q();
-      __syncwarp();
-      if (lane == 0) hopper::mbarrier_arrive(&s.k_empty[stage(it)]);
-      // qk > 0 keeps masked (-inf) scores at -inf; an all-zero scale group has all-zero
-      // products, so the floor changes nothing. A NaN scale (NaN in Q or K) stays NaN and
-      // reaches O through P.
-      float qk = q_scale * k_scale_tile;
-      qk = qk < FLT_MIN ? FLT_MIN : qk;
+      float zero[kO] = {};
+      write_output(w, zero, Softmax{});
+    }
+    return false;
+  };
+
+  int32_t acc_s[kS];
+  uint32_t a_p[kS / 16][4];  // 448·P of the tile whose P·V is next, as E4M3 A fragments
+  float alpha[2];            // the O rescale that goes with a_p
+
+  // Callers wait on the stage's "full" barrier first.
+  auto issue_qk = [&](const Item& w, int it) {
+    const uint64_t desc_q = hopper::make_smem_desc<Tr::kQKSwizzle>(s.q[w.slot()] + cw * 64 * D);
+    const uint64_t desc_k = hopper::make_smem_desc<Tr::kQKSwizzle>(s.k[w.stage(it)]);
+    hopper::wgmma_m64n128k32_s8_ss_init(acc_s, desc_q, desc_k);
 #pragma unroll
-      for (int i = 0; i < kS; ++i) x[i] = __int2float_rn(acc_s[i]);
+    for (int kk = 1; kk < D / 32; ++kk)
+      hopper::wgmma_m64n128k32_s8_ss(acc_s, hopper::desc_advance(desc_q, kk * 32),
+                                     hopper::desc_advance(desc_k, kk * 32));
+    hopper::wgmma_commit();
+  };
+  auto issue_pv = [&](int st, float(&acc_o)[kO]) {
+    const uint64_t desc_v = hopper::make_smem_desc<Tr::kVSwizzle>(s.v[st]);
+    if constexpr (D == 128) {
+      hopper::wgmma_m64n128k32_e4m3_rs_init(acc_o, a_p[0], desc_v);
+#pragma unroll
+      for (int kk = 1; kk < Tr::kBlockN / 32; ++kk)
+        hopper::wgmma_m64n128k32_e4m3_rs(acc_o, a_p[kk], hopper::desc_advance(desc_v, kk * 32));
+    } else {
+      hopper::wgmma_m64n64k32_e4m3_rs_init(acc_o, a_p[0], desc_v);
+#pragma unroll
+      for (int kk = 1; kk < Tr::kBlockN / 32; ++kk)
+        hopper::wgmma_m64n64k32_e4m3_rs(acc_o, a_p[kk], hopper::desc_advance(desc_v, kk * 32));
+    }
+    hopper::wgmma_commit();
+  };
+  // Scores and online softmax of tile `it` of item w from acc_s (its Q·Kᵀ must be
+  // complete); frees its K stage and leaves 448·P in x. The tile's K scale is read by
+  // the caller before the MMAs it waits on.
+  auto softmax_tile = [&](const Item& w, int it, float k_scale_tile, Softmax& sm, float(&x)[kS],
+                          float(&alpha_out)[2]) {
+    hopper::fence_operands(acc_s);
+    __syncwarp();
+    if (lane == 0) hopper::mbarrier_arrive(&s.k_empty[w.stage(it)]);
+    // qk > 0 keeps masked (-inf) scores at -inf; an all-zero scale group has all-zero
+    // products, so the floor changes nothing. A NaN scale (NaN in Q or K) stays NaN and
+    // reaches O through P.
+    float qk = w.q_scale * k_scale_tile;
+    qk = qk < FLT_MIN ? FLT_MIN : qk;
+#pragma unroll
+    for (int i = 0; i < kS; ++i) x[i] = __int2float_rn(acc_s[i]);
 #if QATTN_EXPERIMENT_NO_SOFTMAX  // knockout for bench/NOTES.md: wrong results, timing only
 #pragma unroll
-      for (int i = 0; i < kS; ++i) x[i] *= qk;
-      alpha_out[0] = alpha_out[1] = 1.f;
-      softmax.l[0] = softmax.l[1] = 1.f;
-      return;
+    for (int i = 0; i < kS; ++i) x[i] *= qk;
+    alpha_out[0] = alpha_out[1] = 1.f;
+    sm.l[0] = sm.l[1] = 1.f;
+    return;
 #endif
-      if (mask.needed(it * Tr::kBlockN, row_first)) mask.apply(x, fc, it * Tr::kBlockN, row0);
-      softmax.step(x, qk, alpha_out);
-    };
+    const int kv0 = it * Tr::kBlockN;
+    if (mask.needed(kv0, row_first(w)))
+      mask.apply(x, fc, kv0, w.m_block * Tr::kBlockM + row_in_block(0));
+    sm.step(x, qk, alpha_out);
+  };
 
-    // Ping-pong: the two consumer warpgroups take turns on the tensor cores, so one runs
-    // its softmax while the other's MMAs execute. Warpgroup cw waits on named barrier
-    // kTurnBarrier + cw before issuing MMAs and then hands the turn to the other.
-    const uint32_t my_turn = kTurnBarrier + cw, their_turn = kTurnBarrier + (1 - cw);
-    constexpr uint32_t kTurnThreads = 256;
-    // MMA rounds per warpgroup: the first Q·Kᵀ plus one round per tile. Warpgroup 1
-    // opens the first round of warpgroup 0 and does not hand over after its last one,
-    // so no barrier arrival is left pending at exit.
-    const int rounds = n_tiles > 0 ? n_tiles + 1 : 0;
-    constexpr bool pingpong = kPingPong;
-    if (pingpong && cw == 1 && rounds > 0) hopper::named_barrier_arrive(their_turn, kTurnThreads);
-    auto begin_turn = [&] {
-      if (pingpong) hopper::named_barrier_sync(my_turn, kTurnThreads);
-    };
-    auto end_turn = [&](int round) {
-      if (pingpong && (cw == 0 || round + 1 < rounds))
-        hopper::named_barrier_arrive(their_turn, kTurnThreads);
-    };
-
-    if (n_tiles > 0) {
-      const float ks0 = __ldg(k_scale);
-      hopper::mbarrier_wait(&s.k_full[stage(0)], phase(0));
-      begin_turn();
-      hopper::wgmma_fence();
-      issue_qk(0);
-      end_turn(0);
-      hopper::wgmma_wait<0>();
-      float x[kS];
-      softmax_tile(0, ks0, x, alpha);
-      pack_p_fragments(x, a_p);
-    }
-    // One turn on the tensor cores per tile: Q·Kᵀ of the next tile (if any) and P·V of
-    // this one. The MMAs are issued on straight-line paths (no branch around a wgmma),
-    // which ptxas needs to keep them asynchronous (C7520).
-    auto turn = [&](int it, auto has_next) {
-      const int st = stage(it);
-      const float ks_next =
-          has_next ? __ldg(k_scale + (it + 1) * groups::kKThreadGroupsPerTile) : 0.f;
-      float acc_o[kO];
-      hopper::mbarrier_wait(&s.v_full[st], phase(it));
-      if constexpr (has_next) hopper::mbarrier_wait(&s.k_full[stage(it + 1)], phase(it + 1));
-      begin_turn();
-      hopper::wgmma_fence();
-      if constexpr (has_next) issue_qk(it + 1);
-      issue_pv(st, acc_o);
-      end_turn(it + 1);
-      float x[kS], alpha_next[2];
-      if constexpr (kOverlapSoftmax && has_next) {
-        // The softmax of tile it+1 runs while P·V(it) still computes; its P waits in x
-        // until P·V(it) has finished reading a_p.
-        hopper::wgmma_wait<1>();
-        softmax_tile(it + 1, ks_next, x, alpha_next);
-      }
-      hopper::wgmma_wait<0>();
-      hopper::fence_operands(acc_o);
-      hopper::fence_operands(a_p);
-      __syncwarp();
-      if (lane == 0) hopper::mbarrier_arrive(&s.v_empty[st]);
-
-        // Two-level accumulation: the tile's product landed in fresh registers; one FMA.
+  Item cur;
+  if (!open_item(cur)) return;
+  Softmax sm_cur;
+  float o[kO];
 #pragma unroll
-      for (int i = 0; i < kO; ++i) o[i] = fmaf(o[i], alpha[(i % 4) / 2], acc_o[i]);
+  for (int i = 0; i < kO; ++i) o[i] = 0.f;
+  {  // the pipeline's first tile: nothing to overlap it with yet
+    hopper::mbarrier_wait(&s.k_full[cur.stage(0)], cur.phase(0));
+    const float ks = s.k_scale[cur.stage(0)][fc.t];
+    hopper::wgmma_fence();
+    issue_qk(cur, 0);
+    hopper::wgmma_wait<0>();
+    float x[kS];
+    softmax_tile(cur, 0, ks, sm_cur, x, alpha);
+    pack_p_fragments(x, a_p);
+  }
 
-      if constexpr (has_next) {
-        if constexpr (!kOverlapSoftmax) softmax_tile(it + 1, ks_next, x, alpha_next);
-        pack_p_fragments(x, a_p);
-        alpha[0] = alpha_next[0];
-        alpha[1] = alpha_next[1];
-      }
-    };
-    for (int it = 0; it + 1 < n_tiles; ++it) turn(it, std::true_type{});
-    if (n_tiles > 0) turn(n_tiles - 1, std::false_type{});
+  // One round on the tensor cores: P·V of tile `it` of cur and, when there is one, Q·Kᵀ
+  // of the next tile (tile it + 1 of cur, or the first tile of the next item). The MMAs
+  // are issued on straight-line paths (no branch around a wgmma), which ptxas needs to
+  // keep them asynchronous (C7520).
+  auto turn = [&](int it, const Item& nw, int nit, Softmax& sm_next, auto has_next) {
+    const int st = cur.stage(it);
+    float ks_next = 0.f;
+    float acc_o[kO];
+    hopper::mbarrier_wait(&s.v_full[st], cur.phase(it));
+    if constexpr (has_next) {
+      hopper::mbarrier_wait(&s.k_full[nw.stage(nit)], nw.phase(nit));
+      ks_next = s.k_scale[nw.stage(nit)][fc.t];
+    }
+    hopper::wgmma_fence();
+    if constexpr (has_next) issue_qk(nw, nit);
+    issue_pv(st, acc_o);
+    float x[kS], alpha_next[2];
+    if constexpr (kOverlapSoftmax && has_next) {
+      // The softmax of the next tile runs while P·V(it) still computes; its P waits in x
+      // until P·V(it) has finished reading a_p.
+      hopper::wgmma_wait<1>();
+      softmax_tile(nw, nit, ks_next, sm_next, x, alpha_next);
+    }
+    hopper::wgmma_wait<0>();
+    hopper::fence_operands(acc_o);
+    hopper::fence_operands(a_p);
+    __syncwarp();
+    if (lane == 0) hopper::mbarrier_arrive(&s.v_empty[st]);
 
-    softmax.finish();
-    store_output<TOut, kO>(p, o, softmax, fc, bh_q, row0, p.v_amax + bh_kv * D);
-    iter_base += n_tiles;
+    // Two-level accumulation: the tile's product landed in fresh registers; one FMA.
+#pragma unroll
+    for (int i = 0; i < kO; ++i) o[i] = fmaf(o[i], alpha[(i % 4) / 2], acc_o[i]);
+
+    if constexpr (has_next) {
+      if constexpr (!kOverlapSoftmax) softmax_tile(nw, nit, ks_next, sm_next, x, alpha_next);
+      pack_p_fragments(x, a_p);
+      alpha[0] = alpha_next[0];
+      alpha[1] = alpha_next[1];
+    }
+  };
+
+  while (true) {
+    for (int it = 0; it + 1 < cur.n_tiles; ++it) turn(it, cur, it + 1, sm_cur, std::true_type{});
+    Item nxt;
+    Softmax sm_next;
+    const bool more = open_item(nxt);
+    if (more)
+      turn(cur.n_tiles - 1, nxt, 0, sm_next, std::true_type{});
+    else
+      turn(cur.n_tiles - 1, cur, 0, sm_next, std::false_type{});
+    sm_cur.finish();
+    write_output(cur, o, sm_cur);
+    if (!more) break;
+    cur = nxt;
+    sm_cur = sm_next;
+#pragma unroll
+    for (int i = 0; i < kO; ++i) o[i] = 0.f;
   }
 }
 
