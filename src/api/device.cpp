@@ -1,11 +1,10 @@
 #include "api/device.h"
 
-#include <array>
-#include <utility>
-
 #include "api/error.h"
+#include "api/validate.h"
 
 #if QATTN_HAVE_CUDA
+#include <cuda.h>  // driver types only: the calls are reached through the runtime
 #include <cuda_runtime.h>
 
 #include "cuda/sage2_fwd/launch.h"
@@ -63,6 +62,49 @@ qattn_status check_pointer(const char* fn, const char* name, const void* ptr, in
   return QATTN_OK;
 }
 
+// A driver entry point through the runtime (12.0 ABI), as hopper/tensor_map.cu does:
+// no link-time dependency on libcuda. NULL when the driver lacks it.
+template <typename Fn>
+Fn driver_entry(const char* name) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found) !=
+          cudaSuccess ||
+      found != cudaDriverEntryPointSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  return reinterpret_cast<Fn>(fn);
+}
+
+using PointerGetAttributeFn = CUresult (*)(void*, CUpointer_attribute, CUdeviceptr);
+using MemGetAddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+
+// The span check is made only where the allocation holding `ptr` is known: plain
+// cudaMalloc memory (legacy-IPC capable). A VMM range (e.g. PyTorch's expandable
+// segments) maps several allocations back to back and cuMemGetAddressRange reports
+// only one of them, so a valid tensor could cross its end; managed, pooled and host
+// memory are skipped alike, as is any driver that lacks the calls or fails them.
+qattn_status check_span(const char* fn, const BufferSpan& b) {
+  static const auto get_attribute = driver_entry<PointerGetAttributeFn>("cuPointerGetAttribute");
+  static const auto address_range = driver_entry<MemGetAddressRangeFn>("cuMemGetAddressRange");
+  if (get_attribute == nullptr || address_range == nullptr) return QATTN_OK;
+  const auto ptr = reinterpret_cast<CUdeviceptr>(b.data);
+  int plain = 0;
+  if (get_attribute(&plain, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, ptr) != CUDA_SUCCESS ||
+      plain == 0)
+    return QATTN_OK;
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  if (address_range(&base, &size, ptr) != CUDA_SUCCESS) return QATTN_OK;
+  const CUdeviceptr room = base + size - ptr;  // bytes from ptr to the allocation's end
+  if (b.bytes > room)
+    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": ", b.name, " = ", b.data, " needs ", b.bytes,
+                " bytes (its shape and strides) but its allocation ends ", room,
+                " bytes after it; allowed: a buffer that holds every element the view reaches");
+  return QATTN_OK;
+}
+
 bool capturing(void* stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &status) != cudaSuccess) {
@@ -91,15 +133,11 @@ qattn_status check_device(const char* fn, const qattn_fwd_params& p, const void*
   // Pointer attributes are host-side queries; skip them while capturing to keep the
   // capture free of anything but the launches.
   if (capturing(stream)) return QATTN_OK;
-  const std::array<std::pair<const char*, const void*>, 5> buffers{{{"q.data", p.q.data},
-                                                                    {"k.data", p.k.data},
-                                                                    {"v.data", p.v.data},
-                                                                    {"o.data", p.o.data},
-                                                                    {"workspace", workspace}}};
-  for (const auto& [name, ptr] : buffers)
-    if (auto s = check_pointer(fn, name, ptr, device); s != QATTN_OK) return s;
-  if (p.lse != nullptr)
-    if (auto s = check_pointer(fn, "lse", p.lse, device); s != QATTN_OK) return s;
+  for (const BufferSpan& b : buffer_spans(p, workspace)) {
+    if (b.data == nullptr) continue;  // no lse
+    if (auto s = check_pointer(fn, b.name, b.data, device); s != QATTN_OK) return s;
+    if (auto s = check_span(fn, b); s != QATTN_OK) return s;
+  }
   return QATTN_OK;
 }
 

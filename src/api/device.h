@@ -1,7 +1,7 @@
 // The device half of a call: is there a device that can run the Hopper kernels, are
-// the pointers device memory on it, and the launch itself with its CUDA errors mapped
-// to qattn_status. In a CPU-only build (QATTN_HAVE_CUDA=0) every entry reports
-// QATTN_ERROR_NO_DEVICE.
+// the pointers device memory on it (each with room for its span), and the launch
+// itself with its CUDA errors mapped to qattn_status. In a CPU-only build
+// (QATTN_HAVE_CUDA=0) every entry reports QATTN_ERROR_NO_DEVICE.
 #pragma once
 
 #include <string>
@@ -15,7 +15,8 @@ inline constexpr int kHopperMajor = 9, kHopperMinor = 0;  // the sm_90a cubins r
 enum class ForwardPart { kAll, kAttentionOnly };
 
 // Checks the current device (compute capability 9.0) and, unless `stream` is being
-// captured into a graph, that the buffers are device memory of that device.
+// captured into a graph, that the buffers are device memory of that device and, where
+// the driver can tell, that each buffer's span (buffer_spans) fits in its allocation.
 qattn_status check_device(const char* fn, const qattn_fwd_params& p, const void* workspace,
                           void* stream);
 

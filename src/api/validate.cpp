@@ -1,9 +1,9 @@
-#include <cstdint>
 #include "api/validate.h"
 
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdint>
 
 #include "api/error.h"
 #include "cuda/sage2_fwd/workspace.h"
@@ -30,11 +30,12 @@ struct Dim {
 
 // Byte range of a view whose strides passed check_tensor (no overflow then).
 Span span_of(const qattn_tensor& t, int64_t batch, int64_t heads, int64_t seqlen, int64_t d) {
-  auto step = [](int64_t extent, int64_t stride) { return extent > 1 ? (extent - 1) * stride : 0; };
-  const int64_t last =
-      step(batch, t.stride_b) + step(heads, t.stride_h) + step(seqlen, t.stride_n) + d - 1;
   const auto addr = reinterpret_cast<uintptr_t>(t.data);
-  return {addr, addr + static_cast<uintptr_t>((last + 1) * kElemBytes)};
+  return {addr, addr + view_span_bytes(t, batch, heads, seqlen, d)};
+}
+
+std::size_t lse_bytes(const qattn_fwd_params& p) {
+  return static_cast<std::size_t>(int64_t{p.batch} * p.heads_q * p.seqlen_q) * sizeof(float);
 }
 
 struct Spans {
@@ -50,8 +51,7 @@ Spans spans_of(const qattn_fwd_params& p) {
   s.o = span_of(p.o, p.batch, p.heads_q, p.seqlen_q, p.head_dim);
   if (p.lse != nullptr) {
     const auto addr = reinterpret_cast<uintptr_t>(p.lse);
-    const auto count = static_cast<uintptr_t>(int64_t{p.batch} * p.heads_q * p.seqlen_q);
-    s.lse = {addr, addr + count * sizeof(float)};
+    s.lse = {addr, addr + lse_bytes(p)};
     s.has_lse = true;
   }
   return s;
@@ -206,7 +206,7 @@ qattn_status validate_forward(const char* fn, const qattn_fwd_params* pp) {
     if (addr % kLseAlign != 0)
       return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": lse = ", static_cast<const void*>(p.lse),
                   " is not 4-byte aligned; allowed: NULL or a float array");
-    const auto bytes = static_cast<uintptr_t>(rows_q / nq_pad * p.seqlen_q) * sizeof(float);
+    const uintptr_t bytes = lse_bytes(p);
     if (addr > UINTPTR_MAX - bytes)
       return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": lse runs past the end of the address space");
   }
@@ -245,6 +245,23 @@ qattn_status validate_workspace(const char* fn, const qattn_fwd_params& p, const
     return fail(QATTN_ERROR_INVALID_ARGUMENT, fn,
                 ": workspace overlaps lse in memory; allowed: a buffer of its own");
   return QATTN_OK;
+}
+
+std::size_t view_span_bytes(const qattn_tensor& t, int64_t batch, int64_t heads, int64_t seqlen,
+                            int64_t head_dim) {
+  auto step = [](int64_t extent, int64_t stride) { return extent > 1 ? (extent - 1) * stride : 0; };
+  const int64_t last =
+      step(batch, t.stride_b) + step(heads, t.stride_h) + step(seqlen, t.stride_n) + head_dim - 1;
+  return static_cast<std::size_t>((last + 1) * kElemBytes);
+}
+
+std::array<BufferSpan, 6> buffer_spans(const qattn_fwd_params& p, const void* workspace) {
+  return {{{"q.data", p.q.data, view_span_bytes(p.q, p.batch, p.heads_q, p.seqlen_q, p.head_dim)},
+           {"k.data", p.k.data, view_span_bytes(p.k, p.batch, p.heads_kv, p.seqlen_kv, p.head_dim)},
+           {"v.data", p.v.data, view_span_bytes(p.v, p.batch, p.heads_kv, p.seqlen_kv, p.head_dim)},
+           {"o.data", p.o.data, view_span_bytes(p.o, p.batch, p.heads_q, p.seqlen_q, p.head_dim)},
+           {"lse", p.lse, p.lse != nullptr ? lse_bytes(p) : 0},
+           {"workspace", workspace, forward_workspace_bytes(p)}}};
 }
 
 qattn_fwd_params resolve_defaults(const qattn_fwd_params& p) {

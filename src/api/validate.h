@@ -4,6 +4,7 @@
 // one place; the kernels assume them (e.g. 16-byte vector loads of q, k, v).
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 
@@ -35,5 +36,23 @@ qattn_status validate_workspace(const char* fn, const qattn_fwd_params& p, const
 
 // A copy of validated parameters with the defaults made explicit (sm_scale).
 qattn_fwd_params resolve_defaults(const qattn_fwd_params& p);
+
+// ---- the memory a call touches --------------------------------------------------------
+// Bytes from t.data to one past the last element of a (B, H, N, d) view of a 16-bit
+// type: (largest element offset + 1) * 2, where the stride of an extent-1 dimension is
+// ignored. Exact for views that passed validate_forward (no overflow then).
+std::size_t view_span_bytes(const qattn_tensor& t, int64_t batch, int64_t heads, int64_t seqlen,
+                            int64_t head_dim);
+
+// One buffer a call reads or writes: the parameter's name, its start and its length.
+struct BufferSpan {
+  const char* name;
+  const void* data;  // NULL for an absent lse
+  std::size_t bytes;
+};
+
+// The buffers of a call with validated parameters: q, k, v, o, lse, workspace (the
+// bytes the call uses, forward_workspace_bytes, not the size the caller passed).
+std::array<BufferSpan, 6> buffer_spans(const qattn_fwd_params& p, const void* workspace);
 
 }  // namespace qattn::api

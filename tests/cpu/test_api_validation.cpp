@@ -5,12 +5,14 @@
 // had validation dereferenced one, the test would crash instead of failing.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "api/validate.h"
@@ -450,6 +452,64 @@ TEST(ApiValidation, StatusStringsAndVersion) {
   EXPECT_EQ(std::string(qattn_version_string()), std::to_string(QATTN_VERSION_MAJOR) + "." +
                                                      std::to_string(QATTN_VERSION_MINOR) + "." +
                                                      std::to_string(QATTN_VERSION_PATCH));
+}
+
+// ---- the bytes a call touches (what the device side checks against allocations) -----
+
+TEST(ApiSpans, ContiguousViewsSpanTheWholeTensor) {
+  for (auto layout : {qattn::Layout::kHND, qattn::Layout::kNHD}) {
+    const qattn_tensor t = qattn::make_tensor(fake(1), layout, 3, 5, 64);
+    EXPECT_EQ(qattn::api::view_span_bytes(t, 2, 3, 5, 64), std::size_t{2} * 3 * 5 * 64 * 2);
+  }
+}
+
+// A padded row stride counts only up to head_dim in the last row: the padding after it
+// need not be allocated.
+TEST(ApiSpans, PaddedRowsEndAtTheLastElement) {
+  const qattn_tensor hnd = qattn::make_tensor(fake(1), qattn::Layout::kHND, 3, 5, 72);
+  EXPECT_EQ(qattn::api::view_span_bytes(hnd, 2, 3, 5, 64), ((2 * 3 * 5 - 1) * 72 + 64) * 2u);
+  const qattn_tensor nhd = qattn::make_tensor(fake(1), qattn::Layout::kNHD, 3, 5, 104);
+  EXPECT_EQ(qattn::api::view_span_bytes(nhd, 2, 3, 5, 100), ((2 * 3 * 5 - 1) * 104 + 100) * 2u);
+}
+
+TEST(ApiSpans, StrideOfExtentOneDoesNotCount) {
+  const qattn_tensor t{fake(1), /*stride_b=*/-3, /*stride_h=*/1 << 30, /*stride_n=*/64};
+  EXPECT_EQ(qattn::api::view_span_bytes(t, 1, 1, 10, 64), 10 * 64 * 2u);
+  EXPECT_EQ(qattn::api::view_span_bytes(t, 1, 1, 1, 7), 7 * 2u);
+}
+
+// Strides need not be ordered: the span ends at the element with the largest offset.
+TEST(ApiSpans, UnorderedStrides) {
+  const qattn_tensor t{fake(1), /*stride_b=*/64, /*stride_h=*/128, /*stride_n=*/1024};
+  EXPECT_EQ(qattn::api::view_span_bytes(t, 2, 8, 4, 64), (64 + 7 * 128 + 3 * 1024 + 64) * 2u);
+}
+
+TEST(ApiSpans, EveryBufferOfACall) {
+  const Shape s;
+  const qattn_fwd_params p = valid_params(s);
+  const auto spans = qattn::api::buffer_spans(p, fake(6));
+  const std::size_t q_bytes = std::size_t{2} * s.batch * s.heads_q * s.seqlen_q * s.head_dim;
+  const std::size_t kv_bytes = std::size_t{2} * s.batch * s.heads_kv * s.seqlen_kv * s.head_dim;
+  const std::size_t lse_bytes = std::size_t{4} * s.batch * s.heads_q * s.seqlen_q;
+  const std::array<std::tuple<const char*, const void*, std::size_t>, 6> want{{
+      {"q.data", fake(1), q_bytes},
+      {"k.data", fake(2), kv_bytes},
+      {"v.data", fake(3), kv_bytes},
+      {"o.data", fake(4), q_bytes},
+      {"lse", fake(5), lse_bytes},
+      {"workspace", fake(6), need(p)},  // what the call uses, not what the caller passed
+  }};
+  for (std::size_t i = 0; i < spans.size(); ++i) {
+    SCOPED_TRACE(std::get<0>(want[i]));
+    EXPECT_STREQ(spans[i].name, std::get<0>(want[i]));
+    EXPECT_EQ(spans[i].data, std::get<1>(want[i]));
+    EXPECT_EQ(spans[i].bytes, std::get<2>(want[i]));
+  }
+  qattn_fwd_params no_lse = p;
+  no_lse.lse = nullptr;
+  const auto without = qattn::api::buffer_spans(no_lse, fake(6));
+  EXPECT_EQ(without[4].data, nullptr);
+  EXPECT_EQ(without[4].bytes, 0u);
 }
 
 // ---- the C++ layer -----------------------------------------------------------------

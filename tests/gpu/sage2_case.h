@@ -1,5 +1,6 @@
-// One SageAttention2-8b forward case on the GPU: inputs in a chosen memory layout,
-// a poisoned output with guard columns, and the FP64 reference to compare with.
+// One SageAttention2-8b forward case on the GPU: inputs in a chosen memory layout with
+// poisoned row padding, a poisoned output with guard columns, a poisoned LSE with guard
+// regions, and the FP64 reference to compare with.
 #pragma once
 
 #include <bit>
@@ -25,13 +26,17 @@ struct Sage2Case {
   qattn_qk_granularity granularity = QATTN_QK_PER_THREAD;
   uint64_t seed = 1;
   float k_bias = 1.0f;  // per-channel bias on K (what smoothing removes)
+  // Extra elements (a multiple of 8) after each row of q; k and v get 2x and 3x, so a
+  // kernel that uses one tensor's stride for another reads the wrong rows.
+  int row_pad = 0;
 
   std::string describe() const {
     return "B=" + std::to_string(batch) + " Hq=" + std::to_string(heads_q) +
            " Hkv=" + std::to_string(heads_kv) + " Nq=" + std::to_string(seqlen_q) +
            " Nkv=" + std::to_string(seqlen_kv) + " d=" + std::to_string(head_dim) +
            (causal ? " causal" : "") + (bf16 ? " bf16" : " fp16") +
-           (layout == Layout::NHD ? " NHD" : " HND") + " seed=" + std::to_string(seed);
+           (layout == Layout::NHD ? " NHD" : " HND") + " row_pad=" + std::to_string(row_pad) +
+           " seed=" + std::to_string(seed);
   }
 };
 
@@ -40,13 +45,14 @@ struct Sage2Result {
   Tensor4 o;               // GPU output
   std::vector<float> lse;  // GPU LSE
   std::vector<uint8_t> workspace;
-  bool guard_intact = true;  // nothing written outside the output's rows
-  bool all_written = true;   // no poisoned element left
+  bool guard_intact = true;      // nothing written outside the output's rows
+  bool lse_guard_intact = true;  // nothing written before or after the LSE
+  bool all_written = true;       // no poisoned element left
   int status = 0;
 };
 
-// Strides (in elements) of a (B, H, N, d) tensor stored with `row_pad` extra elements
-// per row in the given layout.
+// Strides (in elements) of a (B, H, N, d) tensor whose rows are `row` elements apart
+// in the given layout.
 inline qattn_tensor make_view(void* data, Layout layout, int b, int h, int n, int row) {
   (void)b;
   qattn_tensor t{data, 0, 0, 0};
@@ -93,6 +99,14 @@ inline qattn_fwd_params make_params(const Sage2Case& c) {
   return p;
 }
 
+// Bits the library must never use: the input columns past head_dim and the memory
+// around the outputs. All are NaN in fp16 and bf16, so a use shows up as NaN in O; the
+// input poison differs from the output's so an unwritten element tells itself apart.
+inline constexpr uint16_t kInputPoison = 0x7FFF;
+inline constexpr uint16_t kOutputPoison = 0xFFFF;
+inline constexpr uint32_t kLsePoison = 0xFFFFFFFFu;
+inline constexpr std::size_t kLseGuard = 64;  // floats before and after the LSE
+
 // Lets a test edit the generated inputs (e.g. plant a NaN) before they are uploaded.
 using InputHook = std::function<void(Tensor4& q, Tensor4& k, Tensor4& v)>;
 
@@ -105,10 +119,11 @@ inline Sage2Result run_sage2(const Sage2Case& c, const InputHook& hook = {}) {
   r.v = random_tensor(c.batch, c.heads_kv, c.seqlen_kv, c.head_dim, rng, 0.f, c.bf16);
   if (hook) hook(r.q, r.k, r.v);
 
-  const int row = c.head_dim % 8 == 0 ? c.head_dim : (c.head_dim + 7) / 8 * 8;  // 16-byte rows
+  const int row = (c.head_dim + 7) / 8 * 8;  // 16-byte rows
+  const int q_row = row + c.row_pad, k_row = row + 2 * c.row_pad, v_row = row + 3 * c.row_pad;
   const int o_row = row + 8;  // guard columns after every output row
   auto upload = [&](const Tensor4& t, int rowlen) {
-    std::vector<uint16_t> h(static_cast<std::size_t>(t.b) * t.h * t.n * rowlen, 0);
+    std::vector<uint16_t> h(static_cast<std::size_t>(t.b) * t.h * t.n * rowlen, kInputPoison);
     const qattn_tensor v = make_view(nullptr, c.layout, t.b, t.h, t.n, rowlen);
     for (int ib = 0; ib < t.b; ++ib)
       for (int ih = 0; ih < t.h; ++ih)
@@ -118,24 +133,25 @@ inline Sage2Result run_sage2(const Sage2Case& c, const InputHook& hook = {}) {
                 to_bits16(t.at(ib, ih, in, id), c.bf16);
     return h;
   };
-  const auto hq = upload(r.q, row), hk = upload(r.k, row), hv = upload(r.v, row);
+  const auto hq = upload(r.q, q_row), hk = upload(r.k, k_row), hv = upload(r.v, v_row);
   DeviceBuffer<uint16_t> dq(hq.size()), dk(hk.size()), dv(hv.size());
   dq.upload(hq);
   dk.upload(hk);
   dv.upload(hv);
   const std::size_t o_count = static_cast<std::size_t>(c.batch) * c.heads_q * c.seqlen_q * o_row;
   DeviceBuffer<uint16_t> dout(o_count);
-  cudaMemset(dout.ptr, 0xFF, o_count * sizeof(uint16_t));  // NaN in both 16-bit formats
+  static_assert(kOutputPoison == 0xFFFF && kLsePoison == 0xFFFFFFFFu, "memset with 0xFF below");
+  cudaMemset(dout.ptr, 0xFF, o_count * sizeof(uint16_t));
   const std::size_t lse_count = static_cast<std::size_t>(c.batch) * c.heads_q * c.seqlen_q;
-  DeviceBuffer<float> dlse(lse_count);
-  cudaMemset(dlse.ptr, 0xFF, lse_count * sizeof(float));
+  DeviceBuffer<float> dlse(kLseGuard + lse_count + kLseGuard);
+  cudaMemset(dlse.ptr, 0xFF, dlse.count * sizeof(float));
 
   qattn_fwd_params p = make_params(c);
-  p.q = make_view(dq.ptr, c.layout, c.batch, c.heads_q, c.seqlen_q, row);
-  p.k = make_view(dk.ptr, c.layout, c.batch, c.heads_kv, c.seqlen_kv, row);
-  p.v = make_view(dv.ptr, c.layout, c.batch, c.heads_kv, c.seqlen_kv, row);
+  p.q = make_view(dq.ptr, c.layout, c.batch, c.heads_q, c.seqlen_q, q_row);
+  p.k = make_view(dk.ptr, c.layout, c.batch, c.heads_kv, c.seqlen_kv, k_row);
+  p.v = make_view(dv.ptr, c.layout, c.batch, c.heads_kv, c.seqlen_kv, v_row);
   p.o = make_view(dout.ptr, c.layout, c.batch, c.heads_q, c.seqlen_q, o_row);
-  p.lse = dlse.ptr;
+  p.lse = dlse.ptr + kLseGuard;
   const std::size_t ws_bytes = sage2::workspace_bytes(p);
   DeviceBuffer<uint8_t> ws(ws_bytes);
   r.status = sage2::launch_forward(p, ws.ptr, nullptr);
@@ -147,8 +163,12 @@ inline Sage2Result run_sage2(const Sage2Case& c, const InputHook& hook = {}) {
   r.workspace = ws.download();
   r.workspace.resize(ws_bytes);
   const auto ho = dout.download();
-  r.lse = dlse.download();
-  r.lse.resize(lse_count);
+  const auto lse_all = dlse.download();
+  for (std::size_t i = 0; i < lse_all.size(); ++i)
+    if ((i < kLseGuard || i >= kLseGuard + lse_count) &&
+        std::bit_cast<uint32_t>(lse_all[i]) != kLsePoison)
+      r.lse_guard_intact = false;
+  r.lse.assign(lse_all.begin() + kLseGuard, lse_all.begin() + kLseGuard + lse_count);
   r.o = Tensor4(c.batch, c.heads_q, c.seqlen_q, c.head_dim);
   for (int ib = 0; ib < c.batch; ++ib)
     for (int ih = 0; ih < c.heads_q; ++ih)
@@ -157,14 +177,14 @@ inline Sage2Result run_sage2(const Sage2Case& c, const InputHook& hook = {}) {
           const uint16_t bits = ho[ib * p.o.stride_b + ih * p.o.stride_h + in * p.o.stride_n + id];
           if (id < c.head_dim) {
             const float x = from_bits16(bits, c.bf16);
-            if (bits == 0xFFFF) r.all_written = false;  // the poison pattern itself
+            if (bits == kOutputPoison) r.all_written = false;
             r.o.at(ib, ih, in, id) = x;
-          } else if (bits != 0xFFFF) {
+          } else if (bits != kOutputPoison) {
             r.guard_intact = false;
           }
         }
   for (float x : r.lse)
-    if (std::bit_cast<uint32_t>(x) == 0xFFFFFFFFu) r.all_written = false;
+    if (std::bit_cast<uint32_t>(x) == kLsePoison) r.all_written = false;
   return r;
 }
 

@@ -1,8 +1,11 @@
 // The public API on the GPU: a valid call through qattn.hpp gives the SageAttention2
 // result; every bad call returns a named error, launches nothing and writes nothing
-// (the poisoned output stays poisoned, the stream stays clean).
+// (the poisoned output stays poisoned, the stream stays clean), including a view that
+// runs past the end of its allocation.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -55,6 +58,15 @@ struct Buffers {
   }
 };
 
+// CosSim of the output in b.o against the FP64 reference of b's inputs.
+double cos_against_reference(const Buffers& b) {
+  const auto bits = b.o.download();
+  std::vector<float> o(bits.size());
+  for (std::size_t i = 0; i < bits.size(); ++i) o[i] = test::from_bits16(bits[i], true);
+  const auto ref = reference::attention_forward(b.hq, b.hk, b.hv);
+  return metrics::compare(std::span<const float>(o), std::span<const double>(ref.o.data)).cos_sim;
+}
+
 TEST(ApiOnDevice, ValidCallMatchesReference) {
   QATTN_SKIP_WITHOUT_GPU();
   Buffers b;
@@ -65,12 +77,7 @@ TEST(ApiOnDevice, ValidCallMatchesReference) {
   const Status s = forward(fp, b.ws.ptr, bytes, nullptr);
   ASSERT_TRUE(s.ok()) << s.message();
   QATTN_CUDA_OK(cudaDeviceSynchronize());
-  const auto bits = b.o.download();
-  std::vector<float> o(bits.size());
-  for (std::size_t i = 0; i < bits.size(); ++i) o[i] = test::from_bits16(bits[i], true);
-  const auto ref = reference::attention_forward(b.hq, b.hk, b.hv);
-  const auto m = metrics::compare(std::span<const float>(o), std::span<const double>(ref.o.data));
-  EXPECT_GE(m.cos_sim, 0.999);
+  EXPECT_GE(cos_against_reference(b), 0.999);
 }
 
 TEST(ApiOnDevice, BadCallsFailNamedAndWriteNothing) {
@@ -112,6 +119,68 @@ TEST(ApiOnDevice, BadCallsFailNamedAndWriteNothing) {
     EXPECT_EQ(cudaGetLastError(), cudaSuccess);
     EXPECT_TRUE(b.output_untouched()) << "a failed call wrote the output";
   }
+}
+
+// A q whose buffer holds one of its four heads: the shape and strides reach three heads
+// (150 KiB) past the allocation's end, more than any rounding of the allocation size.
+// The call fails by name before launching anything: o and the workspace keep their
+// poison (the workspace would hold the quantized inputs had any kernel run).
+TEST(ApiOnDevice, ViewPastItsAllocationFailsNamed) {
+  QATTN_SKIP_WITHOUT_GPU();
+  Buffers b;
+  std::size_t bytes = 0;
+  ASSERT_TRUE(workspace_size(b.params(), &bytes).ok());
+  test::DeviceBuffer<uint16_t> short_q(std::size_t(kN) * kD);
+  ASSERT_NE(short_q.ptr, nullptr);
+  constexpr unsigned char kWsPoison = 0xA5;
+  QATTN_CUDA_OK(cudaMemset(b.ws.ptr, kWsPoison, bytes));
+  qattn_fwd_params p = b.params().raw();
+  p.q.data = short_q.ptr;
+
+  // The host-side checks come first and reject a q that overlaps o or the workspace;
+  // the allocator must not have put them where q's view runs (k and v may be there).
+  const auto q_begin = reinterpret_cast<std::uintptr_t>(short_q.ptr);
+  const auto q_end = q_begin + std::size_t(kB) * kHq * kN * kD * sizeof(uint16_t);
+  auto in_q_view = [&](const void* ptr, std::size_t n) {
+    const auto a = reinterpret_cast<std::uintptr_t>(ptr);
+    return a < q_end && q_begin < a + n;
+  };
+  ASSERT_FALSE(in_q_view(b.o.ptr, b.o.count * sizeof(uint16_t)) || in_q_view(b.ws.ptr, bytes))
+      << "test setup: o or the workspace lies inside q's view, which validation rejects first";
+
+  const Status s = Status::from_c(qattn_fwd(&p, b.ws.ptr, bytes, nullptr));
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.message();
+  EXPECT_NE(s.message().find("q.data"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("allocation"), std::string::npos) << s.message();
+  QATTN_CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  EXPECT_TRUE(b.output_untouched()) << "a failed call wrote the output";
+  std::vector<unsigned char> ws(bytes);
+  QATTN_CUDA_OK(cudaMemcpy(ws.data(), b.ws.ptr, bytes, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(std::count(ws.begin(), ws.end(), kWsPoison), static_cast<std::ptrdiff_t>(bytes))
+      << "a failed call wrote the workspace: a kernel ran";
+}
+
+// Managed memory is device-addressable and passes; the span check skips it (its
+// allocation is not a plain cudaMalloc one) rather than rejecting a valid call.
+TEST(ApiOnDevice, ManagedInputIsAccepted) {
+  QATTN_SKIP_WITHOUT_GPU();
+  Buffers b;
+  std::size_t bytes = 0;
+  ASSERT_TRUE(workspace_size(b.params(), &bytes).ok());
+  void* managed_q = nullptr;
+  QATTN_CUDA_OK(cudaMallocManaged(&managed_q, b.q.count * sizeof(uint16_t)));
+  QATTN_CUDA_OK(
+      cudaMemcpy(managed_q, b.q.ptr, b.q.count * sizeof(uint16_t), cudaMemcpyDeviceToDevice));
+  qattn_fwd_params p = b.params().raw();
+  p.q.data = managed_q;
+  const Status s = Status::from_c(qattn_fwd(&p, b.ws.ptr, bytes, nullptr));
+  EXPECT_TRUE(s.ok()) << s.message();
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  if (s.ok()) {
+    EXPECT_GE(cos_against_reference(b), 0.999);
+  }
+  cudaFree(managed_q);
 }
 
 }  // namespace
