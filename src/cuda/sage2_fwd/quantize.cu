@@ -66,41 +66,109 @@ __device__ __forceinline__ uint32_t quantize_int8x4(const float* x, float inv, b
   return w;
 }
 
-__device__ __forceinline__ uint32_t quantize_e4m3(float x) {
-  return static_cast<uint32_t>(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3));
+// Asynchronous 16-byte global -> shared copy; bytes past `src_bytes` (0..16) are zero-filled.
+__device__ __forceinline__ void cp_async_16(uint4* dst, const void* src, int src_bytes) {
+  const auto d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+
+// Waits until this thread's cp.async copies have landed (and are visible to it).
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+
+// Elements of the 8-channel chunk at `ch` that lie inside head_dim (the rest read as 0).
+template <bool kFullDim>
+__device__ __forceinline__ int chunk_elems(int ch, int head_dim) {
+  return kFullDim ? 8 : max(0, min(8, head_dim - ch));
+}
+
+// Starts the copy of channels [ch, ch + 8) of row `row` of a (rows x head_dim) matrix:
+// the bits load_chunk reads, rows past the end and channels past head_dim as 0 (+0.0).
+// The row is clamped, and a chunk wholly past head_dim points at the row start, so the
+// address stays inside the tensor even where nothing is read.
+template <bool kFullDim, typename T>
+__device__ __forceinline__ void copy_chunk(uint4* dst, const T* base, int64_t stride, int row,
+                                           int rows, int ch, int head_dim) {
+  const int elems = chunk_elems<kFullDim>(ch, head_dim);
+  const T* src = base + static_cast<int64_t>(min(row, rows - 1)) * stride + (elems > 0 ? ch : 0);
+  cp_async_16(dst, src, row < rows ? elems * static_cast<int>(sizeof(T)) : 0);
+}
+
+// Element j of a chunk, converted exactly as load_chunk converts it.
+template <typename T>
+__device__ __forceinline__ float element(const uint4& chunk, int j) {
+  return to_float(reinterpret_cast<const T*>(&chunk)[j]);
+}
+
+// Two E4M3 codes (RNE, saturating to ±448), `lo` in the low byte: the cvt.rn.satfinite
+// that __nv_cvt_float_to_fp8 issues for one value, here for a pair.
+__device__ __forceinline__ uint32_t quantize_e4m3x2(float lo, float hi) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
+}
+
+// 8 consecutive floats (32-byte aligned) in two vector loads.
+__device__ __forceinline__ void load_floats8(const float* src, float (&out)[8]) {
+  const float4 lo = reinterpret_cast<const float4*>(src)[0];
+  const float4 hi = reinterpret_cast<const float4*>(src)[1];
+  out[0] = lo.x, out[1] = lo.y, out[2] = lo.z, out[3] = lo.w;
+  out[4] = hi.x, out[5] = hi.y, out[6] = hi.z, out[7] = hi.w;
 }
 
 // ---- 1. statistics, one launch: the K smoothing vector and the V amax ---------------------
-// grid (nkv_pad / 128 + 1, Hkv, B), block 256. The last block of each head averages K
-// over the token sample (in the shadow of the amax blocks, which read all of V).
+// 1-D grid of B·Hkv·(nkv_pad / 128 + 1) blocks of 256: first one block per head that
+// averages K over the token sample, then one V amax block per (head, tile). The K-mean
+// blocks are latency-bound; dispatched first, they finish in the shadow of the amax blocks
+// (which read all of V) instead of trailing the grid.
+
+// Shared memory that stages a block's loads (either role): 128 rows of 16-bit input.
+template <int D>
+constexpr int stats_stage_bytes() {
+  return 2 * D * groups::kKvTile;
+}
 
 // The K smoothing vector c: the mean of a sample of tokens (docs/sage2-kernel-arithmetic.md
-// step 1). Thread = (channel, part): each part sums every kParts-th sampled token, the
-// loads in batches of independent ones; the parts then add in a fixed order.
-template <typename T, int D>
-__device__ void k_mean_block(const InputView<T>& k, const QuantizeParams& p, int h, int b,
-                             float* k_mean) {
+// step 1). Thread = (channel, part): each part sums every kParts-th sampled token in order,
+// then the parts add in a fixed order. The sampled rows are staged in shared memory, 128
+// at a time, by 16-byte cp.async copies (two rounds of loads, where 2-byte loads in
+// batches of 32 per thread took four at D = 128); rows past the sample and channels past
+// head_dim are zero-filled, and adding +0.0 is what the sum did for them before.
+template <typename T, int D, bool kFullDim>
+__device__ void k_mean_block(const InputView<T>& k, const QuantizeParams& p, uint4* stage, int h,
+                             int b, float* k_mean) {
   constexpr int kParts = kThreads / D;
-  constexpr int kPerPart = kSmoothingSample / kParts;
-  constexpr int kBatch = 32;
+  constexpr int kRound = 128;  // sampled rows staged at a time
+  constexpr int kChunks = D / 8;
+  constexpr int kCopies = kRound * kChunks / kThreads;  // per thread and round
+  static_assert(kSmoothingSample % kRound == 0 && kRound % kParts == 0);
+  static_assert(kRound * kChunks % kThreads == 0);
+  static_assert(kRound * D * sizeof(T) <= stats_stage_bytes<D>());
+  auto rows = reinterpret_cast<T(*)[D]>(stage);
   __shared__ float partial[kParts][D];
   const int ch = threadIdx.x % D, part = threadIdx.x / D;
   const int n = min(p.seqlen_kv, kSmoothingSample);
-  const T* base = k.data + b * k.stride_b + h * k.stride_h + ch;
+  const T* base = k.data + b * k.stride_b + h * k.stride_h;
   float sum = 0.f;
 #pragma unroll 1
-  for (int j0 = 0; j0 < kPerPart; j0 += kBatch) {
-    float vals[kBatch];
+  for (int r0 = 0; r0 < kSmoothingSample; r0 += kRound) {
 #pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-      const int i = part + (j0 + j) * kParts;
+    for (int r = 0; r < kCopies; ++r) {
+      const int c = threadIdx.x + r * kThreads;
+      const int i = r0 + c / kChunks, c0 = (c % kChunks) * 8;
       const int64_t tok = p.seqlen_kv <= kSmoothingSample
                               ? i
                               : static_cast<int64_t>(i) * p.seqlen_kv / kSmoothingSample;
-      vals[j] = (ch < p.head_dim && i < n) ? to_float(base[tok * k.stride_n]) : 0.f;
+      const int elems = i < n ? chunk_elems<kFullDim>(c0, p.head_dim) : 0;
+      cp_async_16(reinterpret_cast<uint4*>(&rows[c / kChunks][c0]),
+                  base + (i < n ? tok : 0) * k.stride_n + (elems > 0 ? c0 : 0),
+                  elems * static_cast<int>(sizeof(T)));
     }
-#pragma unroll
-    for (int j = 0; j < kBatch; ++j) sum += vals[j];
+    cp_async_wait_all();
+    __syncthreads();
+#pragma unroll 8
+    for (int i = part; i < kRound; i += kParts) sum += to_float(rows[i][ch]);
+    __syncthreads();
   }
   partial[part][ch] = sum;
   __syncthreads();
@@ -114,137 +182,218 @@ __device__ void k_mean_block(const InputView<T>& k, const QuantizeParams& p, int
 }
 
 // Per-channel amax of V over one 128-token tile, merged into v_amax (zeroed before).
-// Thread = (8-channel chunk, token lane).
+// Thread = (8-channel chunk, token lane); its chunks are staged like the K-mean rows.
 template <typename T, int D, bool kFullDim>
-__device__ void v_amax_block(const InputView<T>& v, const QuantizeParams& p, int tile, int h, int b,
-                             float* v_amax) {
+__device__ void v_amax_block(const InputView<T>& v, const QuantizeParams& p, uint4* stage, int tile,
+                             int h, int b, float* v_amax) {
   constexpr int kChunks = D / 8, kTokStep = kThreads / kChunks, kItems = groups::kKvTile / kTokStep;
+  static_assert(kItems * kThreads * sizeof(uint4) <= stats_stage_bytes<D>());
   __shared__ float chan[D];
   const int chunk = threadIdx.x % kChunks, tok0 = threadIdx.x / kChunks;
+#pragma unroll
+  for (int i = 0; i < kItems; ++i)  // slot-major: a warp's copies to one slot are contiguous
+    copy_chunk<kFullDim>(
+        &stage[i * kThreads + threadIdx.x], v.data + b * v.stride_b + h * v.stride_h, v.stride_n,
+        tile * groups::kKvTile + tok0 + i * kTokStep, p.seqlen_kv, chunk * 8, p.head_dim);
   if (threadIdx.x < D) chan[threadIdx.x] = 0.f;
+  cp_async_wait_all();
   __syncthreads();
-  float vals[kItems][8];
+  float a[8] = {};
 #pragma unroll
-  for (int i = 0; i < kItems; ++i)
-    load_chunk<kFullDim>(v.data + b * v.stride_b + h * v.stride_h, v.stride_n,
-                         tile * groups::kKvTile + tok0 + i * kTokStep, p.seqlen_kv, chunk * 8,
-                         p.head_dim, vals[i]);
+  for (int i = 0; i < kItems; ++i) {
+    const uint4 x = stage[i * kThreads + threadIdx.x];
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    float a = 0.f;
-#pragma unroll
-    for (int i = 0; i < kItems; ++i) a = amax_nan(a, vals[i][j]);
-    atomic_amax(&chan[chunk * 8 + j], a);
+    for (int j = 0; j < 8; ++j) a[j] = amax_nan(a[j], element<T>(x, j));
   }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) atomic_amax(&chan[chunk * 8 + j], a[j]);
   __syncthreads();
   if (threadIdx.x < D)
     atomic_amax(&v_amax[(static_cast<int64_t>(b) * p.heads_kv + h) * D + threadIdx.x],
                 chan[threadIdx.x]);
 }
 
+// 32 KB (D = 128) of loads in flight per CTA, staged in shared memory, and few registers:
+// 5 CTAs per SM (the register-loaded version took 127 registers: 2 CTAs per SM).
+constexpr int kStatsMinBlocksPerSm = 5;
+
 template <typename T, int D, bool kFullDim>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kStatsMinBlocksPerSm)
     statistics_kernel(InputView<T> k, InputView<T> v, QuantizeParams p, float* k_mean,
                       float* v_amax) {
-  const int tiles = p.nkv_pad / groups::kKvTile;
-  if (blockIdx.x == tiles)
-    k_mean_block<T, D>(k, p, blockIdx.y, blockIdx.z, k_mean);
-  else
-    v_amax_block<T, D, kFullDim>(v, p, blockIdx.x, blockIdx.y, blockIdx.z, v_amax);
+  __shared__ uint4 stage[stats_stage_bytes<D>() / sizeof(uint4)];
+  const int heads = p.batch * p.heads_kv, tiles = p.nkv_pad / groups::kKvTile;
+  const int id = static_cast<int>(blockIdx.x);
+  if (id < heads) {
+    k_mean_block<T, D, kFullDim>(k, p, stage, id % p.heads_kv, id / p.heads_kv, k_mean);
+  } else {
+    const int tile = (id - heads) % tiles, head = (id - heads) / tiles;
+    v_amax_block<T, D, kFullDim>(v, p, stage, tile, head % p.heads_kv, head / p.heads_kv, v_amax);
+  }
 }
 
 // ---- 3. K (smoothed INT8) and V (E4M3, transposed, permuted) of one 128-token tile ---------
-// grid (2 · nkv_pad / 128, Hkv, B), block 256: even blocks quantize a K tile, odd ones
-// the V tile (two small CTAs keep more loads in flight than one doing both in turn).
+// grid (tiles + V CTAs, Hkv, B), block 128: blocks x < tiles quantize K tile x, the others
+// hold D / 32 warps per V tile. Every lane copies its 16-byte chunks of the input into
+// its own slots of shared memory with cp.async, so all of a lane's loads are in flight at
+// once without holding registers (with loads into registers ptxas interleaves each load
+// with arithmetic on the earlier ones, and only a few are in flight). A lane reads back
+// only the slots it filled, so no barrier is needed; the warps of a CTA do not wait on
+// each other except for the tile-wide K amax of the coarse granularities.
+constexpr int kKvThreads = 128;
+constexpr int kKvWarps = kKvThreads / 32;
+constexpr int kKvChunksPerLane = 16;  // 16-byte chunks in flight per lane: 8 KB per warp
+// 32 KB of shared memory per CTA; 5 CTAs per SM (<= 102 registers: the V part needs ~96)
+// keep 160 KB of loads in flight per SM, ~3x what 4.3 TB/s needs at ~1.5 us latency.
+constexpr int kKvMinBlocksPerSm = 5;
+
+// Chunk slots of a warp, slot-major so that a warp's 16-byte accesses to one slot are
+// 512 contiguous bytes (conflict-free).
+struct KvStaging {
+  uint4 chunk[kKvWarps][kKvChunksPerLane][32];
+};
+
+// K: warp g quantizes per-thread group g of the tile (the 32 tokens with (c % 8) / 2 == g),
+// so the group amax is a warp reduction. A warp instruction covers whole token rows (2 at
+// D = 128, 4 at D = 64), for the loads and for the 8-byte stores.
 template <typename T, int D, bool kFullDim>
-__global__ void __launch_bounds__(kThreads)
-    kv_quantize_kernel(InputView<T> k, InputView<T> v, QuantizeParams p, QuantizeOutputs out) {
-  constexpr int kTile = groups::kKvTile;
-  __shared__ float group_amax[groups::kKThreadGroupsPerTile];
-  const int tile = blockIdx.x / 2, h = blockIdx.y, b = blockIdx.z;
-  const bool is_k = blockIdx.x % 2 == 0;
+__device__ void quantize_k_tile(const InputView<T>& k, const QuantizeParams& p,
+                                const QuantizeOutputs& out, KvStaging& stage, int tile, int h,
+                                int b) {
+  constexpr int kChunks = D / 8;              // 16-byte chunks per token row
+  constexpr int kRowsPerLoad = 32 / kChunks;  // token rows per warp instruction
+  constexpr int kGroupTokens = groups::kKvTile / groups::kKThreadGroupsPerTile;
+  constexpr int kItems = kGroupTokens / kRowsPerLoad;
+  static_assert(kKvWarps == groups::kKThreadGroupsPerTile, "one warp per K group");
+  static_assert(kItems <= kKvChunksPerLane);
+  __shared__ float warp_amax[kKvWarps];
+  const int g = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int ch0 = (lane % kChunks) * 8, sub = lane / kChunks;
   const int64_t bh = static_cast<int64_t>(b) * p.heads_kv + h;
-  if (threadIdx.x < groups::kKThreadGroupsPerTile) group_amax[threadIdx.x] = 0.f;
-  __syncthreads();
+  uint4(&slot)[kKvChunksPerLane][32] = stage.chunk[g];
+  // The i-th token of this lane; the group's tokens in order are 2g, 2g+1, 2g+8, 2g+9, ...
+  auto token = [&](int i) {
+    const int idx = sub + kRowsPerLoad * i;
+    return tile * groups::kKvTile + 2 * g + (idx & 1) + 8 * (idx >> 1);
+  };
+#pragma unroll
+  for (int i = 0; i < kItems; ++i)
+    copy_chunk<kFullDim>(&slot[i][lane], k.data + b * k.stride_b + h * k.stride_h, k.stride_n,
+                         token(i), p.seqlen_kv, ch0, p.head_dim);
+  float c[8];
+  load_floats8(out.k_mean + bh * D + ch0, c);
+  cp_async_wait_all();
 
-  // K. Thread: one 8-channel chunk at tokens tok0 + kTokStep·i; kTokStep is a multiple
-  // of 8, so all of a thread's tokens share one per-thread group ((tok % 8) / 2).
-  if (is_k) {
-    constexpr int kChunks = D / 8, kTokStep = kThreads / kChunks, kItems = kTile / kTokStep;
-    static_assert(kTokStep % 8 == 0, "a thread's tokens must share one K group");
-    const int chunk = threadIdx.x % kChunks, tok0 = threadIdx.x / kChunks, ch0 = chunk * 8;
-    float c[8];
+  // Tail tokens stay zero (outside every amax); padded channels have c = 0. Evaluated
+  // in both passes from shared memory: the same FADD gives the same bits.
+  auto smoothed = [&](const uint4& x, int i, int j) {
+    return token(i) < p.seqlen_kv ? element<T>(x, j) - c[j] : 0.f;
+  };
+  // A max (NaN sorting highest) is exact in any order, so the group amax is the same
+  // whatever the reduction tree: here 8 independent chains, then the warp.
+  float a8[8] = {};
 #pragma unroll
-    for (int j = 0; j < 8; ++j) c[j] = out.k_mean[bh * D + ch0 + j];
-    float kv[kItems][8];
-    float amax = 0.f;
+  for (int i = 0; i < kItems; ++i) {
+    const uint4 x = slot[i][lane];
 #pragma unroll
-    for (int i = 0; i < kItems; ++i)
-      load_chunk<kFullDim>(k.data + b * k.stride_b + h * k.stride_h, k.stride_n,
-                           tile * kTile + tok0 + i * kTokStep, p.seqlen_kv, ch0, p.head_dim, kv[i]);
-#pragma unroll
-    for (int i = 0; i < kItems; ++i) {
-      // Tail tokens stay zero (outside every amax); padded channels have c = 0.
-      const bool valid = tile * kTile + tok0 + i * kTokStep < p.seqlen_kv;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        kv[i][j] = valid ? kv[i][j] - c[j] : 0.f;
-        amax = amax_nan(amax, kv[i][j]);
-      }
-    }
-    const bool per_thread = p.granularity == QATTN_QK_PER_THREAD;
-    const int group = per_thread ? groups::k_thread_group_in_tile(tok0) : 0;
-    atomic_amax(&group_amax[group], amax);
-    __syncthreads();
-    const float a = group_amax[group];
-    const float inv = kInt8Max / a;
-#pragma unroll
-    for (int i = 0; i < kItems; ++i) {
-      const int tok = tile * kTile + tok0 + i * kTokStep;
-      *reinterpret_cast<uint2*>(out.k_i8 + (bh * p.nkv_pad + tok) * D + ch0) = make_uint2(
-          quantize_int8x4(kv[i], inv, !(a > 0.f)), quantize_int8x4(kv[i] + 4, inv, !(a > 0.f)));
-    }
-    if (threadIdx.x < groups::kKThreadGroupsPerTile)
-      out.k_scale[bh * (p.nkv_pad / kTile * groups::kKThreadGroupsPerTile) +
-                  tile * groups::kKThreadGroupsPerTile + threadIdx.x] =
-          group_amax[per_thread ? threadIdx.x : 0] / kInt8Max;
+    for (int j = 0; j < 8; ++j) a8[j] = amax_nan(a8[j], smoothed(x, i, j));
   }
-
-  // V, with its global per-channel scale: E4M3 codes go to a shared Vᵀ tile in the
-  // permuted token order, then out as 16-byte rows. Tokens vary fastest across a warp,
-  // so the byte stores of a warp land in few rows (bank conflicts ≤ 2-way).
-  if (!is_k) {
-    constexpr int kChunks = D / 8, kTokStep = kThreads / kChunks, kItems = kTile / kTokStep;
-    constexpr int kPosOfToken[16] = {0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15};
-    __shared__ __align__(16) uint8_t vt[D][kTile];
-    const int tok0 = threadIdx.x % kTokStep, ch0 = (threadIdx.x / kTokStep) * 8;
-    float inv[8];
-    bool zero[8];
+  float a = 0.f;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float a = out.v_amax[bh * D + ch0 + j];
-      inv[j] = kE4m3Max / a;
-      zero[j] = !(a > 0.f);
-    }
-    float x[kItems][8];
+  for (int j = 0; j < 8; ++j) a = amax_nan(a, a8[j]);
 #pragma unroll
-    for (int i = 0; i < kItems; ++i)
-      load_chunk<kFullDim>(v.data + b * v.stride_b + h * v.stride_h, v.stride_n,
-                           tile * kTile + tok0 + i * kTokStep, p.seqlen_kv, ch0, p.head_dim, x[i]);
-#pragma unroll
-    for (int i = 0; i < kItems; ++i) {
-      const int t = tok0 + i * kTokStep;
-      const int pos = (t & ~15) | kPosOfToken[t & 15];
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        vt[ch0 + j][pos] = zero[j] ? 0 : static_cast<uint8_t>(quantize_e4m3(x[i][j] * inv[j]));
-    }
+  for (int off = 16; off > 0; off >>= 1) a = amax_nan(a, __shfl_xor_sync(0xffffffff, a, off));
+  if (p.granularity != QATTN_QK_PER_THREAD) {  // per-warp and per-block: one scale per tile
+    if (lane == 0) warp_amax[g] = a;
     __syncthreads();
-    for (int idx = threadIdx.x; idx < D * kTile / 16; idx += kThreads) {
-      const int row = idx / (kTile / 16), col = (idx % (kTile / 16)) * 16;
-      *reinterpret_cast<uint4*>(out.vt_f8 + (bh * D + row) * p.nkv_pad + tile * kTile + col) =
-          *reinterpret_cast<const uint4*>(&vt[row][col]);
-    }
+#pragma unroll
+    for (int w = 0; w < kKvWarps; ++w) a = amax_nan(a, warp_amax[w]);
+  }
+  const float inv = kInt8Max / a;
+  const bool zero = !(a > 0.f);
+  __syncwarp();  // NOTE: keeps ptxas from holding pass 1's values live instead of re-reading
+#pragma unroll
+  for (int i = 0; i < kItems; ++i) {
+    const uint4 x = slot[i][lane];
+    float ks[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) ks[j] = smoothed(x, i, j);
+    *reinterpret_cast<uint2*>(out.k_i8 + (bh * p.nkv_pad + token(i)) * D + ch0) =
+        make_uint2(quantize_int8x4(ks, inv, zero), quantize_int8x4(ks + 4, inv, zero));
+  }
+  if (lane == 0)
+    out.k_scale[bh * (p.nkv_pad / groups::kKvTile * groups::kKThreadGroupsPerTile) +
+                tile * groups::kKThreadGroupsPerTile + g] = a / kInt8Max;
+}
+
+// V, with its global per-channel scale: warp `part` (0..D/32-1) of a tile quantizes 64
+// channels x 64 tokens. A lane copies 16 consecutive tokens of 8 channels, i.e. one
+// permuted 16-token group of 8 Vᵀ rows: the transpose and the permutation happen in
+// registers, and each row leaves as one 16-byte store. Per instruction a warp loads 4 rows
+// x 128 contiguous bytes and stores 8 rows x 64.
+template <typename T, int D, bool kFullDim>
+__device__ void quantize_v_part(const InputView<T>& v, const QuantizeParams& p,
+                                const QuantizeOutputs& out, KvStaging& stage, int tile, int part,
+                                int h, int b) {
+  constexpr int kSlices = D / 64;  // 64-channel slices of a token row
+  constexpr int kGroup = 16;       // tokens of one permuted group
+  static_assert(kGroup <= kKvChunksPerLane);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int ch0 = (part % kSlices) * 64 + (lane % 8) * 8;
+  const int tok0 = tile * groups::kKvTile + ((part / kSlices) * 4 + lane / 8) * kGroup;
+  const int64_t bh = static_cast<int64_t>(b) * p.heads_kv + h;
+  uint4(&slot)[kKvChunksPerLane][32] = stage.chunk[warp];
+#pragma unroll
+  for (int t = 0; t < kGroup; ++t)
+    copy_chunk<kFullDim>(&slot[t][lane], v.data + b * v.stride_b + h * v.stride_h, v.stride_n,
+                         tok0 + t, p.seqlen_kv, ch0, p.head_dim);
+  float amax[8], inv[8];
+  load_floats8(out.v_amax + bh * D + ch0, amax);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) inv[j] = kE4m3Max / amax[j];
+  cp_async_wait_all();
+
+  // Row j of the output (channel ch0 + j) as 4 words; position k of the group holds token
+  // v_token_at_position(k), so byte pair (2m, 2m+1) comes from two token chunks.
+  uint32_t row[8][4] = {};
+#pragma unroll
+  for (int m = 0; m < kGroup / 2; ++m) {
+    const uint4 lo = slot[groups::v_token_at_position(2 * m)][lane];
+    const uint4 hi = slot[groups::v_token_at_position(2 * m + 1)][lane];
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      row[j][m / 2] |= quantize_e4m3x2(element<T>(lo, j) * inv[j], element<T>(hi, j) * inv[j])
+                       << (16 * (m % 2));
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+    *reinterpret_cast<uint4*>(out.vt_f8 + (bh * D + ch0 + j) * p.nkv_pad + tok0) =
+        amax[j] > 0.f ? make_uint4(row[j][0], row[j][1], row[j][2], row[j][3])
+                      : make_uint4(0, 0, 0, 0);
+}
+
+template <int D>
+constexpr int kv_quantize_grid_x(int tiles) {
+  constexpr int kVWarpsPerTile = D / 32;
+  return tiles + (tiles * kVWarpsPerTile + kKvWarps - 1) / kKvWarps;
+}
+
+template <typename T, int D, bool kFullDim>
+__global__ void __launch_bounds__(kKvThreads, kKvMinBlocksPerSm)
+    kv_quantize_kernel(InputView<T> k, InputView<T> v, QuantizeParams p, QuantizeOutputs out) {
+  __shared__ KvStaging stage;
+  const int tiles = p.nkv_pad / groups::kKvTile;
+  // Heads in the reverse of the statistics kernel's order: the V it read last may still
+  // be in L2 when this kernel starts.
+  const int h = gridDim.y - 1 - blockIdx.y, b = gridDim.z - 1 - blockIdx.z;
+  if (blockIdx.x < tiles) {
+    quantize_k_tile<T, D, kFullDim>(k, p, out, stage, blockIdx.x, h, b);
+  } else {
+    constexpr int kVWarpsPerTile = D / 32;
+    const int vwarp = (blockIdx.x - tiles) * kKvWarps + threadIdx.x / 32;
+    if (vwarp < tiles * kVWarpsPerTile)
+      quantize_v_part<T, D, kFullDim>(v, p, out, stage, vwarp / kVWarpsPerTile,
+                                      vwarp % kVWarpsPerTile, h, b);
   }
 }
 
@@ -338,15 +487,24 @@ cudaError_t launch_quantize_passes(const InputView<T>& q, const InputView<T>& k,
                                    const InputView<T>& v, const QuantizeParams& p,
                                    const QuantizeOutputs& out, cudaStream_t stream) {
   const dim3 kv_grid(p.nkv_pad / groups::kKvTile, p.heads_kv, p.batch);
+  auto statistics = statistics_kernel<T, D, kFullDim>;
+  auto kv_quantize = kv_quantize_kernel<T, D, kFullDim>;
+  // Both stage their loads in shared memory: ask for the largest carveout so that the
+  // occupancy the launch bounds aim at (5 CTAs per SM) is not cut by the L1 share.
+  for (const void* f :
+       {reinterpret_cast<const void*>(statistics), reinterpret_cast<const void*>(kv_quantize)})
+    if (cudaError_t e = cudaFuncSetAttribute(f, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                             cudaSharedmemCarveoutMaxShared);
+        e != cudaSuccess)
+      return e;
   if (cudaError_t e =
           cudaMemsetAsync(out.v_amax, 0, sizeof(float) * D * p.heads_kv * p.batch, stream);
       e != cudaSuccess)
     return e;
-  statistics_kernel<T, D, kFullDim>
-      <<<dim3(kv_grid.x + 1, kv_grid.y, kv_grid.z), kThreads, 0, stream>>>(k, v, p, out.k_mean,
-                                                                           out.v_amax);
-  kv_quantize_kernel<T, D, kFullDim>
-      <<<dim3(2 * kv_grid.x, kv_grid.y, kv_grid.z), kThreads, 0, stream>>>(k, v, p, out);
+  statistics<<<(kv_grid.x + 1) * kv_grid.y * kv_grid.z, kThreads, 0, stream>>>(k, v, p, out.k_mean,
+                                                                               out.v_amax);
+  kv_quantize<<<dim3(kv_quantize_grid_x<D>(kv_grid.x), kv_grid.y, kv_grid.z), kKvThreads, 0,
+                stream>>>(k, v, p, out);
   q_quantize_kernel<T, D, kFullDim>
       <<<dim3(p.nq_pad / groups::kQBlock, p.heads_q, p.batch), kThreads, 0, stream>>>(q, p, out);
   return cudaGetLastError();
