@@ -311,7 +311,6 @@ __device__ void quantize_k_tile(const InputView<T>& k, const QuantizeParams& p,
   }
   const float inv = kInt8Max / a;
   const bool zero = !(a > 0.f);
-  __syncwarp();  // NOTE: keeps ptxas from holding pass 1's values live instead of re-reading
 #pragma unroll
   for (int i = 0; i < kItems; ++i) {
     const uint4 x = slot[i][lane];
