@@ -29,6 +29,9 @@ struct Sage2Case {
   // Extra elements (a multiple of 8) after each row of q; k and v get 2x and 3x, so a
   // kernel that uses one tensor's stride for another reads the wrong rows.
   int row_pad = 0;
+  // Also write the kernel's shared-memory Q quantization (INT8 Q, scales, q·c) to the
+  // workspace, to compare with the emulation (production calls keep it on chip).
+  bool keep_q = false;
 
   std::string describe() const {
     return "B=" + std::to_string(batch) + " Hq=" + std::to_string(heads_q) +
@@ -152,9 +155,9 @@ inline Sage2Result run_sage2(const Sage2Case& c, const InputHook& hook = {}) {
   p.v = make_view(dv.ptr, c.layout, c.batch, c.heads_kv, c.seqlen_kv, v_row);
   p.o = make_view(dout.ptr, c.layout, c.batch, c.heads_q, c.seqlen_q, o_row);
   p.lse = dlse.ptr + kLseGuard;
-  const std::size_t ws_bytes = sage2::workspace_bytes(p);
+  const std::size_t ws_bytes = sage2::workspace_bytes(p, c.keep_q);
   DeviceBuffer<uint8_t> ws(ws_bytes);
-  r.status = sage2::launch_forward(p, ws.ptr, nullptr);
+  r.status = sage2::launch_forward(p, ws.ptr, nullptr, c.keep_q);
   if (r.status != 0) return r;
   if (cudaDeviceSynchronize() != cudaSuccess) {
     r.status = static_cast<int>(cudaGetLastError());

@@ -138,12 +138,20 @@ std::vector<T> slice(const std::vector<uint8_t>& ws, std::size_t offset, std::si
 // emulation on those tensors to rounding: ex2.approx against std::exp2 and the FP32
 // summation order, which can move a P value to the neighbouring E4M3 code, plus the
 // final 16-bit rounding (bf16: 2^-9 relative).
-void check_against_emulation(const Sage2Case& c) {
+void check_against_emulation(Sage2Case c) {
   SCOPED_TRACE(c.describe());
+  c.keep_q = true;
   const auto r = test::run_sage2(c);
   ASSERT_EQ(r.status, 0);
+  {  // writing the debug copy of the quantized Q changes nothing else
+    Sage2Case plain = c;
+    plain.keep_q = false;
+    const auto r_plain = test::run_sage2(plain);
+    ASSERT_EQ(r_plain.status, 0);
+    EXPECT_EQ(r_plain.o.data, r.o.data) << "O differs with and without keep_q";
+  }
   qattn_fwd_params p = test::make_params(c);
-  const auto w = sage2::workspace_layout(p);
+  const auto w = sage2::workspace_layout(p, /*keep_q=*/true);
   const int D = w.head_dim_padded;
   const std::size_t bq = std::size_t(c.batch) * c.heads_q, bkv = std::size_t(c.batch) * c.heads_kv;
 

@@ -40,4 +40,19 @@ cudaError_t make_tensor_map_u8_3d(CUtensorMap* map, const void* base, uint64_t d
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
+cudaError_t make_tensor_map_16bit_4d(CUtensorMap* map, const void* base, const uint64_t (&dims)[4],
+                                     const uint64_t (&strides)[3], uint32_t box0, uint32_t box1) {
+  EncodeTiledFn encode = encode_fn();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t gdims[4] = {dims[0], dims[1], dims[2], dims[3]};
+  const cuuint64_t gstrides[3] = {strides[0] * 2, strides[1] * 2, strides[2] * 2};  // bytes
+  const cuuint32_t box[4] = {box0, box1, 1, 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, const_cast<void*>(base), gdims,
+                            gstrides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
 }  // namespace qattn::hopper

@@ -2,9 +2,10 @@
 // into a ring of shared-memory stages, two-level accumulation.
 //
 // CTA = 3 warpgroups and 128 query rows. Warpgroup 0 is the producer: one thread
-// issues TMA loads of K and Vᵀ tiles into kStages stages guarded by "full" (TMA
-// transaction bytes) and "empty" (consumers done) mbarriers. Warpgroups 1 and 2 are
-// consumers, 64 query rows each; registers move to them with setmaxnreg.
+// issues TMA loads of the 16-bit Q tile and of K and Vᵀ tiles into kStages stages
+// guarded by "full" (TMA transaction bytes) and "empty" (consumers done) mbarriers, and
+// two warps quantize each Q tile to INT8 in shared memory (q_tile.cuh). Warpgroups 1
+// and 2 are consumers, 64 query rows each; registers move to them with setmaxnreg.
 #pragma once
 
 #include <cuda.h>
@@ -21,6 +22,7 @@
 #include "cuda/sage2_fwd/epilogue.cuh"
 #include "cuda/sage2_fwd/fragment.cuh"
 #include "cuda/sage2_fwd/mask.cuh"
+#include "cuda/sage2_fwd/q_tile.cuh"
 #include "cuda/sage2_fwd/softmax.cuh"
 #include "numerics/mma_groups.h"
 
@@ -36,10 +38,12 @@ namespace qattn::sage2 {
 inline constexpr bool kOverlapSoftmax = QATTN_SAGE2_OVERLAP != 0;
 
 struct AttentionParams {
-  const float* q_scale;  // per-thread groups, (B, Hq, nq_pad / 64 * 32)
   const float* k_scale;  // (B, Hkv, nkv_pad / 128 * 4)
+  const float* k_mean;   // (B, Hkv, D): the K smoothing vector c (for q·c in the LSE)
   const float* v_amax;   // (B, Hkv, D): V scale = amax / 448
-  const float* q_dot_c;  // (B, Hq, nq_pad)
+  QDebugOut q_debug;     // null in production
+  float scale_log2, sm_scale;
+  qattn_qk_granularity granularity;
   void* o;
   int64_t o_stride_b, o_stride_h, o_stride_n;
   float* lse;  // (B, Hq, Nq) or null
@@ -48,6 +52,14 @@ struct AttentionParams {
   int num_m_blocks;  // nq_pad / 128
   int batch;
 };
+
+// Registers per thread after setmaxnreg. The CTA can only redistribute what it was
+// launched with (168 per thread at 384 threads): asking for more makes the consumers'
+// setmaxnreg.inc wait forever (a hang, not an error). The consumers need 232 at d=128;
+// the producer warpgroup (loaders and the Q quantizer) fits 40 with rolled loops.
+inline constexpr int kProducerRegs = 40, kConsumerRegs = 232, kLaunchRegs = 168;
+static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= kLaunchRegs * 384,
+              "setmaxnreg budget exceeds the CTA's registers");
 
 template <int D>
 struct KernelTraits {
@@ -70,24 +82,27 @@ struct KernelTraits {
 // use the current one, so no item starts by waiting for its Q.
 inline constexpr int kQSlots = 2;
 
-// The small per-item inputs, bulk-copied into shared memory with the item's Q tile so
-// no consumer waits on a global load at the start or the end of an item (NOTES v10).
+// The small per-item data in shared memory, so no consumer waits on a global load at
+// the start or the end of an item (NOTES v10): V amax and c are bulk-copied with the Q
+// tile; the Q scales and q·c come from the Q tile quantizer.
 template <int D>
 struct ItemSide {
   float q_scale[2 * groups::kQThreadGroupsPerBlock];  // the 128 rows' Q scale groups
   float q_dot_c[128];                                  // q·c per row (LSE correction)
   float v_amax[D];                                     // per-channel V amax of the KV head
+  float k_mean[D];                                     // c of the KV head
 };
 
 template <int D>
 struct SharedStorage {
   using Tr = KernelTraits<D>;
-  alignas(1024) uint8_t q[kQSlots][Tr::kQBytes];
+  alignas(1024) uint8_t q_in[kQSlots][QTileLayout<D>::kInBytes];  // 16-bit, as loaded
+  alignas(1024) uint8_t q[kQSlots][Tr::kQBytes];                    // INT8, wgmma layout
   alignas(1024) uint8_t k[Tr::kStages][Tr::kKBytes];
   alignas(1024) uint8_t v[Tr::kStages][Tr::kVBytes];
   alignas(16) ItemSide<D> side[kQSlots];
   alignas(16) float k_scale[Tr::kStages][groups::kKThreadGroupsPerTile];  // with its K tile
-  uint64_t q_full[kQSlots], q_empty[kQSlots];
+  uint64_t q_full[kQSlots], q_ready[kQSlots], q_empty[kQSlots];
   uint64_t k_full[Tr::kStages], k_empty[Tr::kStages];
   uint64_t v_full[Tr::kStages], v_empty[Tr::kStages];
 };
@@ -100,6 +115,14 @@ __device__ __forceinline__ int kv_tiles_for_block(const AttentionParams& p, int 
   const int kv_end = last_row + (p.seqlen_kv - p.seqlen_q) + 1;  // keys visible to that row
   if (kv_end <= 0) return 0;
   return min(n_tiles, (kv_end + groups::kKvTile - 1) / groups::kKvTile);
+}
+
+// gridDim.x, read where it is used: the producer warpgroup's 40 registers cannot keep
+// loop invariants live (the compiler would hoist and spill them).
+__device__ __forceinline__ int grid_size() {
+  int n;
+  asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(n));
+  return n;
 }
 
 // Work items are (128-row query block, query head, batch). The grid is persistent (one
@@ -116,7 +139,7 @@ __device__ __forceinline__ WorkItem decode_item(const AttentionParams& p, int it
   return {p.causal ? p.num_m_blocks - 1 - m : m, r % p.heads_q, r / p.heads_q};
 }
 
-template <int D, typename TOut>
+template <int D, typename T>
 __global__ void __launch_bounds__(384, 1)
     sage2_fwd_kernel(const __grid_constant__ CUtensorMap tm_q,
                      const __grid_constant__ CUtensorMap tm_k,
@@ -132,13 +155,18 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
     for (int i = 0; i < kQSlots; ++i) {
       hopper::mbarrier_init(&s.q_full[i], 1);
-      hopper::mbarrier_init(&s.q_empty[i], Tr::kConsumerWarps);
+      // Every thread arrives on these two (once per item): each thread's own shared-memory
+      // writes or reads are then ordered by the barrier itself.
+      hopper::mbarrier_init(&s.q_ready[i], kQTileThreads);
+      hopper::mbarrier_init(&s.q_empty[i], Tr::kConsumerThreads);
     }
 #pragma unroll
     for (int i = 0; i < Tr::kStages; ++i) {
       hopper::mbarrier_init(&s.k_full[i], 1);
       hopper::mbarrier_init(&s.v_full[i], 1);
-      hopper::mbarrier_init(&s.k_empty[i], Tr::kConsumerWarps);
+      // Lanes 0-3 of each consumer warp arrive: they are the ones that read the stage's
+      // K scale (read_k_scale), so their reads are ordered by the barrier itself.
+      hopper::mbarrier_init(&s.k_empty[i], 4 * Tr::kConsumerWarps);
       hopper::mbarrier_init(&s.v_empty[i], Tr::kConsumerWarps);
     }
     hopper::fence_barrier_init();
@@ -147,51 +175,95 @@ __global__ void __launch_bounds__(384, 1)
 
   if (warpgroup == 0) {
     // ---- producer ------------------------------------------------------------------------
-    hopper::setmaxnreg_dec<24>();
-    if (threadIdx.x == 0) {
+    hopper::setmaxnreg_dec<kProducerRegs>();
+    const bool want_q_dot_c = p.lse != nullptr || p.q_debug.q_dot_c != nullptr;
+    if (threadIdx.x >= 32 && threadIdx.x < 32 + kQTileThreads) {
+      // Q tile quantizer: every item of this CTA, in order.
+      const int tid = threadIdx.x - 32;
+      int local = 0;
+      for (int item = blockIdx.x; item < num_items; item += grid_size(), ++local) {
+        const int slot = local % kQSlots;
+        ItemSide<D>& side = s.side[slot];
+        // q_full implies q_empty (the loader waits on it first); waiting on q_empty too
+        // makes the consumers' last reads of this slot's scales direct predecessors of
+        // the writes below (the path through the TMA is invisible to racecheck).
+        hopper::mbarrier_wait(&s.q_empty[slot], ((local / kQSlots) & 1) ^ 1);
+        hopper::mbarrier_wait(&s.q_full[slot], (local / kQSlots) & 1);
+        float* q_dot_c = want_q_dot_c ? side.q_dot_c : nullptr;
+        quantize_q_tile<D, T>(s.q_in[slot], s.q[slot], side.q_scale, q_dot_c,
+                              want_q_dot_c ? side.k_mean : nullptr, tid, p.granularity,
+                              p.scale_log2, p.sm_scale);
+        if (p.q_debug.q_i8 != nullptr) {
+          // Decoded again (opaque copy of `item`) rather than kept live across the
+          // quantization, which would spill at 40 registers.
+          int item_again = item;
+          asm volatile("" : "+r"(item_again));
+          const WorkItem wd = decode_item(p, item_again);
+          const int bh_q = wd.b * p.heads_q + wd.hq;
+          // the item's 128 rows start at row m_block·128, its 64 scale groups at m_block·64
+          copy_q_tile_debug<D>(s.q[slot], side.q_scale, q_dot_c, tid, p.q_debug,
+                               static_cast<int64_t>(bh_q) * p.nq_pad + wd.m_block * Tr::kBlockM,
+                               (static_cast<int64_t>(bh_q) * p.nq_pad + wd.m_block * Tr::kBlockM) /
+                                   2);
+        }
+        // The INT8 tile is read by wgmma (async proxy) after the consumers' wait.
+        hopper::fence_proxy_async();
+        hopper::mbarrier_arrive(&s.q_ready[slot]);
+      }
+    }
+    // Two loader threads with separate loops, so each fits the warpgroup's registers:
+    // warp 3 loads every item's Q tile and side data, warp 0 the K/V ring.
+    if (threadIdx.x == 96) {
       hopper::tma_prefetch_descriptor(&tm_q);
-      hopper::tma_prefetch_descriptor(&tm_k);
-      hopper::tma_prefetch_descriptor(&tm_vt);
-      const uint64_t keep = hopper::policy_evict_last(), stream = hopper::policy_evict_first();
-      int iter = 0;  // KV tiles loaded so far: stage and phase of the ring
       int local = 0;
       for (int item = blockIdx.x; item < num_items; item += gridDim.x, ++local) {
         const WorkItem w = decode_item(p, item);
         const int kv_slice = w.b * p.heads_kv + w.hq / (p.heads_q / p.heads_kv);
-        const int n_tiles = kv_tiles_for_block(p, w.m_block);
         const int slot = local % kQSlots;
-        const int64_t bh_q = static_cast<int64_t>(w.b) * p.heads_q + w.hq;
         ItemSide<D>& side = s.side[slot];
-        const uint32_t side_bytes = sizeof(side.q_scale) + sizeof(side.v_amax) +
-                                    (p.lse != nullptr ? sizeof(side.q_dot_c) : 0);
+        const uint32_t side_bytes =
+            sizeof(side.v_amax) + (want_q_dot_c ? sizeof(side.k_mean) : 0);
         hopper::mbarrier_wait(&s.q_empty[slot], ((local / kQSlots) & 1) ^ 1);
-        hopper::mbarrier_arrive_expect_tx(&s.q_full[slot], Tr::kQBytes + side_bytes);
-        hopper::tma_load_3d(s.q[slot], &tm_q, &s.q_full[slot], 0, w.m_block * Tr::kBlockM,
-                            static_cast<int>(bh_q), stream);
-        hopper::bulk_load(side.q_scale,
-                          p.q_scale + bh_q * (p.nq_pad / groups::kQBlock *
-                                              groups::kQThreadGroupsPerBlock) +
-                              w.m_block * 2 * groups::kQThreadGroupsPerBlock,
-                          sizeof(side.q_scale), &s.q_full[slot]);
+        hopper::mbarrier_arrive_expect_tx(&s.q_full[slot],
+                                          QTileLayout<D>::kInBytes + side_bytes);
+#pragma unroll
+        for (int box = 0; box < D / 64; ++box)
+          hopper::tma_load_4d(s.q_in[slot] + box * (Tr::kBlockM * 128), &tm_q, &s.q_full[slot],
+                              box * 64, w.m_block * Tr::kBlockM, w.hq, w.b,
+                              hopper::policy_evict_first());
         hopper::bulk_load(side.v_amax, p.v_amax + static_cast<int64_t>(kv_slice) * D,
                           sizeof(side.v_amax), &s.q_full[slot]);
-        if (p.lse != nullptr)
-          hopper::bulk_load(side.q_dot_c, p.q_dot_c + bh_q * p.nq_pad + w.m_block * Tr::kBlockM,
-                            sizeof(side.q_dot_c), &s.q_full[slot]);
+        if (want_q_dot_c)
+          hopper::bulk_load(side.k_mean, p.k_mean + static_cast<int64_t>(kv_slice) * D,
+                            sizeof(side.k_mean), &s.q_full[slot]);
+      }
+    }
+    if (threadIdx.x == 0) {
+      hopper::tma_prefetch_descriptor(&tm_k);
+      hopper::tma_prefetch_descriptor(&tm_vt);
+      int iter = 0;  // KV tiles loaded so far: stage and phase of the ring
+      for (int item = blockIdx.x; item < num_items; item += gridDim.x) {
+        const WorkItem w = decode_item(p, item);
+        const int kv_slice = w.b * p.heads_kv + w.hq / (p.heads_q / p.heads_kv);
+        const int n_tiles = kv_tiles_for_block(p, w.m_block);
         const float* k_scale = p.k_scale + static_cast<int64_t>(kv_slice) *
                                                (p.nkv_pad / groups::kKvTile *
                                                 groups::kKThreadGroupsPerTile);
+#pragma unroll 1  // rolled: this warpgroup runs at 40 registers
         for (int it = 0; it < n_tiles; ++it, ++iter) {
           const int st = iter % Tr::kStages;
           const uint32_t phase = (iter / Tr::kStages) & 1;
           hopper::mbarrier_wait(&s.k_empty[st], phase ^ 1);
           hopper::mbarrier_arrive_expect_tx(&s.k_full[st], Tr::kKBytes + sizeof(s.k_scale[st]));
-          hopper::tma_load_3d(s.k[st], &tm_k, &s.k_full[st], 0, it * Tr::kBlockN, kv_slice, keep);
+          // K/V are re-read by every query block of the head: keep them in L2.
+          hopper::tma_load_3d(s.k[st], &tm_k, &s.k_full[st], 0, it * Tr::kBlockN, kv_slice,
+                              hopper::policy_evict_last());
           hopper::bulk_load(s.k_scale[st], k_scale + it * groups::kKThreadGroupsPerTile,
                             sizeof(s.k_scale[st]), &s.k_full[st]);
           hopper::mbarrier_wait(&s.v_empty[st], phase ^ 1);
           hopper::mbarrier_arrive_expect_tx(&s.v_full[st], Tr::kVBytes);
-          hopper::tma_load_3d(s.v[st], &tm_vt, &s.v_full[st], it * Tr::kBlockN, 0, kv_slice, keep);
+          hopper::tma_load_3d(s.v[st], &tm_vt, &s.v_full[st], it * Tr::kBlockN, 0, kv_slice,
+                              hopper::policy_evict_last());
         }
       }
     }
@@ -203,7 +275,7 @@ __global__ void __launch_bounds__(384, 1)
   // item's first tile is issued with the P·V of this item's last tile, so the next
   // item's first softmax overlaps that P·V and no item starts or ends with the tensor
   // cores idle (NOTES v10).
-  hopper::setmaxnreg_inc<240>();
+  hopper::setmaxnreg_inc<kConsumerRegs>();
   const int cw = warpgroup - 1;  // which 64 rows of the block
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const FragCoord fc{lane / 4, lane % 4};
@@ -214,10 +286,9 @@ __global__ void __launch_bounds__(384, 1)
 
   // A work item as a consumer thread sees it.
   struct Item {
-    int m_block, hq, b, n_tiles;
+    int m_block, bh_q, n_tiles;  // bh_q = b · Hq + hq
     int local;       // ordinal on this CTA: Q slot and its phase
     int first_iter;  // KV tiles consumed before it: the ring's stage and phase
-    float q_scale;   // this thread's Q scale group
     __device__ int slot() const { return local % kQSlots; }
     __device__ int stage(int it) const { return (first_iter + it) % Tr::kStages; }
     __device__ uint32_t phase(int it) const {
@@ -226,14 +297,12 @@ __global__ void __launch_bounds__(384, 1)
   };
   auto row_in_block = [&](int r) { return cw * 64 + warp * 16 + fc.g + 8 * r; };
   auto row_first = [&](const Item& w) { return w.m_block * Tr::kBlockM + cw * 64; };
-  auto bh_q = [&](const Item& w) { return static_cast<int64_t>(w.b) * p.heads_q + w.hq; };
   auto write_output = [&](const Item& w, const float(&o)[kO], const Softmax& sm) {
     const ItemSide<D>& side = s.side[w.slot()];
-    store_output<TOut, kO>(p, o, sm, fc, bh_q(w), w.m_block * Tr::kBlockM, row_in_block(0),
+    store_output<T, kO>(p, o, sm, fc, w.bh_q, w.m_block * Tr::kBlockM, row_in_block(0),
                            side.v_amax, side.q_dot_c);
-    // The slot (Q tile and side data) is free once every warp has written its rows.
-    __syncwarp();
-    if (lane == 0) hopper::mbarrier_arrive(&s.q_empty[w.slot()]);
+    // The slot (Q tiles and side data) is free once every thread has written its rows.
+    hopper::mbarrier_arrive(&s.q_empty[w.slot()]);
   };
 
   int next_id = blockIdx.x, next_local = 0, next_iter = 0;
@@ -242,10 +311,9 @@ __global__ void __launch_bounds__(384, 1)
   auto open_item = [&](Item& w) -> bool {
     for (; next_id < num_items; next_id += gridDim.x, ++next_local) {
       const WorkItem wi = decode_item(p, next_id);
-      w = Item{wi.m_block, wi.hq, wi.b, kv_tiles_for_block(p, wi.m_block), next_local, next_iter,
-               0.f};
-      hopper::mbarrier_wait(&s.q_full[w.slot()], (w.local / kQSlots) & 1);
-      w.q_scale = s.side[w.slot()].q_scale[row_in_block(0) / 16 * 8 + fc.g];
+      w = Item{wi.m_block, wi.b * p.heads_q + wi.hq, kv_tiles_for_block(p, wi.m_block),
+               next_local, next_iter};
+      hopper::mbarrier_wait(&s.q_ready[w.slot()], (w.local / kQSlots) & 1);
       if (w.n_tiles > 0) {
         next_id += gridDim.x;
         ++next_local;
@@ -294,12 +362,12 @@ __global__ void __launch_bounds__(384, 1)
   auto softmax_tile = [&](const Item& w, int it, float k_scale_tile, Softmax& sm, float(&x)[kS],
                           float(&alpha_out)[2]) {
     hopper::fence_operands(acc_s);
-    __syncwarp();
-    if (lane == 0) hopper::mbarrier_arrive(&s.k_empty[w.stage(it)]);
+    if (lane < 4) hopper::mbarrier_arrive(&s.k_empty[w.stage(it)]);
     // qk > 0 keeps masked (-inf) scores at -inf; an all-zero scale group has all-zero
     // products, so the floor changes nothing. A NaN scale (NaN in Q or K) stays NaN and
     // reaches O through P.
-    float qk = w.q_scale * k_scale_tile;
+    // This thread's Q scale group, read per tile (one LDS) rather than kept in a register.
+    float qk = s.side[w.slot()].q_scale[row_in_block(0) / 16 * 8 + fc.g] * k_scale_tile;
     qk = qk < FLT_MIN ? FLT_MIN : qk;
 #pragma unroll
     for (int i = 0; i < kS; ++i) x[i] = __int2float_rn(acc_s[i]);
@@ -316,6 +384,13 @@ __global__ void __launch_bounds__(384, 1)
     sm.step(x, qk, alpha_out);
   };
 
+  // This thread's K scale group (t = lane % 4) of a stage: lanes 0-3 read it, the rest
+  // get it by shuffle.
+  auto read_k_scale = [&](int st) {
+    const float ks = lane < 4 ? s.k_scale[st][lane] : 0.f;
+    return __shfl_sync(0xffffffff, ks, fc.t);
+  };
+
   Item cur;
   if (!open_item(cur)) return;
   Softmax sm_cur;
@@ -324,7 +399,7 @@ __global__ void __launch_bounds__(384, 1)
   for (int i = 0; i < kO; ++i) o[i] = 0.f;
   {  // the pipeline's first tile: nothing to overlap it with yet
     hopper::mbarrier_wait(&s.k_full[cur.stage(0)], cur.phase(0));
-    const float ks = s.k_scale[cur.stage(0)][fc.t];
+    const float ks = read_k_scale(cur.stage(0));
     hopper::wgmma_fence();
     issue_qk(cur, 0);
     hopper::wgmma_wait<0>();
@@ -344,7 +419,7 @@ __global__ void __launch_bounds__(384, 1)
     hopper::mbarrier_wait(&s.v_full[st], cur.phase(it));
     if constexpr (has_next) {
       hopper::mbarrier_wait(&s.k_full[nw.stage(nit)], nw.phase(nit));
-      ks_next = s.k_scale[nw.stage(nit)][fc.t];
+      ks_next = read_k_scale(nw.stage(nit));
     }
     hopper::wgmma_fence();
     if constexpr (has_next) issue_qk(nw, nit);

@@ -29,19 +29,30 @@ QuantizeOutputs outputs(const WorkspaceLayout& w, void* ws) {
           reinterpret_cast<uint8_t*>(base + w.vt_f8), reinterpret_cast<float*>(base + w.v_amax)};
 }
 
-template <int D, typename TOut>
+// The caller's Q as a 4-D tensor map (d, N, H, B) read in 64-channel boxes of 128 rows;
+// rows past seqlen_q and channels past head_dim read as zero. A dimension of extent 1
+// may carry any stride (the api ignores it), so it gets a valid one here.
+cudaError_t make_q_map(CUtensorMap* map, const qattn_fwd_params& p) {
+  const auto round8 = [](int64_t x) { return (x + 7) / 8 * 8; };
+  const int64_t sn = p.seqlen_q > 1 ? p.q.stride_n : round8(p.head_dim);
+  const int64_t sh = p.heads_q > 1 ? p.q.stride_h : sn * p.seqlen_q;
+  const int64_t sb = p.batch > 1 ? p.q.stride_b : sh * p.heads_q;
+  const uint64_t dims[4] = {static_cast<uint64_t>(p.head_dim), static_cast<uint64_t>(p.seqlen_q),
+                            static_cast<uint64_t>(p.heads_q), static_cast<uint64_t>(p.batch)};
+  const uint64_t strides[3] = {static_cast<uint64_t>(sn), static_cast<uint64_t>(sh),
+                               static_cast<uint64_t>(sb)};
+  return hopper::make_tensor_map_16bit_4d(map, p.q.data, dims, strides, 64, 128);
+}
+
+template <int D, typename T>
 cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout& w, void* ws,
-                               cudaStream_t stream) {
+                               cudaStream_t stream, bool keep_q) {
   using Tr = KernelTraits<D>;
   const QuantizeOutputs q = outputs(w, ws);
-  const uint64_t bq = static_cast<uint64_t>(p.batch) * p.heads_q;
   const uint64_t bkv = static_cast<uint64_t>(p.batch) * p.heads_kv;
   const auto qk_swizzle = D == 128 ? hopper::TmaSwizzle::k128B : hopper::TmaSwizzle::k64B;
   CUtensorMap tm_q, tm_k, tm_vt;
-  if (auto e =
-          hopper::make_tensor_map_u8_3d(&tm_q, q.q_i8, D, w.nq_pad, bq, D, Tr::kBlockM, qk_swizzle);
-      e != cudaSuccess)
-    return e;
+  if (auto e = make_q_map(&tm_q, p); e != cudaSuccess) return e;
   if (auto e = hopper::make_tensor_map_u8_3d(&tm_k, q.k_i8, D, w.nkv_pad, bkv, D, Tr::kBlockN,
                                              qk_swizzle);
       e != cudaSuccess)
@@ -52,10 +63,13 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
     return e;
 
   AttentionParams ap{};
-  ap.q_scale = q.q_scale;
   ap.k_scale = q.k_scale;
+  ap.k_mean = q.k_mean;
   ap.v_amax = q.v_amax;
-  ap.q_dot_c = q.q_dot_c;
+  if (keep_q) ap.q_debug = {q.q_i8, q.q_scale, q.q_dot_c};
+  ap.sm_scale = resolved_sm_scale(p);
+  ap.scale_log2 = ap.sm_scale * kLog2e;
+  ap.granularity = p.granularity;
   ap.o = p.o.data;
   ap.o_stride_b = p.o.stride_b;
   ap.o_stride_h = p.o.stride_h;
@@ -70,7 +84,7 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
   ap.nkv_pad = w.nkv_pad;
   ap.causal = p.causal;
 
-  auto kernel = sage2_fwd_kernel<D, TOut>;
+  auto kernel = sage2_fwd_kernel<D, T>;
   constexpr int smem = static_cast<int>(sizeof(SharedStorage<D>)) + 1024;
   if (auto e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
       e != cudaSuccess)
@@ -104,37 +118,39 @@ cudaError_t quantize_d(const qattn_fwd_params& p, const WorkspaceLayout& w, void
   qp.sm_scale = resolved_sm_scale(p);
   qp.scale_log2 = qp.sm_scale * kLog2e;
   qp.granularity = p.granularity;
-  return launch_quantize<T, D>(view<T>(p.q), view<T>(p.k), view<T>(p.v), qp, outputs(w, ws),
-                               stream);
+  return launch_quantize<T, D>(view<T>(p.k), view<T>(p.v), qp, outputs(w, ws), stream);
 }
 
 template <typename T>
-cudaError_t run(const qattn_fwd_params& p, void* ws, cudaStream_t stream, bool quantize) {
-  const WorkspaceLayout w = workspace_layout(p);
+cudaError_t run(const qattn_fwd_params& p, void* ws, cudaStream_t stream, bool quantize,
+                bool keep_q) {
+  const WorkspaceLayout w = workspace_layout(p, keep_q);
   if (w.head_dim_padded == 64) {
     if (quantize)
       if (auto e = quantize_d<T, 64>(p, w, ws, stream); e != cudaSuccess) return e;
-    return launch_attention_d<64, T>(p, w, ws, stream);
+    return launch_attention_d<64, T>(p, w, ws, stream, keep_q);
   }
   if (quantize)
     if (auto e = quantize_d<T, 128>(p, w, ws, stream); e != cudaSuccess) return e;
-  return launch_attention_d<128, T>(p, w, ws, stream);
+  return launch_attention_d<128, T>(p, w, ws, stream, keep_q);
 }
 
 }  // namespace
 
-std::size_t workspace_bytes(const qattn_fwd_params& p) { return workspace_layout(p).total; }
+std::size_t workspace_bytes(const qattn_fwd_params& p, bool keep_q) {
+  return workspace_layout(p, keep_q).total;
+}
 
-int launch_forward(const qattn_fwd_params& p, void* workspace, void* stream) {
+int launch_forward(const qattn_fwd_params& p, void* workspace, void* stream, bool keep_q) {
   auto s = static_cast<cudaStream_t>(stream);
-  return p.dtype == QATTN_DTYPE_BF16 ? run<__nv_bfloat16>(p, workspace, s, true)
-                                     : run<__half>(p, workspace, s, true);
+  return p.dtype == QATTN_DTYPE_BF16 ? run<__nv_bfloat16>(p, workspace, s, true, keep_q)
+                                     : run<__half>(p, workspace, s, true, keep_q);
 }
 
 int launch_attention_only(const qattn_fwd_params& p, void* workspace, void* stream) {
   auto s = static_cast<cudaStream_t>(stream);
-  return p.dtype == QATTN_DTYPE_BF16 ? run<__nv_bfloat16>(p, workspace, s, false)
-                                     : run<__half>(p, workspace, s, false);
+  return p.dtype == QATTN_DTYPE_BF16 ? run<__nv_bfloat16>(p, workspace, s, false, false)
+                                     : run<__half>(p, workspace, s, false, false);
 }
 
 }  // namespace qattn::sage2

@@ -14,20 +14,23 @@ namespace qattn::sage2 {
 //   q_i8    int8  (B, Hq, Nq_pad, D)        quantized Q (sm_scale·log2e folded in scale)
 //   q_scale float (B, Hq, Nq_pad / 64 * 32) per-thread (or coarser, replicated) Q scales
 //   q_dot_c float (B, Hq, Nq_pad)           sm_scale · q·c, the LSE correction for K smoothing
+//           (these three are empty unless keep_q: the attention kernel quantizes Q in
+//           shared memory; with keep_q it also writes them here, for the tests)
 //   k_i8    int8  (B, Hkv, Nkv_pad, D)      smoothed, quantized K
 //   k_scale float (B, Hkv, Nkv_pad / 128 * 4)
 //   k_mean  float (B, Hkv, D)               the smoothing vector c
 //   vt_f8   e4m3  (B, Hkv, D, Nkv_pad)      Vᵀ, tokens permuted in groups of 16
 //   v_amax  float (B, Hkv, D)               per-channel amax of V (scale = amax / 448)
 // D is the head dim padded to 64 or 128.
-std::size_t workspace_bytes(const qattn_fwd_params& p);
+std::size_t workspace_bytes(const qattn_fwd_params& p, bool keep_q = false);
 
 // Enqueues quantization and attention on `stream`. Returns cudaSuccess or the first
 // CUDA error; never synchronizes.
-int launch_forward(const qattn_fwd_params& p, void* workspace, void* stream);
+int launch_forward(const qattn_fwd_params& p, void* workspace, void* stream, bool keep_q = false);
 
-// Only the attention kernel, on a workspace that an earlier launch_forward with the
-// same parameters filled (for kernel-only benchmarks; the inputs are not read).
+// Only the attention kernel (which quantizes Q itself), on a workspace that an earlier
+// launch_forward with the same parameters filled (for kernel-only benchmarks; k and v
+// are not read).
 int launch_attention_only(const qattn_fwd_params& p, void* workspace, void* stream);
 
 }  // namespace qattn::sage2

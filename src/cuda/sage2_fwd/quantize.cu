@@ -1,5 +1,6 @@
 #include <cuda_fp8.h>
 
+#include "cuda/sage2_fwd/quant_math.cuh"
 #include "cuda/sage2_fwd/quantize.cuh"
 #include "numerics/mma_groups.h"
 
@@ -8,17 +9,7 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kSmoothingSample = 256;  // tokens averaged for the K smoothing vector
-constexpr float kInt8Max = 127.f;
 constexpr float kE4m3Max = 448.f;
-constexpr uint32_t kNaNBits = 0x7fffffff;
-
-template <typename T>
-__device__ __forceinline__ float to_float(T x) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>)
-    return __bfloat162float(x);
-  else
-    return __half2float(x);
-}
 
 // Reads N channels at `ch` of row `row` of a (rows x head_dim) matrix. The row is
 // clamped into range so the load is unconditional (the loads of a thread's items can
@@ -45,25 +36,9 @@ __device__ __forceinline__ void load_chunk(const T* base, int64_t stride, int ro
     for (int j = 0; j < N; ++j) out[j] = 0.f;
 }
 
-// NaN-propagating max of |x|: a NaN input must make its group's scale NaN.
-__device__ __forceinline__ float amax_nan(float a, float x) {
-  const float ax = fabsf(x);
-  return (ax != ax || a != a) ? __uint_as_float(kNaNBits) : fmaxf(a, ax);
-}
-
 // Max of non-negative floats (and canonical NaN, which sorts highest) by integer bits.
 __device__ __forceinline__ void atomic_amax(float* addr, float v) {
   atomicMax(reinterpret_cast<int*>(addr), __float_as_int(v));
-}
-
-__device__ __forceinline__ uint32_t quantize_int8x4(const float* x, float inv, bool zero) {
-  uint32_t w = 0;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int q = zero ? 0 : max(-127, min(127, __float2int_rn(x[j] * inv)));
-    w |= static_cast<uint32_t>(q & 0xFF) << (8 * j);
-  }
-  return w;
 }
 
 // Asynchronous 16-byte global -> shared copy; bytes past `src_bytes` (0..16) are zero-filled.
@@ -396,94 +371,9 @@ __global__ void __launch_bounds__(kKvThreads, kKvMinBlocksPerSm)
   }
 }
 
-// ---- 4. Q (INT8, sm_scale·log2e folded into the scale) and q·c ------------------------------
-// grid (nq_pad / 64, Hq, B), block 256 = 8 warps × 8 rows; a lane holds D/32 channels.
 template <typename T, int D, bool kFullDim>
-__global__ void __launch_bounds__(kThreads)
-    q_quantize_kernel(InputView<T> q, QuantizeParams p, QuantizeOutputs out) {
-  constexpr int kRows = groups::kQBlock;
-  constexpr int kRowsPerWarp = kRows / (kThreads / 32);
-  constexpr int kPerLane = D / 32;
-  __shared__ float row_amax[kRows];
-
-  const int blk = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t bh = static_cast<int64_t>(b) * p.heads_q + h;
-  const int hkv = h / (p.heads_q / p.heads_kv);
-  const float* c = out.k_mean + (static_cast<int64_t>(b) * p.heads_kv + hkv) * D;
-  const int ch0 = lane * kPerLane;
-  float cv[kPerLane];
-#pragma unroll
-  for (int j = 0; j < kPerLane; ++j) cv[j] = c[ch0 + j];
-
-  float x[kRowsPerWarp][kPerLane];
-#pragma unroll
-  for (int i = 0; i < kRowsPerWarp; ++i)
-    load_chunk<kFullDim>(q.data + b * q.stride_b + h * q.stride_h, q.stride_n,
-                         blk * kRows + warp * kRowsPerWarp + i, p.seqlen_q, ch0, p.head_dim, x[i]);
-#pragma unroll
-  for (int i = 0; i < kRowsPerWarp; ++i) {
-    const int r = warp * kRowsPerWarp + i;
-    float a = 0.f, dot = 0.f;
-#pragma unroll
-    for (int j = 0; j < kPerLane; ++j) {
-      a = amax_nan(a, x[i][j]);
-      dot += x[i][j] * cv[j];
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      a = amax_nan(a, __shfl_xor_sync(0xffffffff, a, off));
-      dot += __shfl_xor_sync(0xffffffff, dot, off);
-    }
-    if (lane == 0) {
-      row_amax[r] = a;
-      out.q_dot_c[bh * p.nq_pad + blk * kRows + r] = p.sm_scale * dot;
-    }
-  }
-  __syncthreads();
-
-  // The rows sharing a scale with row r, by granularity (mma_groups.h).
-  auto group_amax = [&](int r) {
-    int first = 0, count = kRows, step = 1;
-    if (p.granularity == QATTN_QK_PER_THREAD) {
-      first = r & ~8;
-      count = 2;
-      step = 8;
-    } else if (p.granularity == QATTN_QK_PER_WARP) {
-      first = r & ~15;
-      count = groups::kQWarpRows;
-    }
-    float a = 0.f;
-    for (int i = 0; i < count; ++i) a = amax_nan(a, row_amax[first + i * step]);
-    return a;
-  };
-
-#pragma unroll
-  for (int i = 0; i < kRowsPerWarp; ++i) {
-    const int r = warp * kRowsPerWarp + i;
-    const float a = group_amax(r);
-    const float inv = kInt8Max / a;
-    int8_t* dst = out.q_i8 + (bh * p.nq_pad + blk * kRows + r) * D + ch0;
-    if constexpr (kPerLane == 4) {
-      *reinterpret_cast<uint32_t*>(dst) = quantize_int8x4(x[i], inv, !(a > 0.f));
-    } else {
-      const float pair[4] = {x[i][0], x[i][1], 0.f, 0.f};
-      *reinterpret_cast<uint16_t*>(dst) =
-          static_cast<uint16_t>(quantize_int8x4(pair, inv, !(a > 0.f)));
-    }
-  }
-  if (threadIdx.x < groups::kQThreadGroupsPerBlock) {
-    const int gi = threadIdx.x;  // rows (gi / 8) * 16 + gi % 8 and that + 8
-    const int r = (gi / 8) * groups::kQWarpRows + gi % 8;
-    out.q_scale[bh * (p.nq_pad / kRows * groups::kQThreadGroupsPerBlock) +
-                blk * groups::kQThreadGroupsPerBlock + gi] =
-        (group_amax(r) / kInt8Max) * p.scale_log2;
-  }
-}
-
-template <typename T, int D, bool kFullDim>
-cudaError_t launch_quantize_passes(const InputView<T>& q, const InputView<T>& k,
-                                   const InputView<T>& v, const QuantizeParams& p,
+cudaError_t launch_quantize_passes(const InputView<T>& k, const InputView<T>& v,
+                                   const QuantizeParams& p,
                                    const QuantizeOutputs& out, cudaStream_t stream) {
   const dim3 kv_grid(p.nkv_pad / groups::kKvTile, p.heads_kv, p.batch);
   auto statistics = statistics_kernel<T, D, kFullDim>;
@@ -504,25 +394,22 @@ cudaError_t launch_quantize_passes(const InputView<T>& q, const InputView<T>& k,
                                                                                out.v_amax);
   kv_quantize<<<dim3(kv_quantize_grid_x<D>(kv_grid.x), kv_grid.y, kv_grid.z), kKvThreads, 0,
                 stream>>>(k, v, p, out);
-  q_quantize_kernel<T, D, kFullDim>
-      <<<dim3(p.nq_pad / groups::kQBlock, p.heads_q, p.batch), kThreads, 0, stream>>>(q, p, out);
   return cudaGetLastError();
 }
 
 }  // namespace
 
 template <typename T, int D>
-cudaError_t launch_quantize(const InputView<T>& q, const InputView<T>& k, const InputView<T>& v,
-                            const QuantizeParams& p, const QuantizeOutputs& out,
-                            cudaStream_t stream) {
-  return p.head_dim == D ? launch_quantize_passes<T, D, true>(q, k, v, p, out, stream)
-                         : launch_quantize_passes<T, D, false>(q, k, v, p, out, stream);
+cudaError_t launch_quantize(const InputView<T>& k, const InputView<T>& v, const QuantizeParams& p,
+                            const QuantizeOutputs& out, cudaStream_t stream) {
+  return p.head_dim == D ? launch_quantize_passes<T, D, true>(k, v, p, out, stream)
+                         : launch_quantize_passes<T, D, false>(k, v, p, out, stream);
 }
 
 #define QATTN_INSTANTIATE(T, D)                                                          \
-  template cudaError_t launch_quantize<T, D>(const InputView<T>&, const InputView<T>&,   \
-                                             const InputView<T>&, const QuantizeParams&, \
-                                             const QuantizeOutputs&, cudaStream_t);
+  template cudaError_t launch_quantize<T, D>(const InputView<T>&, const InputView<T>&, \
+                                             const QuantizeParams&, const QuantizeOutputs&, \
+                                             cudaStream_t);
 QATTN_INSTANTIATE(__nv_bfloat16, 64)
 QATTN_INSTANTIATE(__nv_bfloat16, 128)
 QATTN_INSTANTIATE(__half, 64)

@@ -1,6 +1,6 @@
-// Quantization kernels of the SageAttention2-8b forward. The arithmetic is the
-// contract in docs/sage2-kernel-arithmetic.md (steps 1-4), which the CPU emulator
-// follows too.
+// Quantization kernels of the SageAttention2-8b forward: K and V (Q is quantized inside
+// the attention kernel, q_tile.cuh). The arithmetic is the contract in
+// docs/sage2-kernel-arithmetic.md (steps 1-4), which the CPU emulator follows too.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -28,8 +28,8 @@ struct QuantizeParams {
 };
 
 struct QuantizeOutputs {
-  int8_t* q_i8;
-  float* q_scale;
+  int8_t* q_i8;  // q_i8, q_scale, q_dot_c: written only by the attention kernel, and only
+  float* q_scale;  // with keep_q (the tests' debug copy)
   float* q_dot_c;
   int8_t* k_i8;
   float* k_scale;
@@ -39,10 +39,9 @@ struct QuantizeOutputs {
 };
 
 // Enqueues the quantization passes on the stream: K mean and V amax (reads a sample
-// of K and all of V), then K and V, then Q.
+// of K and all of V), then K and V.
 template <typename T, int D>
-cudaError_t launch_quantize(const InputView<T>& q, const InputView<T>& k, const InputView<T>& v,
-                            const QuantizeParams& p, const QuantizeOutputs& out,
-                            cudaStream_t stream);
+cudaError_t launch_quantize(const InputView<T>& k, const InputView<T>& v, const QuantizeParams& p,
+                            const QuantizeOutputs& out, cudaStream_t stream);
 
 }  // namespace qattn::sage2

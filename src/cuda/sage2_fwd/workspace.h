@@ -30,7 +30,9 @@ struct WorkspaceLayout {
 
 inline int padded_head_dim(int d) { return d <= 64 ? 64 : 128; }
 
-inline WorkspaceLayout workspace_layout(const qattn_fwd_params& p) {
+// keep_q: also room for the quantized Q, its scales and q·c, which the attention kernel
+// otherwise keeps in shared memory only (the GPU tests read them back).
+inline WorkspaceLayout workspace_layout(const qattn_fwd_params& p, bool keep_q = false) {
   auto round_up = [](std::size_t x, std::size_t m) { return (x + m - 1) / m * m; };
   WorkspaceLayout w;
   w.head_dim_padded = padded_head_dim(p.head_dim);
@@ -45,9 +47,10 @@ inline WorkspaceLayout workspace_layout(const qattn_fwd_params& p) {
     off = round_up(off + bytes, kWorkspaceAlign);
     return at;
   };
-  w.q_i8 = take(bq * w.nq_pad * D);
-  w.q_scale = take(bq * w.q_scales_per_head() * sizeof(float));
-  w.q_dot_c = take(bq * w.nq_pad * sizeof(float));
+  const std::size_t q_rows = keep_q ? bq * w.nq_pad : 0;
+  w.q_i8 = take(q_rows * D);
+  w.q_scale = take(keep_q ? bq * w.q_scales_per_head() * sizeof(float) : 0);
+  w.q_dot_c = take(q_rows * sizeof(float));
   w.k_i8 = take(bkv * w.nkv_pad * D);
   w.k_scale = take(bkv * w.k_scales_per_head() * sizeof(float));
   w.k_mean = take(bkv * D * sizeof(float));

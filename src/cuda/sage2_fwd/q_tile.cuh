@@ -1,0 +1,184 @@
+// In-kernel Q quantization (SA2-8b step 3, docs/sage2-kernel-arithmetic.md): two warps
+// of the producer warpgroup turn a work item's 16-bit Q tile (128 rows, TMA-loaded in
+// 64-channel boxes with 128-byte swizzle) into the INT8 tile the Q·Kᵀ wgmma reads (in
+// its swizzled layout), the Q scales and q·c, all in shared memory. This removes a
+// separate Q pass over global memory (NOTES v11).
+//
+// One thread per scale group of the per-thread granularity: rows r and r + 8 with
+// r = 64·(tid / 32) + 16·w + g, lane = 8·w + g — the rows a wgmma A-fragment thread
+// holds (numerics/mma_groups.h), so group index = tid. Coarser granularities are
+// shuffles inside the warp: 16 rows = 8 lanes, 64 rows = the warp.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "cuda/sage2_fwd/quant_math.cuh"
+#include "qattn/qattn.h"
+
+namespace qattn::sage2 {
+
+inline constexpr int kQTileThreads = 64;
+
+// Global copies of what the tile quantizer produced (null in production; the GPU tests
+// set them to compare with the CPU emulation bit for bit).
+struct QDebugOut {
+  int8_t* q_i8;      // (B, Hq, nq_pad, D)
+  float* q_scale;    // (B, Hq, nq_pad / 64 * 32)
+  float* q_dot_c;    // (B, Hq, nq_pad)
+};
+
+template <int D>
+struct QTileLayout {
+  static constexpr int kRows = 128;
+  static constexpr int kInBytes = kRows * D * 2;
+  // Byte offset of 16-bit chunk c (8 channels) of row r in the TMA tile: one 128-row box
+  // per 64 channels, 128-byte rows, 16-byte chunks XOR-ed with r % 8.
+  __device__ __forceinline__ static int in_offset(int r, int c) {
+    return (c / 8) * (kRows * 128) + r * 128 + (((c % 8) ^ (r % 8)) << 4);
+  }
+  // Byte offset of INT8 chunk c (16 channels) of row r in the wgmma operand tile:
+  // D-byte rows, 128-byte swizzle for D = 128 and 64-byte swizzle for D = 64 (the
+  // tile base is 1024-byte aligned, so the pattern on the offset is the hardware's).
+  __device__ __forceinline__ static int out_offset(int r, int c) {
+    const int a = r * D + c * 16;
+    return D == 128 ? a ^ (((a >> 7) & 7) << 4) : a ^ (((a >> 7) & 3) << 4);
+  }
+};
+
+// First of the two rows (r, r + 8) of thread tid. Opaque on purpose: otherwise the
+// compiler hoists every swizzled offset derived from it out of the caller's item loop
+// and spills them at the producer warpgroup's 40 registers.
+__device__ __forceinline__ int q_tile_row_pair(int tid) {
+  int r0 = (tid / 32) * 64 + ((tid % 32) / 8) * 16 + tid % 8;
+  asm volatile("" : "+r"(r0));
+  return r0;
+}
+
+// t = x·inv rounded to nearest even, in the low byte, as quantize_int8x4 gives it but
+// without F2I, which shares the 16/clk/SM pipe with the consumers' exp2 (NOTES v11).
+// 1.5·2^23 + t has an ULP of 1, so the FADD rounds t to nearest even and the low
+// mantissa byte is the integer (two's complement). No clamp is needed: |x| ≤ amax
+// makes |t| ≤ 127 up to one rounding of the product, which rounds back to ±127.
+__device__ __forceinline__ uint32_t int8_byte_rn(float t) {
+  return __float_as_uint(t + 12582912.f);
+}
+
+// tid in [0, 64). `c` (the K smoothing vector, D floats) and q_dot_c may be null when
+// the caller wants no LSE. The producer warpgroup runs at 40 registers (setmaxnreg), so
+// the loops stay short and hold one or two 16-byte chunks at a time.
+template <int D, typename T>
+__device__ __forceinline__ void quantize_q_tile(const uint8_t* in, uint8_t* out, float* q_scale,
+                                                float* q_dot_c, const float* c, int tid,
+                                                qattn_qk_granularity granularity,
+                                                float scale_log2, float sm_scale) {
+  using L = QTileLayout<D>;
+  using T2 = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, __nv_bfloat162, __half2>;
+  const int r0 = q_tile_row_pair(tid);
+  auto load = [&](int r, int chunk) {
+    return *reinterpret_cast<const uint4*>(in + L::in_offset(r, chunk));
+  };
+  auto pair = [](uint32_t w) { return *reinterpret_cast<const T2*>(&w); };
+
+  // amax over both rows on packed 16-bit pairs (exact: max commutes with the widening).
+  T2 m[2];
+  m[0] = m[1] = pair(0u);
+#pragma unroll 1
+  for (int chunk = 0; chunk < D / 8; ++chunk) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint4 raw = load(r0 + 8 * h, chunk);
+      m[0] = __hmax2_nan(m[0], __habs2(pair(raw.x)));
+      m[1] = __hmax2_nan(m[1], __habs2(pair(raw.y)));
+      m[0] = __hmax2_nan(m[0], __habs2(pair(raw.z)));
+      m[1] = __hmax2_nan(m[1], __habs2(pair(raw.w)));
+    }
+  }
+  m[0] = __hmax2_nan(m[0], m[1]);
+  float a = amax_nan(amax_nan(0.f, __low2float(m[0])), __high2float(m[0]));
+
+  if (c != nullptr) {
+#pragma unroll 1
+    for (int h = 0; h < 2; ++h) {
+      float dot = 0.f;
+#pragma unroll 1
+      for (int chunk = 0; chunk < D / 8; ++chunk) {
+        const uint4 raw = load(r0 + 8 * h, chunk);
+        const T* e = reinterpret_cast<const T*>(&raw);
+        const float4 c0 = *reinterpret_cast<const float4*>(c + chunk * 8);
+        const float4 c1 = *reinterpret_cast<const float4*>(c + chunk * 8 + 4);
+        float part = to_float(e[0]) * c0.x;  // 8-term partial sums keep q·c accurate
+        part = fmaf(to_float(e[1]), c0.y, part);
+        part = fmaf(to_float(e[2]), c0.z, part);
+        part = fmaf(to_float(e[3]), c0.w, part);
+        part = fmaf(to_float(e[4]), c1.x, part);
+        part = fmaf(to_float(e[5]), c1.y, part);
+        part = fmaf(to_float(e[6]), c1.z, part);
+        part = fmaf(to_float(e[7]), c1.w, part);
+        dot += part;
+      }
+      q_dot_c[r0 + 8 * h] = sm_scale * dot;
+    }
+  }
+  // Scale group: both rows (per thread), 16 rows (per warp: the 8 lanes of w), 64 rows.
+  if (granularity != QATTN_QK_PER_THREAD) {
+#pragma unroll
+    for (int off = 1; off < 8; off <<= 1) a = amax_nan(a, __shfl_xor_sync(0xffffffff, a, off));
+    if (granularity == QATTN_QK_PER_BLOCK) {
+      a = amax_nan(a, __shfl_xor_sync(0xffffffff, a, 8));
+      a = amax_nan(a, __shfl_xor_sync(0xffffffff, a, 16));
+    }
+  }
+  const float inv = kInt8Max / a;
+  // All zeros for amax 0 or NaN (quantize_int8x4's rule) and for amax inf, where every
+  // x·inv is 0 or NaN and __float2int_rn gives 0.
+  const bool zero = !(a > 0.f) || a == INFINITY;
+  // Four elements (two packed pairs) → four INT8 codes, low byte first.
+  // amax below 127 / FLT_MAX (only subnormal bf16 rows) makes inv infinite: take
+  // quantize_int8x4's path, where F2I saturates, so the codes stay identical.
+  const bool tiny = !zero && inv == INFINITY;
+  auto quad = [&](uint32_t w0, uint32_t w1) {
+    const float2 f0 = to_float2(pair(w0)), f1 = to_float2(pair(w1));
+    if (tiny) {
+      const float x[4] = {f0.x, f0.y, f1.x, f1.y};
+      return quantize_int8x4(x, inv, false);
+    }
+    // __fmul_rn: the product must be rounded on its own (as in quantize_int8x4), not
+    // contracted with int8_byte_rn's FADD into one FFMA.
+    const uint32_t lo = __byte_perm(int8_byte_rn(__fmul_rn(f0.x, inv)),
+                                    int8_byte_rn(__fmul_rn(f0.y, inv)), 0x0040);
+    const uint32_t hi = __byte_perm(int8_byte_rn(__fmul_rn(f1.x, inv)),
+                                    int8_byte_rn(__fmul_rn(f1.y, inv)), 0x0040);
+    return zero ? 0u : __byte_perm(lo, hi, 0x5410);
+  };
+#pragma unroll 1
+  for (int i = 0; i < 2 * (D / 16); ++i) {
+    const int r = r0 + 8 * (i / (D / 16)), chunk = i % (D / 16);
+    const uint4 raw0 = load(r, 2 * chunk), raw1 = load(r, 2 * chunk + 1);
+    const uint4 q{quad(raw0.x, raw0.y), quad(raw0.z, raw0.w), quad(raw1.x, raw1.y),
+                  quad(raw1.z, raw1.w)};
+    *reinterpret_cast<uint4*>(out + L::out_offset(r, chunk)) = q;
+  }
+  q_scale[tid] = (a / kInt8Max) * scale_log2;
+}
+
+// Copies what quantize_q_tile left in shared memory to the debug outputs (after
+// __syncwarp; each thread copies the rows and scale it wrote). `row_base` and
+// `scale_base` are the item's first row and first scale group in them.
+template <int D>
+__device__ __forceinline__ void copy_q_tile_debug(const uint8_t* out, const float* q_scale,
+                                               const float* q_dot_c, int tid, const QDebugOut& dbg,
+                                               int64_t row_base, int64_t scale_base) {
+  using L = QTileLayout<D>;
+  const int r0 = q_tile_row_pair(tid);
+  for (int h = 0; h < 2; ++h) {
+    const int r = r0 + 8 * h;
+    for (int chunk = 0; chunk < D / 16; ++chunk)
+      *reinterpret_cast<uint4*>(dbg.q_i8 + (row_base + r) * D + chunk * 16) =
+          *reinterpret_cast<const uint4*>(out + L::out_offset(r, chunk));
+    if (q_dot_c != nullptr) dbg.q_dot_c[row_base + r] = q_dot_c[r];
+  }
+  dbg.q_scale[scale_base + tid] = q_scale[tid];
+}
+
+}  // namespace qattn::sage2
