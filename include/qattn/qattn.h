@@ -93,7 +93,8 @@ qattn_status qattn_fwd(const qattn_fwd_params* p, void* workspace, size_t worksp
                        void* stream);
 
 /* Benchmarks only: runs the attention kernel alone on a workspace that an earlier
- * qattn_fwd with the same parameters (same pointers) filled; q, k and v are not read.
+ * qattn_fwd with the same parameters (same pointers) filled; k and v are not read
+ * (q is: the attention kernel quantizes Q itself).
  * "Kernel-only" time in DESIGN §4 terms. Same checks as qattn_fwd. */
 qattn_status qattn_fwd_attention_only(const qattn_fwd_params* p, void* workspace,
                                       size_t workspace_bytes, void* stream);
