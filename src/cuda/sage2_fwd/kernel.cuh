@@ -57,7 +57,12 @@ struct AttentionParams {
 // launched with (168 per thread at 384 threads): asking for more makes the consumers'
 // setmaxnreg.inc wait forever (a hang, not an error). The consumers need 232 at d=128;
 // the producer warpgroup (loaders and the Q quantizer) fits 40 with rolled loops.
-inline constexpr int kProducerRegs = 40, kConsumerRegs = 232, kLaunchRegs = 168;
+#ifndef QATTN_SAGE2_PRODUCER_REGS  // overridable for the knockouts of bench/NOTES.md
+#define QATTN_SAGE2_PRODUCER_REGS 40
+#define QATTN_SAGE2_CONSUMER_REGS 232
+#endif
+inline constexpr int kProducerRegs = QATTN_SAGE2_PRODUCER_REGS;
+inline constexpr int kConsumerRegs = QATTN_SAGE2_CONSUMER_REGS, kLaunchRegs = 168;
 static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= kLaunchRegs * 384,
               "setmaxnreg budget exceeds the CTA's registers");
 
@@ -190,9 +195,11 @@ __global__ void __launch_bounds__(384, 1)
         hopper::mbarrier_wait(&s.q_empty[slot], ((local / kQSlots) & 1) ^ 1);
         hopper::mbarrier_wait(&s.q_full[slot], (local / kQSlots) & 1);
         float* q_dot_c = want_q_dot_c ? side.q_dot_c : nullptr;
+#if !QATTN_EXPERIMENT_NO_Q_QUANT  // knockout for bench/NOTES.md: wrong results, timing only
         quantize_q_tile<D, T>(s.q_in[slot], s.q[slot], side.q_scale, q_dot_c,
                               want_q_dot_c ? side.k_mean : nullptr, tid, p.granularity,
                               p.scale_log2, p.sm_scale);
+#endif
         if (p.q_debug.q_i8 != nullptr) {
           // Decoded again (opaque copy of `item`) rather than kept live across the
           // quantization, which would spill at 40 registers.
