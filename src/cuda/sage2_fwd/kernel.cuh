@@ -2,10 +2,11 @@
 // into a ring of shared-memory stages, two-level accumulation.
 //
 // CTA = 3 warpgroups and 128 query rows. Warpgroup 0 is the producer: one thread
-// issues TMA loads of the 16-bit Q tile and of K and Vᵀ tiles into kStages stages
-// guarded by "full" (TMA transaction bytes) and "empty" (consumers done) mbarriers, and
-// two warps quantize each Q tile to INT8 in shared memory (q_tile.cuh). Warpgroups 1
-// and 2 are consumers, 64 query rows each; registers move to them with setmaxnreg.
+// issues TMA loads of K and Vᵀ tiles into kStages stages guarded by "full" (TMA
+// transaction bytes) and "empty" (consumers done) mbarriers, another loads each work
+// item's 16-bit Q tile, and two warps quantize it to INT8 in shared memory
+// (q_tile.cuh). Warpgroups 1 and 2 are consumers, 64 query rows each; registers move to
+// them with setmaxnreg.
 #pragma once
 
 #include <cuda.h>
