@@ -11,31 +11,6 @@ constexpr int kThreads = 256;
 constexpr int kSmoothingSample = 256;  // tokens averaged for the K smoothing vector
 constexpr float kE4m3Max = 448.f;
 
-// Reads N channels at `ch` of row `row` of a (rows x head_dim) matrix. The row is
-// clamped into range so the load is unconditional (the loads of a thread's items can
-// all be in flight at once) and rows past the end read as zero. With kFullDim (head_dim
-// equals the padded D) every chunk is a single vector load: inputs are 16-byte aligned
-// with row strides a multiple of 8 elements (the api checks).
-template <bool kFullDim, typename T, int N>
-__device__ __forceinline__ void load_chunk(const T* base, int64_t stride, int row, int rows, int ch,
-                                           int head_dim, float (&out)[N]) {
-  static_assert(N == 2 || N == 4 || N == 8, "chunks of 2, 4 or 8 elements");
-  const T* src = base + static_cast<int64_t>(min(row, rows - 1)) * stride + ch;
-  if (kFullDim || ch + N <= head_dim) {
-    using Vec = std::conditional_t<N == 8, uint4, std::conditional_t<N == 4, uint2, uint32_t>>;
-    const Vec raw = *reinterpret_cast<const Vec*>(src);
-    const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int j = 0; j < N; ++j) out[j] = to_float(e[j]);
-  } else {
-#pragma unroll
-    for (int j = 0; j < N; ++j) out[j] = ch + j < head_dim ? to_float(src[j]) : 0.f;
-  }
-  if (row >= rows)
-#pragma unroll
-    for (int j = 0; j < N; ++j) out[j] = 0.f;
-}
-
 // Max of non-negative floats (and canonical NaN, which sorts highest) by integer bits.
 __device__ __forceinline__ void atomic_amax(float* addr, float v) {
   atomicMax(reinterpret_cast<int*>(addr), __float_as_int(v));
@@ -59,8 +34,9 @@ __device__ __forceinline__ int chunk_elems(int ch, int head_dim) {
   return kFullDim ? 8 : max(0, min(8, head_dim - ch));
 }
 
-// Starts the copy of channels [ch, ch + 8) of row `row` of a (rows x head_dim) matrix:
-// the bits load_chunk reads, rows past the end and channels past head_dim as 0 (+0.0).
+// Starts the copy of channels [ch, ch + 8) of row `row` of a (rows x head_dim) matrix
+// (inputs are 16-byte aligned with row strides a multiple of 8 elements: the api
+// checks); rows past the end and channels past head_dim read as 0 (+0.0).
 // The row is clamped, and a chunk wholly past head_dim points at the row start, so the
 // address stays inside the tensor even where nothing is read.
 template <bool kFullDim, typename T>
@@ -71,7 +47,7 @@ __device__ __forceinline__ void copy_chunk(uint4* dst, const T* base, int64_t st
   cp_async_16(dst, src, row < rows ? elems * static_cast<int>(sizeof(T)) : 0);
 }
 
-// Element j of a chunk, converted exactly as load_chunk converts it.
+// Element j of a chunk as a float.
 template <typename T>
 __device__ __forceinline__ float element(const uint4& chunk, int j) {
   return to_float(reinterpret_cast<const T*>(&chunk)[j]);
