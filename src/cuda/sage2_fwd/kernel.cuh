@@ -6,7 +6,7 @@
 // transaction bytes) and "empty" (consumers done) mbarriers, another loads each work
 // item's 16-bit Q tile, and two warps quantize it to INT8 in shared memory
 // (q_tile.cuh). Warpgroups 1 and 2 are consumers, 64 query rows each; registers move to
-// them with setmaxnreg.
+// them with setmaxnreg. Every role and barrier: docs/sage2-kernel-pipeline.md.
 #pragma once
 
 #include <cuda.h>
