@@ -11,6 +11,7 @@
 
 #include "attention_test_util.h"
 #include "cuda/sage2_fwd/workspace.h"
+#include "qattn/qattn.hpp"
 
 namespace {
 
@@ -19,14 +20,7 @@ using qattn::sage2::WorkspaceLayout;
 using qattn::sage2::workspace_layout;
 
 qattn_fwd_params params(int b, int hq, int hkv, int nq, int nkv, int d) {
-  qattn_fwd_params p{};
-  p.batch = b;
-  p.heads_q = hq;
-  p.heads_kv = hkv;
-  p.seqlen_q = nq;
-  p.seqlen_kv = nkv;
-  p.head_dim = d;
-  return p;
+  return qattn::ForwardParams(qattn::DType::kBF16, b, hq, hkv, nq, nkv, d).raw();
 }
 
 // (offset, bytes) of every region, in layout order.
