@@ -144,6 +144,10 @@ __device__ __forceinline__ WorkItem decode_item(const AttentionParams& p, int it
   const int r = item / p.num_m_blocks, m = item % p.num_m_blocks;
   return {p.causal ? p.num_m_blocks - 1 - m : m, r % p.heads_q, r / p.heads_q};
 }
+// b · Hkv + the KV head that query head hq reads (GQA: Hq / Hkv query heads per KV head).
+__device__ __forceinline__ int kv_slice_of(const AttentionParams& p, const WorkItem& w) {
+  return w.b * p.heads_kv + w.hq / (p.heads_q / p.heads_kv);
+}
 
 template <int D, typename T>
 __global__ void __launch_bounds__(384, 1)
@@ -226,7 +230,7 @@ __global__ void __launch_bounds__(384, 1)
       int local = 0;
       for (int item = blockIdx.x; item < num_items; item += gridDim.x, ++local) {
         const WorkItem w = decode_item(p, item);
-        const int kv_slice = w.b * p.heads_kv + w.hq / (p.heads_q / p.heads_kv);
+        const int kv_slice = kv_slice_of(p, w);
         const int slot = local % kQSlots;
         ItemSide<D>& side = s.side[slot];
         const uint32_t side_bytes =
@@ -252,7 +256,7 @@ __global__ void __launch_bounds__(384, 1)
       int iter = 0;  // KV tiles loaded so far: stage and phase of the ring
       for (int item = blockIdx.x; item < num_items; item += gridDim.x) {
         const WorkItem w = decode_item(p, item);
-        const int kv_slice = w.b * p.heads_kv + w.hq / (p.heads_q / p.heads_kv);
+        const int kv_slice = kv_slice_of(p, w);
         const int n_tiles = kv_tiles_for_block(p, w.m_block);
         const float* k_scale = p.k_scale + static_cast<int64_t>(kv_slice) *
                                                (p.nkv_pad / groups::kKvTile *
