@@ -1,4 +1,5 @@
-// mbarrier, proxy fences, named barriers and register reallocation (sm_90).
+// mbarrier, proxy fences, named barriers, register reallocation and programmatic
+// dependent launch (sm_90).
 #pragma once
 
 #include <cstdint>
@@ -52,6 +53,18 @@ __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads
 }
 __device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Programmatic dependent launch (a kernel launched with the programmatic stream
+// serialization attribute may start before the previous kernel in the stream ends):
+// the dependent waits here until the previous grid has completed and its memory is
+// visible; the previous grid lets the dependent launch once all its CTAs have called
+// launch_dependents (or exited). Both are no-ops without the attribute.
+__device__ __forceinline__ void grid_dependency_wait() {
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+__device__ __forceinline__ void launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 }
 
 template <uint32_t kRegs>

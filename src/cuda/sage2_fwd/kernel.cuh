@@ -182,6 +182,9 @@ __global__ void __launch_bounds__(384, 1)
     hopper::fence_barrier_init();
   }
   __syncthreads();
+  // Launched early (programmatic dependent launch) while the K/V quantization ends:
+  // everything above overlaps its tail; its outputs are complete after the wait.
+  hopper::grid_dependency_wait();
 
   if (warpgroup == 0) {
     // ---- producer ------------------------------------------------------------------------

@@ -99,7 +99,18 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
     return e;
   const int64_t items = static_cast<int64_t>(ap.num_m_blocks) * p.heads_q * p.batch;
   const int grid = static_cast<int>(std::min<int64_t>(items, num_sms));
-  kernel<<<grid, Tr::kThreads, smem, stream>>>(tm_q, tm_k, tm_vt, ap);
+  // May start while the K/V quantization kernel ends (it waits in its prologue).
+  cudaLaunchAttribute early{};
+  early.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  early.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(Tr::kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = &early;
+  cfg.numAttrs = 1;
+  if (auto e = cudaLaunchKernelEx(&cfg, kernel, tm_q, tm_k, tm_vt, ap); e != cudaSuccess) return e;
   return cudaGetLastError();
 }
 

@@ -1,5 +1,6 @@
 #include <cuda_fp8.h>
 
+#include "cuda/hopper/sync.cuh"
 #include "cuda/sage2_fwd/quant_math.cuh"
 #include "cuda/sage2_fwd/quantize.cuh"
 #include "numerics/mma_groups.h"
@@ -173,6 +174,7 @@ __global__ void __launch_bounds__(kThreads, kStatsMinBlocksPerSm)
     statistics_kernel(InputView<T> k, InputView<T> v, QuantizeParams p, float* k_mean,
                       float* v_amax) {
   __shared__ uint4 stage[stats_stage_bytes<D>() / sizeof(uint4)];
+  hopper::launch_dependents();  // the K/V kernel may launch once all these CTAs run
   const int heads = p.batch * p.heads_kv, tiles = p.nkv_pad / groups::kKvTile;
   const int id = static_cast<int>(blockIdx.x);
   if (id < heads) {
@@ -332,6 +334,10 @@ template <typename T, int D, bool kFullDim>
 __global__ void __launch_bounds__(kKvThreads, kKvMinBlocksPerSm)
     kv_quantize_kernel(InputView<T> k, InputView<T> v, QuantizeParams p, QuantizeOutputs out) {
   __shared__ KvStaging stage;
+  // Launched early (programmatic dependent launch): the attention kernel may launch once
+  // all these CTAs run; the statistics (k_mean, v_amax) are complete after the wait.
+  hopper::launch_dependents();
+  hopper::grid_dependency_wait();
   const int tiles = p.nkv_pad / groups::kKvTile;
   // Heads in the reverse of the statistics kernel's order: the V it read last may still
   // be in L2 when this kernel starts.
@@ -368,8 +374,17 @@ cudaError_t launch_quantize_passes(const InputView<T>& k, const InputView<T>& v,
     return e;
   statistics<<<(kv_grid.x + 1) * kv_grid.y * kv_grid.z, kThreads, 0, stream>>>(k, v, p, out.k_mean,
                                                                                out.v_amax);
-  kv_quantize<<<dim3(kv_quantize_grid_x<D>(kv_grid.x), kv_grid.y, kv_grid.z), kKvThreads, 0,
-                stream>>>(k, v, p, out);
+  cudaLaunchAttribute early{};
+  early.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  early.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(kv_quantize_grid_x<D>(kv_grid.x), kv_grid.y, kv_grid.z);
+  cfg.blockDim = dim3(kKvThreads);
+  cfg.stream = stream;
+  cfg.attrs = &early;
+  cfg.numAttrs = 1;
+  if (cudaError_t e = cudaLaunchKernelEx(&cfg, kv_quantize, k, v, p, out); e != cudaSuccess)
+    return e;
   return cudaGetLastError();
 }
 
