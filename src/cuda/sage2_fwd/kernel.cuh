@@ -372,18 +372,12 @@ __global__ void __launch_bounds__(384, 1)
     hopper::wgmma_commit();
   };
   // Scores and online softmax of tile `it` of item w from acc_s (its Q·Kᵀ must be
-  // complete); frees its K stage and leaves 448·P in x. The tile's K scale is read by
-  // the caller before the MMAs it waits on.
-  auto softmax_tile = [&](const Item& w, int it, float k_scale_tile, Softmax& sm, float(&x)[kS],
+  // complete); frees its K stage and leaves 448·P in x. qk (tile_scale) is computed by
+  // the caller while the MMAs it waits on run.
+  auto softmax_tile = [&](const Item& w, int it, float qk, Softmax& sm, float(&x)[kS],
                           float(&alpha_out)[2]) {
     hopper::fence_operands(acc_s);
     if (lane < 4) hopper::mbarrier_arrive(&s.k_empty[w.stage(it)]);
-    // qk > 0 keeps masked (-inf) scores at -inf; an all-zero scale group has all-zero
-    // products, so the floor changes nothing. A NaN scale (NaN in Q or K) stays NaN and
-    // reaches O through P.
-    // This thread's Q scale group, read per tile (one LDS) rather than kept in a register.
-    float qk = s.side[w.slot()].q_scale[row_in_block(0) / 16 * 8 + fc.g] * k_scale_tile;
-    qk = qk < FLT_MIN ? FLT_MIN : qk;
 #pragma unroll
     for (int i = 0; i < kS; ++i) x[i] = __int2float_rn(acc_s[i]);
 #if QATTN_EXPERIMENT_NO_SOFTMAX  // knockout for bench/NOTES.md: wrong results, timing only
@@ -399,11 +393,19 @@ __global__ void __launch_bounds__(384, 1)
     sm.step(x, qk, alpha_out);
   };
 
-  // This thread's K scale group (t = lane % 4) of a stage: lanes 0-3 read it, the rest
-  // get it by shuffle.
-  auto read_k_scale = [&](int st) {
-    const float ks = lane < 4 ? s.k_scale[st][lane] : 0.f;
-    return __shfl_sync(0xffffffff, ks, fc.t);
+  // q_scale · k_scale of this thread's score groups for tile `it` of item w (in log2
+  // units). The K scale group (t = lane % 4) is read by lanes 0-3, which are the ones
+  // that arrive on k_empty, and shuffled to the rest. Called right after the tile's
+  // Q·Kᵀ is issued: the loads and the shuffle then hide behind the MMAs instead of
+  // sitting between the wait and the softmax (3% at N=8K, NOTES v11c).
+  // qk > 0 keeps masked (-inf) scores at -inf; an all-zero scale group has all-zero
+  // products, so the floor changes nothing. A NaN scale (NaN in Q or K) stays NaN and
+  // reaches O through P.
+  auto tile_scale = [&](const Item& w, int it) {
+    const float ks = lane < 4 ? s.k_scale[w.stage(it)][lane] : 0.f;
+    const float qs = s.side[w.slot()].q_scale[row_in_block(0) / 16 * 8 + fc.g];
+    const float qk = qs * __shfl_sync(0xffffffff, ks, fc.t);
+    return qk < FLT_MIN ? FLT_MIN : qk;
   };
 
   Item cur;
@@ -416,10 +418,10 @@ __global__ void __launch_bounds__(384, 1)
     hopper::mbarrier_wait(&s.k_full[cur.stage(0)], cur.phase(0));
     hopper::wgmma_fence();
     issue_qk(cur, 0);
-    const float ks = read_k_scale(cur.stage(0));
+    const float qk = tile_scale(cur, 0);
     hopper::wgmma_wait<0>();
     float x[kS];
-    softmax_tile(cur, 0, ks, sm_cur, x, alpha);
+    softmax_tile(cur, 0, qk, sm_cur, x, alpha);
     pack_p_fragments(x, a_p);
   }
 
@@ -429,7 +431,7 @@ __global__ void __launch_bounds__(384, 1)
   // keep them asynchronous (C7520).
   auto turn = [&](int it, const Item& nw, int nit, Softmax& sm_next, auto has_next) {
     const int st = cur.stage(it);
-    float ks_next = 0.f;
+    float qk_next = 0.f;
     float acc_o[kO];
     hopper::mbarrier_wait(&s.v_full[st], cur.phase(it));
     if constexpr (has_next) hopper::mbarrier_wait(&s.k_full[nw.stage(nit)], nw.phase(nit));
@@ -438,13 +440,13 @@ __global__ void __launch_bounds__(384, 1)
     issue_pv(st, acc_o);
     // After the MMAs are issued: the load and shuffle latency hides behind them instead
     // of delaying the issue (3% at N=8K, NOTES v11).
-    if constexpr (has_next) ks_next = read_k_scale(nw.stage(nit));
+    if constexpr (has_next) qk_next = tile_scale(nw, nit);
     float x[kS], alpha_next[2];
     if constexpr (kOverlapSoftmax && has_next) {
       // The softmax of the next tile runs while P·V(it) still computes; its P waits in x
       // until P·V(it) has finished reading a_p.
       hopper::wgmma_wait<1>();
-      softmax_tile(nw, nit, ks_next, sm_next, x, alpha_next);
+      softmax_tile(nw, nit, qk_next, sm_next, x, alpha_next);
     }
     hopper::wgmma_wait<0>();
     hopper::fence_operands(acc_o);
@@ -457,7 +459,7 @@ __global__ void __launch_bounds__(384, 1)
     for (int i = 0; i < kO; ++i) o[i] = fmaf(o[i], alpha[(i % 4) / 2], acc_o[i]);
 
     if constexpr (has_next) {
-      if constexpr (!kOverlapSoftmax) softmax_tile(nw, nit, ks_next, sm_next, x, alpha_next);
+      if constexpr (!kOverlapSoftmax) softmax_tile(nw, nit, qk_next, sm_next, x, alpha_next);
       pack_p_fragments(x, a_p);
       alpha[0] = alpha_next[0];
       alpha[1] = alpha_next[1];
