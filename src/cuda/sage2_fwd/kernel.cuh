@@ -276,9 +276,13 @@ __global__ void __launch_bounds__(384, 1)
           hopper::bulk_load(s.k_scale[st], k_scale + it * groups::kKThreadGroupsPerTile,
                             sizeof(s.k_scale[st]), &s.k_full[st]);
           hopper::mbarrier_wait(&s.v_empty[st], phase ^ 1);
+#if QATTN_EXPERIMENT_NO_V_LOAD  // knockout for bench/NOTES.md (half the L2 traffic): wrong results
+          hopper::mbarrier_arrive_expect_tx(&s.v_full[st], 0);
+#else
           hopper::mbarrier_arrive_expect_tx(&s.v_full[st], Tr::kVBytes);
           hopper::tma_load_3d(s.v[st], &tm_vt, &s.v_full[st], it * Tr::kBlockN, 0, kv_slice,
                               hopper::policy_evict_last());
+#endif
         }
       }
     }
