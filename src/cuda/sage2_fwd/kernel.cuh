@@ -382,19 +382,19 @@ __global__ void __launch_bounds__(384, 1)
                           float(&alpha_out)[2]) {
     hopper::fence_operands(acc_s);
     if (lane < 4) hopper::mbarrier_arrive(&s.k_empty[w.stage(it)]);
-#pragma unroll
-    for (int i = 0; i < kS; ++i) x[i] = __int2float_rn(acc_s[i]);
 #if QATTN_EXPERIMENT_NO_SOFTMAX  // knockout for bench/NOTES.md: wrong results, timing only
 #pragma unroll
-    for (int i = 0; i < kS; ++i) x[i] *= qk;
+    for (int i = 0; i < kS; ++i) x[i] = score_to_float(acc_s[i]) * qk;
     alpha_out[0] = alpha_out[1] = 1.f;
     sm.l[0] = sm.l[1] = 1.f;
     return;
 #endif
     const int kv0 = it * Tr::kBlockN;
+    // The raw products go to the softmax (OnlineSoftmax::step); masked ones become
+    // kMaskedScore in place.
     if (mask.needed(kv0, row_first(w)))
-      mask.apply(x, fc, kv0, w.m_block * Tr::kBlockM + row_in_block(0));
-    sm.step(x, qk, alpha_out);
+      mask.apply(acc_s, fc, kv0, w.m_block * Tr::kBlockM + row_in_block(0));
+    sm.step(acc_s, qk, x, alpha_out);
   };
 
   // q_scale · k_scale of this thread's score groups for tile `it` of item w (in log2

@@ -28,6 +28,20 @@ __device__ __forceinline__ uint16_t pack_e4m3x2(float lo, float hi) {
   return r;
 }
 
+// INT32 score → float without I2F (which runs at 64/clk/SM on the ALU pipe the max and
+// the E4M3 packs also need): the bits of 1.5·2²³ + s are the float 1.5·2²³ + s, exact for
+// |s| < 2²² (|s| <= 128·128·D = 2²¹ at D = 128), and one FADD removes the offset. The
+// raw product kMaskedScore has the bits of -inf after the IADD, so a masked score needs
+// no select anywhere: it converts to -inf and is the smallest INT32 in the max.
+inline constexpr int32_t kMagic = 0x4B400000;  // bits of 1.5·2²³
+inline constexpr int32_t kMaskedScore = static_cast<int32_t>(0xFF800000u - 0x4B400000u);
+static_assert(kMaskedScore < -(128 * 128 * 128), "kMaskedScore must be below every product");
+
+__device__ __forceinline__ float score_to_float(int32_t s) {
+  // __fsub_rn: no contraction of the offset removal into the caller's FFMA.
+  return __fsub_rn(__int_as_float(s + kMagic), 12582912.f);
+}
+
 template <int kCols>  // accumulator elements per thread (kBlockN / 2)
 struct OnlineSoftmax {
 #ifdef QATTN_SAGE2_SOFTMAX_CHAINS
@@ -38,30 +52,32 @@ struct OnlineSoftmax {
   float m[2] = {-INFINITY, -INFINITY};  // running max of rows g, g + 8 (log2 units)
   float l[2] = {0.f, 0.f};              // this thread's part of the row sums (x448)
 
-  // Updates max and sum with this tile's raw scores s (float of the INT32 product,
-  // masked ones -inf) times qk = q_scale·k_scale (> 0, uniform over the thread's
-  // elements); turns s into 448·P in place and returns, per row, the factor by which
-  // the old O must be scaled. The max is taken on raw values, so each element costs
-  // one FFMA and one exp2.
-  __device__ __forceinline__ void step(float (&s)[kCols], float qk, float (&alpha)[2]) {
-    // Max and sum run as kPartials independent chains per row: with ping-pong only one
-    // warp per scheduler is in its softmax at a time, so latency, not throughput, bounds
-    // a serial chain.
-    float mp[2][kPartials];
+  // Updates max and sum with this tile's raw INT32 products s (masked ones kMaskedScore)
+  // times qk = q_scale·k_scale (> 0, uniform over the thread's elements); writes 448·P
+  // to p and, per row, the factor by which the old O must be scaled. float(s) is
+  // monotonic, so the max runs on the integers (IMNMX) and is converted once; the
+  // per-element conversions then sit in the exp loop, where the FMA and ALU pipes idle
+  // behind MUFU, instead of on the max's dependency chain (NOTES v12b). Each element
+  // costs an IADD, an FADD, an FFMA and an exp2.
+  __device__ __forceinline__ void step(const int32_t (&s)[kCols], float qk, float (&p)[kCols],
+                                       float (&alpha)[2]) {
+    // Max and sum run as kPartials independent chains per row: only two consumer warps
+    // share a scheduler, so latency, not throughput, bounds a serial chain (NOTES v8).
+    int32_t mp[2][kPartials];
 #pragma unroll
     for (int r = 0; r < 2; ++r)
 #pragma unroll
-      for (int k = 0; k < kPartials; ++k) mp[r][k] = -INFINITY;
+      for (int k = 0; k < kPartials; ++k) mp[r][k] = kMaskedScore;
 #pragma unroll
     for (int i = 0; i < kCols; ++i)
-      mp[(i % 4) / 2][(i / 4) % kPartials] = fmaxf(mp[(i % 4) / 2][(i / 4) % kPartials], s[i]);
+      mp[(i % 4) / 2][(i / 4) % kPartials] = max(mp[(i % 4) / 2][(i / 4) % kPartials], s[i]);
     float mx[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      mx[r] = mp[r][0];
+      int32_t mr = mp[r][0];
 #pragma unroll
-      for (int k = 1; k < kPartials; ++k) mx[r] = fmaxf(mx[r], mp[r][k]);
-      mx[r] = fmaxf(m[r], mx[r] * qk);
+      for (int k = 1; k < kPartials; ++k) mr = max(mr, mp[r][k]);
+      mx[r] = fmaxf(m[r], score_to_float(mr) * qk);
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 1));
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 2));
     }
@@ -78,8 +94,8 @@ struct OnlineSoftmax {
 #pragma unroll
     for (int i = 0; i < kCols; ++i) {
       const int r = (i % 4) / 2;
-      s[i] = exp2_approx(fmaf(s[i], qk, neg_bias[r]));
-      sp[r][(i / 4) % kPartials] += s[i];
+      p[i] = exp2_approx(fmaf(score_to_float(s[i]), qk, neg_bias[r]));
+      sp[r][(i / 4) % kPartials] += p[i];
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
