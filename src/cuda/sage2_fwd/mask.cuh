@@ -20,17 +20,24 @@ struct CausalMask {
     return causal && kv0 + 127 > row_first + (seqlen_kv - seqlen_q);
   }
 
-  // Masked raw INT32 products become kMaskedScore (-inf once converted).
+  // Masked raw INT32 products become kMaskedScore (-inf once converted). Element i of a
+  // thread's tile sits at column offset 8·(i / 4) + (i % 2) + 2t from kv0; per row, the
+  // visible ones are a prefix, so one limit per row and one compare against a constant
+  // per element decide it (row0: the thread's upper row).
   template <int kCols>
   __device__ __forceinline__ void apply(int32_t (&s)[kCols], FragCoord fc, int kv0,
                                         int row0) const {
+    int lim[2];  // largest visible offset 8·(i / 4) + (i % 2) of rows g, g + 8
 #pragma unroll
-    for (int i = 0; i < kCols; ++i) {
-      const int row = row0 + (FragCoord::upper_row(i) ? 8 : 0);
-      const int col = kv0 + fc.col(i);
-      const bool visible = col < seqlen_kv && (!causal || col <= row + (seqlen_kv - seqlen_q));
-      if (!visible) s[i] = kMaskedScore;
+    for (int r = 0; r < 2; ++r) {
+      const int last_key = seqlen_kv - 1;
+      const int last_visible = causal ? min(last_key, row0 + 8 * r + (seqlen_kv - seqlen_q))
+                                      : last_key;
+      lim[r] = last_visible - kv0 - 2 * fc.t;
     }
+#pragma unroll
+    for (int i = 0; i < kCols; ++i)
+      if (8 * (i / 4) + (i % 2) > lim[FragCoord::upper_row(i) ? 1 : 0]) s[i] = kMaskedScore;
   }
 };
 
