@@ -301,7 +301,8 @@ __global__ void __launch_bounds__(384, 1)
   const CausalMask mask{p.seqlen_q, p.seqlen_kv, p.causal != 0};
   constexpr int kS = Tr::kBlockN / 2;  // score elements per thread
   constexpr int kO = D / 2;            // output elements per thread
-  using Softmax = OnlineSoftmax<kS>;
+  // Independent max/sum chains per row: 4 at d=128, 2 at d=64 (NOTES v8, v12b).
+  using Softmax = OnlineSoftmax<kS, D == 64 ? 2 : 4>;
 
   // A work item as a consumer thread sees it.
   struct Item {

@@ -42,12 +42,13 @@ __device__ __forceinline__ float score_to_float(int32_t s) {
   return __fsub_rn(__int_as_float(s + kMagic), 12582912.f);
 }
 
-template <int kCols>  // accumulator elements per thread (kBlockN / 2)
+// kCols: accumulator elements per thread (kBlockN / 2); kChains: see step().
+template <int kCols, int kChains>
 struct OnlineSoftmax {
-#ifdef QATTN_SAGE2_SOFTMAX_CHAINS
+#ifdef QATTN_SAGE2_SOFTMAX_CHAINS  // override for the measurements of bench/NOTES.md
   static constexpr int kPartials = QATTN_SAGE2_SOFTMAX_CHAINS;
 #else
-  static constexpr int kPartials = 4;
+  static constexpr int kPartials = kChains;
 #endif
   float m[2] = {-INFINITY, -INFINITY};  // running max of rows g, g + 8 (log2 units)
   float l[2] = {0.f, 0.f};              // this thread's part of the row sums (x448)
