@@ -23,10 +23,17 @@ InputView<T> view(const qattn_tensor& t) {
 
 QuantizeOutputs outputs(const WorkspaceLayout& w, void* ws) {
   auto* base = static_cast<uint8_t*>(ws);
-  return {reinterpret_cast<int8_t*>(base + w.q_i8),   reinterpret_cast<float*>(base + w.q_scale),
-          reinterpret_cast<float*>(base + w.q_dot_c), reinterpret_cast<int8_t*>(base + w.k_i8),
-          reinterpret_cast<float*>(base + w.k_scale), reinterpret_cast<float*>(base + w.k_mean),
-          reinterpret_cast<uint8_t*>(base + w.vt_f8), reinterpret_cast<float*>(base + w.v_amax)};
+  return {reinterpret_cast<int8_t*>(base + w.k_i8), reinterpret_cast<float*>(base + w.k_scale),
+          reinterpret_cast<float*>(base + w.k_mean), reinterpret_cast<uint8_t*>(base + w.vt_f8),
+          reinterpret_cast<float*>(base + w.v_amax)};
+}
+
+// Where the attention kernel copies its INT8 Q, Q scales and q·c (keep_q only: the
+// tests' debug copy; the workspace has these regions only then).
+QDebugOut q_debug_out(const WorkspaceLayout& w, void* ws) {
+  auto* base = static_cast<uint8_t*>(ws);
+  return {reinterpret_cast<int8_t*>(base + w.q_i8), reinterpret_cast<float*>(base + w.q_scale),
+          reinterpret_cast<float*>(base + w.q_dot_c)};
 }
 
 // The caller's Q as a 4-D tensor map (d, N, H, B) read in 64-channel boxes of 128 rows;
@@ -66,7 +73,7 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
   ap.k_scale = q.k_scale;
   ap.k_mean = q.k_mean;
   ap.v_amax = q.v_amax;
-  if (keep_q) ap.q_debug = {q.q_i8, q.q_scale, q.q_dot_c};
+  if (keep_q) ap.q_debug = q_debug_out(w, ws);
   ap.sm_scale = resolved_sm_scale(p);
   ap.scale_log2 = ap.sm_scale * kLog2e;
   ap.granularity = p.granularity;
@@ -119,15 +126,10 @@ cudaError_t quantize_d(const qattn_fwd_params& p, const WorkspaceLayout& w, void
                        cudaStream_t stream) {
   QuantizeParams qp{};
   qp.batch = p.batch;
-  qp.heads_q = p.heads_q;
   qp.heads_kv = p.heads_kv;
-  qp.seqlen_q = p.seqlen_q;
   qp.seqlen_kv = p.seqlen_kv;
   qp.head_dim = p.head_dim;
-  qp.nq_pad = w.nq_pad;
   qp.nkv_pad = w.nkv_pad;
-  qp.sm_scale = resolved_sm_scale(p);
-  qp.scale_log2 = qp.sm_scale * kLog2e;
   qp.granularity = p.granularity;
   return launch_quantize<T, D>(view<T>(p.k), view<T>(p.v), qp, outputs(w, ws), stream);
 }

@@ -20,17 +20,12 @@ struct InputView {
 };
 
 struct QuantizeParams {
-  int batch, heads_q, heads_kv, seqlen_q, seqlen_kv, head_dim;
-  int nq_pad, nkv_pad;
-  float scale_log2;  // sm_scale * log2(e)
-  float sm_scale;
+  int batch, heads_kv, seqlen_kv, head_dim;
+  int nkv_pad;
   qattn_qk_granularity granularity;
 };
 
 struct QuantizeOutputs {
-  int8_t* q_i8;  // q_i8, q_scale, q_dot_c: written only by the attention kernel, and only
-  float* q_scale;  // with keep_q (the tests' debug copy)
-  float* q_dot_c;
   int8_t* k_i8;
   float* k_scale;
   float* k_mean;
