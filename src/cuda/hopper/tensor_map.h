@@ -16,9 +16,10 @@ enum class TmaSwizzle { k64B, k128B };
 cudaError_t make_tensor_map_u8_3d(CUtensorMap* map, const void* base, uint64_t dim0, uint64_t dim1,
                                   uint64_t dim2, uint32_t box0, uint32_t box1, TmaSwizzle swizzle);
 
-// A 4-D map over a strided 16-bit tensor (a caller's q, k or v: dims innermost first,
+// A 4-D map over a strided 16-bit tensor (a caller's q, k, v or o: dims innermost first,
 // strides of dims 1..3 in elements, each a multiple of 8), with box (box0, box1, 1, 1)
-// and 128-byte swizzle (box0 = 64 elements). Out-of-range elements read as zero.
+// and 128-byte swizzle (box0 = 64 elements). Out-of-range elements read as zero and are
+// not written by stores.
 cudaError_t make_tensor_map_16bit_4d(CUtensorMap* map, const void* base, const uint64_t (&dims)[4],
                                      const uint64_t (&strides)[3], uint32_t box0, uint32_t box1);
 

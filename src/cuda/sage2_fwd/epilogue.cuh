@@ -1,8 +1,11 @@
-// Writes O (divided by the row sum) and the natural-log LSE of a thread's two rows.
+// The epilogue of a work item: O (divided by the row sum) through shared memory and TMA,
+// and the natural-log LSE of a thread's two rows.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+
+#include <cstdint>
 
 #include "cuda/sage2_fwd/fragment.cuh"
 #include "cuda/sage2_fwd/softmax.cuh"
@@ -23,14 +26,22 @@ __device__ __forceinline__ uint32_t pack2(float a, float b) {
   }
 }
 
-template <typename TOut, int kO, typename Params, typename Softmax>
-__device__ __forceinline__ void store_output(const Params& p, const float (&o)[kO],
-                                             const Softmax& sm, FragCoord fc, int64_t bh_q,
-                                             int block_row0, int row_in_block,
-                                             const float* v_amax, const float* q_dot_c) {
-  // v_amax (the KV head's D channels) and q_dot_c (the block's rows) are in shared memory.
-  const int b = static_cast<int>(bh_q / p.heads_q), h = static_cast<int>(bh_q % p.heads_q);
-  // Per-channel V scale (amax / 448) of the thread's columns 8j + 2t, 8j + 2t + 1.
+// The output of one consumer warpgroup (64 rows) is staged in shared memory, then written
+// by TMA stores of 64-channel × 64-row boxes: coalesced, asynchronous, and clipped to the
+// tensor (rows past Nq, channels past head_dim are never written). With STG from the
+// accumulator layout (4 bytes per thread, half-used sectors) the epilogue cost 8-25% of
+// the kernel (NOTES v12e).
+inline constexpr int kOBoxBytes = 64 * 128;  // 64 rows × 64 channels × 2 bytes
+
+// Writes this thread's rows of O (o times the V scale, divided by the row sum) into the
+// warpgroup's staging area: box j / 8 holds channels 64·(j / 8) ..., each 128-byte row
+// with its 16-byte chunks swizzled by row % 8 (the TMA 128B swizzle; conflict-free here).
+// row_in_wg = warp · 16 + g.
+template <typename TOut, int kO, typename Softmax>
+__device__ __forceinline__ void stage_output(const float (&o)[kO], const Softmax& sm, FragCoord fc,
+                                             int row_in_wg, const float* v_amax, uint8_t* stage) {
+  // Per-channel V scale (amax / 448) of the thread's columns 8j + 2t, 8j + 2t + 1; v_amax
+  // (the KV head's D channels) is in shared memory.
   float v_scale[kO / 2];
 #pragma unroll
   for (int j = 0; j < kO / 4; ++j) {
@@ -40,28 +51,53 @@ __device__ __forceinline__ void store_output(const Params& p, const float (&o)[k
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
+    const float l = sm.l[r];
+    // A row with no visible key (causal, Nq > Nkv) has l = 0: O = 0.
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const int row = row_in_wg + 8 * r;
+#pragma unroll
+    for (int j = 0; j < kO / 4; ++j) {
+      const float v0 = o[4 * j + 2 * r] * v_scale[2 * j] * inv;
+      const float v1 = o[4 * j + 2 * r + 1] * v_scale[2 * j + 1] * inv;
+      const int chunk = (j % 8) ^ (row % 8);
+      *reinterpret_cast<uint32_t*>(stage + (j / 8) * kOBoxBytes + row * 128 + chunk * 16 +
+                                   4 * fc.t) = pack2<TOut>(v0, v1);
+    }
+  }
+}
+
+// The columns from o_tma_cols to head_dim (the partial 16-byte chunk at the end of a row,
+// head_dim % 8 != 0), copied from the staging area to global memory after the
+// warpgroup's barrier: thread i < 64 of the warpgroup writes row i.
+template <typename Params>
+__device__ __forceinline__ void store_output_tail(const Params& p, int bh_q, int wg_row0,
+                                                  int tid_wg, const uint8_t* stage) {
+  const int row = wg_row0 + tid_wg;
+  if (tid_wg >= 64 || row >= p.seqlen_q) return;
+  const int j = p.o_tma_cols / 8;  // the partial chunk
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(
+      stage + (j / 8) * kOBoxBytes + tid_wg * 128 + ((j % 8) ^ (tid_wg % 8)) * 16);
+  const int b = bh_q / p.heads_q, hq = bh_q % p.heads_q;
+  auto* dst = static_cast<uint16_t*>(p.o) + b * p.o_stride_b + hq * p.o_stride_h +
+              static_cast<int64_t>(row) * p.o_stride_n + p.o_tma_cols;
+  for (int c = 0; c < p.head_dim - p.o_tma_cols; ++c) dst[c] = src[c];
+}
+
+// Writes the natural-log LSE of a thread's two rows (block rows row_in_block, + 8),
+// corrected for the K smoothing by q·c (in shared memory).
+template <typename Params, typename Softmax>
+__device__ __forceinline__ void store_lse(const Params& p, const Softmax& sm, FragCoord fc,
+                                          int64_t bh_q, int block_row0, int row_in_block,
+                                          const float* q_dot_c) {
+  if (p.lse == nullptr || fc.t != 0) return;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
     const int row = block_row0 + row_in_block + 8 * r;
     if (row >= p.seqlen_q) continue;
     const float l = sm.l[r];
-    // A row with no visible key (causal, Nq > Nkv) has l = 0: O = 0, LSE = -inf.
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    TOut* dst = static_cast<TOut*>(p.o) + b * p.o_stride_b + h * p.o_stride_h + row * p.o_stride_n;
-#pragma unroll
-    for (int j = 0; j < kO / 4; ++j) {
-      const int col = 8 * j + 2 * fc.t;
-      const float v0 = o[4 * j + 2 * r] * v_scale[2 * j] * inv;
-      const float v1 = o[4 * j + 2 * r + 1] * v_scale[2 * j + 1] * inv;
-      if (col + 1 < p.head_dim) {
-        *reinterpret_cast<uint32_t*>(dst + col) = pack2<TOut>(v0, v1);
-      } else if (col < p.head_dim) {
-        dst[col] = static_cast<TOut>(v0);
-      }
-    }
-    if (p.lse != nullptr && fc.t == 0) {
-      p.lse[bh_q * p.seqlen_q + row] =
-          l > 0.f ? (sm.m[r] + log2f(l) - kLog2E4m3Max) * kLn2 + q_dot_c[row_in_block + 8 * r]
-                  : -INFINITY;
-    }
+    p.lse[bh_q * p.seqlen_q + row] =
+        l > 0.f ? (sm.m[r] + log2f(l) - kLog2E4m3Max) * kLn2 + q_dot_c[row_in_block + 8 * r]
+                : -INFINITY;
   }
 }
 

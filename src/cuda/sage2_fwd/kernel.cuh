@@ -45,8 +45,10 @@ struct AttentionParams {
   QDebugOut q_debug;     // null in production
   float scale_log2, sm_scale;
   qattn_qk_granularity granularity;
-  void* o;
+  void* o;  // the caller's O; written by TMA (tensor map) up to column o_tma_cols, and
+            // directly from then to head_dim (a partial 16-byte chunk; head_dim % 8 != 0)
   int64_t o_stride_b, o_stride_h, o_stride_n;
+  int o_tma_cols;
   float* lse;  // (B, Hq, Nq) or null
   int heads_q, heads_kv, seqlen_q, seqlen_kv, head_dim, nq_pad, nkv_pad;
   int causal;
@@ -153,7 +155,8 @@ template <int D, typename T>
 __global__ void __launch_bounds__(384, 1)
     sage2_fwd_kernel(const __grid_constant__ CUtensorMap tm_q,
                      const __grid_constant__ CUtensorMap tm_k,
-                     const __grid_constant__ CUtensorMap tm_vt, const AttentionParams p) {
+                     const __grid_constant__ CUtensorMap tm_vt,
+                     const __grid_constant__ CUtensorMap tm_o, const AttentionParams p) {
   using Tr = KernelTraits<D>;
   extern __shared__ uint8_t smem_raw[];
   auto& s = *reinterpret_cast<SharedStorage<D>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
@@ -317,12 +320,41 @@ __global__ void __launch_bounds__(384, 1)
   };
   auto row_in_block = [&](int r) { return cw * 64 + warp * 16 + fc.g + 8 * r; };
   auto row_first = [&](const Item& w) { return w.m_block * Tr::kBlockM + cw * 64; };
+  // The epilogue stages the warpgroup's 64 rows of O in its half of the item's 16-bit Q
+  // tile (quantized long before, so free) and one thread stores them with TMA. The slot
+  // may be refilled only once that store has read it: that thread arrives on q_empty
+  // later, in resolve_store() after the next MMA issue, when the read is long done.
+  int store_slot = -1;  // the slot whose q_empty arrival waits for a TMA store (one thread)
+  const bool store_thread = threadIdx.x % 128 == 0;
+  auto resolve_store = [&] {
+    if (store_slot >= 0) {
+      hopper::bulk_wait_group_read<0>();
+      hopper::mbarrier_arrive(&s.q_empty[store_slot]);
+      store_slot = -1;
+    }
+  };
   auto write_output = [&](const Item& w, const float(&o)[kO], const Softmax& sm) {
     const ItemSide<D>& side = s.side[w.slot()];
-    store_output<T, kO>(p, o, sm, fc, w.bh_q, w.m_block * Tr::kBlockM, row_in_block(0),
-                           side.v_amax, side.q_dot_c);
-    // The slot (Q tiles and side data) is free once every thread has written its rows.
-    hopper::mbarrier_arrive(&s.q_empty[w.slot()]);
+    resolve_store();
+    uint8_t* stage = s.q_in[w.slot()] + cw * (D / 64) * kOBoxBytes;
+    stage_output<T, kO>(o, sm, fc, warp * 16 + fc.g, side.v_amax, stage);
+    store_lse(p, sm, fc, w.bh_q, w.m_block * Tr::kBlockM, row_in_block(0), side.q_dot_c);
+    hopper::fence_proxy_async();  // the TMA store reads what this thread wrote
+    hopper::named_barrier_sync(1 + cw, 128);
+    if (p.o_tma_cols < p.head_dim)  // after the barrier: reads other threads' staged rows
+      store_output_tail(p, w.bh_q, row_first(w), threadIdx.x % 128, stage);
+    if (store_thread) {
+      const int b = w.bh_q / p.heads_q, hq = w.bh_q % p.heads_q;
+#pragma unroll
+      for (int box = 0; box < D / 64; ++box)
+        if (box * 64 < p.o_tma_cols)
+          hopper::tma_store_4d(&tm_o, stage + box * kOBoxBytes, box * 64, row_first(w), hq, b);
+      hopper::bulk_commit_group();
+      store_slot = w.slot();
+    } else {
+      // The slot (Q tiles and side data) is free once every thread is done with it.
+      hopper::mbarrier_arrive(&s.q_empty[w.slot()]);
+    }
   };
 
   int next_id = blockIdx.x, next_local = 0, next_iter = 0;
@@ -333,6 +365,9 @@ __global__ void __launch_bounds__(384, 1)
       const WorkItem wi = decode_item(p, next_id);
       w = Item{wi.m_block, wi.b * p.heads_q + wi.hq, kv_tiles_for_block(p, wi.m_block),
                next_local, next_iter};
+      // The Q of this item may need the slot of a store still pending (a 1-tile item
+      // has no turn in between to release it): release it before waiting.
+      resolve_store();
       hopper::mbarrier_wait(&s.q_ready[w.slot()], (w.local / kQSlots) & 1);
       if (w.n_tiles > 0) {
         next_id += gridDim.x;
@@ -414,7 +449,10 @@ __global__ void __launch_bounds__(384, 1)
   };
 
   Item cur;
-  if (!open_item(cur)) return;
+  if (!open_item(cur)) {
+    resolve_store();  // items whose rows see no key were written
+    return;
+  }
   Softmax sm_cur;
   float o[kO];
 #pragma unroll
@@ -446,6 +484,7 @@ __global__ void __launch_bounds__(384, 1)
     // After the MMAs are issued: the load and shuffle latency hides behind them instead
     // of delaying the issue (3% at N=8K, NOTES v11).
     if constexpr (has_next) qk_next = tile_scale(nw, nit);
+    resolve_store();
     float x[kS], alpha_next[2];
     if constexpr (kOverlapSoftmax && has_next) {
       // The softmax of the next tile runs while P·V(it) still computes; its P waits in x
@@ -482,7 +521,11 @@ __global__ void __launch_bounds__(384, 1)
       turn(cur.n_tiles - 1, cur, 0, sm_next, std::false_type{});
     sm_cur.finish();
     write_output(cur, o, sm_cur);
-    if (!more) break;
+    if (!more) {
+      // The last stores must have read shared memory before the CTA exits.
+      resolve_store();
+      break;
+    }
     cur = nxt;
     sm_cur = sm_next;
 #pragma unroll

@@ -36,19 +36,21 @@ QDebugOut q_debug_out(const WorkspaceLayout& w, void* ws) {
           reinterpret_cast<float*>(base + w.q_dot_c)};
 }
 
-// The caller's Q as a 4-D tensor map (d, N, H, B) read in 64-channel boxes of 128 rows;
-// rows past seqlen_q and channels past head_dim read as zero. A dimension of extent 1
-// may carry any stride (the api ignores it), so it gets a valid one here.
-cudaError_t make_q_map(CUtensorMap* map, const qattn_fwd_params& p) {
+// A caller's (B, H, N, d) 16-bit tensor as a 4-D tensor map (cols, N, H, B) with boxes
+// of 64 channels × box_rows rows; rows past N and channels past `cols` read as zero and
+// are never written. A dimension of extent 1 may carry any stride (the api ignores it),
+// so it gets a valid one here.
+cudaError_t make_bhnd_map(CUtensorMap* map, const qattn_tensor& t, const qattn_fwd_params& p,
+                          int cols, int heads, int seqlen, uint32_t box_rows) {
   const auto round8 = [](int64_t x) { return (x + 7) / 8 * 8; };
-  const int64_t sn = p.seqlen_q > 1 ? p.q.stride_n : round8(p.head_dim);
-  const int64_t sh = p.heads_q > 1 ? p.q.stride_h : sn * p.seqlen_q;
-  const int64_t sb = p.batch > 1 ? p.q.stride_b : sh * p.heads_q;
-  const uint64_t dims[4] = {static_cast<uint64_t>(p.head_dim), static_cast<uint64_t>(p.seqlen_q),
-                            static_cast<uint64_t>(p.heads_q), static_cast<uint64_t>(p.batch)};
+  const int64_t sn = seqlen > 1 ? t.stride_n : round8(p.head_dim);
+  const int64_t sh = heads > 1 ? t.stride_h : sn * seqlen;
+  const int64_t sb = p.batch > 1 ? t.stride_b : sh * heads;
+  const uint64_t dims[4] = {static_cast<uint64_t>(cols), static_cast<uint64_t>(seqlen),
+                            static_cast<uint64_t>(heads), static_cast<uint64_t>(p.batch)};
   const uint64_t strides[3] = {static_cast<uint64_t>(sn), static_cast<uint64_t>(sh),
                                static_cast<uint64_t>(sb)};
-  return hopper::make_tensor_map_16bit_4d(map, p.q.data, dims, strides, 64, 128);
+  return hopper::make_tensor_map_16bit_4d(map, t.data, dims, strides, 64, box_rows);
 }
 
 template <int D, typename T>
@@ -58,8 +60,19 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
   const QuantizeOutputs q = outputs(w, ws);
   const uint64_t bkv = static_cast<uint64_t>(p.batch) * p.heads_kv;
   const auto qk_swizzle = D == 128 ? hopper::TmaSwizzle::k128B : hopper::TmaSwizzle::k64B;
-  CUtensorMap tm_q, tm_k, tm_vt;
-  if (auto e = make_q_map(&tm_q, p); e != cudaSuccess) return e;
+  CUtensorMap tm_q, tm_k, tm_vt, tm_o;
+  // Q is read in 128-row boxes (one per item); O is written in 64-row boxes (one per
+  // consumer warpgroup).
+  // A TMA store writes whole 16-byte chunks at the end of a row (measured: a guard
+  // column after head_dim = 100 was overwritten), so the O map stops at the last full
+  // chunk and the kernel writes the other columns itself (AttentionParams::o_tma_cols).
+  const int o_tma_cols = p.head_dim / 8 * 8;
+  if (auto e = make_bhnd_map(&tm_q, p.q, p, p.head_dim, p.heads_q, p.seqlen_q, 128);
+      e != cudaSuccess)
+    return e;
+  if (auto e = make_bhnd_map(&tm_o, p.o, p, std::max(o_tma_cols, 8), p.heads_q, p.seqlen_q, 64);
+      e != cudaSuccess)
+    return e;
   if (auto e = hopper::make_tensor_map_u8_3d(&tm_k, q.k_i8, D, w.nkv_pad, bkv, D, Tr::kBlockN,
                                              qk_swizzle);
       e != cudaSuccess)
@@ -81,6 +94,7 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
   ap.o_stride_b = p.o.stride_b;
   ap.o_stride_h = p.o.stride_h;
   ap.o_stride_n = p.o.stride_n;
+  ap.o_tma_cols = o_tma_cols;
   ap.lse = p.lse;
   ap.heads_q = p.heads_q;
   ap.heads_kv = p.heads_kv;
@@ -117,7 +131,7 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
   cfg.stream = stream;
   cfg.attrs = &early;
   cfg.numAttrs = 1;
-  if (auto e = cudaLaunchKernelEx(&cfg, kernel, tm_q, tm_k, tm_vt, ap); e != cudaSuccess) return e;
+  if (auto e = cudaLaunchKernelEx(&cfg, kernel, tm_q, tm_k, tm_vt, tm_o, ap); e != cudaSuccess) return e;
   return cudaGetLastError();
 }
 
