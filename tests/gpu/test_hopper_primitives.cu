@@ -1,9 +1,11 @@
 // Device unit tests of the hopper/ PTX layer on its own: TMA loads with 128B swizzle
-// into shared memory, mbarrier completion, and one wgmma of each kind the attention
-// kernel uses, checked against an exact CPU product.
+// into shared memory, mbarrier completion, one wgmma of each kind the attention kernel
+// uses (checked against an exact CPU product), bulk copies, and a TMA store clipped to
+// its tensor.
 #include <cuda.h>
 
 #include <random>
+#include <vector>
 
 #include "cuda/hopper/sync.cuh"
 #include "cuda/hopper/tensor_map.h"
@@ -208,6 +210,58 @@ TEST(HopperPrimitives, BulkLoadsCompleteOnOneBarrier) {
   for (int i = 0; i < 4; ++i) ASSERT_EQ(out[i], src[4 + i]) << "i=" << i << " seed=" << seed;
   for (int i = 0; i < 256; ++i)
     ASSERT_EQ(out[4 + i], src[12 + i]) << "i=" << i << " seed=" << seed;
+}
+
+// A 64 × 64 box of 16-bit values staged with the 128B swizzle (16-byte chunk c of row r at
+// chunk c ^ (r % 8)), stored by TMA at row 64 of head 1 of a (1, 2, 100, 40) tensor
+// whose rows are 48 elements apart: rows 64..99 and columns 0..39 are written, the rest
+// of the box is clipped, and nothing else (head 0, rows < 64, the guard columns 40..47)
+// is touched. As the attention kernel writes O.
+constexpr int kStoreCols = 40, kStoreRowStride = 48, kStoreRows = 100, kStoreHeads = 2;
+constexpr int kStoreRow0 = 64;
+
+__device__ __host__ inline uint16_t store_pattern(int r, int c) {
+  return static_cast<uint16_t>(r * 64 + c + 1);
+}
+
+__global__ void tma_store_kernel(const __grid_constant__ CUtensorMap map) {
+  __shared__ alignas(1024) uint8_t box[64 * 128];
+  for (int i = threadIdx.x; i < 64 * 64; i += blockDim.x) {
+    const int r = i / 64, c = i % 64;
+    *reinterpret_cast<uint16_t*>(box + r * 128 + ((c / 8) ^ (r % 8)) * 16 + (c % 8) * 2) =
+        store_pattern(r, c);
+  }
+  hopper::fence_proxy_async();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    hopper::tma_store_4d(&map, box, 0, kStoreRow0, 1, 0);
+    hopper::bulk_commit_group();
+    hopper::bulk_wait_group_read<0>();
+  }
+}
+
+TEST(HopperPrimitives, TmaStoreWritesOnlyInsideTheTensor) {
+  QATTN_SKIP_WITHOUT_GPU();
+  constexpr uint16_t kPoison = 0xFFFF;
+  const std::size_t n = static_cast<std::size_t>(kStoreHeads) * kStoreRows * kStoreRowStride;
+  test::DeviceBuffer<uint16_t> d(n);
+  d.upload(std::vector<uint16_t>(n, kPoison));
+  CUtensorMap map;
+  const uint64_t dims[4] = {kStoreCols, kStoreRows, kStoreHeads, 1};
+  const uint64_t strides[3] = {kStoreRowStride, uint64_t{kStoreRows} * kStoreRowStride,
+                               uint64_t{kStoreHeads} * kStoreRows * kStoreRowStride};
+  QATTN_CUDA_OK(hopper::make_tensor_map_16bit_4d(&map, d.ptr, dims, strides, 64, 64));
+  tma_store_kernel<<<1, 128>>>(map);
+  QATTN_CUDA_OK(cudaDeviceSynchronize());
+  const auto out = d.download();
+  for (int h = 0; h < kStoreHeads; ++h)
+    for (int r = 0; r < kStoreRows; ++r)
+      for (int c = 0; c < kStoreRowStride; ++c) {
+        const bool inside = h == 1 && r >= kStoreRow0 && c < kStoreCols;
+        const uint16_t want = inside ? store_pattern(r - kStoreRow0, c) : kPoison;
+        ASSERT_EQ(out[(static_cast<std::size_t>(h) * kStoreRows + r) * kStoreRowStride + c], want)
+            << "head " << h << " row " << r << " col " << c;
+      }
 }
 
 }  // namespace
