@@ -6,6 +6,7 @@
 
 #include "cuda/sage2_fwd/fragment.cuh"
 #include "cuda/sage2_fwd/softmax.cuh"
+#include "numerics/int32_scores.h"
 
 namespace qattn::sage2 {
 
@@ -20,21 +21,18 @@ struct CausalMask {
     return causal && kv0 + 127 > row_first + (seqlen_kv - seqlen_q);
   }
 
-  // Masked raw INT32 products become kMaskedScore (-inf once converted). Element i of a
-  // thread's tile sits at column offset 8·(i / 4) + (i % 2) + 2t from kv0; per row, the
-  // visible ones are a prefix, so one limit per row and one compare against a constant
-  // per element decide it (row0: the thread's upper row).
+  // Masked raw INT32 products become kMaskedScore (-inf once converted). Per row the
+  // visible elements are a prefix (scores::last_visible_key), so one limit per row
+  // and one compare against a constant column offset per element decide it (row0: the
+  // thread's upper row).
   template <int kCols>
   __device__ __forceinline__ void apply(int32_t (&s)[kCols], FragCoord fc, int kv0,
                                         int row0) const {
-    int lim[2];  // largest visible offset 8·(i / 4) + (i % 2) of rows g, g + 8
+    int lim[2];  // rows g, g + 8
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int last_key = seqlen_kv - 1;
-      const int last_visible = causal ? min(last_key, row0 + 8 * r + (seqlen_kv - seqlen_q))
-                                      : last_key;
-      lim[r] = last_visible - kv0 - 2 * fc.t;
-    }
+    for (int r = 0; r < 2; ++r)
+      lim[r] = scores::last_visible_key(seqlen_q, seqlen_kv, causal, row0 + 8 * r) - kv0 -
+               2 * fc.t;
 #pragma unroll
     for (int i = 0; i < kCols; ++i)
       if (8 * (i / 4) + (i % 2) > lim[FragCoord::upper_row(i) ? 1 : 0]) s[i] = kMaskedScore;

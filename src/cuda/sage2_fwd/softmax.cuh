@@ -8,6 +8,8 @@
 
 #include <cstdint>
 
+#include "numerics/int32_scores.h"
+
 namespace qattn::sage2 {
 
 inline constexpr float kLog2E4m3Max = 8.807354922057604f;  // log2(448)
@@ -28,21 +30,9 @@ __device__ __forceinline__ uint16_t pack_e4m3x2(float lo, float hi) {
   return r;
 }
 
-// INT32 score → float without I2F (which runs at 64/clk/SM on the ALU pipe the max and
-// the E4M3 packs also need): the bits of 1.5·2²³ + s are the float 1.5·2²³ + s, exact for
-// |s| < 2²² (|s| <= 128·128·D = 2²¹ at D = 128), and one FADD removes the offset. The
-// raw product kMaskedScore has the bits of -inf after the IADD, so a masked score needs
-// no select anywhere: it converts to -inf and is the smallest INT32 in the max.
-inline constexpr int32_t kMagic = 0x4B400000;  // bits of 1.5·2²³
-inline constexpr int32_t kMaskedScore = static_cast<int32_t>(0xFF800000u - 0x4B400000u);
-static_assert(kMaskedScore < -(128 * 128 * 128), "kMaskedScore must be below every product");
+using scores::kMaskedScore;
+using scores::score_to_float;
 
-__device__ __forceinline__ float score_to_float(int32_t s) {
-  // __fsub_rn: no contraction of the offset removal into the caller's FFMA.
-  return __fsub_rn(__int_as_float(s + kMagic), 12582912.f);
-}
-
-// kCols: accumulator elements per thread (kBlockN / 2); kChains: see step().
 template <int kCols, int kChains>
 struct OnlineSoftmax {
 #ifdef QATTN_SAGE2_SOFTMAX_CHAINS  // override for the measurements of bench/NOTES.md
