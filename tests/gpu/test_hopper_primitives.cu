@@ -26,15 +26,20 @@ struct alignas(1024) Smem {
   uint64_t bar;
 };
 
+// One mbarrier expecting one arrival (thread 0's arrive.expect_tx), visible to the block.
+__device__ void init_barrier(uint64_t* bar) {
+  if (threadIdx.x == 0) {
+    hopper::mbarrier_init(bar, 1);
+    hopper::fence_barrier_init();
+  }
+  __syncthreads();
+}
+
 // D = A(64 x 128 s8) * B(128 x 128 s8)ᵀ with both operands TMA-loaded (SW128).
 __global__ void s8_gemm_kernel(const __grid_constant__ CUtensorMap ta,
                                const __grid_constant__ CUtensorMap tb, int32_t* out) {
   __shared__ Smem s;
-  if (threadIdx.x == 0) {
-    hopper::mbarrier_init(&s.bar, 1);
-    hopper::fence_barrier_init();
-  }
-  __syncthreads();
+  init_barrier(&s.bar);
   if (threadIdx.x == 0) {
     hopper::mbarrier_arrive_expect_tx(&s.bar, sizeof(s.a) + sizeof(s.b));
     hopper::tma_load_3d(s.a, &ta, &s.bar, 0, 0, 0, hopper::policy_evict_first());
@@ -66,11 +71,7 @@ __global__ void s8_gemm_kernel(const __grid_constant__ CUtensorMap ta,
 __global__ void e4m3_gemm_kernel(const __grid_constant__ CUtensorMap tv, const uint8_t* p_rowmajor,
                                  float* out) {
   __shared__ Smem s;
-  if (threadIdx.x == 0) {
-    hopper::mbarrier_init(&s.bar, 1);
-    hopper::fence_barrier_init();
-  }
-  __syncthreads();
+  init_barrier(&s.bar);
   if (threadIdx.x == 0) {
     hopper::mbarrier_arrive_expect_tx(&s.bar, sizeof(s.b));
     hopper::tma_load_3d(s.b, &tv, &s.bar, 0, 0, 0, hopper::policy_evict_first());
@@ -181,11 +182,7 @@ TEST(HopperPrimitives, RegisterE4m3WgmmaWithPermutedVtMatchesCpu) {
 __global__ void bulk_load_kernel(const float* src, float* out) {
   __shared__ alignas(16) float buf[4 + 256];
   __shared__ uint64_t bar;
-  if (threadIdx.x == 0) {
-    hopper::mbarrier_init(&bar, 1);
-    hopper::fence_barrier_init();
-  }
-  __syncthreads();
+  init_barrier(&bar);
   if (threadIdx.x == 0) {
     hopper::mbarrier_arrive_expect_tx(&bar, sizeof(buf));
     hopper::bulk_load(buf, src + 4, 16, &bar);
