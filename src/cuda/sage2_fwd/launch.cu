@@ -62,10 +62,10 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
   const auto qk_swizzle = D == 128 ? hopper::TmaSwizzle::k128B : hopper::TmaSwizzle::k64B;
   CUtensorMap tm_q, tm_k, tm_vt, tm_o;
   // Q is read in 128-row boxes (one per item); O is written in 64-row boxes (one per
-  // consumer warpgroup).
-  // A TMA store writes whole 16-byte chunks at the end of a row (measured: a guard
-  // column after head_dim = 100 was overwritten), so the O map stops at the last full
-  // chunk and the kernel writes the other columns itself (AttentionParams::o_tma_cols).
+  // consumer warpgroup). A TMA store writes whole 16-byte chunks at the end of a row
+  // (measured: a guard column after head_dim = 100 was overwritten), so the O map stops
+  // at the last full chunk and the kernel writes the other columns itself
+  // (AttentionParams::o_tma_cols).
   const int o_tma_cols = p.head_dim / 8 * 8;
   if (auto e = make_bhnd_map(&tm_q, p.q, p, p.head_dim, p.heads_q, p.seqlen_q, 128);
       e != cudaSuccess)
@@ -131,7 +131,8 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
   cfg.stream = stream;
   cfg.attrs = &early;
   cfg.numAttrs = 1;
-  if (auto e = cudaLaunchKernelEx(&cfg, kernel, tm_q, tm_k, tm_vt, tm_o, ap); e != cudaSuccess) return e;
+  if (auto e = cudaLaunchKernelEx(&cfg, kernel, tm_q, tm_k, tm_vt, tm_o, ap); e != cudaSuccess)
+    return e;
   return cudaGetLastError();
 }
 
