@@ -4,6 +4,8 @@
 #include <cmath>
 #include <limits>
 
+#include "reference/tensor.h"
+
 namespace qattn::emulate {
 
 inline constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -18,5 +20,12 @@ inline float nan_max(float a, float b) {
   if (std::isnan(a) || std::isnan(b)) return std::numeric_limits<float>::quiet_NaN();
   return a > b ? a : b;
 }
+
+// The sizes of one (batch, head) slice of an attention call, for the per-head loops.
+struct HeadShape {
+  int nq, nkv, d;
+  float sm_scale;
+  Mask mask;
+};
 
 }  // namespace qattn::emulate

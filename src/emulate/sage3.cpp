@@ -69,12 +69,6 @@ struct HeadIo {
   float* lse;      // nq
 };
 
-struct HeadShape {
-  int nq, nkv, d;
-  float sm_scale;
-  Mask mask;
-};
-
 void sage3_head(const HeadIo& io, const HeadShape& sh, const Sage3Options& opt,
                 Sage3PTrace* trace) {
   const int nq = sh.nq, nkv = sh.nkv, d = sh.d;

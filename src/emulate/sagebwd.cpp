@@ -128,14 +128,8 @@ void tile_scores(const HeadQuant& h, int r0, int rows, int j0, int nq, int nkv, 
   }
 }
 
-struct Shape {
-  int nq, nkv, d;
-  float sm_scale;
-  Mask mask;
-};
-
 void forward_head(const float* q, const float* k, const float* v, float* o_out, float* lse_out,
-                  const Shape& sh, const SageBwdOptions& opt) {
+                  const HeadShape& sh, const SageBwdOptions& opt) {
   const int nq = sh.nq, nkv = sh.nkv, d = sh.d;
   const HeadQuant h = quantize_head(q, k, nq, nkv, d, opt);
   // V per KV tile (per-block), padded with zero tokens to whole tiles.
@@ -213,7 +207,7 @@ void forward_head(const float* q, const float* k, const float* v, float* o_out, 
 
 // One (batch, query head) of the backward; adds into dk/dv of its KV head.
 void backward_head(const float* q, const float* k, const float* v, const float* o, const float* lse,
-                   const float* dout, float* dq, float* dk, float* dv, const Shape& sh,
+                   const float* dout, float* dq, float* dk, float* dv, const HeadShape& sh,
                    const SageBwdOptions& opt) {
   const int nq = sh.nq, nkv = sh.nkv, d = sh.d;
   const HeadQuant h = quantize_head(q, k, nq, nkv, d, opt);
@@ -358,7 +352,7 @@ EmulatedForward sagebwd_forward(const Tensor4& q, const Tensor4& k, const Tensor
   check_options("sagebwd_forward", options);
   EmulatedForward out{Tensor4(q.b, q.h, q.n, q.d),
                       std::vector<float>(static_cast<std::size_t>(q.b) * q.h * q.n)};
-  const Shape sh{q.n, k.n, q.d, static_cast<float>(sm_scale), params.mask};
+  const HeadShape sh{q.n, k.n, q.d, static_cast<float>(sm_scale), params.mask};
   const int group = q.h / k.h;
   for (int b = 0; b < q.b; ++b) {
     for (int h = 0; h < q.h; ++h) {
@@ -387,7 +381,7 @@ EmulatedGrads sagebwd_backward(const Tensor4& q, const Tensor4& k, const Tensor4
   }
   EmulatedGrads g{Tensor4(q.b, q.h, q.n, q.d), Tensor4(k.b, k.h, k.n, k.d),
                   Tensor4(k.b, k.h, k.n, k.d)};
-  const Shape sh{q.n, k.n, q.d, static_cast<float>(sm_scale), params.mask};
+  const HeadShape sh{q.n, k.n, q.d, static_cast<float>(sm_scale), params.mask};
   const int group = q.h / k.h;
   for (int b = 0; b < q.b; ++b) {
     for (int h = 0; h < q.h; ++h) {
