@@ -16,8 +16,8 @@
 namespace {
 
 using qattn::sage2::kWorkspaceAlign;
-using qattn::sage2::WorkspaceLayout;
 using qattn::sage2::workspace_layout;
+using qattn::sage2::WorkspaceLayout;
 
 qattn_fwd_params params(int b, int hq, int hkv, int nq, int nkv, int d) {
   return qattn::ForwardParams(qattn::DType::kBF16, b, hq, hkv, nq, nkv, d).raw();
@@ -36,7 +36,8 @@ std::vector<std::pair<std::size_t, std::size_t>> regions(const qattn_fwd_params&
           {w.k_scale, bkv * w.k_scales_per_head() * 4},
           {w.k_mean, bkv * D * 4},
           {w.vt_f8, bkv * D * w.nkv_pad},
-          {w.v_amax, bkv * D * 4}};
+          {w.v_amax, bkv * D * 4},
+          {w.item_counter, 2 * sizeof(int)}};
 }
 
 void check(const qattn_fwd_params& p) {
@@ -60,6 +61,8 @@ void check(const qattn_fwd_params& p) {
       end = r[i].first + r[i].second;
     }
     EXPECT_LE(end, w.total);
+    // The work counters directly follow V amax: one memset zeroes both.
+    EXPECT_EQ(w.item_counter, w.v_amax + std::size_t(p.batch) * p.heads_kv * w.head_dim_padded * 4);
     EXPECT_LT(w.total - end, kWorkspaceAlign);  // no slack beyond the last alignment
   }
   // Production keeps Q on chip: no Q regions, and the K/V regions shift down by exactly

@@ -32,6 +32,10 @@ struct Sage2Case {
   // Also write the kernel's shared-memory Q quantization (INT8 Q, scales, q·c) to the
   // workspace, to compare with the emulation (production calls keep it on chip).
   bool keep_q = false;
+  // Launches on one workspace: after the forward, each further one poisons O and the LSE
+  // again and runs the attention kernel alone (its work counters must be back at zero,
+  // or items are skipped and their rows stay poisoned). The result is the last one.
+  int launches = 1;
 
   std::string describe() const {
     return "B=" + std::to_string(batch) + " Hq=" + std::to_string(heads_q) +
@@ -157,11 +161,18 @@ inline Sage2Result run_sage2(const Sage2Case& c, const InputHook& hook = {}) {
   p.lse = dlse.ptr + kLseGuard;
   const std::size_t ws_bytes = sage2::workspace_bytes(p, c.keep_q);
   DeviceBuffer<uint8_t> ws(ws_bytes);
-  r.status = sage2::launch_forward(p, ws.ptr, nullptr, c.keep_q);
-  if (r.status != 0) return r;
-  if (cudaDeviceSynchronize() != cudaSuccess) {
-    r.status = static_cast<int>(cudaGetLastError());
-    return r;
+  for (int launch = 0; launch < c.launches; ++launch) {
+    if (launch > 0) {
+      cudaMemset(dout.ptr, 0xFF, o_count * sizeof(uint16_t));
+      cudaMemset(dlse.ptr, 0xFF, dlse.count * sizeof(float));
+    }
+    r.status = launch == 0 ? sage2::launch_forward(p, ws.ptr, nullptr, c.keep_q)
+                           : sage2::launch_attention_only(p, ws.ptr, nullptr);
+    if (r.status != 0) return r;
+    if (cudaDeviceSynchronize() != cudaSuccess) {
+      r.status = static_cast<int>(cudaGetLastError());
+      return r;
+    }
   }
   r.workspace = ws.download();
   r.workspace.resize(ws_bytes);

@@ -92,6 +92,41 @@ TEST(Sage2Forward, PaddedRowsAreNeverUsed) {
   }
 }
 
+// More work items than the H200 has SMs (so CTAs claim items from the work counter), GQA,
+// causal and not, and repeated launches of the attention kernel on one workspace.
+TEST(Sage2Forward, ItemsClaimedDynamicallyOverRepeatedLaunches) {
+  QATTN_SKIP_WITHOUT_GPU();
+  Sage2Case c;
+  c.seed = test::fresh_seed();
+  c.heads_q = 8;
+  c.heads_kv = 2;
+  c.seqlen_q = c.seqlen_kv = 2304;  // 18 blocks x 8 heads = 144 items
+  c.head_dim = 64;
+  c.launches = 3;
+  for (bool causal : {true, false}) {
+    c.causal = causal;
+    check_case(c);
+  }
+}
+
+// Causal with Nq > Nkv: the first 4 blocks see no key at all (items with no KV tile,
+// written by the consumers without a turn), the fifth partly; d = 72 ends rows inside a
+// 16-byte chunk.
+TEST(Sage2Forward, BlocksThatSeeNoKey) {
+  QATTN_SKIP_WITHOUT_GPU();
+  Sage2Case c;
+  c.seed = test::fresh_seed();
+  c.seqlen_q = 700;
+  c.seqlen_kv = 130;
+  c.head_dim = 72;
+  c.causal = true;
+  c.launches = 2;
+  for (bool bf16 : {true, false}) {
+    c.bf16 = bf16;
+    check_case(c);
+  }
+}
+
 TEST(Sage2Forward, RandomShapeSweep) {
   QATTN_SKIP_WITHOUT_GPU();
   const uint64_t seed = test::fresh_seed();

@@ -3,8 +3,8 @@
 //
 // CTA = 3 warpgroups and 128 query rows. Warpgroup 0 is the producer: one thread
 // issues TMA loads of K and Vᵀ tiles into kStages stages guarded by "full" (TMA
-// transaction bytes) and "empty" (consumers done) mbarriers, another loads each work
-// item's 16-bit Q tile, and two warps quantize it to INT8 in shared memory
+// transaction bytes) and "empty" (consumers done) mbarriers, another claims the work
+// items and loads each one's 16-bit Q tile, and two warps quantize it to INT8 in shared memory
 // (q_tile.cuh). Warpgroups 1 and 2 are consumers, 64 query rows each; registers move to
 // them with setmaxnreg. Every role and barrier: docs/sage2-kernel-pipeline.md.
 #pragma once
@@ -54,6 +54,8 @@ struct AttentionParams {
   int causal;
   int num_m_blocks;  // nq_pad / 128
   int batch;
+  int* item_counter;  // [0]: items handed out past the first gridDim.x, [1]: CTAs done;
+                      // zero at launch, and put back to zero by the last CTA
 };
 
 // Registers per thread after setmaxnreg. The CTA can only redistribute what it was
@@ -96,23 +98,40 @@ inline constexpr int kQSlots = 2;
 template <int D>
 struct ItemSide {
   float q_scale[2 * groups::kQThreadGroupsPerBlock];  // the 128 rows' Q scale groups
-  float q_dot_c[128];                                  // q·c per row (LSE correction)
-  float v_amax[D];                                     // per-channel V amax of the KV head
-  float k_mean[D];                                     // c of the KV head
+  float q_dot_c[128];                                 // q·c per row (LSE correction)
+  float v_amax[D];                                    // per-channel V amax of the KV head
+  float k_mean[D];                                    // c of the KV head
+};
+
+// A claimed work item as the Q loader publishes it in its Q slot, decoded once for all
+// roles.
+struct SlotItem {
+  int m_block;  // < 0: no more work
+  int bh_q;     // b · Hq + hq
+  int kv_slice, n_tiles;
 };
 
 template <int D>
 struct SharedStorage {
   using Tr = KernelTraits<D>;
   alignas(1024) uint8_t q_in[kQSlots][QTileLayout<D>::kInBytes];  // 16-bit, as loaded
-  alignas(1024) uint8_t q[kQSlots][Tr::kQBytes];                    // INT8, wgmma layout
+  alignas(1024) uint8_t q[kQSlots][Tr::kQBytes];                  // INT8, wgmma layout
   alignas(1024) uint8_t k[Tr::kStages][Tr::kKBytes];
   alignas(1024) uint8_t v[Tr::kStages][Tr::kVBytes];
   alignas(16) ItemSide<D> side[kQSlots];
   alignas(16) float k_scale[Tr::kStages][groups::kKThreadGroupsPerTile];  // with its K tile
+};
+
+// The pipeline's mbarriers and each Q slot's work item, in static shared memory: every
+// role addresses them by constants. Reached through the generic SharedStorage pointer,
+// their addresses kept registers live that spilled the 40-register producers and the
+// consumers.
+template <int kStages>
+struct Pipeline {
+  SlotItem item[kQSlots];  // the work item of each Q slot
   uint64_t q_full[kQSlots], q_ready[kQSlots], q_empty[kQSlots];
-  uint64_t k_full[Tr::kStages], k_empty[Tr::kStages];
-  uint64_t v_full[Tr::kStages], v_empty[Tr::kStages];
+  uint64_t k_full[kStages], k_empty[kStages];
+  uint64_t v_full[kStages], v_empty[kStages];
 };
 
 // Number of KV tiles a 128-row query block must visit (all of them unless causal).
@@ -134,11 +153,13 @@ __device__ __forceinline__ int grid_size() {
 }
 
 // Work items are (128-row query block, query head, batch). The grid is persistent (one
-// CTA per SM, items taken in a static round-robin), so the producer loads the next
-// item's Q and K/V while the consumers still finish the current one. The query blocks
-// of one head are consecutive items, so the items in flight share K/V in L2 (with
-// query blocks slowest, a causal grid thrashed L2 and ran 6% slower at N=8K);
-// causal: the longest blocks of each head come first.
+// CTA per SM), so the producer loads the next item's Q and K/V while the consumers still
+// finish the current one. CTA i starts with item i and then takes the next unclaimed
+// item from a global counter (next_item): a static round-robin gave the CTAs of a causal
+// grid sums of block lengths up to 18% apart at N=2K. The query blocks of one head are
+// consecutive items, so the items in flight share K/V in L2 (with query blocks slowest,
+// a causal grid thrashed L2 and ran 6% slower at N=8K); causal: the longest blocks of
+// each head come first.
 struct WorkItem {
   int m_block, hq, b;
 };
@@ -146,6 +167,21 @@ __device__ __forceinline__ WorkItem decode_item(const AttentionParams& p, int it
   const int r = item / p.num_m_blocks, m = item % p.num_m_blocks;
   return {p.causal ? p.num_m_blocks - 1 - m : m, r % p.heads_q, r / p.heads_q};
 }
+// The Q loader's claim of this CTA's work item number `local` (one thread per CTA).
+__device__ __forceinline__ int next_item(const AttentionParams& p, int local) {
+  return local == 0 ? static_cast<int>(blockIdx.x) : grid_size() + atomicAdd(&p.item_counter[0], 1);
+}
+
+// Called by each CTA's Q loader after its last claim: the last CTA to get here puts the
+// counters back to zero for the next launch (every claim of the grid is done by then).
+__device__ __forceinline__ void release_item_counter(const AttentionParams& p) {
+  __threadfence();  // this CTA's last claim comes before its count
+  if (atomicAdd(&p.item_counter[1], 1) == grid_size() - 1) {
+    p.item_counter[0] = 0;
+    p.item_counter[1] = 0;
+  }
+}
+
 // b · Hkv + the KV head that query head hq reads (GQA: Hq / Hkv query heads per KV head).
 __device__ __forceinline__ int kv_slice_of(const AttentionParams& p, const WorkItem& w) {
   return w.b * p.heads_kv + w.hq / (p.heads_q / p.heads_kv);
@@ -163,24 +199,26 @@ __global__ void __launch_bounds__(384, 1)
                                                  ~uintptr_t{1023});
   const int warpgroup = threadIdx.x / 128;
   const int num_items = p.num_m_blocks * p.heads_q * p.batch;
+  __shared__ Pipeline<Tr::kStages> bar;
 
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int i = 0; i < kQSlots; ++i) {
-      hopper::mbarrier_init(&s.q_full[i], 1);
+      hopper::mbarrier_init(&bar.q_full[i], 1);
       // Every thread arrives on these two (once per item): each thread's own shared-memory
       // writes or reads are then ordered by the barrier itself.
-      hopper::mbarrier_init(&s.q_ready[i], kQTileThreads);
-      hopper::mbarrier_init(&s.q_empty[i], Tr::kConsumerThreads);
+      hopper::mbarrier_init(&bar.q_ready[i], kQTileThreads);
+      // The consumers and the K/V loader (once it has read the slot's item).
+      hopper::mbarrier_init(&bar.q_empty[i], Tr::kConsumerThreads + 1);
     }
 #pragma unroll
     for (int i = 0; i < Tr::kStages; ++i) {
-      hopper::mbarrier_init(&s.k_full[i], 1);
-      hopper::mbarrier_init(&s.v_full[i], 1);
+      hopper::mbarrier_init(&bar.k_full[i], 1);
+      hopper::mbarrier_init(&bar.v_full[i], 1);
       // Lanes 0-3 of each consumer warp arrive: they are the ones that read the stage's
       // K scale (read_k_scale), so their reads are ordered by the barrier itself.
-      hopper::mbarrier_init(&s.k_empty[i], 4 * Tr::kConsumerWarps);
-      hopper::mbarrier_init(&s.v_empty[i], Tr::kConsumerWarps);
+      hopper::mbarrier_init(&bar.k_empty[i], 4 * Tr::kConsumerWarps);
+      hopper::mbarrier_init(&bar.v_empty[i], Tr::kConsumerWarps);
     }
     hopper::fence_barrier_init();
   }
@@ -196,15 +234,18 @@ __global__ void __launch_bounds__(384, 1)
     if (threadIdx.x >= 32 && threadIdx.x < 32 + kQTileThreads) {
       // Q tile quantizer: every item of this CTA, in order.
       const int tid = threadIdx.x - 32;
-      int local = 0;
-      for (int item = blockIdx.x; item < num_items; item += grid_size(), ++local) {
+      for (int local = 0;; ++local) {
         const int slot = local % kQSlots;
         ItemSide<D>& side = s.side[slot];
         // q_full implies q_empty (the loader waits on it first); waiting on q_empty too
         // makes the consumers' last reads of this slot's scales direct predecessors of
         // the writes below (the path through the TMA is invisible to racecheck).
-        hopper::mbarrier_wait(&s.q_empty[slot], ((local / kQSlots) & 1) ^ 1);
-        hopper::mbarrier_wait(&s.q_full[slot], (local / kQSlots) & 1);
+        hopper::mbarrier_wait(&bar.q_empty[slot], ((local / kQSlots) & 1) ^ 1);
+        hopper::mbarrier_wait(&bar.q_full[slot], (local / kQSlots) & 1);
+        if (bar.item[slot].m_block < 0) {  // no more work: the consumers learn it from q_ready
+          hopper::mbarrier_arrive(&bar.q_ready[slot]);
+          break;
+        }
         float* q_dot_c = want_q_dot_c ? side.q_dot_c : nullptr;
 #if !QATTN_EXPERIMENT_NO_Q_QUANT  // knockout for bench/NOTES.md: wrong results, timing only
         quantize_q_tile<D, T>(s.q_in[slot], s.q[slot], side.q_scale, q_dot_c,
@@ -212,78 +253,87 @@ __global__ void __launch_bounds__(384, 1)
                               p.scale_log2, p.sm_scale);
 #endif
         if (p.q_debug.q_i8 != nullptr) {
-          // Decoded again (opaque copy of `item`) rather than kept live across the
-          // quantization, which would spill at 40 registers.
-          int item_again = item;
-          asm volatile("" : "+r"(item_again));
-          const WorkItem wd = decode_item(p, item_again);
-          const int bh_q = wd.b * p.heads_q + wd.hq;
+          // Decoded here rather than kept live across the quantization, which would spill
+          // at 40 registers.
+          const SlotItem wd = bar.item[slot];
           // the item's 128 rows start at row m_block·128, its 64 scale groups at m_block·64
-          copy_q_tile_debug<D>(s.q[slot], side.q_scale, q_dot_c, tid, p.q_debug,
-                               static_cast<int64_t>(bh_q) * p.nq_pad + wd.m_block * Tr::kBlockM,
-                               (static_cast<int64_t>(bh_q) * p.nq_pad + wd.m_block * Tr::kBlockM) /
-                                   2);
+          const int64_t row0 = static_cast<int64_t>(wd.bh_q) * p.nq_pad + wd.m_block * Tr::kBlockM;
+          copy_q_tile_debug<D>(s.q[slot], side.q_scale, q_dot_c, tid, p.q_debug, row0, row0 / 2);
         }
         // The INT8 tile is read by wgmma (async proxy) after the consumers' wait.
         hopper::fence_proxy_async();
-        hopper::mbarrier_arrive(&s.q_ready[slot]);
+        hopper::mbarrier_arrive(&bar.q_ready[slot]);
       }
     }
     // Two loader threads with separate loops, so each fits the warpgroup's registers:
     // warp 3 loads every item's Q tile and side data, warp 0 the K/V ring.
+    // The Q loader also claims the items: it writes each one to its slot before it
+    // arrives on q_full, which the quantizer and the K/V loader wait on (and the
+    // consumers, through q_ready).
     if (threadIdx.x == 96) {
       hopper::tma_prefetch_descriptor(&tm_q);
-      int local = 0;
-      for (int item = blockIdx.x; item < num_items; item += gridDim.x, ++local) {
+      for (int local = 0;; ++local) {
+        const int slot = local % kQSlots;
+        hopper::mbarrier_wait(&bar.q_empty[slot], ((local / kQSlots) & 1) ^ 1);
+        const int item = next_item(p, local);
+        if (item >= num_items) {
+          bar.item[slot] = SlotItem{-1, 0, 0, 0};
+          hopper::mbarrier_arrive(&bar.q_full[slot]);
+          break;
+        }
         const WorkItem w = decode_item(p, item);
         const int kv_slice = kv_slice_of(p, w);
-        const int slot = local % kQSlots;
+        bar.item[slot] =
+            SlotItem{w.m_block, w.b * p.heads_q + w.hq, kv_slice, kv_tiles_for_block(p, w.m_block)};
         ItemSide<D>& side = s.side[slot];
-        const uint32_t side_bytes =
-            sizeof(side.v_amax) + (want_q_dot_c ? sizeof(side.k_mean) : 0);
-        hopper::mbarrier_wait(&s.q_empty[slot], ((local / kQSlots) & 1) ^ 1);
-        hopper::mbarrier_arrive_expect_tx(&s.q_full[slot],
-                                          QTileLayout<D>::kInBytes + side_bytes);
+        const uint32_t side_bytes = sizeof(side.v_amax) + (want_q_dot_c ? sizeof(side.k_mean) : 0);
+        hopper::mbarrier_arrive_expect_tx(&bar.q_full[slot], QTileLayout<D>::kInBytes + side_bytes);
 #pragma unroll
         for (int box = 0; box < D / 64; ++box)
-          hopper::tma_load_4d(s.q_in[slot] + box * (Tr::kBlockM * 128), &tm_q, &s.q_full[slot],
+          hopper::tma_load_4d(s.q_in[slot] + box * (Tr::kBlockM * 128), &tm_q, &bar.q_full[slot],
                               box * 64, w.m_block * Tr::kBlockM, w.hq, w.b,
                               hopper::policy_evict_first());
         hopper::bulk_load(side.v_amax, p.v_amax + static_cast<int64_t>(kv_slice) * D,
-                          sizeof(side.v_amax), &s.q_full[slot]);
+                          sizeof(side.v_amax), &bar.q_full[slot]);
         if (want_q_dot_c)
           hopper::bulk_load(side.k_mean, p.k_mean + static_cast<int64_t>(kv_slice) * D,
-                            sizeof(side.k_mean), &s.q_full[slot]);
+                            sizeof(side.k_mean), &bar.q_full[slot]);
       }
+      release_item_counter(p);
     }
     if (threadIdx.x == 0) {
       hopper::tma_prefetch_descriptor(&tm_k);
       hopper::tma_prefetch_descriptor(&tm_vt);
       int iter = 0;  // KV tiles loaded so far: stage and phase of the ring
-      for (int item = blockIdx.x; item < num_items; item += gridDim.x) {
-        const WorkItem w = decode_item(p, item);
-        const int kv_slice = kv_slice_of(p, w);
-        const int n_tiles = kv_tiles_for_block(p, w.m_block);
-        const float* k_scale = p.k_scale + static_cast<int64_t>(kv_slice) *
-                                               (p.nkv_pad / groups::kKvTile *
-                                                groups::kKThreadGroupsPerTile);
+      for (int local = 0;; ++local) {
+        const int slot = local % kQSlots;
+        hopper::mbarrier_wait(&bar.q_full[slot], (local / kQSlots) & 1);
+        const SlotItem w = bar.item[slot];
+        // Read: the slot may be refilled once the consumers are done with it too (without
+        // this arrival an item with no KV tiles could let it be refilled twice unseen).
+        hopper::mbarrier_arrive(&bar.q_empty[slot]);
+        if (w.m_block < 0) break;
+        const int kv_slice = w.kv_slice, n_tiles = w.n_tiles;
+        const float* k_scale =
+            p.k_scale + static_cast<int64_t>(kv_slice) *
+                            (p.nkv_pad / groups::kKvTile * groups::kKThreadGroupsPerTile);
 #pragma unroll 1  // rolled: this warpgroup runs at 40 registers
         for (int it = 0; it < n_tiles; ++it, ++iter) {
           const int st = iter % Tr::kStages;
           const uint32_t phase = (iter / Tr::kStages) & 1;
-          hopper::mbarrier_wait(&s.k_empty[st], phase ^ 1);
-          hopper::mbarrier_arrive_expect_tx(&s.k_full[st], Tr::kKBytes + sizeof(s.k_scale[st]));
+          hopper::mbarrier_wait(&bar.k_empty[st], phase ^ 1);
+          hopper::mbarrier_arrive_expect_tx(&bar.k_full[st], Tr::kKBytes + sizeof(s.k_scale[st]));
           // K/V are re-read by every query block of the head: keep them in L2.
-          hopper::tma_load_3d(s.k[st], &tm_k, &s.k_full[st], 0, it * Tr::kBlockN, kv_slice,
+          hopper::tma_load_3d(s.k[st], &tm_k, &bar.k_full[st], 0, it * Tr::kBlockN, kv_slice,
                               hopper::policy_evict_last());
           hopper::bulk_load(s.k_scale[st], k_scale + it * groups::kKThreadGroupsPerTile,
-                            sizeof(s.k_scale[st]), &s.k_full[st]);
-          hopper::mbarrier_wait(&s.v_empty[st], phase ^ 1);
+                            sizeof(s.k_scale[st]), &bar.k_full[st]);
+          hopper::mbarrier_wait(&bar.v_empty[st], phase ^ 1);
 #if QATTN_EXPERIMENT_NO_V_LOAD  // knockout for bench/NOTES.md (half the L2 traffic): wrong results
-          hopper::mbarrier_arrive_expect_tx(&s.v_full[st], 0);
+          hopper::mbarrier_arrive_expect_tx(&bar.v_full[st], 0);
 #else
-          hopper::mbarrier_arrive_expect_tx(&s.v_full[st], Tr::kVBytes);
-          hopper::tma_load_3d(s.v[st], &tm_vt, &s.v_full[st], it * Tr::kBlockN, 0, kv_slice,
+          hopper::mbarrier_arrive_expect_tx(&bar.v_full[st], Tr::kVBytes);
+          hopper::tma_load_3d(s.v[st], &tm_vt, &bar.v_full[st], it * Tr::kBlockN, 0, kv_slice,
                               hopper::policy_evict_last());
 #endif
         }
@@ -310,8 +360,8 @@ __global__ void __launch_bounds__(384, 1)
   // A work item as a consumer thread sees it.
   struct Item {
     int m_block, bh_q, n_tiles;  // bh_q = b · Hq + hq
-    int local;       // ordinal on this CTA: Q slot and its phase
-    int first_iter;  // KV tiles consumed before it: the ring's stage and phase
+    int local;                   // ordinal on this CTA: Q slot and its phase
+    int first_iter;              // KV tiles consumed before it: the ring's stage and phase
     __device__ int slot() const { return local % kQSlots; }
     __device__ int stage(int it) const { return (first_iter + it) % Tr::kStages; }
     __device__ uint32_t phase(int it) const {
@@ -329,7 +379,7 @@ __global__ void __launch_bounds__(384, 1)
   auto resolve_store = [&] {
     if (store_slot >= 0) {
       hopper::bulk_wait_group_read<0>();
-      hopper::mbarrier_arrive(&s.q_empty[store_slot]);
+      hopper::mbarrier_arrive(&bar.q_empty[store_slot]);
       store_slot = -1;
     }
   };
@@ -342,7 +392,7 @@ __global__ void __launch_bounds__(384, 1)
     hopper::fence_proxy_async();  // the TMA store reads what this thread wrote
     hopper::named_barrier_sync(1 + cw, 128);
     if (p.o_tma_cols < p.head_dim)  // after the barrier: reads other threads' staged rows
-      store_output_tail(p, w.bh_q, row_first(w), threadIdx.x % 128, stage);
+      store_output_tail(p, w.bh_q, row_first(w), stage);
     if (store_thread) {
       const int b = w.bh_q / p.heads_q, hq = w.bh_q % p.heads_q;
 #pragma unroll
@@ -353,32 +403,31 @@ __global__ void __launch_bounds__(384, 1)
       store_slot = w.slot();
     } else {
       // The slot (Q tiles and side data) is free once every thread is done with it.
-      hopper::mbarrier_arrive(&s.q_empty[w.slot()]);
+      hopper::mbarrier_arrive(&bar.q_empty[w.slot()]);
     }
   };
 
-  int next_id = blockIdx.x, next_local = 0, next_iter = 0;
+  int next_local = 0, next_iter = 0;
   // Opens this CTA's next item that has KV tiles: waits for its Q and side data, and
   // writes the output of items whose rows see no key (O = 0, LSE = -inf) on the way.
   auto open_item = [&](Item& w) -> bool {
-    for (; next_id < num_items; next_id += gridDim.x, ++next_local) {
-      const WorkItem wi = decode_item(p, next_id);
-      w = Item{wi.m_block, wi.b * p.heads_q + wi.hq, kv_tiles_for_block(p, wi.m_block),
-               next_local, next_iter};
+    while (true) {
+      const int slot = next_local % kQSlots;
       // The Q of this item may need the slot of a store still pending (a 1-tile item
       // has no turn in between to release it): release it before waiting.
       resolve_store();
-      hopper::mbarrier_wait(&s.q_ready[w.slot()], (w.local / kQSlots) & 1);
-      if (w.n_tiles > 0) {
-        next_id += gridDim.x;
-        ++next_local;
-        next_iter += w.n_tiles;
-        return true;
-      }
-      float zero[kO] = {};
-      write_output(w, zero, Softmax{});
+      hopper::mbarrier_wait(&bar.q_ready[slot], (next_local / kQSlots) & 1);
+      const SlotItem si = bar.item[slot];
+      w = Item{si.m_block, si.bh_q, si.n_tiles, next_local, next_iter};
+      ++next_local;
+      if (si.m_block < 0 || si.n_tiles > 0) break;
+      // Rows that see no key: O = 0 and LSE = -inf (rare: causal with Nq > Nkv).
+      write_empty_block(p, si.bh_q, si.m_block * Tr::kBlockM, threadIdx.x - 128,
+                        Tr::kConsumerThreads);
+      hopper::mbarrier_arrive(&bar.q_empty[slot]);
     }
-    return false;
+    next_iter += w.n_tiles;
+    return w.m_block >= 0;
   };
 
   int32_t acc_s[kS];
@@ -417,7 +466,7 @@ __global__ void __launch_bounds__(384, 1)
   auto softmax_tile = [&](const Item& w, int it, float qk, Softmax& sm, float(&x)[kS],
                           float(&alpha_out)[2]) {
     hopper::fence_operands(acc_s);
-    if (lane < 4) hopper::mbarrier_arrive(&s.k_empty[w.stage(it)]);
+    if (lane < 4) hopper::mbarrier_arrive(&bar.k_empty[w.stage(it)]);
 #if QATTN_EXPERIMENT_NO_SOFTMAX  // knockout for bench/NOTES.md: wrong results, timing only
 #pragma unroll
     for (int i = 0; i < kS; ++i) x[i] = score_to_float(acc_s[i]) * qk;
@@ -458,7 +507,7 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
   for (int i = 0; i < kO; ++i) o[i] = 0.f;
   {  // the pipeline's first tile: nothing to overlap it with yet
-    hopper::mbarrier_wait(&s.k_full[cur.stage(0)], cur.phase(0));
+    hopper::mbarrier_wait(&bar.k_full[cur.stage(0)], cur.phase(0));
     hopper::wgmma_fence();
     issue_qk(cur, 0);
     const float qk = tile_scale(cur, 0);
@@ -476,8 +525,8 @@ __global__ void __launch_bounds__(384, 1)
     const int st = cur.stage(it);
     float qk_next = 0.f;
     float acc_o[kO];
-    hopper::mbarrier_wait(&s.v_full[st], cur.phase(it));
-    if constexpr (has_next) hopper::mbarrier_wait(&s.k_full[nw.stage(nit)], nw.phase(nit));
+    hopper::mbarrier_wait(&bar.v_full[st], cur.phase(it));
+    if constexpr (has_next) hopper::mbarrier_wait(&bar.k_full[nw.stage(nit)], nw.phase(nit));
     hopper::wgmma_fence();
     if constexpr (has_next) issue_qk(nw, nit);
     issue_pv(st, acc_o);
@@ -496,9 +545,9 @@ __global__ void __launch_bounds__(384, 1)
     hopper::fence_operands(acc_o);
     hopper::fence_operands(a_p);
     __syncwarp();
-    if (lane == 0) hopper::mbarrier_arrive(&s.v_empty[st]);
+    if (lane == 0) hopper::mbarrier_arrive(&bar.v_empty[st]);
 
-    // Two-level accumulation: the tile's product landed in fresh registers; one FMA.
+      // Two-level accumulation: the tile's product landed in fresh registers; one FMA.
 #pragma unroll
     for (int i = 0; i < kO; ++i) o[i] = fmaf(o[i], alpha[(i % 4) / 2], acc_o[i]);
 

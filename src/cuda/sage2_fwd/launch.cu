@@ -86,6 +86,7 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
   ap.k_scale = q.k_scale;
   ap.k_mean = q.k_mean;
   ap.v_amax = q.v_amax;
+  ap.item_counter = reinterpret_cast<int*>(static_cast<uint8_t*>(ws) + w.item_counter);
   if (keep_q) ap.q_debug = q_debug_out(w, ws);
   ap.sm_scale = resolved_sm_scale(p);
   ap.scale_log2 = ap.sm_scale * kLog2e;

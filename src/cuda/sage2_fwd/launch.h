@@ -21,6 +21,9 @@ namespace qattn::sage2 {
 //   k_mean  float (B, Hkv, D)               the smoothing vector c
 //   vt_f8   e4m3  (B, Hkv, D, Nkv_pad)      Vᵀ, tokens permuted in groups of 16
 //   v_amax  float (B, Hkv, D)               per-channel amax of V (scale = amax / 448)
+//           int   [2], right after v_amax    the attention kernel's work counters
+//           (next item, CTAs done), zero between launches: the memset of v_amax zeroes
+//           them and the kernel's last CTA puts them back to zero
 // D is the head dim padded to 64 or 128.
 std::size_t workspace_bytes(const qattn_fwd_params& p, bool keep_q = false);
 

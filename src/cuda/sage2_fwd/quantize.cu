@@ -355,8 +355,8 @@ __global__ void __launch_bounds__(kKvThreads, kKvMinBlocksPerSm)
 
 template <typename T, int D, bool kFullDim>
 cudaError_t launch_quantize_passes(const InputView<T>& k, const InputView<T>& v,
-                                   const QuantizeParams& p,
-                                   const QuantizeOutputs& out, cudaStream_t stream) {
+                                   const QuantizeParams& p, const QuantizeOutputs& out,
+                                   cudaStream_t stream) {
   const dim3 kv_grid(p.nkv_pad / groups::kKvTile, p.heads_kv, p.batch);
   auto statistics = statistics_kernel<T, D, kFullDim>;
   auto kv_quantize = kv_quantize_kernel<T, D, kFullDim>;
@@ -368,8 +368,10 @@ cudaError_t launch_quantize_passes(const InputView<T>& k, const InputView<T>& v,
                                              cudaSharedmemCarveoutMaxShared);
         e != cudaSuccess)
       return e;
-  if (cudaError_t e =
-          cudaMemsetAsync(out.v_amax, 0, sizeof(float) * D * p.heads_kv * p.batch, stream);
+  // V amax accumulates by atomic max from zero; the attention kernel's work counters
+  // right after it (workspace.h) start from zero too.
+  if (cudaError_t e = cudaMemsetAsync(
+          out.v_amax, 0, sizeof(float) * D * p.heads_kv * p.batch + 2 * sizeof(int), stream);
       e != cudaSuccess)
     return e;
   statistics<<<(kv_grid.x + 1) * kv_grid.y * kv_grid.z, kThreads, 0, stream>>>(k, v, p, out.k_mean,
@@ -397,8 +399,8 @@ cudaError_t launch_quantize(const InputView<T>& k, const InputView<T>& v, const 
                          : launch_quantize_passes<T, D, false>(k, v, p, out, stream);
 }
 
-#define QATTN_INSTANTIATE(T, D)                                                          \
-  template cudaError_t launch_quantize<T, D>(const InputView<T>&, const InputView<T>&, \
+#define QATTN_INSTANTIATE(T, D)                                                             \
+  template cudaError_t launch_quantize<T, D>(const InputView<T>&, const InputView<T>&,      \
                                              const QuantizeParams&, const QuantizeOutputs&, \
                                              cudaStream_t);
 QATTN_INSTANTIATE(__nv_bfloat16, 64)

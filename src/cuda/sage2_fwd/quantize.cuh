@@ -30,7 +30,8 @@ struct QuantizeOutputs {
   float* k_scale;
   float* k_mean;
   uint8_t* vt_f8;
-  float* v_amax;  // (B, Hkv, D): per-channel amax of V; scale = amax / 448
+  float* v_amax;  // (B, Hkv, D): per-channel amax of V; scale = amax / 448, followed by
+                  // the attention kernel's two work counters (zeroed with it)
 };
 
 // Enqueues the quantization passes on the stream: K mean and V amax (reads a sample
