@@ -223,6 +223,26 @@ __global__ void __launch_bounds__(384, 1)
     hopper::fence_barrier_init();
   }
   __syncthreads();
+  const bool want_q_dot_c = p.lse != nullptr || p.q_debug.q_dot_c != nullptr;
+  // Bytes that complete a Q slot's q_full: the 16-bit Q tile, V amax and (for q·c) c.
+  const uint32_t q_slot_bytes = QTileLayout<D>::kInBytes + sizeof(ItemSide<D>::v_amax) +
+                                (want_q_dot_c ? sizeof(ItemSide<D>::k_mean) : 0);
+  // Loads an item's 16-bit Q tile into a slot (Q loader).
+  auto load_q_tile = [&](int slot, const WorkItem& w) {
+#pragma unroll
+    for (int box = 0; box < D / 64; ++box)
+      hopper::tma_load_4d(s.q_in[slot] + box * (Tr::kBlockM * 128), &tm_q, &bar.q_full[slot],
+                          box * 64, w.m_block * Tr::kBlockM, w.hq, w.b,
+                          hopper::policy_evict_first());
+  };
+  // The first item's Q is the caller's input, final before this grid could launch (the
+  // chain starts with the statistics kernel, launched in stream order), so its load is
+  // issued before the wait; the side data of the slot are outputs of the K/V kernels.
+  if (threadIdx.x == 96) {
+    hopper::tma_prefetch_descriptor(&tm_q);
+    hopper::mbarrier_arrive_expect_tx(&bar.q_full[0], q_slot_bytes);
+    load_q_tile(0, decode_item(p, static_cast<int>(blockIdx.x)));
+  }
   // Launched early (programmatic dependent launch) while the K/V quantization ends:
   // everything above overlaps its tail; its outputs are complete after the wait.
   hopper::grid_dependency_wait();
@@ -230,7 +250,6 @@ __global__ void __launch_bounds__(384, 1)
   if (warpgroup == 0) {
     // ---- producer ------------------------------------------------------------------------
     hopper::setmaxnreg_dec<kProducerRegs>();
-    const bool want_q_dot_c = p.lse != nullptr || p.q_debug.q_dot_c != nullptr;
     if (threadIdx.x >= 32 && threadIdx.x < 32 + kQTileThreads) {
       // Q tile quantizer: every item of this CTA, in order.
       const int tid = threadIdx.x - 32;
@@ -247,11 +266,14 @@ __global__ void __launch_bounds__(384, 1)
           break;
         }
         float* q_dot_c = want_q_dot_c ? side.q_dot_c : nullptr;
-#if !QATTN_EXPERIMENT_NO_Q_QUANT  // knockout for bench/NOTES.md: wrong results, timing only
-        quantize_q_tile<D, T>(s.q_in[slot], s.q[slot], side.q_scale, q_dot_c,
-                              want_q_dot_c ? side.k_mean : nullptr, tid, p.granularity,
-                              p.scale_log2, p.sm_scale);
+#if QATTN_EXPERIMENT_NO_Q_QUANT  // knockout for bench/NOTES.md: wrong results, timing only
+        // Each slot is quantized once, so the MMAs still see real data (an all-zero
+        // tile draws less power and may run at a higher clock).
+        if (local < kQSlots)
 #endif
+          quantize_q_tile<D, T>(s.q_in[slot], s.q[slot], side.q_scale, q_dot_c,
+                                want_q_dot_c ? side.k_mean : nullptr, tid, p.granularity,
+                                p.scale_log2, p.sm_scale);
         if (p.q_debug.q_i8 != nullptr) {
           // Decoded here rather than kept live across the quantization, which would spill
           // at 40 registers.
@@ -271,7 +293,6 @@ __global__ void __launch_bounds__(384, 1)
     // arrives on q_full, which the quantizer and the K/V loader wait on (and the
     // consumers, through q_ready).
     if (threadIdx.x == 96) {
-      hopper::tma_prefetch_descriptor(&tm_q);
       for (int local = 0;; ++local) {
         const int slot = local % kQSlots;
         hopper::mbarrier_wait(&bar.q_empty[slot], ((local / kQSlots) & 1) ^ 1);
@@ -286,13 +307,10 @@ __global__ void __launch_bounds__(384, 1)
         bar.item[slot] =
             SlotItem{w.m_block, w.b * p.heads_q + w.hq, kv_slice, kv_tiles_for_block(p, w.m_block)};
         ItemSide<D>& side = s.side[slot];
-        const uint32_t side_bytes = sizeof(side.v_amax) + (want_q_dot_c ? sizeof(side.k_mean) : 0);
-        hopper::mbarrier_arrive_expect_tx(&bar.q_full[slot], QTileLayout<D>::kInBytes + side_bytes);
-#pragma unroll
-        for (int box = 0; box < D / 64; ++box)
-          hopper::tma_load_4d(s.q_in[slot] + box * (Tr::kBlockM * 128), &tm_q, &bar.q_full[slot],
-                              box * 64, w.m_block * Tr::kBlockM, w.hq, w.b,
-                              hopper::policy_evict_first());
+        if (local > 0) {  // the first item's Q is on its way since before the wait
+          hopper::mbarrier_arrive_expect_tx(&bar.q_full[slot], q_slot_bytes);
+          load_q_tile(slot, w);
+        }
         hopper::bulk_load(side.v_amax, p.v_amax + static_cast<int64_t>(kv_slice) * D,
                           sizeof(side.v_amax), &bar.q_full[slot]);
         if (want_q_dot_c)
