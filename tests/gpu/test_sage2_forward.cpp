@@ -8,6 +8,7 @@
 #include <cstring>
 #include <limits>
 
+#include "emulate/sage2.h"
 #include "sage2_case.h"
 
 namespace {
@@ -15,6 +16,32 @@ namespace {
 using namespace qattn;
 using test::Layout;
 using test::Sage2Case;
+
+template <typename T>
+std::vector<T> slice(const std::vector<uint8_t>& ws, std::size_t offset, std::size_t count) {
+  std::vector<T> out(count);
+  std::memcpy(out.data(), ws.data() + offset, count * sizeof(T));
+  return out;
+}
+
+// The emulator's options for a case: the kernel's own smoothing vector (read from its
+// workspace: its FP32 sum runs in another order than the emulator's) and granularity.
+emulate::Sage2Options emulation_options(const Sage2Case& c, const test::Sage2Result& r) {
+  const auto w = sage2::workspace_layout(test::make_params(c), c.keep_q);
+  const int D = w.head_dim_padded;
+  const std::size_t bkv = std::size_t(c.batch) * c.heads_kv;
+  const auto k_mean_padded = slice<float>(r.workspace, w.k_mean, bkv * D);
+  emulate::Sage2Options opt;
+  opt.k_smoothing = emulate::KSmoothing::Given;
+  opt.k_mean.resize(bkv * c.head_dim);
+  for (std::size_t h = 0; h < bkv; ++h)
+    for (int d = 0; d < c.head_dim; ++d) opt.k_mean[h * c.head_dim + d] = k_mean_padded[h * D + d];
+  opt.v_scale = numerics::Granularity::PerChannel;
+  opt.granularity = c.granularity == QATTN_QK_PER_THREAD ? numerics::Granularity::PerThread
+                    : c.granularity == QATTN_QK_PER_WARP ? numerics::Granularity::PerWarp
+                                                         : numerics::Granularity::PerBlock;
+  return opt;
+}
 
 // INT8 Q·Kᵀ with smoothing and E4M3 P·V keep CosSim above 0.999 on Gaussian inputs
 // (SageAttention2 Table 1 reports ~0.9999 for the 8-bit scheme; 0.999 leaves margin).
@@ -24,6 +51,9 @@ constexpr double kMinCos = 0.999;
 // (0.038 in docs/accuracy-report.md); the GPU is within 5e-3 of it (the emulation check
 // below). 0.08 is ~2x the worst emulated case; an 8% scale error alone reaches it.
 constexpr double kMaxRelL1 = 0.08;
+// Outputs up to this many values may miss kMinCos by the scheme's own error (see
+// check_case); larger ones must meet it.
+constexpr std::size_t kSmallOutput = 4096;
 // LSE error: INT8 scores carry ~0.5% relative error of |S|; on these inputs that is a
 // few 1e-2 in the log-sum-exp at worst (d=32: a larger sm_scale). The tight check is
 // against the emulation below.
@@ -48,7 +78,21 @@ void check_case(const Sage2Case& c) {
   const auto ref = reference::attention_forward(r.q, r.k, r.v, ap);
   const auto m =
       metrics::compare(std::span<const float>(r.o.data), std::span<const double>(ref.o.data));
-  EXPECT_GE(m.cos_sim, kMinCos) << "rel_l1=" << m.rel_l1 << " rmse=" << m.rmse;
+  if (m.cos_sim < kMinCos && r.o.data.size() <= kSmallOutput) {
+    // A small output can fall below the bound through the scheme's own error (measured:
+    // Nq = 1, d = 32, two heads, 0.99897). Then the CPU emulation of the same scheme on
+    // the same inputs must fall below it too, and the GPU must equal the emulation.
+    const auto emu =
+        emulate::sage2_attend(emulate::quantize_sage2(r.q, r.k, r.v, ap, emulation_options(c, r)));
+    const auto me =
+        metrics::compare(std::span<const float>(emu.o.data), std::span<const double>(ref.o.data));
+    EXPECT_LT(me.cos_sim, kMinCos + 1e-4) << "the scheme reaches the bound here; the GPU does not";
+    const auto mg =
+        metrics::compare(std::span<const float>(r.o.data), std::span<const float>(emu.o.data));
+    EXPECT_GE(mg.cos_sim, 0.99999) << "GPU against its emulation, rel_l1=" << mg.rel_l1;
+  } else {
+    EXPECT_GE(m.cos_sim, kMinCos) << "rel_l1=" << m.rel_l1 << " rmse=" << m.rmse;
+  }
   EXPECT_LE(m.rel_l1, kMaxRelL1) << "cos=" << m.cos_sim << " rmse=" << m.rmse;
   double lse_err = 0;
   for (std::size_t i = 0; i < ref.lse.size(); ++i) {
@@ -127,6 +171,24 @@ TEST(Sage2Forward, BlocksThatSeeNoKey) {
   }
 }
 
+// A case whose 64 output values miss kMinCos through the scheme's own error (the CPU
+// emulation gives the same 0.99897; found by the sweep): check_case then requires the
+// GPU to equal the emulation.
+TEST(Sage2Forward, SmallOutputBelowTheBoundEqualsTheEmulation) {
+  QATTN_SKIP_WITHOUT_GPU();
+  Sage2Case c;
+  c.seed = 18220599991329085336ull;
+  c.batch = 2;
+  c.heads_q = 2;
+  c.heads_kv = 1;
+  c.seqlen_q = 1;
+  c.seqlen_kv = 128;
+  c.head_dim = 32;
+  c.bf16 = false;
+  c.granularity = QATTN_QK_PER_WARP;
+  check_case(c);
+}
+
 TEST(Sage2Forward, RandomShapeSweep) {
   QATTN_SKIP_WITHOUT_GPU();
   const uint64_t seed = test::fresh_seed();
@@ -157,16 +219,7 @@ TEST(Sage2Forward, RandomShapeSweep) {
 }  // namespace
 
 // ---- the GPU against the CPU emulation of the same scheme --------------------------------
-#include "emulate/sage2.h"
-
 namespace {
-
-template <typename T>
-std::vector<T> slice(const std::vector<uint8_t>& ws, std::size_t offset, std::size_t count) {
-  std::vector<T> out(count);
-  std::memcpy(out.data(), ws.data() + offset, count * sizeof(T));
-  return out;
-}
 
 // The kernel's quantized tensors equal the emulator's bit for bit (given the kernel's
 // smoothing vector, whose FP32 sum runs in another order), and its output equals the
@@ -190,21 +243,9 @@ void check_against_emulation(Sage2Case c) {
   const int D = w.head_dim_padded;
   const std::size_t bq = std::size_t(c.batch) * c.heads_q, bkv = std::size_t(c.batch) * c.heads_kv;
 
-  const auto k_mean_padded = slice<float>(r.workspace, w.k_mean, bkv * D);
-  std::vector<float> k_mean(bkv * c.head_dim);
-  for (std::size_t h = 0; h < bkv; ++h)
-    for (int d = 0; d < c.head_dim; ++d) k_mean[h * c.head_dim + d] = k_mean_padded[h * D + d];
-
   AttentionParams ap;
   ap.mask = c.causal ? Mask::Causal : Mask::None;
-  emulate::Sage2Options opt;
-  opt.k_smoothing = emulate::KSmoothing::Given;
-  opt.k_mean = k_mean;
-  opt.v_scale = numerics::Granularity::PerChannel;
-  opt.granularity = c.granularity == QATTN_QK_PER_THREAD ? numerics::Granularity::PerThread
-                    : c.granularity == QATTN_QK_PER_WARP ? numerics::Granularity::PerWarp
-                                                         : numerics::Granularity::PerBlock;
-  auto qz = emulate::quantize_sage2(r.q, r.k, r.v, ap, opt);
+  auto qz = emulate::quantize_sage2(r.q, r.k, r.v, ap, emulation_options(c, r));
 
   EXPECT_EQ(slice<int8_t>(r.workspace, w.q_i8, qz.q_i8.size()), qz.q_i8) << "q_i8";
   EXPECT_EQ(slice<float>(r.workspace, w.q_scale, qz.q_scale.size()), qz.q_scale) << "q_scale";

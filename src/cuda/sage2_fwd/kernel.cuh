@@ -187,6 +187,21 @@ __device__ __forceinline__ int kv_slice_of(const AttentionParams& p, const WorkI
   return w.b * p.heads_kv + w.hq / (p.heads_q / p.heads_kv);
 }
 
+// The consumers' view of the storage (same bytes as the producers'). At d = 64 it is
+// reached through an integer (generic) address, as before v13: ptxas then schedules the
+// consumer loop differently (the P·V wait after more of the softmax) and the kernel ran
+// 11-13% faster at N = 8K-32K than with shared-space accesses; at d = 128 shared-space
+// accesses were 1-4% faster (NOTES v13d). A measured code-generation choice.
+template <int D>
+__device__ __forceinline__ SharedStorage<D>& consumer_storage(uint8_t* smem_raw) {
+  if constexpr (D == 64)
+    return *reinterpret_cast<SharedStorage<D>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                                ~uintptr_t{1023});
+  else
+    return *reinterpret_cast<SharedStorage<D>*>(
+        smem_raw + ((1024u - (hopper::smem_addr(smem_raw) & 1023u)) & 1023u));
+}
+
 template <int D, typename T>
 __global__ void __launch_bounds__(384, 1)
     sage2_fwd_kernel(const __grid_constant__ CUtensorMap tm_q,
@@ -195,8 +210,13 @@ __global__ void __launch_bounds__(384, 1)
                      const __grid_constant__ CUtensorMap tm_o, const AttentionParams p) {
   using Tr = KernelTraits<D>;
   extern __shared__ uint8_t smem_raw[];
-  auto& s = *reinterpret_cast<SharedStorage<D>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
-                                                 ~uintptr_t{1023});
+  // The storage starts at the first 1024-byte boundary (the TMA 128B swizzle). The
+  // __shared__ array itself is offset, not an integer address: the compiler then knows
+  // every access is to shared memory (LDS/STS, 32-bit addresses) instead of issuing
+  // generic loads and stores with 64-bit address arithmetic (the Q quantizer took ~11K
+  // cycles per tile with generic ones, NOTES v13c). The consumers: consumer_storage.
+  const uint32_t align_pad = (1024u - (hopper::smem_addr(smem_raw) & 1023u)) & 1023u;
+  auto& s = *reinterpret_cast<SharedStorage<D>*>(smem_raw + align_pad);
   const int warpgroup = threadIdx.x / 128;
   const int num_items = p.num_m_blocks * p.heads_q * p.batch;
   __shared__ Pipeline<Tr::kStages> bar;
@@ -366,6 +386,7 @@ __global__ void __launch_bounds__(384, 1)
   // item's first softmax overlaps that P·V and no item starts or ends with the tensor
   // cores idle (NOTES v10).
   hopper::setmaxnreg_inc<kConsumerRegs>();
+  SharedStorage<D>& cs = consumer_storage<D>(smem_raw);
   const int cw = warpgroup - 1;  // which 64 rows of the block
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const FragCoord fc{lane / 4, lane % 4};
@@ -402,9 +423,9 @@ __global__ void __launch_bounds__(384, 1)
     }
   };
   auto write_output = [&](const Item& w, const float(&o)[kO], const Softmax& sm) {
-    const ItemSide<D>& side = s.side[w.slot()];
+    const ItemSide<D>& side = cs.side[w.slot()];
     resolve_store();
-    uint8_t* stage = s.q_in[w.slot()] + cw * (D / 64) * kOBoxBytes;
+    uint8_t* stage = cs.q_in[w.slot()] + cw * (D / 64) * kOBoxBytes;
     stage_output<T, kO>(o, sm, fc, warp * 16 + fc.g, side.v_amax, stage);
     store_lse(p, sm, fc, w.bh_q, w.m_block * Tr::kBlockM, row_in_block(0), side.q_dot_c);
     hopper::fence_proxy_async();  // the TMA store reads what this thread wrote
@@ -454,8 +475,8 @@ __global__ void __launch_bounds__(384, 1)
 
   // Callers wait on the stage's "full" barrier first.
   auto issue_qk = [&](const Item& w, int it) {
-    const uint64_t desc_q = hopper::make_smem_desc<Tr::kQKSwizzle>(s.q[w.slot()] + cw * 64 * D);
-    const uint64_t desc_k = hopper::make_smem_desc<Tr::kQKSwizzle>(s.k[w.stage(it)]);
+    const uint64_t desc_q = hopper::make_smem_desc<Tr::kQKSwizzle>(cs.q[w.slot()] + cw * 64 * D);
+    const uint64_t desc_k = hopper::make_smem_desc<Tr::kQKSwizzle>(cs.k[w.stage(it)]);
     hopper::wgmma_m64n128k32_s8_ss_init(acc_s, desc_q, desc_k);
 #pragma unroll
     for (int kk = 1; kk < D / 32; ++kk)
@@ -464,7 +485,7 @@ __global__ void __launch_bounds__(384, 1)
     hopper::wgmma_commit();
   };
   auto issue_pv = [&](int st, float(&acc_o)[kO]) {
-    const uint64_t desc_v = hopper::make_smem_desc<Tr::kVSwizzle>(s.v[st]);
+    const uint64_t desc_v = hopper::make_smem_desc<Tr::kVSwizzle>(cs.v[st]);
     if constexpr (D == 128) {
       hopper::wgmma_m64n128k32_e4m3_rs_init(acc_o, a_p[0], desc_v);
 #pragma unroll
@@ -509,8 +530,8 @@ __global__ void __launch_bounds__(384, 1)
   // products, so the floor changes nothing. A NaN scale (NaN in Q or K) stays NaN and
   // reaches O through P.
   auto tile_scale = [&](const Item& w, int it) {
-    const float ks = lane < 4 ? s.k_scale[w.stage(it)][lane] : 0.f;
-    const float qs = s.side[w.slot()].q_scale[row_in_block(0) / 16 * 8 + fc.g];
+    const float ks = lane < 4 ? cs.k_scale[w.stage(it)][lane] : 0.f;
+    const float qs = cs.side[w.slot()].q_scale[row_in_block(0) / 16 * 8 + fc.g];
     const float qk = qs * __shfl_sync(0xffffffff, ks, fc.t);
     return qk < FLT_MIN ? FLT_MIN : qk;
   };
