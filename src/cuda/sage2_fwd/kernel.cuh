@@ -88,9 +88,22 @@ struct KernelTraits {
   static constexpr hopper::Swizzle kVSwizzle = hopper::Swizzle::k128B;  // 128 tokens = 128 B
 };
 
-// Two Q buffers: the producer loads the next work item's Q while the consumers still
-// use the current one, so no item starts by waiting for its Q.
-inline constexpr int kQSlots = 2;
+// Work item L has Q slot L % kQSlots (its INT8 Q tile, scales, side data and item) and
+// 16-bit buffer L % 2 (its Q as loaded; later, once quantized, the staging area of item
+// L - 1's O). With three slots the quantizer works one item ahead of the one the
+// consumers open next: with two it can start only when the item before has ended, and
+// on short items the consumers waited for it (up to 8% of their time at causal 2K,
+// NOTES v13e).
+// At d = 64 three slots measured 3-4% slower than two at N >= 8K (the quantizer then
+// runs during the consumers' busiest time; NOTES v13e): two there.
+#ifdef QATTN_SAGE2_Q_SLOTS  // override for the measurements of bench/NOTES.md
+template <int D>
+inline constexpr int kQSlots = QATTN_SAGE2_Q_SLOTS;
+#else
+template <int D>
+inline constexpr int kQSlots = D == 128 ? 3 : 2;
+#endif
+inline constexpr int kQinBuffers = 2;
 
 // The small per-item data in shared memory, so no consumer waits on a global load at
 // the start or the end of an item (NOTES v10): V amax and c are bulk-copied with the Q
@@ -114,11 +127,11 @@ struct SlotItem {
 template <int D>
 struct SharedStorage {
   using Tr = KernelTraits<D>;
-  alignas(1024) uint8_t q_in[kQSlots][QTileLayout<D>::kInBytes];  // 16-bit, as loaded
-  alignas(1024) uint8_t q[kQSlots][Tr::kQBytes];                  // INT8, wgmma layout
+  alignas(1024) uint8_t q_in[kQinBuffers][QTileLayout<D>::kInBytes];  // 16-bit, as loaded
+  alignas(1024) uint8_t q[kQSlots<D>][Tr::kQBytes];                   // INT8, wgmma layout
   alignas(1024) uint8_t k[Tr::kStages][Tr::kKBytes];
   alignas(1024) uint8_t v[Tr::kStages][Tr::kVBytes];
-  alignas(16) ItemSide<D> side[kQSlots];
+  alignas(16) ItemSide<D> side[kQSlots<D>];
   alignas(16) float k_scale[Tr::kStages][groups::kKThreadGroupsPerTile];  // with its K tile
 };
 
@@ -126,10 +139,11 @@ struct SharedStorage {
 // role addresses them by constants. Reached through the generic SharedStorage pointer,
 // their addresses kept registers live that spilled the 40-register producers and the
 // consumers.
-template <int kStages>
+template <int D, int kStages>
 struct Pipeline {
-  SlotItem item[kQSlots];  // the work item of each Q slot
-  uint64_t q_full[kQSlots], q_ready[kQSlots], q_empty[kQSlots];
+  SlotItem item[kQSlots<D>];  // the work item of each Q slot
+  uint64_t q_full[kQinBuffers], qin_free[kQinBuffers];
+  uint64_t q_ready[kQSlots<D>], q_empty[kQSlots<D>];
   uint64_t k_full[kStages], k_empty[kStages];
   uint64_t v_full[kStages], v_empty[kStages];
 };
@@ -219,17 +233,22 @@ __global__ void __launch_bounds__(384, 1)
   auto& s = *reinterpret_cast<SharedStorage<D>*>(smem_raw + align_pad);
   const int warpgroup = threadIdx.x / 128;
   const int num_items = p.num_m_blocks * p.heads_q * p.batch;
-  __shared__ Pipeline<Tr::kStages> bar;
+  __shared__ Pipeline<D, Tr::kStages> bar;
 
   if (threadIdx.x == 0) {
 #pragma unroll
-    for (int i = 0; i < kQSlots; ++i) {
+    for (int i = 0; i < kQinBuffers; ++i) {
       hopper::mbarrier_init(&bar.q_full[i], 1);
+      // Phase j of buffer b: the K/V loader has read item 2j + b, and the two store
+      // threads' TMA stores of item 2j + b - 1's O (staged here) have read it.
+      hopper::mbarrier_init(&bar.qin_free[i], 3);
+    }
+#pragma unroll
+    for (int i = 0; i < kQSlots<D>; ++i) {
       // Every thread arrives on these two (once per item): each thread's own shared-memory
       // writes or reads are then ordered by the barrier itself.
       hopper::mbarrier_init(&bar.q_ready[i], kQTileThreads);
-      // The consumers and the K/V loader (once it has read the slot's item).
-      hopper::mbarrier_init(&bar.q_empty[i], Tr::kConsumerThreads + 1);
+      hopper::mbarrier_init(&bar.q_empty[i], Tr::kConsumerThreads);
     }
 #pragma unroll
     for (int i = 0; i < Tr::kStages; ++i) {
@@ -244,14 +263,14 @@ __global__ void __launch_bounds__(384, 1)
   }
   __syncthreads();
   const bool want_q_dot_c = p.lse != nullptr || p.q_debug.q_dot_c != nullptr;
-  // Bytes that complete a Q slot's q_full: the 16-bit Q tile, V amax and (for q·c) c.
+  // Bytes that complete an item's q_full: the 16-bit Q tile, V amax and (for q·c) c.
   const uint32_t q_slot_bytes = QTileLayout<D>::kInBytes + sizeof(ItemSide<D>::v_amax) +
                                 (want_q_dot_c ? sizeof(ItemSide<D>::k_mean) : 0);
-  // Loads an item's 16-bit Q tile into a slot (Q loader).
-  auto load_q_tile = [&](int slot, const WorkItem& w) {
+  // Loads an item's 16-bit Q tile into a buffer (Q loader).
+  auto load_q_tile = [&](int buf, const WorkItem& w) {
 #pragma unroll
     for (int box = 0; box < D / 64; ++box)
-      hopper::tma_load_4d(s.q_in[slot] + box * (Tr::kBlockM * 128), &tm_q, &bar.q_full[slot],
+      hopper::tma_load_4d(s.q_in[buf] + box * (Tr::kBlockM * 128), &tm_q, &bar.q_full[buf],
                           box * 64, w.m_block * Tr::kBlockM, w.hq, w.b,
                           hopper::policy_evict_first());
   };
@@ -274,13 +293,13 @@ __global__ void __launch_bounds__(384, 1)
       // Q tile quantizer: every item of this CTA, in order.
       const int tid = threadIdx.x - 32;
       for (int local = 0;; ++local) {
-        const int slot = local % kQSlots;
+        const int slot = local % kQSlots<D>, buf = local % kQinBuffers;
         ItemSide<D>& side = s.side[slot];
         // q_full implies q_empty (the loader waits on it first); waiting on q_empty too
         // makes the consumers' last reads of this slot's scales direct predecessors of
         // the writes below (the path through the TMA is invisible to racecheck).
-        hopper::mbarrier_wait(&bar.q_empty[slot], ((local / kQSlots) & 1) ^ 1);
-        hopper::mbarrier_wait(&bar.q_full[slot], (local / kQSlots) & 1);
+        hopper::mbarrier_wait(&bar.q_empty[slot], ((local / kQSlots<D>)&1) ^ 1);
+        hopper::mbarrier_wait(&bar.q_full[buf], (local / kQinBuffers) & 1);
         if (bar.item[slot].m_block < 0) {  // no more work: the consumers learn it from q_ready
           hopper::mbarrier_arrive(&bar.q_ready[slot]);
           break;
@@ -289,9 +308,9 @@ __global__ void __launch_bounds__(384, 1)
 #if QATTN_EXPERIMENT_NO_Q_QUANT  // knockout for bench/NOTES.md: wrong results, timing only
         // Each slot is quantized once, so the MMAs still see real data (an all-zero
         // tile draws less power and may run at a higher clock).
-        if (local < kQSlots)
+        if (local < kQSlots<D>)
 #endif
-          quantize_q_tile<D, T>(s.q_in[slot], s.q[slot], side.q_scale, q_dot_c,
+          quantize_q_tile<D, T>(s.q_in[buf], s.q[slot], side.q_scale, q_dot_c,
                                 want_q_dot_c ? side.k_mean : nullptr, tid, p.granularity,
                                 p.scale_log2, p.sm_scale);
         if (p.q_debug.q_i8 != nullptr) {
@@ -314,12 +333,16 @@ __global__ void __launch_bounds__(384, 1)
     // consumers, through q_ready).
     if (threadIdx.x == 96) {
       for (int local = 0;; ++local) {
-        const int slot = local % kQSlots;
-        hopper::mbarrier_wait(&bar.q_empty[slot], ((local / kQSlots) & 1) ^ 1);
+        const int slot = local % kQSlots<D>, buf = local % kQinBuffers;
+        hopper::mbarrier_wait(&bar.q_empty[slot], ((local / kQSlots<D>)&1) ^ 1);
+        // Buffer `buf` is free once the K/V loader has read item local - 2 (so q_full
+        // cannot run a phase ahead of it) and item local - 3's O staged there is stored.
+        if (local >= kQinBuffers)
+          hopper::mbarrier_wait(&bar.qin_free[buf], (local / kQinBuffers - 1) & 1);
         const int item = next_item(p, local);
         if (item >= num_items) {
           bar.item[slot] = SlotItem{-1, 0, 0, 0};
-          hopper::mbarrier_arrive(&bar.q_full[slot]);
+          hopper::mbarrier_arrive(&bar.q_full[buf]);
           break;
         }
         const WorkItem w = decode_item(p, item);
@@ -328,14 +351,14 @@ __global__ void __launch_bounds__(384, 1)
             SlotItem{w.m_block, w.b * p.heads_q + w.hq, kv_slice, kv_tiles_for_block(p, w.m_block)};
         ItemSide<D>& side = s.side[slot];
         if (local > 0) {  // the first item's Q is on its way since before the wait
-          hopper::mbarrier_arrive_expect_tx(&bar.q_full[slot], q_slot_bytes);
-          load_q_tile(slot, w);
+          hopper::mbarrier_arrive_expect_tx(&bar.q_full[buf], q_slot_bytes);
+          load_q_tile(buf, w);
         }
         hopper::bulk_load(side.v_amax, p.v_amax + static_cast<int64_t>(kv_slice) * D,
-                          sizeof(side.v_amax), &bar.q_full[slot]);
+                          sizeof(side.v_amax), &bar.q_full[buf]);
         if (want_q_dot_c)
           hopper::bulk_load(side.k_mean, p.k_mean + static_cast<int64_t>(kv_slice) * D,
-                            sizeof(side.k_mean), &bar.q_full[slot]);
+                            sizeof(side.k_mean), &bar.q_full[buf]);
       }
       release_item_counter(p);
     }
@@ -344,12 +367,12 @@ __global__ void __launch_bounds__(384, 1)
       hopper::tma_prefetch_descriptor(&tm_vt);
       int iter = 0;  // KV tiles loaded so far: stage and phase of the ring
       for (int local = 0;; ++local) {
-        const int slot = local % kQSlots;
-        hopper::mbarrier_wait(&bar.q_full[slot], (local / kQSlots) & 1);
-        const SlotItem w = bar.item[slot];
-        // Read: the slot may be refilled once the consumers are done with it too (without
-        // this arrival an item with no KV tiles could let it be refilled twice unseen).
-        hopper::mbarrier_arrive(&bar.q_empty[slot]);
+        const int buf = local % kQinBuffers;
+        hopper::mbarrier_wait(&bar.q_full[buf], (local / kQinBuffers) & 1);
+        const SlotItem w = bar.item[local % kQSlots<D>];
+        // Read: the buffer's q_full may complete its next phase (item local + 2) only
+        // after this, or this loader could miss a phase and wait on the wrong one.
+        hopper::mbarrier_arrive(&bar.qin_free[buf]);
         if (w.m_block < 0) break;
         const int kv_slice = w.kv_slice, n_tiles = w.n_tiles;
         const float* k_scale =
@@ -401,7 +424,10 @@ __global__ void __launch_bounds__(384, 1)
     int m_block, bh_q, n_tiles;  // bh_q = b · Hq + hq
     int local;                   // ordinal on this CTA: Q slot and its phase
     int first_iter;              // KV tiles consumed before it: the ring's stage and phase
-    __device__ int slot() const { return local % kQSlots; }
+    __device__ int slot() const { return local % kQSlots<D>; }
+    // Where its O is staged: the 16-bit Q buffer of the item after it (quantized by the
+    // time the consumers opened that item, which they do before this one's epilogue).
+    __device__ int stage_buf() const { return (local + 1) % kQinBuffers; }
     __device__ int stage(int it) const { return (first_iter + it) % Tr::kStages; }
     __device__ uint32_t phase(int it) const {
       return static_cast<uint32_t>((first_iter + it) / Tr::kStages) & 1;
@@ -409,23 +435,25 @@ __global__ void __launch_bounds__(384, 1)
   };
   auto row_in_block = [&](int r) { return cw * 64 + warp * 16 + fc.g + 8 * r; };
   auto row_first = [&](const Item& w) { return w.m_block * Tr::kBlockM + cw * 64; };
-  // The epilogue stages the warpgroup's 64 rows of O in its half of the item's 16-bit Q
-  // tile (quantized long before, so free) and one thread stores them with TMA. The slot
-  // may be refilled only once that store has read it: that thread arrives on q_empty
-  // later, in resolve_store() after the next MMA issue, when the read is long done.
-  int store_slot = -1;  // the slot whose q_empty arrival waits for a TMA store (one thread)
+  // The epilogue stages the warpgroup's 64 rows of O in its half of a 16-bit Q buffer
+  // (stage_buf) and one thread stores them with TMA. The buffer may be refilled only
+  // once that store has read it: that thread arrives on qin_free later, in
+  // resolve_store() after the next MMA issue, when the read is long done.
+  int store_buf = -1;  // the buffer whose qin_free arrival waits for a TMA store (one thread)
   const bool store_thread = threadIdx.x % 128 == 0;
   auto resolve_store = [&] {
-    if (store_slot >= 0) {
+    if (store_buf >= 0) {
       hopper::bulk_wait_group_read<0>();
-      hopper::mbarrier_arrive(&bar.q_empty[store_slot]);
-      store_slot = -1;
+      hopper::mbarrier_arrive(&bar.qin_free[store_buf]);
+      store_buf = -1;
     }
   };
+  // Buffer 0's first phase has no O before it (qin_free): the store threads arrive for it.
+  if (store_thread) hopper::mbarrier_arrive(&bar.qin_free[0]);
   auto write_output = [&](const Item& w, const float(&o)[kO], const Softmax& sm) {
     const ItemSide<D>& side = cs.side[w.slot()];
     resolve_store();
-    uint8_t* stage = cs.q_in[w.slot()] + cw * (D / 64) * kOBoxBytes;
+    uint8_t* stage = cs.q_in[w.stage_buf()] + cw * (D / 64) * kOBoxBytes;
     stage_output<T, kO>(o, sm, fc, warp * 16 + fc.g, side.v_amax, stage);
     store_lse(p, sm, fc, w.bh_q, w.m_block * Tr::kBlockM, row_in_block(0), side.q_dot_c);
     hopper::fence_proxy_async();  // the TMA store reads what this thread wrote
@@ -439,11 +467,10 @@ __global__ void __launch_bounds__(384, 1)
         if (box * 64 < p.o_tma_cols)
           hopper::tma_store_4d(&tm_o, stage + box * kOBoxBytes, box * 64, row_first(w), hq, b);
       hopper::bulk_commit_group();
-      store_slot = w.slot();
-    } else {
-      // The slot (Q tiles and side data) is free once every thread is done with it.
-      hopper::mbarrier_arrive(&bar.q_empty[w.slot()]);
+      store_buf = w.stage_buf();
     }
+    // The slot (INT8 Q tile and side data) is free once every thread is done with it.
+    hopper::mbarrier_arrive(&bar.q_empty[w.slot()]);
   };
 
   int next_local = 0, next_iter = 0;
@@ -451,18 +478,20 @@ __global__ void __launch_bounds__(384, 1)
   // writes the output of items whose rows see no key (O = 0, LSE = -inf) on the way.
   auto open_item = [&](Item& w) -> bool {
     while (true) {
-      const int slot = next_local % kQSlots;
+      const int slot = next_local % kQSlots<D>;
       // The Q of this item may need the slot of a store still pending (a 1-tile item
       // has no turn in between to release it): release it before waiting.
       resolve_store();
-      hopper::mbarrier_wait(&bar.q_ready[slot], (next_local / kQSlots) & 1);
+      hopper::mbarrier_wait(&bar.q_ready[slot], (next_local / kQSlots<D>)&1);
       const SlotItem si = bar.item[slot];
       w = Item{si.m_block, si.bh_q, si.n_tiles, next_local, next_iter};
       ++next_local;
       if (si.m_block < 0 || si.n_tiles > 0) break;
-      // Rows that see no key: O = 0 and LSE = -inf (rare: causal with Nq > Nkv).
+      // Rows that see no key: O = 0 and LSE = -inf (rare: causal with Nq > Nkv), with
+      // plain stores: nothing is staged, so the store threads release the buffer now.
       write_empty_block(p, si.bh_q, si.m_block * Tr::kBlockM, threadIdx.x - 128,
                         Tr::kConsumerThreads);
+      if (store_thread) hopper::mbarrier_arrive(&bar.qin_free[w.stage_buf()]);
       hopper::mbarrier_arrive(&bar.q_empty[slot]);
     }
     next_iter += w.n_tiles;
