@@ -17,7 +17,7 @@ for t in "$bin"/gpu_test_*; do
   tail -3 "$logs/$name.log"
 done
 
-small='Sage2Forward.SmallHndBf16:Sage2Forward.HeadDim64AndCausal'
+small='Sage2Forward.SmallHndBf16:Sage2Forward.HeadDim64AndCausal:Sage2Forward.BlocksThatSeeNoKey'
 for tool in memcheck racecheck; do
   if timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 9 "$bin/gpu_test_sage2_forward" \
       --gtest_filter="$small" >"$logs/sanitizer-$tool.log" 2>&1; then
