@@ -14,6 +14,7 @@
 namespace {
 
 using namespace qattn;
+using test::DeviceBuffer;
 using test::Layout;
 using test::Sage2Case;
 
@@ -151,6 +152,67 @@ TEST(Sage2Forward, ItemsClaimedDynamicallyOverRepeatedLaunches) {
     c.causal = causal;
     check_case(c);
   }
+}
+
+// Many work items per CTA (a grid of 1024 query blocks on ~132 CTAs, so every Q slot and
+// buffer is reused many times): each item's output must be bit for bit what a launch
+// of its (batch, head) alone gives, where every CTA has at most two items. The small
+// launches are the ones the reference tests check; this catches what only a long
+// pipeline can get wrong (a slot or staging buffer reused too early), which a
+// reference comparison on small grids cannot see.
+TEST(Sage2Forward, ManyItemsPerCtaEqualOneHeadLaunches) {
+  QATTN_SKIP_WITHOUT_GPU();
+  const uint64_t seed = test::fresh_seed();
+  constexpr int B = 2, H = 16, N = 4096;
+  for (int d : {128, 64})
+    for (int causal : {0, 1}) {
+      SCOPED_TRACE("d=" + std::to_string(d) + " causal=" + std::to_string(causal) +
+                   " seed=" + std::to_string(seed));
+      const std::size_t count = std::size_t(B) * H * N * d;
+      std::mt19937_64 rng(seed + d + causal);
+      std::normal_distribution<float> normal(0.f, 1.f);
+      std::vector<uint16_t> host(count);
+      DeviceBuffer<uint16_t> q(count), k(count), v(count), o(count), o_one(std::size_t(N) * d);
+      for (auto* t : {&q, &k, &v}) {
+        for (auto& x : host) x = test::to_bits16(normal(rng), true);
+        t->upload(host);
+      }
+      auto params = [&](int b, int h, uint16_t* out) {
+        qattn_fwd_params p{};
+        p.dtype = QATTN_DTYPE_BF16;
+        p.batch = b;
+        p.heads_q = p.heads_kv = h;
+        p.seqlen_q = p.seqlen_kv = N;
+        p.head_dim = d;
+        p.causal = causal;
+        p.granularity = QATTN_QK_PER_THREAD;
+        const int64_t sn = d, sh = int64_t(N) * d, sb = sh * H;
+        p.q = {q.ptr, sb, sh, sn};
+        p.k = {k.ptr, sb, sh, sn};
+        p.v = {v.ptr, sb, sh, sn};
+        p.o = {out, b == 1 ? sh : sb, sh, sn};
+        return p;
+      };
+      qattn_fwd_params all = params(B, H, o.ptr);
+      DeviceBuffer<uint8_t> ws(sage2::workspace_bytes(all));
+      ASSERT_EQ(sage2::launch_forward(all, ws.ptr, nullptr), 0);
+      QATTN_CUDA_OK(cudaDeviceSynchronize());
+      const auto o_all = o.download();
+      for (auto [b, h] : {std::pair{0, 0}, std::pair{1, 7}, std::pair{1, 15}}) {
+        qattn_fwd_params one = params(1, 1, o_one.ptr);
+        const int64_t offset = b * all.q.stride_b + h * all.q.stride_h;
+        one.q.data = q.ptr + offset;
+        one.k.data = k.ptr + offset;
+        one.v.data = v.ptr + offset;
+        ASSERT_EQ(sage2::launch_forward(one, ws.ptr, nullptr), 0);
+        QATTN_CUDA_OK(cudaDeviceSynchronize());
+        const auto o_head = o_one.download();
+        std::size_t differ = 0;
+        for (std::size_t i = 0; i < o_head.size(); ++i) differ += o_head[i] != o_all[offset + i];
+        EXPECT_EQ(differ, 0u) << "of " << o_head.size() << " values of head (" << b << ", " << h
+                              << ") differ from its own launch";
+      }
+    }
 }
 
 // Causal with Nq > Nkv: the first 4 blocks see no key at all (items with no KV tile,

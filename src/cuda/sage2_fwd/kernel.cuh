@@ -90,18 +90,16 @@ struct KernelTraits {
 
 // Work item L has Q slot L % kQSlots (its INT8 Q tile, scales, side data and item) and
 // 16-bit buffer L % 2 (its Q as loaded; later, once quantized, the staging area of item
-// L - 1's O). With three slots the quantizer works one item ahead of the one the
-// consumers open next: with two it can start only when the item before has ended, and
-// on short items the consumers waited for it (up to 8% of their time at causal 2K,
-// NOTES v13e).
-// At d = 64 three slots measured 3-4% slower than two at N >= 8K (the quantizer then
-// runs during the consumers' busiest time; NOTES v13e): two there.
+// L - 1's O). The protocol is written for any kQSlots >= 2. Three slots would let the
+// quantizer work one more item ahead (+1-3% at d=128, NOTES v13e), but that build gave
+// wrong outputs on long pipelines (ManyItemsPerCtaEqualOneHeadLaunches; the cause is not
+// found yet), so two are used.
 #ifdef QATTN_SAGE2_Q_SLOTS  // override for the measurements of bench/NOTES.md
 template <int D>
 inline constexpr int kQSlots = QATTN_SAGE2_Q_SLOTS;
 #else
 template <int D>
-inline constexpr int kQSlots = D == 128 ? 3 : 2;
+inline constexpr int kQSlots = 2;
 #endif
 inline constexpr int kQinBuffers = 2;
 
