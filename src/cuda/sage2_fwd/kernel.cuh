@@ -90,14 +90,13 @@ struct KernelTraits {
 
 // Work item L has Q slot L % kQSlots (its INT8 Q tile, scales, side data and item) and
 // 16-bit buffer L % 2 (its Q as loaded; later, once quantized, the staging area of item
-// L - 1's O). The protocol is written for any kQSlots >= 2. Three slots would let the
-// quantizer work one more item ahead (+1-3% at d=128, NOTES v13e), but that build gave
-// wrong outputs on long pipelines (ManyItemsPerCtaEqualOneHeadLaunches; the cause is not
-// found yet), so two are used.
+// L - 1's O). The protocol is written for any kQSlots >= 2.
 #ifdef QATTN_SAGE2_Q_SLOTS  // override for the measurements of bench/NOTES.md
 template <int D>
 inline constexpr int kQSlots = QATTN_SAGE2_Q_SLOTS;
 #else
+// Two: three (the quantizer one more item ahead) measured 0-2% slower at d=128 and 3-4%
+// slower at d=64 (the quantizer then runs while the consumers are busiest; NOTES v13e).
 template <int D>
 inline constexpr int kQSlots = 2;
 #endif
@@ -237,9 +236,10 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
     for (int i = 0; i < kQinBuffers; ++i) {
       hopper::mbarrier_init(&bar.q_full[i], 1);
-      // Phase j of buffer b: the K/V loader has read item 2j + b, and the two store
-      // threads' TMA stores of item 2j + b - 1's O (staged here) have read it.
-      hopper::mbarrier_init(&bar.qin_free[i], 3);
+      // Phase j of buffer b: the quantizer has read item 2j + b's Q tile (every thread),
+      // the K/V loader has read that item, and the two store threads' TMA stores of
+      // item 2j + b - 1's O (staged here) have read it.
+      hopper::mbarrier_init(&bar.qin_free[i], kQTileThreads + 3);
     }
 #pragma unroll
     for (int i = 0; i < kQSlots<D>; ++i) {
@@ -321,6 +321,10 @@ __global__ void __launch_bounds__(384, 1)
         }
         // The INT8 tile is read by wgmma (async proxy) after the consumers' wait.
         hopper::fence_proxy_async();
+        // The 16-bit tile is read. With more Q slots than buffers nothing else orders
+        // this before the buffer's reload: item local + 2's Q overwrote item 0's before
+        // it was quantized (NOTES v13e).
+        hopper::mbarrier_arrive(&bar.qin_free[buf]);
         hopper::mbarrier_arrive(&bar.q_ready[slot]);
       }
     }
