@@ -95,8 +95,8 @@ struct KernelTraits {
 template <int D>
 inline constexpr int kQSlots = QATTN_SAGE2_Q_SLOTS;
 #else
-// Two: three (the quantizer one more item ahead) measured 0-2% slower at d=128 and 3-4%
-// slower at d=64 (the quantizer then runs while the consumers are busiest; NOTES v13e).
+// Two: three (the quantizer one more item ahead) measured 0-2% slower at d=128
+// (NOTES v13e).
 template <int D>
 inline constexpr int kQSlots = 2;
 #endif
