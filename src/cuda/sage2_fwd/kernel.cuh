@@ -312,8 +312,8 @@ __global__ void __launch_bounds__(384, 1)
                                 want_q_dot_c ? side.k_mean : nullptr, tid, p.granularity,
                                 p.scale_log2, p.sm_scale);
         if (p.q_debug.q_i8 != nullptr) {
-          // Decoded here rather than kept live across the quantization, which would spill
-          // at 40 registers.
+          // Read here rather than kept live across the quantization, which would spill at
+          // 40 registers.
           const SlotItem wd = bar.item[slot];
           // the item's 128 rows start at row m_block·128, its 64 scale groups at m_block·64
           const int64_t row0 = static_cast<int64_t>(wd.bh_q) * p.nq_pad + wd.m_block * Tr::kBlockM;
@@ -337,8 +337,9 @@ __global__ void __launch_bounds__(384, 1)
       for (int local = 0;; ++local) {
         const int slot = local % kQSlots<D>, buf = local % kQinBuffers;
         hopper::mbarrier_wait(&bar.q_empty[slot], ((local / kQSlots<D>)&1) ^ 1);
-        // Buffer `buf` is free once the K/V loader has read item local - 2 (so q_full
-        // cannot run a phase ahead of it) and item local - 3's O staged there is stored.
+        // Buffer `buf` is free once item local - 2's tile in it is quantized, the K/V
+        // loader has read that item (so q_full cannot run a phase ahead of it), and item
+        // local - 3's O staged there is stored.
         if (local >= kQinBuffers)
           hopper::mbarrier_wait(&bar.qin_free[buf], (local / kQinBuffers - 1) & 1);
         const int item = next_item(p, local);
