@@ -17,7 +17,8 @@ enum class QkFormat {
 // Scale groups of Q and K (and of V) are numerics::Granularity (numerics/quantize.h):
 // Q·Kᵀ takes PerTensor, PerBlock, PerWarp, PerThread or PerToken (SageAttention2 §3.2;
 // the per-thread groups follow the wgmma fragment layout of numerics/mma_groups.h);
-// V takes PerTileChannel (the kernel's) or PerChannel.
+// V takes PerChannel (the kernel's: amax over all tokens), PerTileChannel (per 128-token
+// tile and channel), PerBlock (one scale per 128-token tile) or PerTensor (per head).
 using numerics::Granularity;
 
 // The vector c subtracted from every key of a (batch, KV head) before quantization.

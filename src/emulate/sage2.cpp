@@ -66,8 +66,9 @@ void validate_options(const Sage2Options& o, const Tensor4& k) {
                      static_cast<int>(*o.v_format) > static_cast<int>(PvFormat::Fp32))) {
     fail("options.v_format: expected empty, E4M3, E5M2, Int8, Fp16, Bf16 or Fp32");
   }
-  if (o.v_scale != Granularity::PerTileChannel && o.v_scale != Granularity::PerChannel) {
-    fail("options.v_scale: expected PerTileChannel or PerChannel");
+  if (o.v_scale != Granularity::PerTileChannel && o.v_scale != Granularity::PerChannel &&
+      o.v_scale != Granularity::PerBlock && o.v_scale != Granularity::PerTensor) {
+    fail("options.v_scale: expected PerChannel, PerTileChannel, PerBlock or PerTensor");
   }
   if (o.accumulator != Fp8Accumulator::Fp32 && o.accumulator != Fp8Accumulator::Fp22) {
     fail("options.accumulator: expected Fp32 or Fp22");

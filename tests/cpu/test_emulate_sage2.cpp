@@ -395,6 +395,36 @@ TEST(Sage2Layout, GivenMeanAndGlobalVScale) {
   }
 }
 
+// V scales without a pass over all of V: one per 128-token tile (PerBlock) or per
+// (tile, channel). The tile scale is the amax of the tile over every channel, so no
+// code saturates; and because E4M3 is a floating-point format, one scale per tile is
+// as accurate as one per channel on these inputs (NOTES v13f measures channel spreads).
+TEST(Sage2Layout, TileVScalesAndTheirAccuracy) {
+  const Inputs in = make_inputs({1, 2, 2, 64, 300, 64, Mask::None}, 9);
+  Sage2Options o;
+  o.v_scale = Granularity::PerBlock;
+  const auto z = emulate::quantize_sage2(in.q, in.k, in.v, {}, o);
+  const int tiles = 3;  // 300 tokens padded to 384
+  for (int h = 0; h < 2; ++h)
+    for (int t = 0; t < tiles; ++t) {
+      float amax = 0.0f;
+      for (int j = t * 128; j < std::min(300, (t + 1) * 128); ++j)
+        for (int ch = 0; ch < 64; ++ch) amax = std::max(amax, std::fabs(in.v.at(0, h, j, ch)));
+      for (int ch = 0; ch < 64; ++ch)
+        ASSERT_EQ(z.v_scale[(h * tiles + t) * 64 + ch], amax / 448.0f) << h << " " << t;
+    }
+  const auto ref = reference::attention_forward(in.q, in.k, in.v, {});
+  for (Granularity g :
+       {Granularity::PerBlock, Granularity::PerTileChannel, Granularity::PerTensor}) {
+    Sage2Options og;
+    og.v_scale = g;
+    const auto e = emulate::sage2_attend(emulate::quantize_sage2(in.q, in.k, in.v, {}, og));
+    const auto m =
+        metrics::compare(std::span<const float>(e.o.data), std::span<const double>(ref.o.data));
+    EXPECT_GE(m.cos_sim, 0.999) << static_cast<int>(g);
+  }
+}
+
 TEST(Sage2Emulator, AllZeroInputsGiveZerosNotNaN) {
   const Tensor4 q(1, 1, 10, 32), k(1, 1, 20, 32), v(1, 1, 20, 32);
   const auto e = emulate::sage2_attention(q, k, v, {});
