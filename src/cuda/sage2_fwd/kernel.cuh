@@ -204,13 +204,13 @@ __device__ __forceinline__ int kv_slice_of(const AttentionParams& p, const WorkI
 // 11-13% faster at N = 8K-32K than with shared-space accesses; at d = 128 shared-space
 // accesses were 1-4% faster (NOTES v13d). A measured code-generation choice.
 template <int D>
-__device__ __forceinline__ SharedStorage<D>& consumer_storage(uint8_t* smem_raw) {
+__device__ __forceinline__ SharedStorage<D>& consumer_storage(uint8_t* smem_raw,
+                                                              SharedStorage<D>& shared_view) {
   if constexpr (D == 64)
     return *reinterpret_cast<SharedStorage<D>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
                                                 ~uintptr_t{1023});
   else
-    return *reinterpret_cast<SharedStorage<D>*>(
-        smem_raw + ((1024u - (hopper::smem_addr(smem_raw) & 1023u)) & 1023u));
+    return shared_view;
 }
 
 template <int D, typename T>
@@ -412,7 +412,7 @@ __global__ void __launch_bounds__(384, 1)
   // item's first softmax overlaps that P·V and no item starts or ends with the tensor
   // cores idle (NOTES v10).
   hopper::setmaxnreg_inc<kConsumerRegs>();
-  SharedStorage<D>& cs = consumer_storage<D>(smem_raw);
+  SharedStorage<D>& cs = consumer_storage<D>(smem_raw, s);
   const int cw = warpgroup - 1;  // which 64 rows of the block
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const FragCoord fc{lane / 4, lane % 4};
