@@ -63,6 +63,7 @@ void check(const qattn_fwd_params& p) {
     EXPECT_LE(end, w.total);
     // The work counters directly follow V amax: one memset zeroes both.
     EXPECT_EQ(w.item_counter, w.v_amax + std::size_t(p.batch) * p.heads_kv * w.head_dim_padded * 4);
+    EXPECT_EQ(w.zeroed_end, w.item_counter + 2 * sizeof(int));
     EXPECT_LT(w.total - end, kWorkspaceAlign);  // no slack beyond the last alignment
   }
   // Production keeps Q on chip: no Q regions, and the K/V regions shift down by exactly

@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "cuda/hopper/early_launch.h"
 #include "cuda/hopper/tensor_map.h"
 #include "cuda/sage2_fwd/kernel.cuh"
 #include "cuda/sage2_fwd/launch.h"
@@ -23,9 +24,9 @@ InputView<T> view(const qattn_tensor& t) {
 
 QuantizeOutputs outputs(const WorkspaceLayout& w, void* ws) {
   auto* base = static_cast<uint8_t*>(ws);
-  return {reinterpret_cast<int8_t*>(base + w.k_i8), reinterpret_cast<float*>(base + w.k_scale),
+  return {reinterpret_cast<int8_t*>(base + w.k_i8),  reinterpret_cast<float*>(base + w.k_scale),
           reinterpret_cast<float*>(base + w.k_mean), reinterpret_cast<uint8_t*>(base + w.vt_f8),
-          reinterpret_cast<float*>(base + w.v_amax)};
+          reinterpret_cast<float*>(base + w.v_amax), w.zeroed_end - w.v_amax};
 }
 
 // Where the attention kernel copies its INT8 Q, Q scales and q·c (keep_q only: the
@@ -121,20 +122,9 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
     return e;
   const int64_t items = static_cast<int64_t>(ap.num_m_blocks) * p.heads_q * p.batch;
   const int grid = static_cast<int>(std::min<int64_t>(items, num_sms));
-  // May start while the K/V quantization kernel ends (it waits in its prologue).
-  cudaLaunchAttribute early{};
-  early.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  early.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(Tr::kThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cfg.attrs = &early;
-  cfg.numAttrs = 1;
-  if (auto e = cudaLaunchKernelEx(&cfg, kernel, tm_q, tm_k, tm_vt, tm_o, ap); e != cudaSuccess)
-    return e;
-  return cudaGetLastError();
+  // May start while the K/V quantization kernel ends (kernel.cuh: the wait).
+  return hopper::early_launch(kernel, dim3(grid), dim3(Tr::kThreads), smem, stream, tm_q, tm_k,
+                              tm_vt, tm_o, ap);
 }
 
 template <typename T, int D>

@@ -1,5 +1,6 @@
 #include <cuda_fp8.h>
 
+#include "cuda/hopper/early_launch.h"
 #include "cuda/hopper/sync.cuh"
 #include "cuda/sage2_fwd/quant_math.cuh"
 #include "cuda/sage2_fwd/quantize.cuh"
@@ -370,24 +371,13 @@ cudaError_t launch_quantize_passes(const InputView<T>& k, const InputView<T>& v,
       return e;
   // V amax accumulates by atomic max from zero; the attention kernel's work counters
   // right after it (workspace.h) start from zero too.
-  if (cudaError_t e = cudaMemsetAsync(
-          out.v_amax, 0, sizeof(float) * D * p.heads_kv * p.batch + 2 * sizeof(int), stream);
-      e != cudaSuccess)
+  if (cudaError_t e = cudaMemsetAsync(out.v_amax, 0, out.zeroed_bytes, stream); e != cudaSuccess)
     return e;
   statistics<<<(kv_grid.x + 1) * kv_grid.y * kv_grid.z, kThreads, 0, stream>>>(k, v, p, out.k_mean,
                                                                                out.v_amax);
-  cudaLaunchAttribute early{};
-  early.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  early.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(kv_quantize_grid_x<D>(kv_grid.x), kv_grid.y, kv_grid.z);
-  cfg.blockDim = dim3(kKvThreads);
-  cfg.stream = stream;
-  cfg.attrs = &early;
-  cfg.numAttrs = 1;
-  if (cudaError_t e = cudaLaunchKernelEx(&cfg, kv_quantize, k, v, p, out); e != cudaSuccess)
-    return e;
-  return cudaGetLastError();
+  return hopper::early_launch(kv_quantize,
+                              dim3(kv_quantize_grid_x<D>(kv_grid.x), kv_grid.y, kv_grid.z),
+                              dim3(kKvThreads), 0, stream, k, v, p, out);
 }
 
 }  // namespace

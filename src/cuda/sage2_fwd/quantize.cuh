@@ -6,6 +6,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "qattn/qattn.h"
@@ -32,6 +33,7 @@ struct QuantizeOutputs {
   uint8_t* vt_f8;
   float* v_amax;  // (B, Hkv, D): per-channel amax of V; scale = amax / 448, followed by
                   // the attention kernel's two work counters (zeroed with it)
+  std::size_t zeroed_bytes;  // from v_amax: V amax and the counters (workspace.h)
 };
 
 // Enqueues the quantization passes on the stream: K mean and V amax (reads a sample
