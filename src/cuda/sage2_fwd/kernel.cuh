@@ -25,6 +25,7 @@
 #include "cuda/sage2_fwd/mask.cuh"
 #include "cuda/sage2_fwd/q_tile.cuh"
 #include "cuda/sage2_fwd/softmax.cuh"
+#include "numerics/int32_scores.h"
 #include "numerics/mma_groups.h"
 
 namespace qattn::sage2 {
@@ -145,14 +146,12 @@ struct Pipeline {
   uint64_t v_full[kStages], v_empty[kStages];
 };
 
-// Number of KV tiles a 128-row query block must visit (all of them unless causal).
+// Number of KV tiles a 128-row query block must visit: up to the last key its last row
+// sees (all of them unless causal; none when that row sees no key).
 __device__ __forceinline__ int kv_tiles_for_block(const AttentionParams& p, int m_block) {
-  const int n_tiles = (p.seqlen_kv + groups::kKvTile - 1) / groups::kKvTile;
-  if (!p.causal) return n_tiles;
   const int last_row = min((m_block + 1) * 128, p.seqlen_q) - 1;
-  const int kv_end = last_row + (p.seqlen_kv - p.seqlen_q) + 1;  // keys visible to that row
-  if (kv_end <= 0) return 0;
-  return min(n_tiles, (kv_end + groups::kKvTile - 1) / groups::kKvTile);
+  const int last_key = scores::last_visible_key(p.seqlen_q, p.seqlen_kv, p.causal != 0, last_row);
+  return last_key < 0 ? 0 : last_key / groups::kKvTile + 1;
 }
 
 // gridDim.x, read where it is used: the producer warpgroup's 40 registers cannot keep
@@ -427,6 +426,7 @@ __global__ void __launch_bounds__(384, 1)
     int m_block, bh_q, n_tiles;  // bh_q = b · Hq + hq
     int local;                   // ordinal on this CTA: Q slot and its phase
     int first_iter;              // KV tiles consumed before it: the ring's stage and phase
+    int unmasked_until;          // tiles starting after this key need the mask
     __device__ int slot() const { return local % kQSlots<D>; }
     // Where its O is staged: the 16-bit Q buffer of the item after it (quantized by the
     // time the consumers opened that item, which they do before this one's epilogue).
@@ -456,6 +456,11 @@ __global__ void __launch_bounds__(384, 1)
   auto write_output = [&](const Item& w, const float(&o)[kO], const Softmax& sm) {
     const ItemSide<D>& side = cs.side[w.slot()];
     resolve_store();
+#if QATTN_EXPERIMENT_NO_EPILOGUE  // knockout for bench/NOTES.md: no output, timing only
+    if (store_thread) hopper::mbarrier_arrive(&bar.qin_free[w.stage_buf()]);
+    hopper::mbarrier_arrive(&bar.q_empty[w.slot()]);
+    return;
+#endif
     uint8_t* stage = cs.q_in[w.stage_buf()] + cw * (D / 64) * kOBoxBytes;
     stage_output<T, kO>(o, sm, fc, warp * 16 + fc.g, side.v_amax, stage);
     store_lse(p, sm, fc, w.bh_q, w.m_block * Tr::kBlockM, row_in_block(0), side.q_dot_c);
@@ -487,7 +492,8 @@ __global__ void __launch_bounds__(384, 1)
       resolve_store();
       hopper::mbarrier_wait(&bar.q_ready[slot], (next_local / kQSlots<D>)&1);
       const SlotItem si = bar.item[slot];
-      w = Item{si.m_block, si.bh_q, si.n_tiles, next_local, next_iter};
+      w = Item{si.m_block, si.bh_q,   si.n_tiles,
+               next_local, next_iter, mask.unmasked_until(si.m_block * Tr::kBlockM + cw * 64)};
       ++next_local;
       if (si.m_block < 0 || si.n_tiles > 0) break;
       // Rows that see no key: O = 0 and LSE = -inf (rare: causal with Nq > Nkv), with
@@ -548,8 +554,9 @@ __global__ void __launch_bounds__(384, 1)
     const int kv0 = it * Tr::kBlockN;
     // The raw products go to the softmax (OnlineSoftmax::step); masked ones become
     // kMaskedScore in place.
-    if (mask.needed(kv0, row_first(w)))
-      mask.apply(acc_s, fc, kv0, w.m_block * Tr::kBlockM + row_in_block(0));
+    const bool masked =
+        D == 128 ? kv0 > w.unmasked_until : mask.needed(kv0, row_first(w));  // a measured choice
+    if (masked) mask.apply(acc_s, fc, kv0, w.m_block * Tr::kBlockM + row_in_block(0));
     sm.step(acc_s, qk, x, alpha_out);
   };
 

@@ -14,8 +14,15 @@ struct CausalMask {
   int seqlen_q, seqlen_kv;
   bool causal;
 
-  // Whether any element of the tile starting at key kv0, for the 64 rows from row_first,
-  // can be masked (so the common, fully visible tiles skip the per-element test).
+  // For the 64 rows from row_first: tiles that start after this key can have masked
+  // elements (the first row sees the fewest keys); the others, the common case, skip
+  // the per-element test.
+  __device__ __forceinline__ int unmasked_until(int row_first) const {
+    return scores::last_visible_key(seqlen_q, seqlen_kv, causal, row_first) - 127;
+  }
+  // The same test for one tile, kv0 > unmasked_until(row_first), written out. The d=64
+  // kernel evaluates it per tile: ptxas then schedules its loop 5-8% faster than with the
+  // per-item threshold, which makes d=128 2% faster (NOTES v14b).
   __device__ __forceinline__ bool needed(int kv0, int row_first) const {
     if (kv0 + 128 > seqlen_kv) return true;
     return causal && kv0 + 127 > row_first + (seqlen_kv - seqlen_q);
@@ -31,8 +38,7 @@ struct CausalMask {
     int lim[2];  // rows g, g + 8
 #pragma unroll
     for (int r = 0; r < 2; ++r)
-      lim[r] = scores::last_visible_key(seqlen_q, seqlen_kv, causal, row0 + 8 * r) - kv0 -
-               2 * fc.t;
+      lim[r] = scores::last_visible_key(seqlen_q, seqlen_kv, causal, row0 + 8 * r) - kv0 - 2 * fc.t;
 #pragma unroll
     for (int i = 0; i < kCols; ++i)
       if (8 * (i / 4) + (i % 2) > lim[FragCoord::upper_row(i) ? 1 : 0]) s[i] = kMaskedScore;
