@@ -55,15 +55,6 @@ __device__ __forceinline__ int q_tile_row_pair(int tid) {
   return r0;
 }
 
-// t = x·inv rounded to nearest even, in the low byte, as quantize_int8x4 gives it but
-// without F2I, which shares the 16/clk/SM pipe with the consumers' exp2 (NOTES v11).
-// 1.5·2^23 + t has an ULP of 1, so the FADD rounds t to nearest even and the low
-// mantissa byte is the integer (two's complement). No clamp is needed: |x| ≤ amax
-// makes |t| ≤ 127 up to one rounding of the product, which rounds back to ±127.
-__device__ __forceinline__ uint32_t int8_byte_rn(float t) {
-  return __float_as_uint(t + 12582912.f);
-}
-
 // tid in [0, 64). `c` (the K smoothing vector, D floats) and q_dot_c may be null when
 // the caller wants no LSE. The producer warpgroup runs at 40 registers (setmaxnreg), so
 // the loops stay short and hold one or two 16-byte chunks at a time.
@@ -136,27 +127,13 @@ __device__ __forceinline__ void quantize_q_tile(const uint8_t* in, uint8_t* out,
   // amax below 127 / FLT_MAX (only subnormal bf16 rows) makes inv infinite: take
   // quantize_int8x4's path, where F2I saturates, so the codes stay identical.
   const bool tiny = !zero && inv == INFINITY;
-  // Four elements (two packed pairs) → four INT8 codes, low byte first. bf16 widens by a
-  // shift and a mask (one instruction per element; the intrinsic takes two for the high
-  // half).
-  auto widen = [](uint32_t w) {
-    if constexpr (std::is_same_v<T, __nv_bfloat16>)
-      return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
-    else
-      return to_float2(*reinterpret_cast<const T2*>(&w));
-  };
+  // Four elements (two packed pairs) → four INT8 codes, low byte first.
   auto quad = [&](uint32_t w0, uint32_t w1) {
-    const float2 f0 = widen(w0), f1 = widen(w1);
-    // __fmul_rn: the product must be rounded on its own (as in quantize_int8x4), not
-    // contracted with int8_byte_rn's FADD into one FFMA.
-    const uint32_t lo = __byte_perm(int8_byte_rn(__fmul_rn(f0.x, inv)),
-                                    int8_byte_rn(__fmul_rn(f0.y, inv)), 0x0040);
-    const uint32_t hi = __byte_perm(int8_byte_rn(__fmul_rn(f1.x, inv)),
-                                    int8_byte_rn(__fmul_rn(f1.y, inv)), 0x0040);
-    return __byte_perm(lo, hi, 0x5410);
+    const float2 f0 = widen_pair<T>(w0), f1 = widen_pair<T>(w1);
+    return quantize_int8x4_rn(f0.x, f0.y, f1.x, f1.y, inv);
   };
   auto tiny_quad = [&](uint32_t w0, uint32_t w1) {
-    const float2 f0 = widen(w0), f1 = widen(w1);
+    const float2 f0 = widen_pair<T>(w0), f1 = widen_pair<T>(w1);
     const float x[4] = {f0.x, f0.y, f1.x, f1.y};
     return quantize_int8x4(x, inv, false);
   };

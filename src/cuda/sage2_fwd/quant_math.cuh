@@ -33,6 +33,45 @@ __device__ __forceinline__ float amax_nan(float a, float x) {
   return (ax != ax || a != a) ? __uint_as_float(kNaNBits) : fmaxf(a, ax);
 }
 
+// Both elements of a packed 16-bit pair as floats. bf16 widens by a shift and a mask:
+// one instruction per element, where the conversion intrinsic takes two for the high
+// half.
+template <typename T>
+__device__ __forceinline__ float2 widen_pair(uint32_t w) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+  else
+    return __half22float2(*reinterpret_cast<const __half2*>(&w));
+}
+
+// |x| as integer bits: compared as unsigned they order like |x|, with NaN above inf, so
+// their max is amax_nan's (after nan_canonical) in one integer instruction.
+__device__ __forceinline__ uint32_t abs_bits(float x) { return __float_as_uint(x) & kNaNBits; }
+// amax_nan returns this NaN whatever the input's payload.
+__device__ __forceinline__ float nan_canonical(uint32_t abs) {
+  return __uint_as_float(abs > 0x7f800000u ? kNaNBits : abs);
+}
+
+// t rounded to nearest even, in the low byte (two's complement), for |t| < 2^22: the
+// FADD of 1.5·2^23 has an ULP of 1. Without F2I, which shares the 16/clk/SM pipe with
+// the attention kernel's exp2 (NOTES v11) and needs a clamp.
+__device__ __forceinline__ uint32_t int8_byte_rn(float t) {
+  return __float_as_uint(t + 12582912.f);
+}
+
+// Four values times inv as INT8 codes, low byte first: quantize_int8x4's codes when
+// |x| <= amax and inv = 127 / amax is finite (the product is within one rounding of
+// ±127, which rounds back to ±127, so no clamp is needed). __fmul_rn: the product is
+// rounded on its own, not contracted with the FADD into one FFMA.
+__device__ __forceinline__ uint32_t quantize_int8x4_rn(float x0, float x1, float x2, float x3,
+                                                       float inv) {
+  const uint32_t lo = __byte_perm(int8_byte_rn(__fmul_rn(x0, inv)),
+                                  int8_byte_rn(__fmul_rn(x1, inv)), 0x0040);
+  const uint32_t hi = __byte_perm(int8_byte_rn(__fmul_rn(x2, inv)),
+                                  int8_byte_rn(__fmul_rn(x3, inv)), 0x0040);
+  return __byte_perm(lo, hi, 0x5410);
+}
+
 // Four values times inv, rounded to nearest even and clamped to ±127, packed low byte
 // first; all zero when the group's amax is zero or NaN (`zero`).
 __device__ __forceinline__ uint32_t quantize_int8x4(const float* x, float inv, bool zero) {

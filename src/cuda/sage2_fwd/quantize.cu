@@ -49,10 +49,11 @@ __device__ __forceinline__ void copy_chunk(uint4* dst, const T* base, int64_t st
   cp_async_16(dst, src, row < rows ? elems * static_cast<int>(sizeof(T)) : 0);
 }
 
-// Element j of a chunk as a float.
+// Element j of a chunk as a float (j is a constant after unrolling: one instruction).
 template <typename T>
 __device__ __forceinline__ float element(const uint4& chunk, int j) {
-  return to_float(reinterpret_cast<const T*>(&chunk)[j]);
+  const float2 f = widen_pair<T>(reinterpret_cast<const uint32_t*>(&chunk)[j / 2]);
+  return j % 2 == 0 ? f.x : f.y;
 }
 
 // Two E4M3 codes (RNE, saturating to ±448), `lo` in the low byte: the cvt.rn.satfinite
@@ -239,24 +240,32 @@ __device__ void quantize_k_tile(const InputView<T>& k, const QuantizeParams& p,
   cp_async_wait_all();
 
   // Tail tokens stay zero (outside every amax); padded channels have c = 0. Evaluated
-  // in both passes from shared memory: the same FADD gives the same bits.
-  auto smoothed = [&](const uint4& x, int i, int j) {
-    return token(i) < p.seqlen_kv ? element<T>(x, j) - c[j] : 0.f;
+  // in both passes from shared memory: the same FADD gives the same bits. A tile with no
+  // tail (all but the last) takes a copy of the passes without the token test.
+  const bool full_tile = (tile + 1) * groups::kKvTile <= p.seqlen_kv;
+  auto smoothed = [&](const uint4& x, int i, int j, auto full) {
+    return full || token(i) < p.seqlen_kv ? element<T>(x, j) - c[j] : 0.f;
   };
   // A max (NaN sorting highest) is exact in any order, so the group amax is the same
-  // whatever the reduction tree: here 8 independent chains, then the warp.
-  float a8[8] = {};
+  // whatever the reduction tree: here 8 independent chains of integer maxima of |x|,
+  // then the warp.
+  auto lane_amax = [&](auto full) {
+    uint32_t a8[8] = {};
 #pragma unroll
-  for (int i = 0; i < kItems; ++i) {
-    const uint4 x = slot[i][lane];
+    for (int i = 0; i < kItems; ++i) {
+      const uint4 x = slot[i][lane];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) a8[j] = amax_nan(a8[j], smoothed(x, i, j));
-  }
-  float a = 0.f;
+      for (int j = 0; j < 8; ++j) a8[j] = max(a8[j], abs_bits(smoothed(x, i, j, full)));
+    }
+    uint32_t m = 0;
 #pragma unroll
-  for (int j = 0; j < 8; ++j) a = amax_nan(a, a8[j]);
+    for (int j = 0; j < 8; ++j) m = max(m, a8[j]);
+    return m;
+  };
+  uint32_t abits = full_tile ? lane_amax(std::true_type{}) : lane_amax(std::false_type{});
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) a = amax_nan(a, __shfl_xor_sync(0xffffffff, a, off));
+  for (int off = 16; off > 0; off >>= 1) abits = max(abits, __shfl_xor_sync(0xffffffff, abits, off));
+  float a = nan_canonical(abits);
   if (p.granularity != QATTN_QK_PER_THREAD) {  // per-warp and per-block: one scale per tile
     if (lane == 0) warp_amax[g] = a;
     __syncthreads();
@@ -264,16 +273,33 @@ __device__ void quantize_k_tile(const InputView<T>& k, const QuantizeParams& p,
     for (int w = 0; w < kKvWarps; ++w) a = amax_nan(a, warp_amax[w]);
   }
   const float inv = kInt8Max / a;
-  const bool zero = !(a > 0.f);
+  // All zeros for amax 0, NaN or inf (where every ks·inv is 0 or NaN, and F2I gave 0).
+  const bool zero = !(a > 0.f) || a == INFINITY;
+  // amax below 127 / FLT_MAX makes inv infinite: quantize_int8x4's saturating path.
+  const bool tiny = !zero && inv == INFINITY;
+  auto store_codes = [&](auto full, auto rn) {
 #pragma unroll
-  for (int i = 0; i < kItems; ++i) {
-    const uint4 x = slot[i][lane];
-    float ks[8];
+    for (int i = 0; i < kItems; ++i) {
+      const uint4 x = slot[i][lane];
+      float ks[8];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) ks[j] = smoothed(x, i, j);
-    *reinterpret_cast<uint2*>(out.k_i8 + (bh * p.nkv_pad + token(i)) * D + ch0) =
-        make_uint2(quantize_int8x4(ks, inv, zero), quantize_int8x4(ks + 4, inv, zero));
-  }
+      for (int j = 0; j < 8; ++j) ks[j] = smoothed(x, i, j, full);
+      uint2 codes;
+      if constexpr (rn) {
+        codes = make_uint2(quantize_int8x4_rn(ks[0], ks[1], ks[2], ks[3], inv),
+                           quantize_int8x4_rn(ks[4], ks[5], ks[6], ks[7], inv));
+      } else {
+        codes = make_uint2(quantize_int8x4(ks, inv, zero), quantize_int8x4(ks + 4, inv, zero));
+      }
+      *reinterpret_cast<uint2*>(out.k_i8 + (bh * p.nkv_pad + token(i)) * D + ch0) = codes;
+    }
+  };
+  if (zero || tiny)  // rare: the clamping path, which also writes the zeros
+    store_codes(std::false_type{}, std::false_type{});
+  else if (full_tile)
+    store_codes(std::true_type{}, std::true_type{});
+  else
+    store_codes(std::false_type{}, std::true_type{});
   if (lane == 0)
     out.k_scale[bh * (p.nkv_pad / groups::kKvTile * groups::kKThreadGroupsPerTile) +
                 tile * groups::kKThreadGroupsPerTile + g] = a / kInt8Max;
