@@ -39,15 +39,16 @@ inline constexpr int kOBoxBytes = 64 * 128;  // 64 rows × 64 channels × 2 byte
 // row_in_wg = warp · 16 + g.
 template <typename TOut, int kO, typename Softmax>
 __device__ __forceinline__ void stage_output(const float (&o)[kO], const Softmax& sm, FragCoord fc,
-                                             int row_in_wg, const float* v_amax, uint8_t* stage) {
-  // Per-channel V scale (amax / 448) of the thread's columns 8j + 2t, 8j + 2t + 1; v_amax
-  // (the KV head's D channels) is in shared memory.
+                                             int row_in_wg, const float* v_scale_head,
+                                             uint8_t* stage) {
+  // Per-channel V scale (amax / 448) of the thread's columns 8j + 2t, 8j + 2t + 1, from
+  // the KV head's D channels in shared memory.
   float v_scale[kO / 2];
 #pragma unroll
   for (int j = 0; j < kO / 4; ++j) {
-    const float2 a = *reinterpret_cast<const float2*>(v_amax + 8 * j + 2 * fc.t);
-    v_scale[2 * j] = a.x / kE4m3MaxF;
-    v_scale[2 * j + 1] = a.y / kE4m3MaxF;
+    const float2 a = *reinterpret_cast<const float2*>(v_scale_head + 8 * j + 2 * fc.t);
+    v_scale[2 * j] = a.x;
+    v_scale[2 * j + 1] = a.y;
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {

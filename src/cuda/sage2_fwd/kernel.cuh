@@ -110,8 +110,10 @@ template <int D>
 struct ItemSide {
   float q_scale[2 * groups::kQThreadGroupsPerBlock];  // the 128 rows' Q scale groups
   float q_dot_c[128];                                 // q·c per row (LSE correction)
-  float v_amax[D];                                    // per-channel V amax of the KV head
-  float k_mean[D];                                    // c of the KV head
+  // The KV head's per-channel V scale: loaded as the amax, which the quantizer divides
+  // by 448 in place, so the consumers' epilogue does no division (NOTES v14e).
+  float v_scale[D];
+  float k_mean[D];  // c of the KV head
 };
 
 // A claimed work item as the Q loader publishes it in its Q slot, decoded once for all
@@ -261,7 +263,7 @@ __global__ void __launch_bounds__(384, 1)
   __syncthreads();
   const bool want_q_dot_c = p.lse != nullptr || p.q_debug.q_dot_c != nullptr;
   // Bytes that complete an item's q_full: the 16-bit Q tile, V amax and (for q·c) c.
-  const uint32_t q_slot_bytes = QTileLayout<D>::kInBytes + sizeof(ItemSide<D>::v_amax) +
+  const uint32_t q_slot_bytes = QTileLayout<D>::kInBytes + sizeof(ItemSide<D>::v_scale) +
                                 (want_q_dot_c ? sizeof(ItemSide<D>::k_mean) : 0);
   // Loads an item's 16-bit Q tile into a buffer (Q loader).
   auto load_q_tile = [&](int buf, const WorkItem& w) {
@@ -318,7 +320,12 @@ __global__ void __launch_bounds__(384, 1)
           const int64_t row0 = static_cast<int64_t>(wd.bh_q) * p.nq_pad + wd.m_block * Tr::kBlockM;
           copy_q_tile_debug<D>(s.q[slot], side.q_scale, q_dot_c, tid, p.q_debug, row0, row0 / 2);
         }
-        // The INT8 tile is read by wgmma (async proxy) after the consumers' wait.
+        // V amax -> V scale (docs/sage2-kernel-arithmetic.md, step 4), in place.
+#pragma unroll 1
+        for (int ch = tid; ch < D; ch += kQTileThreads)
+          side.v_scale[ch] = side.v_scale[ch] / kE4m3MaxF;
+        // The INT8 tile is read by wgmma (async proxy) after the consumers' wait; the side
+        // data will be overwritten by TMA.
         hopper::fence_proxy_async();
         // The 16-bit tile is read. With more Q slots than buffers nothing else orders
         // this before the buffer's reload: item local + 2's Q overwrote item 0's before
@@ -356,8 +363,8 @@ __global__ void __launch_bounds__(384, 1)
           hopper::mbarrier_arrive_expect_tx(&bar.q_full[buf], q_slot_bytes);
           load_q_tile(buf, w);
         }
-        hopper::bulk_load(side.v_amax, p.v_amax + static_cast<int64_t>(kv_slice) * D,
-                          sizeof(side.v_amax), &bar.q_full[buf]);
+        hopper::bulk_load(side.v_scale, p.v_amax + static_cast<int64_t>(kv_slice) * D,
+                          sizeof(side.v_scale), &bar.q_full[buf]);
         if (want_q_dot_c)
           hopper::bulk_load(side.k_mean, p.k_mean + static_cast<int64_t>(kv_slice) * D,
                             sizeof(side.k_mean), &bar.q_full[buf]);
@@ -462,7 +469,7 @@ __global__ void __launch_bounds__(384, 1)
     return;
 #endif
     uint8_t* stage = cs.q_in[w.stage_buf()] + cw * (D / 64) * kOBoxBytes;
-    stage_output<T, kO>(o, sm, fc, warp * 16 + fc.g, side.v_amax, stage);
+    stage_output<T, kO>(o, sm, fc, warp * 16 + fc.g, side.v_scale, stage);
     store_lse(p, sm, fc, w.bh_q, w.m_block * Tr::kBlockM, row_in_block(0), side.q_dot_c);
     hopper::fence_proxy_async();  // the TMA store reads what this thread wrote
     hopper::named_barrier_sync(1 + cw, 128);
