@@ -23,9 +23,9 @@ inline constexpr int kQTileThreads = 64;
 // Global copies of what the tile quantizer produced (null in production; the GPU tests
 // set them to compare with the CPU emulation bit for bit).
 struct QDebugOut {
-  int8_t* q_i8;      // (B, Hq, nq_pad, D)
-  float* q_scale;    // (B, Hq, nq_pad / 64 * 32)
-  float* q_dot_c;    // (B, Hq, nq_pad)
+  int8_t* q_i8;    // (B, Hq, nq_pad, D)
+  float* q_scale;  // (B, Hq, nq_pad / 64 * 32)
+  float* q_dot_c;  // (B, Hq, nq_pad)
 };
 
 template <int D>
@@ -61,8 +61,8 @@ __device__ __forceinline__ int q_tile_row_pair(int tid) {
 template <int D, typename T>
 __device__ __forceinline__ void quantize_q_tile(const uint8_t* in, uint8_t* out, float* q_scale,
                                                 float* q_dot_c, const float* c, int tid,
-                                                qattn_qk_granularity granularity,
-                                                float scale_log2, float sm_scale) {
+                                                qattn_qk_granularity granularity, float scale_log2,
+                                                float sm_scale) {
   using L = QTileLayout<D>;
   using T2 = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, __nv_bfloat162, __half2>;
   const int r0 = q_tile_row_pair(tid);
@@ -162,8 +162,9 @@ __device__ __forceinline__ void quantize_q_tile(const uint8_t* in, uint8_t* out,
 // `scale_base` are the item's first row and first scale group in them.
 template <int D>
 __device__ __forceinline__ void copy_q_tile_debug(const uint8_t* out, const float* q_scale,
-                                               const float* q_dot_c, int tid, const QDebugOut& dbg,
-                                               int64_t row_base, int64_t scale_base) {
+                                                  const float* q_dot_c, int tid,
+                                                  const QDebugOut& dbg, int64_t row_base,
+                                                  int64_t scale_base) {
   using L = QTileLayout<D>;
   const int r0 = q_tile_row_pair(tid);
   for (int h = 0; h < 2; ++h) {

@@ -21,12 +21,6 @@ __device__ __forceinline__ float to_float(T x) {
     return __half2float(x);
 }
 
-// Both elements of a packed 16-bit pair as floats.
-__device__ __forceinline__ float2 to_float2(__nv_bfloat162 x) {
-  return __bfloat1622float2(x);
-}
-__device__ __forceinline__ float2 to_float2(__half2 x) { return __half22float2(x); }
-
 // NaN-propagating max of |x|: a NaN input must make its group's scale NaN.
 __device__ __forceinline__ float amax_nan(float a, float x) {
   const float ax = fabsf(x);
@@ -65,10 +59,10 @@ __device__ __forceinline__ uint32_t int8_byte_rn(float t) {
 // rounded on its own, not contracted with the FADD into one FFMA.
 __device__ __forceinline__ uint32_t quantize_int8x4_rn(float x0, float x1, float x2, float x3,
                                                        float inv) {
-  const uint32_t lo = __byte_perm(int8_byte_rn(__fmul_rn(x0, inv)),
-                                  int8_byte_rn(__fmul_rn(x1, inv)), 0x0040);
-  const uint32_t hi = __byte_perm(int8_byte_rn(__fmul_rn(x2, inv)),
-                                  int8_byte_rn(__fmul_rn(x3, inv)), 0x0040);
+  const uint32_t lo =
+      __byte_perm(int8_byte_rn(__fmul_rn(x0, inv)), int8_byte_rn(__fmul_rn(x1, inv)), 0x0040);
+  const uint32_t hi =
+      __byte_perm(int8_byte_rn(__fmul_rn(x2, inv)), int8_byte_rn(__fmul_rn(x3, inv)), 0x0040);
   return __byte_perm(lo, hi, 0x5410);
 }
 

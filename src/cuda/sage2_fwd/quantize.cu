@@ -264,7 +264,8 @@ __device__ void quantize_k_tile(const InputView<T>& k, const QuantizeParams& p,
   };
   uint32_t abits = full_tile ? lane_amax(std::true_type{}) : lane_amax(std::false_type{});
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) abits = max(abits, __shfl_xor_sync(0xffffffff, abits, off));
+  for (int off = 16; off > 0; off >>= 1)
+    abits = max(abits, __shfl_xor_sync(0xffffffff, abits, off));
   float a = nan_canonical(abits);
   if (p.granularity != QATTN_QK_PER_THREAD) {  // per-warp and per-block: one scale per tile
     if (lane == 0) warp_amax[g] = a;

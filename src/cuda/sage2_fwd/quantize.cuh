@@ -31,8 +31,8 @@ struct QuantizeOutputs {
   float* k_scale;
   float* k_mean;
   uint8_t* vt_f8;
-  float* v_amax;  // (B, Hkv, D): per-channel amax of V; scale = amax / 448, followed by
-                  // the attention kernel's two work counters (zeroed with it)
+  float* v_amax;             // (B, Hkv, D): per-channel amax of V; scale = amax / 448, followed by
+                             // the attention kernel's two work counters (zeroed with it)
   std::size_t zeroed_bytes;  // from v_amax: V amax and the counters (workspace.h)
 };
 
