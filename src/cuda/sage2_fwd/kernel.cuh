@@ -506,8 +506,8 @@ __global__ void __launch_bounds__(384, 1)
       resolve_store();
       hopper::mbarrier_wait(&bar.q_ready[slot], (next_local / kQSlots<D>)&1);
       const SlotItem si = bar.item[slot];
-      w = Item{si.m_block, si.bh_q,   si.n_tiles,
-               next_local, next_iter, mask.unmasked_until(si.m_block * Tr::kBlockM + cw * 64)};
+      const int unmasked_until = mask.unmasked_until(si.m_block * Tr::kBlockM + cw * 64);
+      w = Item{si.m_block, si.bh_q, si.n_tiles, next_local, next_iter, unmasked_until};
       ++next_local;
       if (si.m_block < 0 || si.n_tiles > 0) break;
       // Rows that see no key: O = 0 and LSE = -inf (rare: causal with Nq > Nkv), with
