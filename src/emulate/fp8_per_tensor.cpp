@@ -6,6 +6,7 @@
 
 #include "emulate/pv_tile.h"
 #include "numerics/formats.h"
+#include "numerics/int32_scores.h"
 #include "numerics/mma_groups.h"
 #include "numerics/quantize.h"
 
@@ -86,11 +87,7 @@ EmulatedForward fp8_per_tensor_attention(const Tensor4& q, const Tensor4& k, con
         st.l = 0.0f;
         std::fill(st.o.begin(), st.o.end(), 0.0f);
         const float* qa = q8.values.data() + q.index(b, h, i, 0);
-        const long long last_ll =
-            params.mask == Mask::Causal
-                ? std::min<long long>(Nkv - 1, static_cast<long long>(i) + Nkv - Nq)
-                : Nkv - 1;
-        const int last = static_cast<int>(std::max<long long>(last_ll, -1));
+        const int last = scores::last_visible_key(Nq, Nkv, params.mask == Mask::Causal, i);
         for (int t = 0; t * kKvTile <= last; ++t) {
           std::fill(vtile.begin(), vtile.end(), 0.0f);
           for (int jj = 0; jj < kKvTile; ++jj) {

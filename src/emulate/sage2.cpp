@@ -9,6 +9,7 @@
 
 #include "emulate/pv_tile.h"
 #include "numerics/formats.h"
+#include "numerics/int32_scores.h"
 #include "numerics/mma_groups.h"
 #include "numerics/quantize.h"
 
@@ -400,11 +401,7 @@ EmulatedForward sage2_attend(const Sage2Quantized& z) {
             q_smooth ? z.q_mean_k.data() + (bq * qblocks + i / kQBlock) * nkv_pad : nullptr;
         // Last visible key; tiles past it are skipped, as the kernel does (a fully
         // masked tile would leave m, l and O unchanged anyway).
-        const long long last_ll =
-            z.mask == Mask::Causal
-                ? std::min<long long>(Nkv - 1, static_cast<long long>(i) + Nkv - Nq)
-                : Nkv - 1;
-        const int last = static_cast<int>(std::max<long long>(last_ll, -1));
+        const int last = scores::last_visible_key(Nq, Nkv, z.mask == Mask::Causal, i);
         for (int t = 0; t * kKvTile <= last; ++t) {
           for (int jj = 0; jj < kKvTile; ++jj) {
             const int j = t * kKvTile + jj;
