@@ -377,6 +377,30 @@ TEST(Sage2Forward, MatchesEmulationRandomCases) {
   }
 }
 
+// Without the LSE (no q·c, no smoothing vector in the Q slot) O is the same, bit for bit.
+// The first item of each CTA then has fewer bytes in flight when the Q loader claims it:
+// the slot's item must still be written before anyone reads it.
+TEST(Sage2Forward, OutputWithoutLseIsTheSame) {
+  QATTN_SKIP_WITHOUT_GPU();
+  for (const int d : {128, 64}) {
+    Sage2Case c;
+    c.head_dim = d;
+    c.heads_q = 8;
+    c.heads_kv = 4;
+    c.seqlen_q = c.seqlen_kv = 700;
+    c.causal = d == 64;
+    c.seed = test::fresh_seed();
+    SCOPED_TRACE(c.describe());
+    const auto with = test::run_sage2(c);
+    c.lse = false;
+    const auto without = test::run_sage2(c);
+    ASSERT_EQ(with.status, 0);
+    ASSERT_EQ(without.status, 0);
+    EXPECT_TRUE(without.all_written);
+    EXPECT_EQ(with.o.data, without.o.data);
+  }
+}
+
 }  // namespace
 
 // ---- NaN in, NaN out (DESIGN.md §2) --------------------------------------------------------

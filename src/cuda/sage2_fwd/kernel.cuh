@@ -276,9 +276,11 @@ __global__ void __launch_bounds__(384, 1)
   // The first item's Q is the caller's input, final before this grid could launch (the
   // chain starts with the statistics kernel, launched in stream order), so its load is
   // issued before the wait; the side data of the slot are outputs of the K/V kernels.
+  // The Q loader arrives on q_full later, once it has written the item to its slot: the
+  // bytes alone must not complete the phase before the item is there.
   if (threadIdx.x == 96) {
     hopper::tma_prefetch_descriptor(&tm_q);
-    hopper::mbarrier_arrive_expect_tx(&bar.q_full[0], q_slot_bytes);
+    hopper::mbarrier_expect_tx(&bar.q_full[0], q_slot_bytes);
     load_q_tile(0, decode_item(p, static_cast<int>(blockIdx.x)));
   }
   // Launched early (programmatic dependent launch) while the K/V quantization ends:
@@ -359,9 +361,11 @@ __global__ void __launch_bounds__(384, 1)
         bar.item[slot] =
             SlotItem{w.m_block, w.b * p.heads_q + w.hq, kv_slice, kv_tiles_for_block(p, w.m_block)};
         ItemSide<D>& side = s.side[slot];
-        if (local > 0) {  // the first item's Q is on its way since before the wait
+        if (local > 0) {
           hopper::mbarrier_arrive_expect_tx(&bar.q_full[buf], q_slot_bytes);
           load_q_tile(buf, w);
+        } else {  // its Q is on its way since before the wait; the item is written now
+          hopper::mbarrier_arrive(&bar.q_full[buf]);
         }
         hopper::bulk_load(side.v_scale, p.v_amax + static_cast<int64_t>(kv_slice) * D,
                           sizeof(side.v_scale), &bar.q_full[buf]);
