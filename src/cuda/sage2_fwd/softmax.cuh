@@ -49,7 +49,7 @@ struct OnlineSoftmax {
   // monotonic, so the max runs on the integers (IMNMX) and is converted once; the
   // per-element conversions then sit in the exp loop, where the FMA and ALU pipes idle
   // behind MUFU, instead of on the max's dependency chain (NOTES v12b). Each element
-  // costs an IADD, an FADD, an FFMA and an exp2.
+  // costs an IADD, an FFMA and an exp2.
   __device__ __forceinline__ void step(const int32_t (&s)[kCols], float qk, float (&p)[kCols],
                                        float (&alpha)[2]) {
     // Max and sum run as kPartials independent chains per row: only two consumer warps
@@ -81,11 +81,16 @@ struct OnlineSoftmax {
       neg_bias[r] = empty ? 0.f : kLog2E4m3Max - mx[r];
       m[r] = mx[r];
     }
+    // The conversion's offset goes into the bias: (1.5·2²³ + s)·qk + (bias − 1.5·2²³·qk)
+    // is one FFMA per element where float(s)·qk + bias took an FADD too (+1-3%, NOTES
+    // v15b). Rounding b moves the exponent by < 0.75·qk: under one unit of s.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) neg_bias[r] = fmaf(-scores::kMagic, qk, neg_bias[r]);
     float sp[2][kPartials] = {};
 #pragma unroll
     for (int i = 0; i < kCols; ++i) {
       const int r = (i % 4) / 2;
-      p[i] = exp2_approx(fmaf(score_to_float(s[i]), qk, neg_bias[r]));
+      p[i] = exp2_approx(fmaf(__int_as_float(s[i] + scores::kMagicBits), qk, neg_bias[r]));
       sp[r][(i / 4) % kPartials] += p[i];
     }
 #pragma unroll
