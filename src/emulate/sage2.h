@@ -38,9 +38,10 @@ struct Sage2Options {
   Granularity v_scale = Granularity::PerChannel;
   // Defaults to the hardware's FP22 model: the emulator mirrors what the GPU computes.
   Fp8Accumulator accumulator = Fp8Accumulator::Fp22;
-  // The kernel sums the FP32 P (docs/sage2-kernel-arithmetic.md step 6). QuantizedP is
-  // the ablation "row sums from a ones column in the P·V MMA" (bench/NOTES.md v5).
-  RowSum row_sum = RowSum::FloatP;
+  // The kernel's: row sums of the cast P from a ones column in the P·V MMA
+  // (docs/sage2-kernel-arithmetic.md step 7; bench/NOTES.md v15c). FloatP (FP32 sums of
+  // P before the cast, the kernel's before v15c) is the ablation.
+  RowSum row_sum = RowSum::QuantizedP;
 };
 
 // The quantized tensors, in the workspace layout of src/cuda/sage2_fwd/launch.h:

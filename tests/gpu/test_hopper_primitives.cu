@@ -66,14 +66,24 @@ __global__ void s8_gemm_kernel(const __grid_constant__ CUtensorMap ta,
   }
 }
 
-// D = P(64 x 128 e4m3, registers, packed as the attention kernel packs it) * Vᵀ, Vᵀ
-// stored (128 channels x 128 tokens) with tokens permuted in groups of 16.
+// D = P(64 x 128 e4m3, registers, packed as the attention kernel packs it) * [Vᵀ; ones],
+// Vᵀ stored (128 channels x 128 tokens) with tokens permuted in groups of 16 and followed
+// by 8 rows of E4M3 ones, as in the attention kernel's V stages: N = 136, and the last 8
+// columns of D are P's row sums.
+constexpr int kNOnes = kN + 8;
+struct alignas(1024) SmemPv {
+  uint8_t b[kNOnes * kK];
+  uint64_t bar;
+};
 __global__ void e4m3_gemm_kernel(const __grid_constant__ CUtensorMap tv, const uint8_t* p_rowmajor,
                                  float* out) {
-  __shared__ Smem s;
+  __shared__ SmemPv s;
+  for (int i = threadIdx.x; i < 8 * kK / 4; i += blockDim.x)
+    reinterpret_cast<uint32_t*>(s.b + kN * kK)[i] = 0x38383838u;  // E4M3 1.0
+  hopper::fence_proxy_async();
   init_barrier(&s.bar);
   if (threadIdx.x == 0) {
-    hopper::mbarrier_arrive_expect_tx(&s.bar, sizeof(s.b));
+    hopper::mbarrier_arrive_expect_tx(&s.bar, kN * kK);
     hopper::tma_load_3d(s.b, &tv, &s.bar, 0, 0, 0, hopper::policy_evict_first());
   }
   const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
@@ -91,20 +101,20 @@ __global__ void e4m3_gemm_kernel(const __grid_constant__ CUtensorMap tv, const u
         a[kk][half * 2 + r] = w;
       }
   hopper::mbarrier_wait(&s.bar, 0);
-  float d[64];
+  float d[68];
   hopper::wgmma_fence();
   const auto db = hopper::make_smem_desc<hopper::Swizzle::k128B>(s.b);
-  hopper::wgmma_m64n128k32_e4m3_rs_init(d, a[0], db);
+  hopper::wgmma_m64n136k32_e4m3_rs_init(d, a[0], db);
 #pragma unroll
   for (int kk = 1; kk < 4; ++kk)
-    hopper::wgmma_m64n128k32_e4m3_rs(d, a[kk], hopper::desc_advance(db, kk * 32));
+    hopper::wgmma_m64n136k32_e4m3_rs(d, a[kk], hopper::desc_advance(db, kk * 32));
   hopper::wgmma_commit();
   hopper::wgmma_wait<0>();
   hopper::fence_operands(d);
 #pragma unroll
-  for (int i = 0; i < 64; ++i) {
+  for (int i = 0; i < 68; ++i) {
     const int row = warp * 16 + g + ((i % 4) >= 2 ? 8 : 0), col = 8 * (i / 4) + 2 * t + (i % 2);
-    out[row * kN + col] = d[i];
+    out[row * kNOnes + col] = d[i];
   }
 }
 
@@ -155,7 +165,7 @@ TEST(HopperPrimitives, RegisterE4m3WgmmaWithPermutedVtMatchesCpu) {
       vf[groups::v_token_at_position(pos) * kN + c] = numerics::e4m3_decode(code);
     }
   test::DeviceBuffer<uint8_t> dp(p.size()), dv(vt.size());
-  test::DeviceBuffer<float> dout(kM * kN);
+  test::DeviceBuffer<float> dout(kM * kNOnes);
   dp.upload(p);
   dv.upload(vt);
   CUtensorMap tv;
@@ -172,9 +182,15 @@ TEST(HopperPrimitives, RegisterE4m3WgmmaWithPermutedVtMatchesCpu) {
         mag += std::abs(double{pf[m * kK + k]} * vf[k * kN + n]);
       }
       // The FP8 MMA accumulates with ~13 mantissa bits (SageAttention2 §3.4).
-      ASSERT_NEAR(out[m * kN + n], ref, mag * 1e-3 + 1e-3)
+      ASSERT_NEAR(out[m * kNOnes + n], ref, mag * 1e-3 + 1e-3)
           << "m=" << m << " n=" << n << " seed=" << seed;
     }
+  for (int m = 0; m < kM; ++m) {  // the ones columns: row sums of P
+    double sum = 0;
+    for (int k = 0; k < kK; ++k) sum += pf[m * kK + k];
+    for (int n = kN; n < kNOnes; ++n)
+      ASSERT_NEAR(out[m * kNOnes + n], sum, sum * 1e-3) << "m=" << m << " n=" << n << " seed=" << seed;
+  }
 }
 
 // Two bulk copies (16 bytes and 1 KiB, at 16-byte offsets) completing on one mbarrier,

@@ -329,11 +329,21 @@ void check_against_emulation(Sage2Case c) {
       metrics::compare(std::span<const float>(r.o.data), std::span<const float>(emu.o.data));
   EXPECT_GE(m.cos_sim, 0.99999) << "rel_l1=" << m.rel_l1;
   EXPECT_LE(m.rel_l1, 5e-3);
-  double lse_err = 0;
+  // The row sums are sums of the cast P (step 7), so where ex2.approx and std::exp2 put
+  // a P on either side of an E4M3 rounding boundary, l moves by one code: at most
+  // 32 / (2·448) relative (a second P next to the row max, whose P is exactly 448), i.e.
+  // 0.035 in the LSE. Such flips are rare; the mean stays at the level of FP32 rounding.
+  double lse_err = 0, lse_sum = 0;
+  std::size_t rows = 0;
   for (std::size_t i = 0; i < emu.lse.size(); ++i)
-    if (!std::isinf(emu.lse[i]))
-      lse_err = std::max(lse_err, double(std::abs(r.lse[i] - emu.lse[i])));
-  EXPECT_LE(lse_err, 2e-3);
+    if (!std::isinf(emu.lse[i])) {
+      const double e = std::abs(r.lse[i] - emu.lse[i]);
+      lse_err = std::max(lse_err, e);
+      lse_sum += e;
+      ++rows;
+    }
+  EXPECT_LE(lse_err, 0.035);
+  EXPECT_LE(lse_sum / std::max<std::size_t>(rows, 1), 2e-4) << "max " << lse_err;
 }
 
 TEST(Sage2Forward, MatchesEmulationFixedCases) {

@@ -75,6 +75,20 @@ __device__ __forceinline__ void fence_operands(T (&r)[N]) {
     "%34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, " \
     "%50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
 
+#define QATTN_WGMMA_D4(C, d, b) C(d[b]), C(d[b + 1]), C(d[b + 2]), C(d[b + 3])
+#define QATTN_WGMMA_D36(C, d) QATTN_WGMMA_D32(C, d), QATTN_WGMMA_D4(C, d, 32)
+#define QATTN_WGMMA_D68(C, d) QATTN_WGMMA_D64(C, d), QATTN_WGMMA_D4(C, d, 64)
+#define QATTN_WGMMA_REGS36 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, " \
+  "%17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, " \
+  "%33, %34, %35}"
+#define QATTN_WGMMA_REGS68 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, " \
+  "%17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, " \
+  "%33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, " \
+  "%49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, " \
+  "%65, %66, %67}"
+
 // D(64x128, s32) (+)= A(64x32, s8, smem) * B(128x32, s8, smem, K-major)
 __device__ __forceinline__ void wgmma_m64n128k32_s8_ss(int32_t (&d)[64], uint64_t desc_a,
                                                        uint64_t desc_b) {
@@ -90,24 +104,6 @@ __device__ __forceinline__ void wgmma_m64n128k32_s8_ss_init(int32_t (&d)[64], ui
                ", %64, %65, 0;\n"
                : QATTN_WGMMA_D64("=r", d)
                : "l"(desc_a), "l"(desc_b));
-}
-
-// D(64x128, f32) (+)= A(64x32, e4m3, registers) * B(128x32, e4m3, smem, K-major)
-__device__ __forceinline__ void wgmma_m64n128k32_e4m3_rs(float (&d)[64], const uint32_t (&a)[4],
-                                                         uint64_t desc_b) {
-  asm volatile("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " QATTN_WGMMA_REGS64
-               ", {%64, %65, %66, %67}, %68, 1, 1, 1;\n"
-               : QATTN_WGMMA_D64("+f", d)
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-}
-// The first k-step: D = A * B.
-__device__ __forceinline__ void wgmma_m64n128k32_e4m3_rs_init(float (&d)[64],
-                                                              const uint32_t (&a)[4],
-                                                              uint64_t desc_b) {
-  asm volatile("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " QATTN_WGMMA_REGS64
-               ", {%64, %65, %66, %67}, %68, 0, 1, 1;\n"
-               : QATTN_WGMMA_D64("=f", d)
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
 
 // D(64x64, s32) (+)= A(64x32, s8, smem) * B(64x32, s8, smem, K-major)
@@ -127,20 +123,36 @@ __device__ __forceinline__ void wgmma_m64n64k32_s8_ss_init(int32_t (&d)[32], uin
                : "l"(desc_a), "l"(desc_b));
 }
 
-// D(64x64, f32) (+)= A(64x32, e4m3, registers) * B(64x32, e4m3, smem, K-major)
-__device__ __forceinline__ void wgmma_m64n64k32_e4m3_rs(float (&d)[32], const uint32_t (&a)[4],
-                                                        uint64_t desc_b) {
-  asm volatile("wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 " QATTN_WGMMA_REGS32
-               ", {%32, %33, %34, %35}, %36, 1, 1, 1;\n"
-               : QATTN_WGMMA_D32("+f", d)
+// D(64x136 / 64x72, f32) (+)= A(64x32, e4m3, registers) * B(136x32 / 72x32, e4m3, smem,
+// K-major): P·V where B is Vᵀ (128 / 64 channels) and 8 rows of E4M3 ones, whose columns
+// of D return P's row sums (NOTES v15c).
+__device__ __forceinline__ void wgmma_m64n136k32_e4m3_rs(float (&d)[68], const uint32_t (&a)[4],
+                                                         uint64_t desc_b) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n136k32.f32.e4m3.e4m3 " QATTN_WGMMA_REGS68
+               ", {%68, %69, %70, %71}, %72, 1, 1, 1;\n"
+               : QATTN_WGMMA_D68("+f", d)
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
-// The first k-step: D = A * B.
-__device__ __forceinline__ void wgmma_m64n64k32_e4m3_rs_init(float (&d)[32], const uint32_t (&a)[4],
+__device__ __forceinline__ void wgmma_m64n136k32_e4m3_rs_init(float (&d)[68],
+                                                              const uint32_t (&a)[4],
+                                                              uint64_t desc_b) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n136k32.f32.e4m3.e4m3 " QATTN_WGMMA_REGS68
+               ", {%68, %69, %70, %71}, %72, 0, 1, 1;\n"
+               : QATTN_WGMMA_D68("=f", d)
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+__device__ __forceinline__ void wgmma_m64n72k32_e4m3_rs(float (&d)[36], const uint32_t (&a)[4],
+                                                        uint64_t desc_b) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n72k32.f32.e4m3.e4m3 " QATTN_WGMMA_REGS36
+               ", {%36, %37, %38, %39}, %40, 1, 1, 1;\n"
+               : QATTN_WGMMA_D36("+f", d)
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+__device__ __forceinline__ void wgmma_m64n72k32_e4m3_rs_init(float (&d)[36], const uint32_t (&a)[4],
                                                              uint64_t desc_b) {
-  asm volatile("wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 " QATTN_WGMMA_REGS32
-               ", {%32, %33, %34, %35}, %36, 0, 1, 1;\n"
-               : QATTN_WGMMA_D32("=f", d)
+  asm volatile("wgmma.mma_async.sync.aligned.m64n72k32.f32.e4m3.e4m3 " QATTN_WGMMA_REGS36
+               ", {%36, %37, %38, %39}, %40, 0, 1, 1;\n"
+               : QATTN_WGMMA_D36("=f", d)
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
 
@@ -149,5 +161,10 @@ __device__ __forceinline__ void wgmma_m64n64k32_e4m3_rs_init(float (&d)[32], con
 #undef QATTN_WGMMA_D64
 #undef QATTN_WGMMA_REGS32
 #undef QATTN_WGMMA_REGS64
+#undef QATTN_WGMMA_D4
+#undef QATTN_WGMMA_D36
+#undef QATTN_WGMMA_D68
+#undef QATTN_WGMMA_REGS36
+#undef QATTN_WGMMA_REGS68
 
 }  // namespace qattn::hopper

@@ -84,6 +84,10 @@ struct KernelTraits {
   static constexpr int kConsumerThreads = 256;
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
   static constexpr int kQBytes = kBlockM * D, kKBytes = kBlockN * D, kVBytes = D * kBlockN;
+  // A V stage: the TMA's D rows of Vᵀ, then 8 rows of E4M3 ones whose product columns
+  // are P's row sums (NOTES v15c).
+  static constexpr int kVOnesRows = 8;
+  static constexpr int kVStageBytes = (D + kVOnesRows) * kBlockN;
   static constexpr hopper::Swizzle kQKSwizzle =
       D == 128 ? hopper::Swizzle::k128B : hopper::Swizzle::k64B;
   static constexpr hopper::Swizzle kVSwizzle = hopper::Swizzle::k128B;  // 128 tokens = 128 B
@@ -130,7 +134,7 @@ struct SharedStorage {
   alignas(1024) uint8_t q_in[kQinBuffers][QTileLayout<D>::kInBytes];  // 16-bit, as loaded
   alignas(1024) uint8_t q[kQSlots<D>][Tr::kQBytes];                   // INT8, wgmma layout
   alignas(1024) uint8_t k[Tr::kStages][Tr::kKBytes];
-  alignas(1024) uint8_t v[Tr::kStages][Tr::kVBytes];
+  alignas(1024) uint8_t v[Tr::kStages][Tr::kVStageBytes];
   alignas(16) ItemSide<D> side[kQSlots<D>];
   alignas(16) float k_scale[Tr::kStages][groups::kKThreadGroupsPerTile];  // with its K tile
 };
@@ -259,6 +263,14 @@ __global__ void __launch_bounds__(384, 1)
       hopper::mbarrier_init(&bar.v_empty[i], Tr::kConsumerWarps);
     }
     hopper::fence_barrier_init();
+  }
+  {
+    // The ones rows of every V stage (0x38 = E4M3 1.0; equal bytes need no swizzle),
+    // written once: the TMA fills only the D rows before them.
+    constexpr int kWords = Tr::kVOnesRows * Tr::kBlockN / 4;
+    for (int i = threadIdx.x; i < Tr::kStages * kWords; i += Tr::kThreads)
+      reinterpret_cast<uint32_t*>(s.v[i / kWords] + D * Tr::kBlockN)[i % kWords] = 0x38383838u;
+    hopper::fence_proxy_async();  // read by wgmma
   }
   __syncthreads();
   const bool want_q_dot_c = p.lse != nullptr || p.q_debug.q_dot_c != nullptr;
@@ -429,6 +441,7 @@ __global__ void __launch_bounds__(384, 1)
   const CausalMask mask{p.seqlen_q, p.seqlen_kv, p.causal != 0};
   constexpr int kS = Tr::kBlockN / 2;  // score elements per thread
   constexpr int kO = D / 2;            // output elements per thread
+  constexpr int kOAcc = kO + 4;        // and the ones columns: row sums
   // Independent max/sum chains per row: 4 at d=128, 2 at d=64 (NOTES v8, v12b).
   using Softmax = OnlineSoftmax<kS, D == 64 ? 2 : 4>;
 
@@ -540,18 +553,18 @@ __global__ void __launch_bounds__(384, 1)
                                      hopper::desc_advance(desc_k, kk * 32));
     hopper::wgmma_commit();
   };
-  auto issue_pv = [&](int st, float(&acc_o)[kO]) {
+  auto issue_pv = [&](int st, float(&acc_o)[kOAcc]) {
     const uint64_t desc_v = hopper::make_smem_desc<Tr::kVSwizzle>(cs.v[st]);
     if constexpr (D == 128) {
-      hopper::wgmma_m64n128k32_e4m3_rs_init(acc_o, a_p[0], desc_v);
+      hopper::wgmma_m64n136k32_e4m3_rs_init(acc_o, a_p[0], desc_v);
 #pragma unroll
       for (int kk = 1; kk < Tr::kBlockN / 32; ++kk)
-        hopper::wgmma_m64n128k32_e4m3_rs(acc_o, a_p[kk], hopper::desc_advance(desc_v, kk * 32));
+        hopper::wgmma_m64n136k32_e4m3_rs(acc_o, a_p[kk], hopper::desc_advance(desc_v, kk * 32));
     } else {
-      hopper::wgmma_m64n64k32_e4m3_rs_init(acc_o, a_p[0], desc_v);
+      hopper::wgmma_m64n72k32_e4m3_rs_init(acc_o, a_p[0], desc_v);
 #pragma unroll
       for (int kk = 1; kk < Tr::kBlockN / 32; ++kk)
-        hopper::wgmma_m64n64k32_e4m3_rs(acc_o, a_p[kk], hopper::desc_advance(desc_v, kk * 32));
+        hopper::wgmma_m64n72k32_e4m3_rs(acc_o, a_p[kk], hopper::desc_advance(desc_v, kk * 32));
     }
     hopper::wgmma_commit();
   };
@@ -620,7 +633,7 @@ __global__ void __launch_bounds__(384, 1)
   auto turn = [&](int it, const Item& nw, int nit, Softmax& sm_next, auto has_next) {
     const int st = cur.stage(it);
     float qk_next = 0.f;
-    float acc_o[kO];
+    float acc_o[kOAcc];
     hopper::mbarrier_wait(&bar.v_full[st], cur.phase(it));
     if constexpr (has_next) hopper::mbarrier_wait(&bar.k_full[nw.stage(nit)], nw.phase(nit));
     hopper::wgmma_fence();
@@ -646,6 +659,7 @@ __global__ void __launch_bounds__(384, 1)
       // Two-level accumulation: the tile's product landed in fresh registers; one FMA.
 #pragma unroll
     for (int i = 0; i < kO; ++i) o[i] = fmaf(o[i], alpha[(i % 4) / 2], acc_o[i]);
+    sm_cur.add_row_sums(acc_o[kO], acc_o[kO + 2], alpha);  // the ones columns (rows g, g + 8)
 
     if constexpr (has_next) {
       if constexpr (!kOverlapSoftmax) softmax_tile(nw, nit, qk_next, sm_next, x, alpha_next);
@@ -664,7 +678,6 @@ __global__ void __launch_bounds__(384, 1)
       turn(cur.n_tiles - 1, nxt, 0, sm_next, std::true_type{});
     else
       turn(cur.n_tiles - 1, cur, 0, sm_next, std::false_type{});
-    sm_cur.finish();
     write_output(cur, o, sm_cur);
     if (!more) {
       // The last stores must have read shared memory before the CTA exits.

@@ -14,6 +14,7 @@ namespace qattn::sage2 {
 
 inline constexpr float kLog2E4m3Max = 8.807354922057604f;  // log2(448)
 
+
 __device__ __forceinline__ float exp2_approx(float x) {
 #if QATTN_EXPERIMENT_NO_EXP  // knockout for bench/NOTES.md: wrong results, timing only
   return x * 0.001f;
@@ -41,9 +42,9 @@ struct OnlineSoftmax {
   static constexpr int kPartials = kChains;
 #endif
   float m[2] = {-INFINITY, -INFINITY};  // running max of rows g, g + 8 (log2 units)
-  float l[2] = {0.f, 0.f};              // this thread's part of the row sums (x448)
+  float l[2] = {0.f, 0.f};              // row sums of the cast P (x448), full rows
 
-  // Updates max and sum with this tile's raw INT32 products s (masked ones kMaskedScore)
+  // Updates the max with this tile's raw INT32 products s (masked ones kMaskedScore)
   // times qk = q_scale·k_scale (> 0, uniform over the thread's elements); writes 448·P
   // to p and, per row, the factor by which the old O must be scaled. float(s) is
   // monotonic, so the max runs on the integers (IMNMX) and is converted once; the
@@ -52,7 +53,7 @@ struct OnlineSoftmax {
   // costs an IADD, an FFMA and an exp2.
   __device__ __forceinline__ void step(const int32_t (&s)[kCols], float qk, float (&p)[kCols],
                                        float (&alpha)[2]) {
-    // Max and sum run as kPartials independent chains per row: only two consumer warps
+    // The max runs as kPartials independent chains per row: only two consumer warps
     // share a scheduler, so latency, not throughput, bounds a serial chain (NOTES v8).
     int32_t mp[2][kPartials];
 #pragma unroll
@@ -86,29 +87,18 @@ struct OnlineSoftmax {
     // v15b). Rounding b moves the exponent by < 0.75·qk: under one unit of s.
 #pragma unroll
     for (int r = 0; r < 2; ++r) neg_bias[r] = fmaf(-scores::kMagic, qk, neg_bias[r]);
-    float sp[2][kPartials] = {};
 #pragma unroll
     for (int i = 0; i < kCols; ++i) {
       const int r = (i % 4) / 2;
       p[i] = exp2_approx(fmaf(__int_as_float(s[i] + scores::kMagicBits), qk, neg_bias[r]));
-      sp[r][(i / 4) % kPartials] += p[i];
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float sum = sp[r][0];
-#pragma unroll
-      for (int k = 1; k < kPartials; ++k) sum += sp[r][k];
-      l[r] = l[r] * alpha[r] + sum;
     }
   }
 
-  // Full row sums (the 4 threads of a quad share a row).
-  __device__ __forceinline__ void finish() {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      l[r] += __shfl_xor_sync(0xffffffff, l[r], 1);
-      l[r] += __shfl_xor_sync(0xffffffff, l[r], 2);
-    }
+  // Adds a tile's row sums (of the cast P: the ones columns of its P·V product, which
+  // every thread of a row holds in full) with the O rescale alpha of that tile.
+  __device__ __forceinline__ void add_row_sums(float sum0, float sum1, const float (&alpha)[2]) {
+    l[0] = fmaf(l[0], alpha[0], sum0);
+    l[1] = fmaf(l[1], alpha[1], sum1);
   }
 };
 
