@@ -3,6 +3,9 @@
 # memcheck and racecheck on small cases, the Python package and its tests, and the
 # forward benchmark side by side with PyTorch SDPA. Logs go to $OUT; a short table last.
 #   run: bench/device_run.sh .devbin <commit>   (carry .devbin and .deps)
+# Pass the commit as a literal hash: git in the device machine's copy of the tree may
+# report an older commit (it did in session 10; bench/forward.py --replot --commit fixes
+# a file written that way).
 set -uo pipefail
 bin=${1:?folder with the prebuilt GPU test binaries}
 commit=${2:-unknown}

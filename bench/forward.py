@@ -21,6 +21,8 @@ Run on the device from the repo root (after python/build_on_device.sh):
   PYTHONPATH=python python3 bench/forward.py --quick --out $OUT    # ~1 min
 """
 
+from __future__ import annotations
+
 import argparse
 import datetime
 import json
@@ -33,12 +35,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, List, Optional
 
-import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+try:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
-import qattn  # noqa: E402
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+    import qattn  # noqa: E402
+except ImportError as e:  # --replot needs only matplotlib
+    torch = None
+    _import_error = e
 
 METHODS = ("qattn", "qattn_kernel", "sdpa_cudnn", "sdpa_flash")
 L2_FALLBACK_BYTES = 60 << 20  # H200
@@ -304,6 +310,18 @@ def print_table(rows: List[Row]) -> None:
     print("(TOPS; cos = CosSim of qattn's output to cuDNN's)")
 
 
+def replot(json_path: Path, commit: str) -> int:
+    """Redraws the PNG of a results file; with a commit, records it in the file first (for
+    a run whose machine could not read the commit itself)."""
+    data = json.loads(json_path.read_text())
+    if commit:
+        data["env"]["commit"] = commit
+        json_path.write_text(json.dumps(data, indent=1) + "\n")
+    rows = [Row(**r) for r in data["rows"]]
+    plot(rows, json_path.with_suffix(".png"), data["env"])
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a small grid (~1 minute)")
@@ -320,7 +338,14 @@ def main() -> int:
     ap.add_argument("--time-limit-s", type=float, default=540,
                     help="stop measuring (and still write the results) after this long")
     ap.add_argument("--commit", default="", help="commit id to record (else $QATTN_COMMIT or git)")
+    ap.add_argument("--replot", metavar="JSON",
+                    help="only redraw the PNG next to a results file (with --commit: record that commit)")
     args = ap.parse_args()
+    if args.replot:
+        return replot(Path(args.replot), args.commit)
+    if torch is None:
+        print(f"bench/forward.py: {_import_error}", file=sys.stderr)
+        return 2
     if args.quick:
         args.min_iters, args.max_iters, args.budget_s = 5, 30, 0.1
 
