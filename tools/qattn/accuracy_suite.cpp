@@ -274,7 +274,9 @@ void build_plan(Plan& plan, int study_t, const std::vector<int>& sweep_t,
   // SageAttention2 §3.3: the 8-bit format of P̃ in P·V, Q·Kᵀ unquantized so that only
   // P·V's formats differ. pv_format holds V in FP16 and varies P̃ alone (the claim is
   // about P̃'s distribution); pv_format_joint puts V in the same format too, as the
-  // paper's Table 7 does.
+  // paper's Table 7 does. The row sums are of the FP32 P̃ in both, as in the paper: with
+  // sums of the cast P̃ (the kernel's), INT8's rounding of small P̃ would bias the
+  // denominator as well.
   const std::pair<const char*, PvFormat> pv[] = {{"e4m3", PvFormat::E4M3},
                                                  {"e5m2", PvFormat::E5M2},
                                                  {"int8", PvFormat::Int8},
@@ -284,6 +286,7 @@ void build_plan(Plan& plan, int study_t, const std::vector<int>& sweep_t,
     o.qk_format = QkFormat::Fp32;
     o.pv_format = p_format;
     o.v_format = v_format;
+    o.row_sum = emulate::RowSum::FloatP;
     const int v_key = v_format ? static_cast<int>(*v_format) : -1;
     return plan.run(fmt::format("sa2/p{}/v{}", static_cast<int>(p_format), v_key), t, sa2(o));
   };
