@@ -1,4 +1,5 @@
-// The properties the SA2 kernel's softmax relies on for its raw INT32 scores
+// The properties the SA2 kernel's softmax relies on for its raw INT32 scores and for
+// its exps on the FMA pipe (numerics/exp2_poly.h), and the ones below
 // (numerics/int32_scores.h): the magic-number conversion is exact over every product
 // two INT8 rows can give, a masked score converts to -inf and loses every integer max,
 // and the last visible key per row gives exactly the causal / key-tail mask. Random
@@ -11,6 +12,8 @@
 #include <limits>
 #include <random>
 
+#include "numerics/exp2_poly.h"
+#include "numerics/formats.h"
 #include "numerics/int32_scores.h"
 
 namespace sc = qattn::scores;
@@ -54,6 +57,32 @@ TEST(Int32Scores, LastVisibleKeyIsTheMaskOfEveryRow) {
       }
     }
   }
+}
+
+// exp2_poly: relative error under 7.6e-5 over the exponents the softmax produces (its
+// P is 448·2^(x - max), so x <= log2(448)); below -100 and at -inf it gives 2^-100, which
+// casts to E4M3 zero like the true value; and the E4M3 code of 448·P (what the P·V MMA
+// reads) is the one of the exact value except within 1e-4 of a rounding boundary.
+TEST(Exp2Poly, AccurateToE4m3AndZeroForMaskedScores) {
+  using qattn::numerics::exp2_poly;
+  std::mt19937_64 rng(5);
+  std::uniform_real_distribution<float> xs(-100.f, 9.f);
+  int flips = 0;
+  constexpr int kSamples = 200000;
+  for (int i = 0; i < kSamples; ++i) {
+    const float x = xs(rng);
+    const double exact = std::exp2(static_cast<double>(x));
+    const float got = exp2_poly(x);
+    ASSERT_LT(std::abs(got / exact - 1.0), 7.6e-5) << "x=" << x;
+    const float p = exact * 0.5;  // a P in [0, 448) when x <= log2(896)
+    if (qattn::numerics::e4m3_encode(exp2_poly(x - 1.f)) != qattn::numerics::e4m3_encode(p)) ++flips;
+  }
+  EXPECT_LT(flips, kSamples / 1000) << "E4M3 codes that differ from the exact value's";
+  for (float x : {-100.f, -150.f, -1e30f, -std::numeric_limits<float>::infinity()}) {
+    EXPECT_EQ(exp2_poly(x), exp2_poly(-100.f)) << x;
+    EXPECT_EQ(qattn::numerics::e4m3_encode(448.f * exp2_poly(x)), 0) << x;
+  }
+  EXPECT_NEAR(exp2_poly(std::log2(448.f)), 448.f, 448.f * 7.6e-5);
 }
 
 }  // namespace

@@ -442,8 +442,9 @@ __global__ void __launch_bounds__(384, 1)
   constexpr int kS = Tr::kBlockN / 2;  // score elements per thread
   constexpr int kO = D / 2;            // output elements per thread
   constexpr int kOAcc = kO + 4;        // and the ones columns: row sums
-  // Independent max/sum chains per row: 4 at d=128, 2 at d=64 (NOTES v8, v12b).
-  using Softmax = OnlineSoftmax<kS, D == 64 ? 2 : 4>;
+  // Independent max chains per row: 4 at d=128, 2 at d=64 (NOTES v8, v12b).
+  // d=128: a quarter of the exps on the FMA pipe (NOTES v15d).
+  using Softmax = OnlineSoftmax<kS, D == 64 ? 2 : 4, D == 128>;
 
   // A work item as a consumer thread sees it.
   struct Item {

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "numerics/exp2_poly.h"
 #include "numerics/int32_scores.h"
 
 namespace qattn::sage2 {
@@ -34,7 +35,9 @@ __device__ __forceinline__ uint16_t pack_e4m3x2(float lo, float hi) {
 using scores::kMaskedScore;
 using scores::score_to_float;
 
-template <int kCols, int kChains>
+// kPolyExp: a share of the exps by numerics::exp2_poly instead of MUFU (d=128: +4% at
+// N=2K; d=64 lost 10-16%, NOTES v15d).
+template <int kCols, int kChains, bool kPolyExp>
 struct OnlineSoftmax {
 #ifdef QATTN_SAGE2_SOFTMAX_CHAINS  // override for the measurements of bench/NOTES.md
   static constexpr int kPartials = QATTN_SAGE2_SOFTMAX_CHAINS;
@@ -90,7 +93,10 @@ struct OnlineSoftmax {
 #pragma unroll
     for (int i = 0; i < kCols; ++i) {
       const int r = (i % 4) / 2;
-      p[i] = exp2_approx(fmaf(__int_as_float(s[i] + scores::kMagicBits), qk, neg_bias[r]));
+      const float y = fmaf(__int_as_float(s[i] + scores::kMagicBits), qk, neg_bias[r]);
+      // A quarter of the exps (column chunks 0, 1, 8, 9 of 16) on the FMA pipe when
+      // kPolyExp: measured per pattern (NOTES v15d).
+      p[i] = kPolyExp && (i / 4) % 8 < 2 ? numerics::exp2_poly(y) : exp2_approx(y);
     }
   }
 
