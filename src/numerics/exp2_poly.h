@@ -6,11 +6,9 @@
 #include <cmath>
 #include <cstdint>
 
+#include "numerics/formats.h"
 #include "numerics/hd.h"
-
-#if !defined(__CUDA_ARCH__)
-#include <bit>
-#endif
+#include "numerics/int32_scores.h"
 
 namespace qattn::numerics {
 
@@ -20,19 +18,13 @@ namespace qattn::numerics {
 // the offset's low 9 bits are 0). x is clamped at -100 first, so -inf (a masked score)
 // and very small P give 2^-100, which casts to E4M3 zero as 2^x would. A NaN x is clamped
 // too (fmaxf drops it): the kernel's other exps still carry the NaN into O.
-// IADD/FADD/FFMA only: 1 FMNMX, 3 FADD, 3 FFMA, 1 SHL, 1 IADD.
+// FMA and ALU pipes only: 1 FMNMX, 3 FADD, 3 FFMA, 1 SHL, 1 IADD.
 QATTN_HD float exp2_poly(float x) {
   x = fmaxf(x, -100.f);
-  const float t = x + 12582912.f;
-  const float f = x - (t - 12582912.f);
+  const float t = x + scores::kMagic;  // 1.5·2^23, the same offset as the score conversion
+  const float f = x - (t - scores::kMagic);
   const float p = fmaf(fmaf(fmaf(0.05517084f, f, 0.24260935f), f, 0.69326097f), f, 0.99992818f);
-#if defined(__CUDA_ARCH__)
-  return __int_as_float(__float_as_int(p) + static_cast<int32_t>(
-                                                static_cast<uint32_t>(__float_as_int(t)) << 23));
-#else
-  const uint32_t bits = std::bit_cast<uint32_t>(p) + (std::bit_cast<uint32_t>(t) << 23);
-  return std::bit_cast<float>(bits);
-#endif
+  return detail::float_of(detail::bits_of(p) + (detail::bits_of(t) << 23));
 }
 
 }  // namespace qattn::numerics
