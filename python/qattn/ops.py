@@ -150,10 +150,37 @@ class _Call:
 def _run(q, k, v, is_causal, scale, layout, return_lse, granularity):
     if q.device.type != "cuda":
         raise invalid(f"q is on {q.device}; allowed: a CUDA device")
+    if q.device.index == torch.cuda.current_device():
+        call = _Call(q, k, v, is_causal, scale, layout, return_lse, granularity)
+        call.launch()
+        return call.outputs()
     with torch.cuda.device(q.device):  # the C library runs on the current device
         call = _Call(q, k, v, is_causal, scale, layout, return_lse, granularity)
         call.launch()
         return call.outputs()
+
+
+# Private PyTorch hooks that say whether a dispatch or function mode is active; where a
+# PyTorch version lacks one, every call takes the dispatcher.
+_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
+_function_modes = getattr(torch._C, "_is_torch_function_mode_enabled", None)
+
+
+def _direct_call_ok(q, k, v) -> bool:
+    """True for a plain eager call that needs nothing of the dispatcher: the op's
+    dispatch (torch.library) costs tens of microseconds of host time per call, about
+    the GPU time of a short sequence. Traced calls (torch.compile), tensor subclasses,
+    active dispatch or function modes, and calls that record autograd (so that backward
+    raises) go through the op."""
+    if _dispatch_modes is None or _function_modes is None:
+        return False
+    if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
+        return False
+    if not (q.is_cuda and k.is_cuda and v.is_cuda):  # meta tensors take the fake implementation
+        return False
+    if torch.compiler.is_compiling() or _dispatch_modes() or _function_modes():
+        return False
+    return not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
 
 
 # ---- the custom op -----------------------------------------------------------------
@@ -220,7 +247,10 @@ def attention(
     granularity: quantization groups of Q and K, "per_thread" (default), "per_warp" or
     "per_block". Raises QattnError with a message naming the bad parameter.
     """
-    o, lse = torch.ops.qattn.attention(q, k, v, is_causal, scale, layout, return_lse, granularity)
+    if _direct_call_ok(q, k, v):
+        o, lse = _run(q, k, v, is_causal, scale, layout, return_lse, granularity)
+    else:
+        o, lse = torch.ops.qattn.attention(q, k, v, is_causal, scale, layout, return_lse, granularity)
     return (o, lse) if return_lse else o
 
 

@@ -254,6 +254,37 @@ def test_backward_raises():
         o.float().sum().backward()
 
 
+def test_eager_calls_skip_the_dispatcher_and_agree_with_the_op():
+    q, k, v = make_qkv(1, 8, 2, 700, 900, 128, seed=13)
+    with torch.no_grad():
+        assert qattn.ops._direct_call_ok(q, k, v)
+        o, lse = qattn.attention(q, k, v, is_causal=True, return_lse=True)
+        o_op, lse_op = torch.ops.qattn.attention(q, k, v, True, None, "HND", True, "per_thread")
+    torch.testing.assert_close(o, o_op, rtol=0, atol=0)
+    torch.testing.assert_close(lse, lse_op, rtol=0, atol=0)
+    # Calls that record autograd take the op, so that backward raises (test_backward_raises).
+    assert not qattn.ops._direct_call_ok(q.requires_grad_(True), k, v)
+
+
+def test_dispatch_modes_see_the_op():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = make_qkv(1, 4, 4, 256, 256, 64, seed=17)
+    with Record() as mode:
+        o = qattn.attention(q, k, v)
+    assert any(name.startswith("qattn.attention") for name in mode.ops), mode.ops
+    torch.testing.assert_close(o, qattn.attention(q, k, v), rtol=0, atol=0)
+
+
 def test_sageattn_alias():
     q, k, v = make_qkv(1, 8, 2, 300, 300, 128, layout="NHD", seed=9)
     o = qattn.sageattn(q, k, v, tensor_layout="NHD", is_causal=True)

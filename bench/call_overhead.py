@@ -1,0 +1,111 @@
+"""Host time per call of qattn.attention, against PyTorch SDPA, and what it costs at
+short N (run on the GPU machine).
+
+At N = 1K a call's GPU work is ~0.1 ms, so the host work of a call (the Python layer,
+the C checks, four enqueues) decides whether the GPU waits between calls. Printed:
+- host us: the median CPU time of one call, over `--iters` calls issued back to back
+  at a tiny shape (the GPU keeps up, so nothing waits for it);
+- e2e ms: CUDA events around each call, the median (as bench/forward.py times): a call
+  whose host work is longer than the GPU's shows it here;
+- stream ms: the wall time of `--iters` calls issued back to back, over the count, with
+  one synchronization at the end: what a model that issues nothing else would see.
+
+    PYTHONPATH=python python3 bench/call_overhead.py [--json out.json]
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import qattn
+
+
+def host_us(fn, iters):
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
+
+
+def event_ms(fn, iters):
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for a, b in ev:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in ev)
+
+
+def stream_ms(fn, iters):
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters * 1e3
+
+
+def methods(q, k, v, causal):
+    def sdpa(backend):
+        def run():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+        return run
+
+    return {
+        "qattn": lambda: qattn.attention(q, k, v, is_causal=causal),
+        "qattn_op": lambda: torch.ops.qattn.attention(q, k, v, causal, None, "HND", False, "per_thread"),
+        "sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+        "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION),
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--iters", type=int, default=1000)
+    ap.add_argument("--json")
+    ap.add_argument("--commit", default="unknown", help="commit id to record in the JSON")
+    args = ap.parse_args()
+    rows = []
+    with torch.inference_mode():
+        for b, h, n, d, causal in [(1, 8, 128, 128, False), (4, 32, 1024, 128, False),
+                                   (4, 32, 1024, 128, True), (4, 32, 1024, 64, False)]:
+            g = torch.Generator(device="cuda").manual_seed(n + d)
+            q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
+                       for _ in range(3))
+            for name, fn in methods(q, k, v, causal).items():
+                row = {"method": name, "batch": b, "heads": h, "n": n, "d": d, "causal": causal,
+                       "host_us": host_us(fn, args.iters),
+                       "e2e_ms": event_ms(fn, 50), "stream_ms": stream_ms(fn, 200)}
+                rows.append(row)
+                print(f"{name:<11} B={b} H={h:<3} N={n:<5} d={d:<4} causal={int(causal)}  "
+                      f"host {row['host_us']:7.1f} us   e2e {row['e2e_ms']:.4f} ms   "
+                      f"stream {row['stream_ms']:.4f} ms", flush=True)
+    if args.json:
+        env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "qattn": qattn.__version__, "commit": args.commit,
+               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        with open(args.json, "w") as f:
+            json.dump({"env": env, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
