@@ -1,7 +1,7 @@
 // Device unit tests of the hopper/ PTX layer on its own: TMA loads with 128B swizzle
 // into shared memory, mbarrier completion, one wgmma of each kind the attention kernel
-// uses (checked against an exact CPU product), bulk copies, and a TMA store clipped to
-// its tensor.
+// uses (checked against an exact CPU product), bulk copies, a barrier phase that needs
+// both bytes and an arrival, and a TMA store clipped to its tensor.
 #include <cuda.h>
 
 #include <random>
@@ -223,6 +223,53 @@ TEST(HopperPrimitives, BulkLoadsCompleteOnOneBarrier) {
   for (int i = 0; i < 4; ++i) ASSERT_EQ(out[i], src[4 + i]) << "i=" << i << " seed=" << seed;
   for (int i = 0; i < 256; ++i)
     ASSERT_EQ(out[4 + i], src[12 + i]) << "i=" << i << " seed=" << seed;
+}
+
+// mbarrier_expect_tx adds bytes to the phase without arriving: the copy's bytes alone do
+// not complete it, the pending arrival does (as the attention kernel's first Q load,
+// whose slot must not open before the Q loader has written the item). Reports whether
+// the phase was still open after the bytes had landed, then waits for it normally.
+__global__ void expect_tx_kernel(const float* src, float* out, int* open_after_bytes) {
+  __shared__ alignas(16) float buf[256];
+  __shared__ uint64_t bar;
+  init_barrier(&bar);
+  if (threadIdx.x == 0) {
+    hopper::mbarrier_expect_tx(&bar, sizeof(buf));
+    hopper::bulk_load(buf, src, sizeof(buf), &bar);
+    // ~50 µs at 2 GHz: the 1 KiB copy has long landed.
+    const long long t0 = clock64();
+    while (clock64() - t0 < 100000) {
+    }
+    uint32_t done;
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], 0;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(hopper::smem_addr(&bar))
+        : "memory");
+    *open_after_bytes = done == 0;
+    hopper::mbarrier_arrive(&bar);  // the one expected arrival
+  }
+  hopper::mbarrier_wait(&bar, 0);
+  for (int i = threadIdx.x; i < 256; i += blockDim.x) out[i] = buf[i];
+}
+
+TEST(HopperPrimitives, ExpectTxWithoutArrivalWaitsForTheArrival) {
+  QATTN_SKIP_WITHOUT_GPU();
+  const uint64_t seed = test::fresh_seed();
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<float> src(256);
+  for (auto& x : src) x = normal(rng);
+  test::DeviceBuffer<float> dsrc(src.size()), dout(256);
+  test::DeviceBuffer<int> dopen(1);
+  dsrc.upload(src);
+  dopen.upload(std::vector<int>{-1});
+  expect_tx_kernel<<<1, 128>>>(dsrc.ptr, dout.ptr, dopen.ptr);
+  QATTN_CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_EQ(dopen.download()[0], 1) << "the bytes alone completed the phase";
+  const auto out = dout.download();
+  for (int i = 0; i < 256; ++i) ASSERT_EQ(out[i], src[i]) << "i=" << i << " seed=" << seed;
 }
 
 // A 64 × 64 box of 16-bit values staged with the 128B swizzle (16-byte chunk c of row r at
