@@ -55,6 +55,7 @@ struct AttentionParams {
   int causal;
   int num_m_blocks;  // nq_pad / 128
   int batch;
+  int causal_group;  // causal: query heads whose items interleave (decode_item), >= 1
   int* item_counter;  // [0]: items handed out past the first gridDim.x, [1]: CTAs done;
                       // zero at launch, and put back to zero by the last CTA
 };
@@ -174,14 +175,23 @@ __device__ __forceinline__ int grid_size() {
 // item from a global counter (next_item): a static round-robin gave the CTAs of a causal
 // grid sums of block lengths up to 18% apart at N=2K. The query blocks of one head are
 // consecutive items, so the items in flight share K/V in L2 (with query blocks slowest,
-// a causal grid thrashed L2 and ran 6% slower at N=8K); causal: the longest blocks of
-// each head come first.
+// a causal grid thrashed L2 and ran 6% slower at N=8K). Causal: heads go in groups of
+// p.causal_group whose K/V fit in L2 together, and within a group all its heads'
+// longest blocks come first, then the next longest: the grid ends on short items
+// (kernel-only causal 2K +9% over longest-first within each head, NOTES v16g).
 struct WorkItem {
   int m_block, hq, b;
 };
 __device__ __forceinline__ WorkItem decode_item(const AttentionParams& p, int item) {
-  const int r = item / p.num_m_blocks, m = item % p.num_m_blocks;
-  return {p.causal ? p.num_m_blocks - 1 - m : m, r % p.heads_q, r / p.heads_q};
+  if (!p.causal) {
+    const int r = item / p.num_m_blocks, m = item % p.num_m_blocks;
+    return {m, r % p.heads_q, r / p.heads_q};
+  }
+  const int heads = p.heads_q * p.batch, per_group = p.causal_group * p.num_m_blocks;
+  const int g = item / per_group, i = item % per_group;
+  const int in_group = min(p.causal_group, heads - g * p.causal_group);
+  const int r = g * p.causal_group + i % in_group;
+  return {p.num_m_blocks - 1 - i / in_group, r % p.heads_q, r / p.heads_q};
 }
 // The Q loader's claim of this CTA's work item number `local` (one thread per CTA).
 __device__ __forceinline__ int next_item(const AttentionParams& p, int local) {
