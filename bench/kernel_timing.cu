@@ -47,30 +47,33 @@ int main(int argc, char** argv) {
         for (int n : {1024, 2048, 4096, 8192, 16384}) cfgs.push_back({4, 32, n, d, causal});
   std::printf("%6s %4s %6s %4s %6s | %9s %9s | %9s %9s\n", "B", "H", "N", "d", "causal", "e2e_ms",
               "e2e_TOPS", "kern_ms", "kern_TOPS");
+  // KT_HEADS_KV: K/V heads for every shape (GQA; default: as many as query heads).
+  const char* hkv_env = std::getenv("KT_HEADS_KV");
   for (const Cfg& c : cfgs) {
-    const size_t elems = size_t(c.b) * c.h * c.n * c.d;
+    const int hkv = hkv_env != nullptr ? std::atoi(hkv_env) : c.h;
+    const size_t elems = size_t(c.b) * c.h * c.n * c.d, kv_elems = size_t(c.b) * hkv * c.n * c.d;
     uint16_t *q, *k, *v, *o;
     cudaMalloc(&q, elems * 2);
-    cudaMalloc(&k, elems * 2);
-    cudaMalloc(&v, elems * 2);
+    cudaMalloc(&k, kv_elems * 2);
+    cudaMalloc(&v, kv_elems * 2);
     cudaMalloc(&o, elems * 2);
     fill_normal<<<1024, 256>>>(q, elems, 1);
-    fill_normal<<<1024, 256>>>(k, elems, 2);
-    fill_normal<<<1024, 256>>>(v, elems, 3);
+    fill_normal<<<1024, 256>>>(k, kv_elems, 2);
+    fill_normal<<<1024, 256>>>(v, kv_elems, 3);
     qattn_fwd_params p{};
     p.dtype = QATTN_DTYPE_BF16;
     p.batch = c.b;
     p.heads_q = c.h;
-    p.heads_kv = c.h;
+    p.heads_kv = hkv;
     p.seqlen_q = c.n;
     p.seqlen_kv = c.n;
     p.head_dim = c.d;
     p.causal = c.causal;
     p.granularity = QATTN_QK_PER_THREAD;
-    const int64_t sn = c.d, sh = int64_t(c.n) * c.d, sb = sh * c.h;
+    const int64_t sn = c.d, sh = int64_t(c.n) * c.d, sb = sh * c.h, sb_kv = sh * hkv;
     p.q = {q, sb, sh, sn};
-    p.k = {k, sb, sh, sn};
-    p.v = {v, sb, sh, sn};
+    p.k = {k, sb_kv, sh, sn};
+    p.v = {v, sb_kv, sh, sn};
     p.o = {o, sb, sh, sn};
     void* ws;
     cudaMalloc(&ws, qattn::sage2::workspace_bytes(p));
