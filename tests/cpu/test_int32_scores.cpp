@@ -52,8 +52,8 @@ TEST(Int32Scores, LastVisibleKeyIsTheMaskOfEveryRow) {
         const int last = sc::last_visible_key(nq, nkv, causal, row);
         for (int key = 0; key < nkv + 130; ++key)
           ASSERT_EQ(key <= last, visible(nq, nkv, causal, row, key))
-              << "Nq " << nq << " Nkv " << nkv << " causal " << causal << " row " << row
-              << " key " << key;
+              << "Nq " << nq << " Nkv " << nkv << " causal " << causal << " row " << row << " key "
+              << key;
       }
     }
   }
@@ -75,7 +75,8 @@ TEST(Exp2Poly, AccurateToE4m3AndZeroForMaskedScores) {
     const float got = exp2_poly(x);
     ASSERT_LT(std::abs(got / exact - 1.0), 7.6e-5) << "x=" << x;
     const float p = exact * 0.5;  // the exact 2^(x - 1): a P below 448 for every x here
-    if (qattn::numerics::e4m3_encode(exp2_poly(x - 1.f)) != qattn::numerics::e4m3_encode(p)) ++flips;
+    if (qattn::numerics::e4m3_encode(exp2_poly(x - 1.f)) != qattn::numerics::e4m3_encode(p))
+      ++flips;
   }
   EXPECT_LT(flips, kSamples / 1000) << "E4M3 codes that differ from the exact value's";
   for (float x : {-100.f, -150.f, -1e30f, -std::numeric_limits<float>::infinity()}) {

@@ -189,7 +189,8 @@ TEST(HopperPrimitives, RegisterE4m3WgmmaWithPermutedVtMatchesCpu) {
     double sum = 0;
     for (int k = 0; k < kK; ++k) sum += pf[m * kK + k];
     for (int n = kN; n < kNOnes; ++n)
-      ASSERT_NEAR(out[m * kNOnes + n], sum, sum * 1e-3) << "m=" << m << " n=" << n << " seed=" << seed;
+      ASSERT_NEAR(out[m * kNOnes + n], sum, sum * 1e-3)
+          << "m=" << m << " n=" << n << " seed=" << seed;
   }
 }
 
@@ -221,8 +222,7 @@ TEST(HopperPrimitives, BulkLoadsCompleteOnOneBarrier) {
   QATTN_CUDA_OK(cudaDeviceSynchronize());
   const auto out = dout.download();
   for (int i = 0; i < 4; ++i) ASSERT_EQ(out[i], src[4 + i]) << "i=" << i << " seed=" << seed;
-  for (int i = 0; i < 256; ++i)
-    ASSERT_EQ(out[4 + i], src[12 + i]) << "i=" << i << " seed=" << seed;
+  for (int i = 0; i < 256; ++i) ASSERT_EQ(out[4 + i], src[12 + i]) << "i=" << i << " seed=" << seed;
 }
 
 // mbarrier_expect_tx adds bytes to the phase without arriving: the copy's bytes alone do

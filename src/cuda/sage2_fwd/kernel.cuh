@@ -55,7 +55,7 @@ struct AttentionParams {
   int causal;
   int num_m_blocks;  // nq_pad / 128
   int batch;
-  int causal_group;  // causal: query heads whose items interleave (decode_item), >= 1
+  int causal_group;   // causal: query heads whose items interleave (decode_item), >= 1
   int* item_counter;  // [0]: items handed out past the first gridDim.x, [1]: CTAs done;
                       // zero at launch, and put back to zero by the last CTA
 };

@@ -15,7 +15,6 @@ namespace qattn::sage2 {
 
 inline constexpr float kLog2E4m3Max = 8.807354922057604f;  // log2(448)
 
-
 __device__ __forceinline__ float exp2_approx(float x) {
 #if QATTN_EXPERIMENT_NO_EXP  // knockout for bench/NOTES.md: wrong results, timing only
   return x * 0.001f;
