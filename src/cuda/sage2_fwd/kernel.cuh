@@ -25,6 +25,7 @@
 #include "cuda/sage2_fwd/mask.cuh"
 #include "cuda/sage2_fwd/q_tile.cuh"
 #include "cuda/sage2_fwd/softmax.cuh"
+#include "cuda/sage2_fwd/work_order.h"
 #include "numerics/int32_scores.h"
 #include "numerics/mma_groups.h"
 
@@ -55,7 +56,7 @@ struct AttentionParams {
   int causal;
   int num_m_blocks;  // nq_pad / 128
   int batch;
-  int causal_group;   // causal: query heads whose items interleave (decode_item), >= 1
+  int causal_group;  // causal: query heads per group of the item order (work_order.h)
   int* item_counter;  // [0]: items handed out past the first gridDim.x, [1]: CTAs done;
                       // zero at launch, and put back to zero by the last CTA
 };
@@ -173,25 +174,20 @@ __device__ __forceinline__ int grid_size() {
 // CTA per SM), so the producer loads the next item's Q and K/V while the consumers still
 // finish the current one. CTA i starts with item i and then takes the next unclaimed
 // item from a global counter (next_item): a static round-robin gave the CTAs of a causal
-// grid sums of block lengths up to 18% apart at N=2K. The query blocks of one head are
-// consecutive items, so the items in flight share K/V in L2 (with query blocks slowest,
-// a causal grid thrashed L2 and ran 6% slower at N=8K). Causal: heads go in groups of
-// p.causal_group whose K/V fit in L2 together, and within a group all its heads'
-// longest blocks come first, then the next longest: the grid ends on short items
-// (kernel-only causal 2K +9% over longest-first within each head, NOTES v16g).
+// grid sums of block lengths up to 18% apart at N=2K. The order of the items:
+// work_order.h.
 struct WorkItem {
   int m_block, hq, b;
 };
+// Two calls, so that the non-causal path never computes B·Hq: this form compiles to the
+// measured build's machine code in the consumers (only the producer's registers differ).
 __device__ __forceinline__ WorkItem decode_item(const AttentionParams& p, int item) {
   if (!p.causal) {
-    const int r = item / p.num_m_blocks, m = item % p.num_m_blocks;
-    return {m, r % p.heads_q, r / p.heads_q};
+    const ItemPlace at = item_place(item, p.num_m_blocks, 0, false, 1);
+    return {at.m_block, at.head % p.heads_q, at.head / p.heads_q};
   }
-  const int heads = p.heads_q * p.batch, per_group = p.causal_group * p.num_m_blocks;
-  const int g = item / per_group, i = item % per_group;
-  const int in_group = min(p.causal_group, heads - g * p.causal_group);
-  const int r = g * p.causal_group + i % in_group;
-  return {p.num_m_blocks - 1 - i / in_group, r % p.heads_q, r / p.heads_q};
+  const ItemPlace at = item_place(item, p.num_m_blocks, p.heads_q * p.batch, true, p.causal_group);
+  return {at.m_block, at.head % p.heads_q, at.head / p.heads_q};
 }
 // The Q loader's claim of this CTA's work item number `local` (one thread per CTA).
 __device__ __forceinline__ int next_item(const AttentionParams& p, int local) {

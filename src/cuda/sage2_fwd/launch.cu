@@ -6,6 +6,7 @@
 #include "cuda/sage2_fwd/kernel.cuh"
 #include "cuda/sage2_fwd/launch.h"
 #include "cuda/sage2_fwd/quantize.cuh"
+#include "cuda/sage2_fwd/work_order.h"
 #include "cuda/sage2_fwd/workspace.h"
 
 namespace qattn::sage2 {
@@ -114,16 +115,7 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
     return e;
   ap.num_m_blocks = w.nq_pad / Tr::kBlockM;
   ap.batch = p.batch;
-  // Causal item order (decode_item): as many query heads per group as read K/V (INT8 K
-  // and E4M3 Vᵀ) within a budget of L2 (the H200 has 50 MB; the rest holds Q and O);
-  // with GQA, Hq / Hkv query heads share each K/V head. Measured budgets (NOTES v16g):
-  // 12 and 48 MB were slower at some N, all heads in one group thrashed L2 from N = 4K.
-  constexpr std::size_t kL2Budget = 24u << 20;
-  const std::size_t kv_bytes_per_head = 2 * static_cast<std::size_t>(w.nkv_pad) * D;
-  const std::size_t kv_heads_per_group = std::max<std::size_t>(1, kL2Budget / kv_bytes_per_head);
-  ap.causal_group = static_cast<int>(
-      std::min(kv_heads_per_group * static_cast<std::size_t>(p.heads_q / p.heads_kv),
-               static_cast<std::size_t>(p.heads_q) * p.batch));
+  ap.causal_group = causal_group_heads(w.nkv_pad, D, p.heads_q, p.heads_kv, p.batch);
   // Persistent grid: one CTA per SM (384 threads at 168 registers fill an SM).
   int device = 0, num_sms = 0;
   if (auto e = cudaGetDevice(&device); e != cudaSuccess) return e;

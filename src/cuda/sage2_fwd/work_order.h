@@ -1,0 +1,55 @@
+// The order in which the attention kernel's persistent CTAs take their work items
+// (decode_item, kernel.cuh) and the size of the causal head groups (launch.cu). Plain
+// C++ usable on both sides, so the CPU tests can check that the order visits every item
+// exactly once.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+
+#include "numerics/hd.h"
+
+namespace qattn::sage2 {
+
+// Where item number `item` is: its 128-row query block and its query head, numbered
+// b · Hq + hq over all `heads` = B · Hq.
+struct ItemPlace {
+  int m_block, head;
+};
+
+// Non-causal: the query blocks of one head are consecutive items, so the items in
+// flight share that head's K/V in L2 (with query blocks slowest, a causal grid thrashed
+// L2 and ran 6% slower at N = 8K, NOTES v6). Causal: the heads go in groups of
+// `causal_group` whose K/V fit in L2 together, and within a group every head's longest
+// block (the last one) comes first, then every head's next longest: the grid ends on
+// short items (kernel-only causal 2K +9% over longest-first within each head, NOTES v16g).
+QATTN_HD ItemPlace item_place(int item, int num_m_blocks, int heads, bool causal,
+                              int causal_group) {
+  if (!causal) {
+    const int r = item / num_m_blocks, m = item % num_m_blocks;
+    return {m, r};
+  }
+  const int per_group = causal_group * num_m_blocks;
+  const int g = item / per_group, i = item % per_group;
+  const int in_group = std::min(causal_group, heads - g * causal_group);
+  const int r = g * causal_group + i % in_group;
+  return {num_m_blocks - 1 - i / in_group, r};
+}
+
+// L2 that a causal group's K/V may take (the H200 has 50 MB; the rest holds Q and O).
+// Measured (NOTES v16g): 12 and 48 MB were slower at some N, and all heads in one group
+// thrashed L2 from N = 4K.
+inline constexpr std::size_t kCausalGroupL2Bytes = std::size_t{24} << 20;
+
+// Query heads per causal group: as many as read INT8 K and E4M3 Vᵀ (nkv_pad · D bytes
+// each) within kCausalGroupL2Bytes; with GQA the Hq / Hkv query heads that share a K/V
+// head count once. At least one K/V head's worth, at most all heads.
+inline int causal_group_heads(std::size_t nkv_pad, int head_dim_padded, int heads_q, int heads_kv,
+                              int batch) {
+  const std::size_t kv_bytes = 2 * nkv_pad * static_cast<std::size_t>(head_dim_padded);
+  const std::size_t kv_heads = std::max<std::size_t>(1, kCausalGroupL2Bytes / kv_bytes);
+  return static_cast<int>(std::min(kv_heads * static_cast<std::size_t>(heads_q / heads_kv),
+                                   static_cast<std::size_t>(heads_q) * batch));
+}
+
+}  // namespace qattn::sage2
