@@ -34,6 +34,13 @@ enum class KSmoothing {
 // precision and added to the scores before softmax.
 enum class QSmoothing { None, BlockMean };
 
+// The amax behind V's PerChannel scales.
+enum class VAmax {
+  AllTokens,    // the amax over all Nkv tokens (a pass over V before quantizing it)
+  SampleBound,  // the kernel's: numerics::sampled_amax_bound (2 × the amax of the K-mean
+                // token sample, or the amax over all tokens where that is larger)
+};
+
 // Format of P̃ and V in the P·V product.
 enum class PvFormat {
   E4M3,  // P̃·448 cast to E4M3; V per channel E4M3 with scale amax/448 (the kernel)

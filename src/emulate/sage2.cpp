@@ -71,6 +71,9 @@ void validate_options(const Sage2Options& o, const Tensor4& k) {
       o.v_scale != Granularity::PerBlock && o.v_scale != Granularity::PerTensor) {
     fail("options.v_scale: expected PerChannel, PerTileChannel, PerBlock or PerTensor");
   }
+  if (o.v_amax != VAmax::AllTokens && o.v_amax != VAmax::SampleBound) {
+    fail("options.v_amax: expected AllTokens or SampleBound");
+  }
   if (o.accumulator != Fp8Accumulator::Fp32 && o.accumulator != Fp8Accumulator::Fp22) {
     fail("options.accumulator: expected Fp32 or Fp22");
   }
@@ -265,9 +268,16 @@ Sage2Quantized quantize_sage2(const Tensor4& q, const Tensor4& k, const Tensor4&
         for (int ch = 0; ch < d; ++ch) vh[static_cast<std::size_t>(j) * D + ch] = v.at(b, h, j, ch);
       std::vector<float> scales;
       numerics::GroupMap map;
+      // The kernel's per-channel amax: a bound from the token sample (padding rows and
+      // channels are zeros, outside the sample and every amax).
+      std::vector<float> amax;
+      if (options.v_scale == Granularity::PerChannel && options.v_amax == VAmax::SampleBound)
+        amax = numerics::sampled_amax_bound(
+            std::span<const float>(vh.data(), static_cast<std::size_t>(Nkv) * D), Nkv, D);
       if (pv == PvFormat::Int8) {
-        numerics::IntQuantized vq = numerics::quantize_int(
-            vh, nkv_pad, D, numerics::IntFormat::Int8, options.v_scale, numerics::Operand::K);
+        numerics::IntQuantized vq =
+            numerics::quantize_int(vh, nkv_pad, D, numerics::IntFormat::Int8, options.v_scale,
+                                   numerics::Operand::K, amax);
         codes.assign(vq.values.begin(), vq.values.end());  // two's complement bytes
         for (std::size_t i = 0; i < codes.size(); ++i) vv[i] = vq.values[i];
         scales = std::move(vq.scales);
@@ -275,8 +285,8 @@ Sage2Quantized quantize_sage2(const Tensor4& q, const Tensor4& k, const Tensor4&
       } else {
         const auto f8 =
             pv == PvFormat::E4M3 ? numerics::Fp8Format::E4M3 : numerics::Fp8Format::E5M2;
-        numerics::Fp8Quantized vq =
-            numerics::quantize_fp8(vh, nkv_pad, D, f8, options.v_scale, numerics::Operand::K);
+        numerics::Fp8Quantized vq = numerics::quantize_fp8(vh, nkv_pad, D, f8, options.v_scale,
+                                                           numerics::Operand::K, amax);
         codes = std::move(vq.codes);
         for (std::size_t i = 0; i < codes.size(); ++i) {
           vv[i] = f8 == numerics::Fp8Format::E4M3 ? numerics::e4m3_decode(codes[i])

@@ -36,6 +36,9 @@ struct Sage2Options {
   // The kernel's: one scale per channel over all tokens. PerTileChannel (one per KV
   // tile and channel, no global pass over V) is the ablation of bench/NOTES.md v1.
   Granularity v_scale = Granularity::PerChannel;
+  // With PerChannel: the kernel's amax is a bound from a token sample (bench/NOTES.md
+  // v17a); AllTokens is the exact amax (the kernel's before v17a).
+  VAmax v_amax = VAmax::SampleBound;
   // Defaults to the hardware's FP22 model: the emulator mirrors what the GPU computes.
   Fp8Accumulator accumulator = Fp8Accumulator::Fp22;
   // The kernel's: row sums of the cast P from a ones column in the P·V MMA

@@ -70,8 +70,10 @@ std::vector<float> row_amax(std::span<const float> x, int64_t rows, int64_t cols
 template <typename Code, typename Encode, typename Decode>
 void quantize_linear(std::span<const float> x, const GroupMap& map, float qmax,
                      std::vector<Code>& codes, std::vector<float>& scales, std::vector<float>& deq,
-                     Encode encode, Decode decode) {
-  const std::vector<float> amax = group_amax(x, map);
+                     Encode encode, Decode decode, std::span<const float> given_amax = {}) {
+  const std::vector<float> amax =
+      given_amax.empty() ? group_amax(x, map)
+                         : std::vector<float>(given_amax.begin(), given_amax.end());
   std::vector<float> mult(amax.size());
   scales.resize(amax.size());
   for (size_t g = 0; g < amax.size(); ++g) {
@@ -181,6 +183,17 @@ GroupMap make_group_map(Granularity g, Operand op, int64_t rows, int64_t cols) {
 
 IntQuantized quantize_int(std::span<const float> x, int64_t rows, int64_t cols, IntFormat format,
                           Granularity g, Operand op) {
+  return quantize_int(x, rows, cols, format, g, op, {});
+}
+
+Fp8Quantized quantize_fp8(std::span<const float> x, int64_t rows, int64_t cols, Fp8Format format,
+                          Granularity g, Operand op) {
+  return quantize_fp8(x, rows, cols, format, g, op, {});
+}
+
+// An empty group_amax: each group's amax from x (the two overloads above).
+IntQuantized quantize_int(std::span<const float> x, int64_t rows, int64_t cols, IntFormat format,
+                          Granularity g, Operand op, std::span<const float> group_amax) {
   check_matrix("quantize_int", x, rows, cols);
   if (format != IntFormat::Int8 && format != IntFormat::Int4) {
     fail("quantize_int", "format must be IntFormat::Int8 or IntFormat::Int4");
@@ -188,16 +201,18 @@ IntQuantized quantize_int(std::span<const float> x, int64_t rows, int64_t cols, 
   IntQuantized out;
   out.format = format;
   out.groups = make_group_map(g, op, rows, cols);
+  check_vector("quantize_int", group_amax, group_amax.empty() ? 0 : out.groups.count(),
+               "group_amax", "the group count");
   const int qmax = format == IntFormat::Int8 ? kInt8Max : kInt4Max;
   quantize_linear(
       x, out.groups, static_cast<float>(qmax), out.values, out.scales, out.dequantized,
       [qmax](float v, float m) { return detail::clamp_rne(v * m, qmax); },
-      [](int8_t c) { return static_cast<float>(c); });
+      [](int8_t c) { return static_cast<float>(c); }, group_amax);
   return out;
 }
 
 Fp8Quantized quantize_fp8(std::span<const float> x, int64_t rows, int64_t cols, Fp8Format format,
-                          Granularity g, Operand op) {
+                          Granularity g, Operand op, std::span<const float> group_amax) {
   check_matrix("quantize_fp8", x, rows, cols);
   if (format != Fp8Format::E4M3 && format != Fp8Format::E5M2) {
     fail("quantize_fp8", "format must be Fp8Format::E4M3 or Fp8Format::E5M2");
@@ -205,11 +220,13 @@ Fp8Quantized quantize_fp8(std::span<const float> x, int64_t rows, int64_t cols, 
   Fp8Quantized out;
   out.format = format;
   out.groups = make_group_map(g, op, rows, cols);
+  check_vector("quantize_fp8", group_amax, group_amax.empty() ? 0 : out.groups.count(),
+               "group_amax", "the group count");
   const bool e4m3 = format == Fp8Format::E4M3;
   quantize_linear(
       x, out.groups, format_max(format), out.codes, out.scales, out.dequantized,
       [e4m3](float v, float m) { return e4m3 ? e4m3_encode(v * m) : e5m2_encode(v * m); },
-      [e4m3](uint8_t c) { return e4m3 ? e4m3_decode(c) : e5m2_decode(c); });
+      [e4m3](uint8_t c) { return e4m3 ? e4m3_decode(c) : e5m2_decode(c); }, group_amax);
   return out;
 }
 
@@ -380,6 +397,27 @@ std::vector<float> token_mean(std::span<const float> x, int64_t rows, int64_t co
   std::vector<float> mean(cols);
   for (int64_t c = 0; c < cols; ++c) mean[c] = static_cast<float>(sum[c] / n);
   return mean;
+}
+
+std::vector<float> sampled_amax_bound(std::span<const float> x, int64_t rows, int64_t cols) {
+  check_matrix("sampled_amax_bound", x, rows, cols);
+  const bool sample = rows > kSmoothSampleTokens;
+  const int64_t n = sample ? kSmoothSampleTokens : rows;
+  std::vector<float> in_sample(cols, 0.0f), all(cols, 0.0f);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t r = sample ? i * rows / kSmoothSampleTokens : i;
+    for (int64_t c = 0; c < cols; ++c) in_sample[c] = amax_accumulate(in_sample[c], x[r * cols + c]);
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) all[c] = amax_accumulate(all[c], x[r * cols + c]);
+  std::vector<float> out(cols);
+  for (int64_t c = 0; c < cols; ++c) {
+    const float s = in_sample[c];
+    float b = sample ? s * kAmaxSampleMargin : s;
+    if (b == std::numeric_limits<float>::infinity() && s != b) b = std::numeric_limits<float>::max();
+    out[c] = (all[c] != all[c] || all[c] > b) ? all[c] : b;  // NaN (sticky in all) wins
+  }
+  return out;
 }
 
 std::vector<float> subtract_row_vector(std::span<const float> x, int64_t rows, int64_t cols,

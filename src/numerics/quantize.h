@@ -134,6 +134,13 @@ IntQuantized quantize_int(std::span<const float> x, int64_t rows, int64_t cols, 
 Fp8Quantized quantize_fp8(std::span<const float> x, int64_t rows, int64_t cols, Fp8Format format,
                           Granularity g, Operand op);
 
+// The same two quantizers with each group's amax given (group_amax: one value per group
+// of g, in GroupMap order) instead of taken from x; values above it saturate.
+IntQuantized quantize_int(std::span<const float> x, int64_t rows, int64_t cols, IntFormat format,
+                          Granularity g, Operand op, std::span<const float> group_amax);
+Fp8Quantized quantize_fp8(std::span<const float> x, int64_t rows, int64_t cols, Fp8Format format,
+                          Granularity g, Operand op, std::span<const float> group_amax);
+
 // NVFP4 (1×16, E4M3 scale) or MXFP4 (1×32, E8M0 scale) along each row; cols must be a
 // multiple of the block.
 Fp4Quantized quantize_fp4(std::span<const float> x, int64_t rows, int64_t cols, Fp4Format format);
@@ -178,6 +185,16 @@ enum class MeanEstimate {
 // Per-channel mean over tokens (accumulated in double, returned as float): cols values.
 std::vector<float> token_mean(std::span<const float> x, int64_t rows, int64_t cols,
                               MeanEstimate estimate);
+
+// The per-channel amax the V quantizer of the SageAttention2-8b kernel uses
+// (docs/sage2-kernel-arithmetic.md step 4), cols values. From the token sample of
+// MeanEstimate::Sampled: b = kAmaxSampleMargin · (amax over the sample), or the amax
+// itself when the sample is every row; FLT_MAX where doubling overflows a finite amax.
+// Where the amax over all rows is larger than b (a NaN counts as the largest), that
+// amax instead. So the kernel reads all of V once: the sample gives the scale before
+// the quantization pass, which flags the rare channels the bound does not cover.
+inline constexpr float kAmaxSampleMargin = 2.0f;
+std::vector<float> sampled_amax_bound(std::span<const float> x, int64_t rows, int64_t cols);
 
 // x with the vector c (cols values) subtracted from / added to every row.
 std::vector<float> subtract_row_vector(std::span<const float> x, int64_t rows, int64_t cols,

@@ -26,6 +26,7 @@ using emulate::PvFormat;
 using emulate::QkFormat;
 using emulate::RowSum;
 using emulate::Sage2Options;
+using emulate::VAmax;
 using testutil::gaussian;
 
 struct Case {
@@ -320,10 +321,15 @@ TEST(Sage2Layout, ShapesTailsAndScalesFollowTheKernelWorkspace) {
     EXPECT_NEAR(z.q_dot_c[nq_pad + r], z.sm_scale * s, 1e-5) << r;
   }
   // Vᵀ: position k of each 16 holds token v_token_at_position(k); per-channel scale
-  // amax/448 over all tokens (the same in every tile's slot) and codes E4M3(v·448/amax).
+  // amax/448 (the same in every tile's slot) and codes E4M3(v·448/amax), where amax is
+  // twice the amax of the 256 sampled tokens floor(i·300/256), or the amax over all
+  // tokens where that is larger.
   for (int c = 0; c < d; ++c) {
-    float amax = 0.0f;
-    for (int j = 0; j < Nkv; ++j) amax = std::max(amax, std::fabs(in.v.at(0, 0, j, c)));
+    float all = 0.0f, sampled = 0.0f;
+    for (int j = 0; j < Nkv; ++j) all = std::max(all, std::fabs(in.v.at(0, 0, j, c)));
+    for (int i = 0; i < 256; ++i)
+      sampled = std::max(sampled, std::fabs(in.v.at(0, 0, i * Nkv / 256, c)));
+    const float amax = std::max(all, 2.0f * sampled);
     for (int t = 0; t < tiles; ++t) {
       ASSERT_EQ(z.v_scale[t * D + c], amax / 448.0f);
       for (int pos = t * 128; pos < t * 128 + 128; ++pos) {
@@ -489,6 +495,57 @@ TEST(Sage2Layout, VScaleGranularityBarelyMattersForE4M3) {
       EXPECT_GE(std::min({channel, tile, two_level}), 0.999);
       EXPECT_NEAR(tile, channel, 4e-4);
       EXPECT_NEAR(two_level, channel, 4e-4);
+    }
+}
+
+// The kernel's V amax is a bound from the token sample (2 × its amax, or the amax over
+// all tokens where that is larger; NOTES v17a): the scale is at most twice the exact
+// one, so the largest code is >= 224 of 448 and E4M3's relative step is unchanged.
+// Same inputs as above (channels up to ~400x apart, x30 tokens in or out of the sample).
+TEST(Sage2Layout, SampledVAmaxBoundIsAsAccurateAsTheExactAmax) {
+  constexpr int N = 1000, D = 128, H = 2;
+  emulate::SyntheticSpec spec;
+  spec.heads_q = spec.heads_kv = H;
+  spec.seq_q = spec.seq_kv = N;
+  spec.head_dim = D;
+  spec.seed = 21;
+  const auto syn = emulate::make_synthetic(spec);
+  std::mt19937_64 rng(5);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  std::vector<double> z(D);
+  for (double& x : z) x = normal(rng);
+  for (double sigma : {0.0, 3.0})
+    for (int big : {0, 1, 2}) {  // no big tokens; every 125th (sampled); 125k + 1 (not)
+      SCOPED_TRACE("sigma=" + std::to_string(sigma) + " big=" + std::to_string(big));
+      Tensor4 v = syn.v;
+      for (int h = 0; h < H; ++h)
+        for (int j = 0; j < N; ++j)
+          for (int c = 0; c < D; ++c) {
+            const bool is_big = big != 0 && j % 125 == (big == 1 ? 0 : 1);
+            v.at(0, h, j, c) *= static_cast<float>(std::exp(sigma * z[c])) * (is_big ? 30.f : 1.f);
+          }
+      const auto ref = reference::attention_forward(syn.q, syn.k, v, {});
+      double cos[2];
+      for (VAmax rule : {VAmax::AllTokens, VAmax::SampleBound}) {
+        Sage2Options o;
+        o.v_amax = rule;
+        const auto zq = emulate::quantize_sage2(syn.q, syn.k, v, {}, o);
+        // Every scale is the exact one or up to twice it; never below (no saturation).
+        for (int h = 0; h < H; ++h)
+          for (int c = 0; c < D; ++c) {
+            float all = 0.f;
+            for (int j = 0; j < N; ++j) all = std::max(all, std::fabs(v.at(0, h, j, c)));
+            const float s = zq.v_scale[h * zq.kv_tiles() * D + c];
+            ASSERT_GE(s, all / 448.f);
+            ASSERT_LE(s, 2.f * all / 448.f);
+          }
+        cos[static_cast<int>(rule)] =
+            metrics::compare(std::span<const float>(emulate::sage2_attend(zq).o.data),
+                             std::span<const double>(ref.o.data))
+                .cos_sim;
+      }
+      EXPECT_GE(cos[1], 0.999);
+      EXPECT_NEAR(cos[1], cos[0], 2e-4);
     }
 }
 

@@ -342,6 +342,59 @@ TEST(QuantizeFp8, RelativeErrorBound) {
   });
 }
 
+// The V amax rule of the kernel (docs/sage2-kernel-arithmetic.md step 4).
+TEST(SampledAmaxBound, TwiceTheSampleOrTheExactAmax) {
+  constexpr int64_t kCols = 4;
+  // Up to 256 rows the sample is every row: the exact amax.
+  std::vector<float> x(200 * kCols);
+  std::mt19937 rng(std::random_device{}());
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  for (float& e : x) e = u(rng);
+  std::vector<float> exact(kCols, 0.f);
+  for (int64_t r = 0; r < 200; ++r)
+    for (int64_t c = 0; c < kCols; ++c) exact[c] = std::max(exact[c], std::fabs(x[r * kCols + c]));
+  EXPECT_EQ(qn::sampled_amax_bound(x, 200, kCols), exact);
+
+  // 1000 rows: rows floor(i·1000/256) are sampled (row 1 is not, row 3 is).
+  constexpr int64_t kRows = 1000;
+  x.assign(kRows * kCols, 0.f);
+  for (int64_t r = 0; r < kRows; ++r)
+    for (int64_t c = 0; c < kCols; ++c) x[r * kCols + c] = 0.5f * u(rng);
+  x[3 * kCols + 0] = -1.f;    // channel 0: sampled amax 1, nothing larger: bound 2
+  x[3 * kCols + 1] = 1.f;     // channel 1: sampled 1, row 1 holds 2 (= the bound): 2
+  x[1 * kCols + 1] = -2.f;
+  x[1 * kCols + 2] = 5.f;     // channel 2: row 1 above the bound: its exact amax, 5
+  x[1 * kCols + 3] = std::numeric_limits<float>::quiet_NaN();  // channel 3: NaN wins
+  const std::vector<float> b = qn::sampled_amax_bound(x, kRows, kCols);
+  EXPECT_EQ(b[0], 2.f);
+  EXPECT_EQ(b[1], 2.f);
+  EXPECT_EQ(b[2], 5.f);
+  EXPECT_TRUE(std::isnan(b[3]));
+
+  // Doubling a finite amax past FLT_MAX gives FLT_MAX, not inf; an inf stays inf.
+  x.assign(kRows * kCols, 0.f);
+  x[0] = 3e38f;
+  x[1] = std::numeric_limits<float>::infinity();
+  const std::vector<float> big = qn::sampled_amax_bound(x, kRows, kCols);
+  EXPECT_EQ(big[0], std::numeric_limits<float>::max());
+  EXPECT_EQ(big[1], std::numeric_limits<float>::infinity());
+  EXPECT_EQ(big[2], 0.f);
+}
+
+TEST(QuantizeFp8, GivenAmaxSaturatesAboveIt) {
+  const std::vector<float> x = {1.f, -3.f, 0.25f, 2.f};  // 2 rows, 2 channels
+  const std::vector<float> amax = {0.5f, 4.f};
+  const auto q = qn::quantize_fp8(x, 2, 2, qn::Fp8Format::E4M3, Granularity::PerChannel,
+                                  Operand::K, amax);
+  EXPECT_EQ(q.scales[0], 0.5f / 448.f);
+  EXPECT_EQ(q.scales[1], 4.f / 448.f);
+  EXPECT_EQ(q.codes[0], qn::e4m3_encode(448.f));  // 1 > 0.5: saturates at 448
+  EXPECT_EQ(q.codes[1], qn::e4m3_encode(-3.f * 112.f));
+  EXPECT_THROW(qn::quantize_fp8(x, 2, 2, qn::Fp8Format::E4M3, Granularity::PerChannel,
+                                Operand::K, std::vector<float>{1.f}),
+               std::invalid_argument);
+}
+
 TEST(QuantizeFp8, ZeroNaNAndSaturation) {
   std::vector<float> x = {0, 0, 0, 0, 1, -2, 3, kNaN};
   const auto q = qn::quantize_fp8(x, 2, 4, qn::Fp8Format::E4M3, Granularity::PerToken, Operand::K);
