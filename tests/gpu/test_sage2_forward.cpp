@@ -291,15 +291,15 @@ namespace {
 // emulation on those tensors to rounding: ex2.approx against std::exp2 and the FP32
 // summation order, which can move a P value to the neighbouring E4M3 code, plus the
 // final 16-bit rounding (bf16: 2^-9 relative).
-void check_against_emulation(Sage2Case c) {
+void check_against_emulation(Sage2Case c, const test::InputHook& hook = {}) {
   SCOPED_TRACE(c.describe());
   c.keep_q = true;
-  const auto r = test::run_sage2(c);
+  const auto r = test::run_sage2(c, hook);
   ASSERT_EQ(r.status, 0);
   {  // writing the debug copy of the quantized Q changes nothing else
     Sage2Case plain = c;
     plain.keep_q = false;
-    const auto r_plain = test::run_sage2(plain);
+    const auto r_plain = test::run_sage2(plain, hook);
     ASSERT_EQ(r_plain.status, 0);
     EXPECT_EQ(r_plain.o.data, r.o.data) << "O differs with and without keep_q";
   }
@@ -368,6 +368,54 @@ TEST(Sage2Forward, MatchesEmulationFixedCases) {
   check_against_emulation(c);
 }
 
+// V's per-channel amax is a bound from the 256-token sample (NOTES v17a). Channels with a
+// value above it (a x8 token outside the sample) are flagged and redone by the fix-up
+// kernel; a x8 token inside the sample raises the bound instead. Either way the codes and
+// scales equal the emulator's bit for bit, and the flags name exactly the first kind.
+TEST(Sage2Forward, VOutliersBeyondTheSampledBound) {
+  QATTN_SKIP_WITHOUT_GPU();
+  const uint64_t seed = test::fresh_seed();
+  for (int d : {128, 64})
+    for (int n : {1000, 3000}) {
+      Sage2Case c;
+      c.seed = seed + n + d;
+      c.head_dim = d;
+      c.heads_q = 4;
+      c.heads_kv = 2;
+      c.seqlen_q = 200;
+      c.seqlen_kv = n;
+      c.causal = n == 3000;
+      std::vector<bool> sampled(n, false);
+      for (int i = 0; i < 256; ++i) sampled[std::size_t(i) * n / 256] = true;
+      // Channel ch of KV head h: ch % 3 == 0 an outlier outside the sample, 1 inside, 2 none.
+      auto outside = [&](int h, int ch) {
+        int t = (37 * ch + 101 * h) % n;
+        while (sampled[t]) t = (t + 1) % n;
+        return t;
+      };
+      auto inside = [&](int h, int ch) { return int(std::size_t((5 * ch + h) % 256) * n / 256); };
+      test::InputHook hook = [&](Tensor4&, Tensor4&, Tensor4& v) {
+        for (int h = 0; h < c.heads_kv; ++h)
+          for (int ch = 0; ch < d; ++ch) {
+            if (ch % 3 == 2) continue;
+            const int t = ch % 3 == 0 ? outside(h, ch) : inside(h, ch);
+            float& x = v.at(0, h, t, ch);
+            x = test::from_bits16(test::to_bits16(8.f * (std::fabs(x) + 2.f), c.bf16), c.bf16);
+          }
+      };
+      check_against_emulation(c, hook);
+      c.keep_q = false;
+      const auto r = test::run_sage2(c, hook);
+      ASSERT_EQ(r.status, 0);
+      const auto w = sage2::workspace_layout(test::make_params(c));
+      const auto flags = slice<uint32_t>(r.workspace, w.v_flags, std::size_t(c.heads_kv) * d / 32);
+      for (int h = 0; h < c.heads_kv; ++h)
+        for (int ch = 0; ch < d; ++ch)
+          EXPECT_EQ((flags[h * d / 32 + ch / 32] >> (ch % 32)) & 1u, ch % 3 == 0 ? 1u : 0u)
+              << "flag of head " << h << " channel " << ch << " (n=" << n << ", d=" << d << ")";
+    }
+}
+
 TEST(Sage2Forward, MatchesEmulationRandomCases) {
   QATTN_SKIP_WITHOUT_GPU();
   const uint64_t seed = test::fresh_seed();
@@ -424,16 +472,19 @@ namespace {
 // NaN in V reaches every row through its channel's scale.
 TEST(Sage2Forward, NaNInputsGiveNaNOutputs) {
   QATTN_SKIP_WITHOUT_GPU();
-  for (const char which : {'q', 'k', 'v'}) {
+  // 'V': a NaN at a token outside the 256-token sample of V's amax bound (the fix-up
+  // kernel's path, NOTES v17a); 'v' at 256 tokens, all sampled.
+  for (const char which : {'q', 'k', 'v', 'V'}) {
     SCOPED_TRACE(std::string("NaN in ") + which);
     Sage2Case c;
-    c.seqlen_q = c.seqlen_kv = 256;
+    c.seqlen_q = 256;
+    c.seqlen_kv = which == 'V' ? 1000 : 256;  // token 9 is not sampled at 1000
     c.heads_q = c.heads_kv = 1;
     const float nan = std::numeric_limits<float>::quiet_NaN();
     test::InputHook hook = [&](Tensor4& q, Tensor4& k, Tensor4& v) {
       if (which == 'q') q.at(0, 0, 5, 3) = nan;
       if (which == 'k') k.at(0, 0, 7, 3) = nan;
-      if (which == 'v') v.at(0, 0, 9, 3) = nan;
+      if (which == 'v' || which == 'V') v.at(0, 0, 9, 3) = nan;
     };
     const auto r = test::run_sage2(c, hook);
     ASSERT_EQ(r.status, 0);

@@ -25,9 +25,10 @@ InputView<T> view(const qattn_tensor& t) {
 
 QuantizeOutputs outputs(const WorkspaceLayout& w, void* ws) {
   auto* base = static_cast<uint8_t*>(ws);
-  return {reinterpret_cast<int8_t*>(base + w.k_i8),  reinterpret_cast<float*>(base + w.k_scale),
-          reinterpret_cast<float*>(base + w.k_mean), reinterpret_cast<uint8_t*>(base + w.vt_f8),
-          reinterpret_cast<float*>(base + w.v_amax), w.zeroed_end - w.v_amax};
+  return {reinterpret_cast<int8_t*>(base + w.k_i8),     reinterpret_cast<float*>(base + w.k_scale),
+          reinterpret_cast<float*>(base + w.k_mean),    reinterpret_cast<uint8_t*>(base + w.vt_f8),
+          reinterpret_cast<float*>(base + w.v_amax),    reinterpret_cast<uint32_t*>(base + w.v_flags),
+          reinterpret_cast<int*>(base + w.item_counter)};
 }
 
 // Where the attention kernel copies its INT8 Q, Q scales and q·c (keep_q only: the

@@ -1,22 +1,22 @@
 #include <cuda_fp8.h>
 
+#include <cfloat>
+
 #include "cuda/hopper/early_launch.h"
 #include "cuda/hopper/sync.cuh"
 #include "cuda/sage2_fwd/quant_math.cuh"
 #include "cuda/sage2_fwd/quantize.cuh"
 #include "numerics/mma_groups.h"
+#include "numerics/quantize.h"
 
 namespace qattn::sage2 {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kSmoothingSample = 256;  // tokens averaged for the K smoothing vector
+// The token sample of the K mean and of V's amax bound, shared with the emulator.
+constexpr int kSmoothingSample = static_cast<int>(numerics::kSmoothSampleTokens);
+constexpr float kAmaxSampleMargin = numerics::kAmaxSampleMargin;
 constexpr float kE4m3Max = 448.f;
-
-// Max of non-negative floats (and canonical NaN, which sorts highest) by integer bits.
-__device__ __forceinline__ void atomic_amax(float* addr, float v) {
-  atomicMax(reinterpret_cast<int*>(addr), __float_as_int(v));
-}
 
 // Asynchronous 16-byte global -> shared copy; bytes past `src_bytes` (0..16) are zero-filled.
 __device__ __forceinline__ void cp_async_16(uint4* dst, const void* src, int src_bytes) {
@@ -70,11 +70,11 @@ __device__ __forceinline__ void load_floats8(const float* src, float (&out)[8]) 
   out[4] = hi.x, out[5] = hi.y, out[6] = hi.z, out[7] = hi.w;
 }
 
-// ---- 1. statistics, one launch: the K smoothing vector and the V amax ---------------------
-// 1-D grid of B·Hkv·(nkv_pad / 128 + 1) blocks of 256: first one block per head that
-// averages K over the token sample, then one V amax block per (head, tile). The K-mean
-// blocks are latency-bound; dispatched first, they finish in the shadow of the amax blocks
-// (which read all of V) instead of trailing the grid.
+// ---- 1. statistics, one launch: the K smoothing vector and V's amax bound ----------------
+// 1-D grid of 2·B·Hkv blocks of 256: one block per head averages K over the token sample,
+// one takes V's per-channel amax over the same sample (both latency-bound, ~2 loads deep).
+// V is then read once, by the K/V kernel (NOTES v17a: a full V amax pass took ~20 µs at
+// N = 2K, a sixth of the quantization's time).
 
 // Shared memory that stages a block's loads (either role): 128 rows of 16-bit input.
 template <int D>
@@ -88,9 +88,14 @@ constexpr int stats_stage_bytes() {
 // at a time, by 16-byte cp.async copies (two rounds of loads, where 2-byte loads in
 // batches of 32 per thread took four at D = 128); rows past the sample and channels past
 // head_dim are zero-filled, and adding +0.0 is what the sum did for them before.
-template <typename T, int D, bool kFullDim>
-__device__ void k_mean_block(const InputView<T>& k, const QuantizeParams& p, uint4* stage, int h,
-                             int b, float* k_mean) {
+// The token sample's rows, 128 at a time: thread = (channel, part) reduces every
+// kParts-th staged row of its channel with `take(row, ch)`, in order. Rows are staged in
+// shared memory by 16-byte cp.async copies (two rounds of loads, where 2-byte loads in
+// batches of 32 per thread took four at D = 128); rows past the sample and channels past
+// head_dim are zero-filled (+0.0), which adds nothing to a sum or an amax.
+template <typename T, int D, bool kFullDim, typename Take>
+__device__ void reduce_sample(const T* base, int64_t stride_n, const QuantizeParams& p,
+                              uint4* stage, Take take) {
   constexpr int kParts = kThreads / D;
   constexpr int kRound = 128;  // sampled rows staged at a time
   constexpr int kChunks = D / 8;
@@ -99,11 +104,8 @@ __device__ void k_mean_block(const InputView<T>& k, const QuantizeParams& p, uin
   static_assert(kRound * kChunks % kThreads == 0);
   static_assert(kRound * D * sizeof(T) <= stats_stage_bytes<D>());
   auto rows = reinterpret_cast<T(*)[D]>(stage);
-  __shared__ float partial[kParts][D];
   const int ch = threadIdx.x % D, part = threadIdx.x / D;
   const int n = min(p.seqlen_kv, kSmoothingSample);
-  const T* base = k.data + b * k.stride_b + h * k.stride_h;
-  float sum = 0.f;
 #pragma unroll 1
   for (int r0 = 0; r0 < kSmoothingSample; r0 += kRound) {
 #pragma unroll
@@ -115,15 +117,28 @@ __device__ void k_mean_block(const InputView<T>& k, const QuantizeParams& p, uin
                               : static_cast<int64_t>(i) * p.seqlen_kv / kSmoothingSample;
       const int elems = i < n ? chunk_elems<kFullDim>(c0, p.head_dim) : 0;
       cp_async_16(reinterpret_cast<uint4*>(&rows[c / kChunks][c0]),
-                  base + (i < n ? tok : 0) * k.stride_n + (elems > 0 ? c0 : 0),
+                  base + (i < n ? tok : 0) * stride_n + (elems > 0 ? c0 : 0),
                   elems * static_cast<int>(sizeof(T)));
     }
     cp_async_wait_all();
     __syncthreads();
 #pragma unroll 8
-    for (int i = part; i < kRound; i += kParts) sum += to_float(rows[i][ch]);
+    for (int i = part; i < kRound; i += kParts) take(rows[i][ch]);
     __syncthreads();
   }
+}
+
+// The K smoothing vector c: the mean of the token sample (docs/sage2-kernel-arithmetic.md
+// step 1). Each part sums its rows in order, then the parts add in a fixed order.
+template <typename T, int D, bool kFullDim>
+__device__ void k_mean_block(const InputView<T>& k, const QuantizeParams& p, uint4* stage, int h,
+                             int b, float* k_mean) {
+  constexpr int kParts = kThreads / D;
+  __shared__ float partial[kParts][D];
+  const int ch = threadIdx.x % D, part = threadIdx.x / D;
+  float sum = 0.f;
+  reduce_sample<T, D, kFullDim>(k.data + b * k.stride_b + h * k.stride_h, k.stride_n, p, stage,
+                                [&](T x) { sum += to_float(x); });
   partial[part][ch] = sum;
   __syncthreads();
   if (part == 0) {
@@ -131,40 +146,35 @@ __device__ void k_mean_block(const InputView<T>& k, const QuantizeParams& p, uin
 #pragma unroll
     for (int i = 0; i < kParts; ++i) total += partial[i][ch];
     k_mean[(static_cast<int64_t>(b) * p.heads_kv + h) * D + ch] =
-        ch < p.head_dim ? total / static_cast<float>(n) : 0.f;
+        ch < p.head_dim ? total / static_cast<float>(min(p.seqlen_kv, kSmoothingSample)) : 0.f;
   }
 }
 
-// Per-channel amax of V over one 128-token tile, merged into v_amax (zeroed before).
-// Thread = (8-channel chunk, token lane); its chunks are staged like the K-mean rows.
+// V's per-channel amax bound (numerics::sampled_amax_bound, docs step 4): twice the amax
+// over the token sample (the amax itself when the sample is every token; FLT_MAX where
+// doubling overflows a finite amax). Values above it are flagged by the K/V kernel and
+// their channels redone by the fix-up kernel. Also zeroes the head's flags.
 template <typename T, int D, bool kFullDim>
-__device__ void v_amax_block(const InputView<T>& v, const QuantizeParams& p, uint4* stage, int tile,
-                             int h, int b, float* v_amax) {
-  constexpr int kChunks = D / 8, kTokStep = kThreads / kChunks, kItems = groups::kKvTile / kTokStep;
-  static_assert(kItems * kThreads * sizeof(uint4) <= stats_stage_bytes<D>());
-  __shared__ float chan[D];
-  const int chunk = threadIdx.x % kChunks, tok0 = threadIdx.x / kChunks;
-#pragma unroll
-  for (int i = 0; i < kItems; ++i)  // slot-major: a warp's copies to one slot are contiguous
-    copy_chunk<kFullDim>(
-        &stage[i * kThreads + threadIdx.x], v.data + b * v.stride_b + h * v.stride_h, v.stride_n,
-        tile * groups::kKvTile + tok0 + i * kTokStep, p.seqlen_kv, chunk * 8, p.head_dim);
-  if (threadIdx.x < D) chan[threadIdx.x] = 0.f;
-  cp_async_wait_all();
+__device__ void v_bound_block(const InputView<T>& v, const QuantizeParams& p,
+                              const QuantizeOutputs& out, uint4* stage, int h, int b) {
+  constexpr int kParts = kThreads / D;
+  __shared__ uint32_t partial[kParts][D];
+  const int ch = threadIdx.x % D, part = threadIdx.x / D;
+  const int64_t bh = static_cast<int64_t>(b) * p.heads_kv + h;
+  if (threadIdx.x < D / 32) out.v_flags[bh * (D / 32) + threadIdx.x] = 0u;
+  uint32_t m = 0;  // |x| bits: an integer max orders them like amax_nan (NaN highest)
+  reduce_sample<T, D, kFullDim>(v.data + b * v.stride_b + h * v.stride_h, v.stride_n, p, stage,
+                                [&](T x) { m = max(m, abs_bits(to_float(x))); });
+  partial[part][ch] = m;
   __syncthreads();
-  float a[8] = {};
+  if (part == 0) {
 #pragma unroll
-  for (int i = 0; i < kItems; ++i) {
-    const uint4 x = stage[i * kThreads + threadIdx.x];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) a[j] = amax_nan(a[j], element<T>(x, j));
+    for (int i = 1; i < kParts; ++i) m = max(m, partial[i][ch]);
+    const float a = nan_canonical(m);
+    float bound = p.seqlen_kv > kSmoothingSample ? a * kAmaxSampleMargin : a;
+    if (bound == INFINITY && a != INFINITY) bound = FLT_MAX;
+    out.v_amax[bh * D + ch] = ch < p.head_dim ? bound : 0.f;
   }
-#pragma unroll
-  for (int j = 0; j < 8; ++j) atomic_amax(&chan[chunk * 8 + j], a[j]);
-  __syncthreads();
-  if (threadIdx.x < D)
-    atomic_amax(&v_amax[(static_cast<int64_t>(b) * p.heads_kv + h) * D + threadIdx.x],
-                chan[threadIdx.x]);
 }
 
 // 32 KB (D = 128) of loads in flight per CTA, staged in shared memory, and few registers:
@@ -173,18 +183,19 @@ constexpr int kStatsMinBlocksPerSm = 5;
 
 template <typename T, int D, bool kFullDim>
 __global__ void __launch_bounds__(kThreads, kStatsMinBlocksPerSm)
-    statistics_kernel(InputView<T> k, InputView<T> v, QuantizeParams p, float* k_mean,
-                      float* v_amax) {
+    statistics_kernel(InputView<T> k, InputView<T> v, QuantizeParams p, QuantizeOutputs out) {
   __shared__ uint4 stage[stats_stage_bytes<D>() / sizeof(uint4)];
   hopper::launch_dependents();  // the K/V kernel may launch once all these CTAs run
-  const int heads = p.batch * p.heads_kv, tiles = p.nkv_pad / groups::kKvTile;
+  const int heads = p.batch * p.heads_kv;
   const int id = static_cast<int>(blockIdx.x);
-  if (id < heads) {
-    k_mean_block<T, D, kFullDim>(k, p, stage, id % p.heads_kv, id / p.heads_kv, k_mean);
-  } else {
-    const int tile = (id - heads) % tiles, head = (id - heads) / tiles;
-    v_amax_block<T, D, kFullDim>(v, p, stage, tile, head % p.heads_kv, head / p.heads_kv, v_amax);
-  }
+  // The attention kernel's work counters start from zero (its last CTA also puts them
+  // back, for attention-only launches on this workspace).
+  if (id == 0 && threadIdx.x < 2) out.item_counter[threadIdx.x] = 0;
+  if (id < heads)
+    k_mean_block<T, D, kFullDim>(k, p, stage, id % p.heads_kv, id / p.heads_kv, out.k_mean);
+  else
+    v_bound_block<T, D, kFullDim>(v, p, out, stage, (id - heads) % p.heads_kv,
+                                  (id - heads) / p.heads_kv);
 }
 
 // ---- 3. K (smoothed INT8) and V (E4M3, transposed, permuted) of one 128-token tile ---------
@@ -306,8 +317,9 @@ __device__ void quantize_k_tile(const InputView<T>& k, const QuantizeParams& p,
                 tile * groups::kKThreadGroupsPerTile + g] = a / kInt8Max;
 }
 
-// V, with its global per-channel scale: warp `part` (0..D/32-1) of a tile quantizes 64
-// channels x 64 tokens. A lane copies 16 consecutive tokens of 8 channels, i.e. one
+// V, with its per-channel scale (from the amax bound): warp `part` (0..D/32-1) of a tile
+// quantizes 64 channels x 64 tokens, and flags each channel holding a value above the
+// bound (rare; the fix-up kernel redoes those channels with their exact amax). A lane copies 16 consecutive tokens of 8 channels, i.e. one
 // permuted 16-token group of 8 Vᵀ rows: the transpose and the permutation happen in
 // registers, and each row leaves as one 16-byte store. Per instruction a warp loads 4 rows
 // x 128 contiguous bytes and stores 8 rows x 64.
@@ -332,6 +344,33 @@ __device__ void quantize_v_part(const InputView<T>& v, const QuantizeParams& p,
 #pragma unroll
   for (int j = 0; j < 8; ++j) inv[j] = kE4m3Max / amax[j];
   cp_async_wait_all();
+
+  // |x| of 16-bit values as unsigned 16-bit integers orders them like |x| (NaN highest),
+  // two channels per word; the 4 lanes with the same channels (lane % 8) combine theirs.
+  uint32_t m2[4] = {};
+#pragma unroll
+  for (int t = 0; t < kGroup; ++t) {
+    const uint4 x = slot[t][lane];
+    m2[0] = __vmaxu2(m2[0], x.x & 0x7fff7fffu);
+    m2[1] = __vmaxu2(m2[1], x.y & 0x7fff7fffu);
+    m2[2] = __vmaxu2(m2[2], x.z & 0x7fff7fffu);
+    m2[3] = __vmaxu2(m2[3], x.w & 0x7fff7fffu);
+  }
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    m2[w] = __vmaxu2(m2[w], __shfl_xor_sync(0xffffffff, m2[w], 8));
+    m2[w] = __vmaxu2(m2[w], __shfl_xor_sync(0xffffffff, m2[w], 16));
+  }
+  if (lane < 8) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float2 f = widen_pair<T>(m2[j / 2]);
+      const float x = j % 2 == 0 ? f.x : f.y;
+      if (__float_as_uint(nan_canonical(abs_bits(x))) >
+          __float_as_uint(nan_canonical(abs_bits(amax[j]))))
+        atomicOr(&out.v_flags[bh * (D / 32) + (ch0 + j) / 32], 1u << ((ch0 + j) % 32));
+    }
+  }
 
   // Row j of the output (channel ch0 + j) as 4 words; position k of the group holds token
   // v_token_at_position(k), so byte pair (2m, 2m+1) comes from two token chunks.
@@ -367,8 +406,8 @@ __global__ void __launch_bounds__(kKvThreads, kKvMinBlocksPerSm)
   hopper::launch_dependents();
   hopper::grid_dependency_wait();
   const int tiles = p.nkv_pad / groups::kKvTile;
-  // Heads in the reverse of the statistics kernel's order: the V it read last may still
-  // be in L2 when this kernel starts.
+  // Heads in the reverse of the statistics kernel's order: the sample rows it read last
+  // may still be in L2 when this kernel starts.
   const int h = gridDim.y - 1 - blockIdx.y, b = gridDim.z - 1 - blockIdx.z;
   if (blockIdx.x < tiles) {
     quantize_k_tile<T, D, kFullDim>(k, p, out, stage, blockIdx.x, h, b);
@@ -381,6 +420,46 @@ __global__ void __launch_bounds__(kKvThreads, kKvMinBlocksPerSm)
   }
 }
 
+// ---- 4. fix-up: the V channels whose values exceed the sampled bound -----------------------
+// One block per (batch, KV head); a warp per flagged channel takes the channel's exact
+// amax over all tokens (NaN highest), stores it as the channel's amax, and rewrites the
+// channel's row of Vᵀ with it: the codes the K/V kernel would have written with that
+// amax. Rare (a token outside the sample more than twice the sample's amax), so it is
+// written for clarity: strided column reads, one warp per channel.
+constexpr int kFixupThreads = 256;
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kFixupThreads)
+    v_fixup_kernel(InputView<T> v, QuantizeParams p, QuantizeOutputs out) {
+  hopper::launch_dependents();  // the attention kernel may launch now; it waits for us
+  hopper::grid_dependency_wait();
+  const int bh = static_cast<int>(blockIdx.x), b = bh / p.heads_kv, h = bh % p.heads_kv;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const uint32_t* flags = out.v_flags + static_cast<int64_t>(bh) * (D / 32);
+  const T* head = v.data + b * v.stride_b + h * v.stride_h;
+  for (int c = warp; c < D; c += kFixupThreads / 32) {
+    if (((flags[c / 32] >> (c % 32)) & 1u) == 0) continue;
+    uint32_t m = 0;
+    for (int t = lane; t < p.seqlen_kv; t += 32)
+      m = max(m, abs_bits(to_float(head[static_cast<int64_t>(t) * v.stride_n + c])));
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) m = max(m, __shfl_xor_sync(0xffffffff, m, off));
+    const float a = nan_canonical(m), inv = kE4m3Max / a;
+    if (lane == 0) out.v_amax[static_cast<int64_t>(bh) * D + c] = a;
+    auto value = [&](int pos) {  // token v_token_at_position(pos) of the channel, scaled
+      const int t = groups::v_token_at_position(pos);
+      return t < p.seqlen_kv ? to_float(head[static_cast<int64_t>(t) * v.stride_n + c]) * inv
+                             : 0.f * inv;
+    };
+    uint8_t* row = out.vt_f8 + (static_cast<int64_t>(bh) * D + c) * p.nkv_pad;
+    for (int pos = 4 * lane; pos < p.nkv_pad; pos += 128) {
+      const uint32_t w = quantize_e4m3x2(value(pos), value(pos + 1)) |
+                         quantize_e4m3x2(value(pos + 2), value(pos + 3)) << 16;
+      *reinterpret_cast<uint32_t*>(row + pos) = a > 0.f ? w : 0u;
+    }
+  }
+}
+
 template <typename T, int D, bool kFullDim>
 cudaError_t launch_quantize_passes(const InputView<T>& k, const InputView<T>& v,
                                    const QuantizeParams& p, const QuantizeOutputs& out,
@@ -388,6 +467,7 @@ cudaError_t launch_quantize_passes(const InputView<T>& k, const InputView<T>& v,
   const dim3 kv_grid(p.nkv_pad / groups::kKvTile, p.heads_kv, p.batch);
   auto statistics = statistics_kernel<T, D, kFullDim>;
   auto kv_quantize = kv_quantize_kernel<T, D, kFullDim>;
+  auto v_fixup = v_fixup_kernel<T, D>;
   // Both stage their loads in shared memory: ask for the largest carveout so that the
   // occupancy the launch bounds aim at (5 CTAs per SM) is not cut by the L1 share.
   for (const void* f :
@@ -396,15 +476,16 @@ cudaError_t launch_quantize_passes(const InputView<T>& k, const InputView<T>& v,
                                              cudaSharedmemCarveoutMaxShared);
         e != cudaSuccess)
       return e;
-  // V amax accumulates by atomic max from zero; the attention kernel's work counters
-  // right after it (workspace.h) start from zero too.
-  if (cudaError_t e = cudaMemsetAsync(out.v_amax, 0, out.zeroed_bytes, stream); e != cudaSuccess)
+  // Nothing needs zeroing first: the statistics kernel zeroes V's flags and the work
+  // counters itself.
+  statistics<<<2 * kv_grid.y * kv_grid.z, kThreads, 0, stream>>>(k, v, p, out);
+  if (cudaError_t e = hopper::early_launch(
+          kv_quantize, dim3(kv_quantize_grid_x<D>(kv_grid.x), kv_grid.y, kv_grid.z),
+          dim3(kKvThreads), 0, stream, k, v, p, out);
+      e != cudaSuccess)
     return e;
-  statistics<<<(kv_grid.x + 1) * kv_grid.y * kv_grid.z, kThreads, 0, stream>>>(k, v, p, out.k_mean,
-                                                                               out.v_amax);
-  return hopper::early_launch(kv_quantize,
-                              dim3(kv_quantize_grid_x<D>(kv_grid.x), kv_grid.y, kv_grid.z),
-                              dim3(kKvThreads), 0, stream, k, v, p, out);
+  return hopper::early_launch(v_fixup, dim3(kv_grid.y * kv_grid.z), dim3(kFixupThreads), 0, stream,
+                              v, p, out);
 }
 
 }  // namespace

@@ -31,13 +31,14 @@ struct QuantizeOutputs {
   float* k_scale;
   float* k_mean;
   uint8_t* vt_f8;
-  float* v_amax;             // (B, Hkv, D): per-channel amax of V; scale = amax / 448, followed by
-                             // the attention kernel's two work counters (zeroed with it)
-  std::size_t zeroed_bytes;  // from v_amax: V amax and the counters (workspace.h)
+  float* v_amax;       // (B, Hkv, D): V's per-channel amax bound; scale = amax / 448
+  uint32_t* v_flags;   // (B, Hkv, D / 32): channels whose values exceed the bound
+  int* item_counter;   // the attention kernel's two work counters, zeroed here
 };
 
-// Enqueues the quantization passes on the stream: K mean and V amax (reads a sample
-// of K and all of V), then K and V.
+// Enqueues the quantization passes on the stream: the statistics (K mean and V's amax
+// bound from a token sample), K and V (reading each once), and the fix-up of the rare V
+// channels whose values exceed the bound (docs/sage2-kernel-arithmetic.md steps 1-4).
 template <typename T, int D>
 cudaError_t launch_quantize(const InputView<T>& k, const InputView<T>& v, const QuantizeParams& p,
                             const QuantizeOutputs& out, cudaStream_t stream);
