@@ -37,7 +37,7 @@ std::vector<std::pair<std::size_t, std::size_t>> regions(const qattn_fwd_params&
           {w.k_mean, bkv * D * 4},
           {w.vt_f8, bkv * D * w.nkv_pad},
           {w.v_amax, bkv * D * 4},
-          {w.v_flags, bkv * (D / 32) * 4},
+          {w.v_over, bkv * D * 4},
           {w.item_counter, 2 * sizeof(int)}};
 }
 

@@ -27,7 +27,7 @@ QuantizeOutputs outputs(const WorkspaceLayout& w, void* ws) {
   auto* base = static_cast<uint8_t*>(ws);
   return {reinterpret_cast<int8_t*>(base + w.k_i8),     reinterpret_cast<float*>(base + w.k_scale),
           reinterpret_cast<float*>(base + w.k_mean),    reinterpret_cast<uint8_t*>(base + w.vt_f8),
-          reinterpret_cast<float*>(base + w.v_amax),    reinterpret_cast<uint32_t*>(base + w.v_flags),
+          reinterpret_cast<float*>(base + w.v_amax),    reinterpret_cast<uint32_t*>(base + w.v_over),
           reinterpret_cast<int*>(base + w.item_counter)};
 }
 

@@ -21,10 +21,11 @@ namespace qattn::sage2 {
 //   k_mean  float (B, Hkv, D)               the smoothing vector c
 //   vt_f8   e4m3  (B, Hkv, D, Nkv_pad)      Vᵀ, tokens permuted in groups of 16
 //   v_amax  float (B, Hkv, D)               V's per-channel amax bound (scale = amax / 448)
-//   v_flags u32   (B, Hkv, D / 32)          channels whose values exceed the bound (fix-up)
+//   v_over  u32   (B, Hkv, D)               0, or the amax bits of a channel with values
+//                                           above the bound (the fix-up kernel's work)
 //   item_counter int [2]                    the attention kernel's work counters (next
 //           item, CTAs done), zero between launches: the statistics kernel zeroes them
-//           (with v_flags) and the attention kernel's last CTA puts them back to zero
+//           (with v_over) and the attention kernel's last CTA puts them back to zero
 // D is the head dim padded to 64 or 128.
 std::size_t workspace_bytes(const qattn_fwd_params& p, bool keep_q = false);
 

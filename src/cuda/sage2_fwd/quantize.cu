@@ -76,10 +76,11 @@ __device__ __forceinline__ void load_floats8(const float* src, float (&out)[8]) 
 // V is then read once, by the K/V kernel (NOTES v17a: a full V amax pass took ~20 µs at
 // N = 2K, a sixth of the quantization's time).
 
-// Shared memory that stages a block's loads (either role): 128 rows of 16-bit input.
+// Shared memory that stages a block's loads (either role): the sample's 256 rows of
+// 16-bit input, all in flight at once (64 KB at D = 128: dynamic shared memory).
 template <int D>
 constexpr int stats_stage_bytes() {
-  return 2 * D * groups::kKvTile;
+  return 2 * D * kSmoothingSample;
 }
 
 // The K smoothing vector c: the mean of a sample of tokens (docs/sage2-kernel-arithmetic.md
@@ -88,30 +89,27 @@ constexpr int stats_stage_bytes() {
 // at a time, by 16-byte cp.async copies (two rounds of loads, where 2-byte loads in
 // batches of 32 per thread took four at D = 128); rows past the sample and channels past
 // head_dim are zero-filled, and adding +0.0 is what the sum did for them before.
-// The token sample's rows, 128 at a time: thread = (channel, part) reduces every
-// kParts-th staged row of its channel with `take(row, ch)`, in order. Rows are staged in
-// shared memory by 16-byte cp.async copies (two rounds of loads, where 2-byte loads in
-// batches of 32 per thread took four at D = 128); rows past the sample and channels past
-// head_dim are zero-filled (+0.0), which adds nothing to a sum or an amax.
+// The token sample's rows: thread = (channel, part) reduces every kParts-th row of its
+// channel with `take(x)`, in order. All rows are staged in shared memory at once by
+// 16-byte cp.async copies (one load latency: the block is latency-bound); rows past the
+// sample and channels past head_dim are zero-filled (+0.0), which adds nothing to a sum
+// or an amax.
 template <typename T, int D, bool kFullDim, typename Take>
 __device__ void reduce_sample(const T* base, int64_t stride_n, const QuantizeParams& p,
                               uint4* stage, Take take) {
   constexpr int kParts = kThreads / D;
-  constexpr int kRound = 128;  // sampled rows staged at a time
   constexpr int kChunks = D / 8;
-  constexpr int kCopies = kRound * kChunks / kThreads;  // per thread and round
-  static_assert(kSmoothingSample % kRound == 0 && kRound % kParts == 0);
-  static_assert(kRound * kChunks % kThreads == 0);
-  static_assert(kRound * D * sizeof(T) <= stats_stage_bytes<D>());
+  constexpr int kCopies = kSmoothingSample * kChunks / kThreads;  // per thread
+  static_assert(kSmoothingSample % kParts == 0 && kSmoothingSample * kChunks % kThreads == 0);
+  static_assert(kSmoothingSample * D * sizeof(T) <= stats_stage_bytes<D>());
   auto rows = reinterpret_cast<T(*)[D]>(stage);
   const int ch = threadIdx.x % D, part = threadIdx.x / D;
   const int n = min(p.seqlen_kv, kSmoothingSample);
-#pragma unroll 1
-  for (int r0 = 0; r0 < kSmoothingSample; r0 += kRound) {
+  {
 #pragma unroll
     for (int r = 0; r < kCopies; ++r) {
       const int c = threadIdx.x + r * kThreads;
-      const int i = r0 + c / kChunks, c0 = (c % kChunks) * 8;
+      const int i = c / kChunks, c0 = (c % kChunks) * 8;
       const int64_t tok = p.seqlen_kv <= kSmoothingSample
                               ? i
                               : static_cast<int64_t>(i) * p.seqlen_kv / kSmoothingSample;
@@ -123,8 +121,7 @@ __device__ void reduce_sample(const T* base, int64_t stride_n, const QuantizePar
     cp_async_wait_all();
     __syncthreads();
 #pragma unroll 8
-    for (int i = part; i < kRound; i += kParts) take(rows[i][ch]);
-    __syncthreads();
+    for (int i = part; i < kSmoothingSample; i += kParts) take(rows[i][ch]);
   }
 }
 
@@ -152,8 +149,8 @@ __device__ void k_mean_block(const InputView<T>& k, const QuantizeParams& p, uin
 
 // V's per-channel amax bound (numerics::sampled_amax_bound, docs step 4): twice the amax
 // over the token sample (the amax itself when the sample is every token; FLT_MAX where
-// doubling overflows a finite amax). Values above it are flagged by the K/V kernel and
-// their channels redone by the fix-up kernel. Also zeroes the head's flags.
+// doubling overflows a finite amax). Values above it are reported by the K/V kernel
+// (v_over) and their channels redone by the fix-up kernel. Also zeroes the head's v_over.
 template <typename T, int D, bool kFullDim>
 __device__ void v_bound_block(const InputView<T>& v, const QuantizeParams& p,
                               const QuantizeOutputs& out, uint4* stage, int h, int b) {
@@ -161,7 +158,7 @@ __device__ void v_bound_block(const InputView<T>& v, const QuantizeParams& p,
   __shared__ uint32_t partial[kParts][D];
   const int ch = threadIdx.x % D, part = threadIdx.x / D;
   const int64_t bh = static_cast<int64_t>(b) * p.heads_kv + h;
-  if (threadIdx.x < D / 32) out.v_flags[bh * (D / 32) + threadIdx.x] = 0u;
+  if (threadIdx.x < D) out.v_over[bh * D + threadIdx.x] = 0u;
   uint32_t m = 0;  // |x| bits: an integer max orders them like amax_nan (NaN highest)
   reduce_sample<T, D, kFullDim>(v.data + b * v.stride_b + h * v.stride_h, v.stride_n, p, stage,
                                 [&](T x) { m = max(m, abs_bits(to_float(x))); });
@@ -177,14 +174,15 @@ __device__ void v_bound_block(const InputView<T>& v, const QuantizeParams& p,
   }
 }
 
-// 32 KB (D = 128) of loads in flight per CTA, staged in shared memory, and few registers:
-// 5 CTAs per SM (the register-loaded version took 127 registers: 2 CTAs per SM).
+// 64 KB (D = 128) of loads in flight per CTA, staged in shared memory, and few registers
+// (the register-loaded version took 127): the grid's 2·B·Hkv CTAs all fit at once for
+// B·Hkv up to ~200 (3 per SM at D = 128).
 constexpr int kStatsMinBlocksPerSm = 5;
 
 template <typename T, int D, bool kFullDim>
 __global__ void __launch_bounds__(kThreads, kStatsMinBlocksPerSm)
     statistics_kernel(InputView<T> k, InputView<T> v, QuantizeParams p, QuantizeOutputs out) {
-  __shared__ uint4 stage[stats_stage_bytes<D>() / sizeof(uint4)];
+  extern __shared__ uint4 stage[];  // stats_stage_bytes<D>()
   hopper::launch_dependents();  // the K/V kernel may launch once all these CTAs run
   const int heads = p.batch * p.heads_kv;
   const int id = static_cast<int>(blockIdx.x);
@@ -319,7 +317,8 @@ __device__ void quantize_k_tile(const InputView<T>& k, const QuantizeParams& p,
 
 // V, with its per-channel scale (from the amax bound): warp `part` (0..D/32-1) of a tile
 // quantizes 64 channels x 64 tokens, and flags each channel holding a value above the
-// bound (rare; the fix-up kernel redoes those channels with their exact amax). A lane copies 16 consecutive tokens of 8 channels, i.e. one
+// bound: it merges its amax into v_over (rare; the fix-up kernel redoes those channels with
+// their exact amax, which only values above the bound can reach). A lane copies 16 consecutive tokens of 8 channels, i.e. one
 // permuted 16-token group of 8 Vᵀ rows: the transpose and the permutation happen in
 // registers, and each row leaves as one 16-byte store. Per instruction a warp loads 4 rows
 // x 128 contiguous bytes and stores 8 rows x 64.
@@ -361,14 +360,17 @@ __device__ void quantize_v_part(const InputView<T>& v, const QuantizeParams& p,
     m2[w] = __vmaxu2(m2[w], __shfl_xor_sync(0xffffffff, m2[w], 8));
     m2[w] = __vmaxu2(m2[w], __shfl_xor_sync(0xffffffff, m2[w], 16));
   }
+#if QATTN_EXPERIMENT_NO_VCHECK  // knockout for bench/NOTES.md: no flags, timing only
+  if (false) {
+#else
   if (lane < 8) {
+#endif
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const float2 f = widen_pair<T>(m2[j / 2]);
-      const float x = j % 2 == 0 ? f.x : f.y;
-      if (__float_as_uint(nan_canonical(abs_bits(x))) >
-          __float_as_uint(nan_canonical(abs_bits(amax[j]))))
-        atomicOr(&out.v_flags[bh * (D / 32) + (ch0 + j) / 32], 1u << ((ch0 + j) % 32));
+      const uint32_t x = __float_as_uint(nan_canonical(abs_bits(j % 2 == 0 ? f.x : f.y)));
+      if (x > __float_as_uint(nan_canonical(abs_bits(amax[j]))))
+        atomicMax(&out.v_over[bh * D + ch0 + j], x);
     }
   }
 
@@ -421,38 +423,36 @@ __global__ void __launch_bounds__(kKvThreads, kKvMinBlocksPerSm)
 }
 
 // ---- 4. fix-up: the V channels whose values exceed the sampled bound -----------------------
-// One block per (batch, KV head); a warp per flagged channel takes the channel's exact
-// amax over all tokens (NaN highest), stores it as the channel's amax, and rewrites the
-// channel's row of Vᵀ with it: the codes the K/V kernel would have written with that
-// amax. Rare (a token outside the sample more than twice the sample's amax), so it is
-// written for clarity: strided column reads, one warp per channel.
+// One block per (batch, KV head). Nothing to do for almost every head: one load per
+// thread of the head's v_over and the block leaves. Otherwise each such channel takes its
+// exact amax (the K/V kernel merged it into v_over: only values above the bound can be
+// the largest) and the whole block rewrites its row of Vᵀ with it: the codes the K/V
+// kernel writes for that amax (strided column reads; rare).
 constexpr int kFixupThreads = 256;
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kFixupThreads)
     v_fixup_kernel(InputView<T> v, QuantizeParams p, QuantizeOutputs out) {
+  static_assert(D <= kFixupThreads);
+  __shared__ uint32_t over[D];
   hopper::launch_dependents();  // the attention kernel may launch now; it waits for us
   hopper::grid_dependency_wait();
   const int bh = static_cast<int>(blockIdx.x), b = bh / p.heads_kv, h = bh % p.heads_kv;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const uint32_t* flags = out.v_flags + static_cast<int64_t>(bh) * (D / 32);
+  const uint32_t o = threadIdx.x < D ? out.v_over[static_cast<int64_t>(bh) * D + threadIdx.x] : 0u;
+  if (threadIdx.x < D) over[threadIdx.x] = o;
+  if (!__syncthreads_or(o != 0u)) return;
+  if (o != 0u) out.v_amax[static_cast<int64_t>(bh) * D + threadIdx.x] = __uint_as_float(o);
   const T* head = v.data + b * v.stride_b + h * v.stride_h;
-  for (int c = warp; c < D; c += kFixupThreads / 32) {
-    if (((flags[c / 32] >> (c % 32)) & 1u) == 0) continue;
-    uint32_t m = 0;
-    for (int t = lane; t < p.seqlen_kv; t += 32)
-      m = max(m, abs_bits(to_float(head[static_cast<int64_t>(t) * v.stride_n + c])));
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) m = max(m, __shfl_xor_sync(0xffffffff, m, off));
-    const float a = nan_canonical(m), inv = kE4m3Max / a;
-    if (lane == 0) out.v_amax[static_cast<int64_t>(bh) * D + c] = a;
+  for (int c = 0; c < D; ++c) {
+    if (over[c] == 0u) continue;
+    const float a = __uint_as_float(over[c]), inv = kE4m3Max / a;
     auto value = [&](int pos) {  // token v_token_at_position(pos) of the channel, scaled
       const int t = groups::v_token_at_position(pos);
       return t < p.seqlen_kv ? to_float(head[static_cast<int64_t>(t) * v.stride_n + c]) * inv
                              : 0.f * inv;
     };
     uint8_t* row = out.vt_f8 + (static_cast<int64_t>(bh) * D + c) * p.nkv_pad;
-    for (int pos = 4 * lane; pos < p.nkv_pad; pos += 128) {
+    for (int pos = 4 * static_cast<int>(threadIdx.x); pos < p.nkv_pad; pos += 4 * kFixupThreads) {
       const uint32_t w = quantize_e4m3x2(value(pos), value(pos + 1)) |
                          quantize_e4m3x2(value(pos + 2), value(pos + 3)) << 16;
       *reinterpret_cast<uint32_t*>(row + pos) = a > 0.f ? w : 0u;
@@ -476,14 +476,22 @@ cudaError_t launch_quantize_passes(const InputView<T>& k, const InputView<T>& v,
                                              cudaSharedmemCarveoutMaxShared);
         e != cudaSuccess)
       return e;
+  if (cudaError_t e = cudaFuncSetAttribute(statistics, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           stats_stage_bytes<D>());
+      e != cudaSuccess)
+    return e;
   // Nothing needs zeroing first: the statistics kernel zeroes V's flags and the work
   // counters itself.
-  statistics<<<2 * kv_grid.y * kv_grid.z, kThreads, 0, stream>>>(k, v, p, out);
+  statistics<<<2 * kv_grid.y * kv_grid.z, kThreads, stats_stage_bytes<D>(), stream>>>(k, v, p, out);
   if (cudaError_t e = hopper::early_launch(
           kv_quantize, dim3(kv_quantize_grid_x<D>(kv_grid.x), kv_grid.y, kv_grid.z),
           dim3(kKvThreads), 0, stream, k, v, p, out);
       e != cudaSuccess)
     return e;
+#if QATTN_EXPERIMENT_NO_VFIXUP  // knockout for bench/NOTES.md: timing only
+  (void)v_fixup;
+  return cudaSuccess;
+#endif
   return hopper::early_launch(v_fixup, dim3(kv_grid.y * kv_grid.z), dim3(kFixupThreads), 0, stream,
                               v, p, out);
 }

@@ -32,7 +32,7 @@ struct QuantizeOutputs {
   float* k_mean;
   uint8_t* vt_f8;
   float* v_amax;       // (B, Hkv, D): V's per-channel amax bound; scale = amax / 448
-  uint32_t* v_flags;   // (B, Hkv, D / 32): channels whose values exceed the bound
+  uint32_t* v_over;    // (B, Hkv, D): 0, or the exact amax bits where values exceed it
   int* item_counter;   // the attention kernel's two work counters, zeroed here
 };
 

@@ -17,7 +17,7 @@ struct WorkspaceLayout {
   int head_dim_padded = 0;  // 64 or 128
   int nq_pad = 0, nkv_pad = 0;
   std::size_t q_i8 = 0, q_scale = 0, q_dot_c = 0, k_i8 = 0, k_scale = 0, k_mean = 0, vt_f8 = 0,
-              v_amax = 0, v_flags = 0, item_counter = 0, total = 0;
+              v_amax = 0, v_over = 0, item_counter = 0, total = 0;
   // Element counts per (batch, head) slice.
   std::size_t q_scales_per_head() const {
     return static_cast<std::size_t>(nq_pad) / groups::kQBlock * groups::kQThreadGroupsPerBlock;
@@ -56,10 +56,10 @@ inline WorkspaceLayout workspace_layout(const qattn_fwd_params& p, bool keep_q =
   w.k_mean = take(bkv * D * sizeof(float));
   w.vt_f8 = take(bkv * D * w.nkv_pad);
   w.v_amax = take(bkv * D * sizeof(float));
-  // One bit per V channel whose amax the sampled bound does not cover (the fix-up
-  // kernel's work), and the attention kernel's two work counters: the statistics
-  // kernel zeroes both at the start of each forward, so no memset is needed.
-  w.v_flags = take(bkv * (D / 32) * sizeof(std::uint32_t));
+  // Per V channel: 0 where the sampled amax bound covers every value, else the exact amax
+  // (its bits; the fix-up kernel's work). With the attention kernel's two work counters,
+  // the statistics kernel zeroes it at the start of each forward: no memset is needed.
+  w.v_over = take(bkv * D * sizeof(std::uint32_t));
   w.item_counter = take(2 * sizeof(int));
   w.total = off;
   return w;
