@@ -37,7 +37,7 @@ enum class QSmoothing { None, BlockMean };
 // The amax behind V's PerChannel scales.
 enum class VAmax {
   AllTokens,    // the amax over all Nkv tokens (a pass over V before quantizing it)
-  SampleBound,  // the kernel's: numerics::sampled_amax_bound (2 × the amax of the K-mean
+  SampleBound,  // the kernel's: numerics::sampled_amax_bound (4 × the amax of the K-mean
                 // token sample, or the amax over all tokens where that is larger)
 };
 

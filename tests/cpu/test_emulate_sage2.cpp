@@ -322,14 +322,14 @@ TEST(Sage2Layout, ShapesTailsAndScalesFollowTheKernelWorkspace) {
   }
   // Vᵀ: position k of each 16 holds token v_token_at_position(k); per-channel scale
   // amax/448 (the same in every tile's slot) and codes E4M3(v·448/amax), where amax is
-  // twice the amax of the 256 sampled tokens floor(i·300/256), or the amax over all
-  // tokens where that is larger.
+  // 4x the amax of the 256 sampled tokens floor(i·300/256), or the amax over all tokens
+  // where that is larger.
   for (int c = 0; c < d; ++c) {
     float all = 0.0f, sampled = 0.0f;
     for (int j = 0; j < Nkv; ++j) all = std::max(all, std::fabs(in.v.at(0, 0, j, c)));
     for (int i = 0; i < 256; ++i)
       sampled = std::max(sampled, std::fabs(in.v.at(0, 0, i * Nkv / 256, c)));
-    const float amax = std::max(all, 2.0f * sampled);
+    const float amax = std::max(all, numerics::kAmaxSampleMargin * sampled);
     for (int t = 0; t < tiles; ++t) {
       ASSERT_EQ(z.v_scale[t * D + c], amax / 448.0f);
       for (int pos = t * 128; pos < t * 128 + 128; ++pos) {
@@ -498,9 +498,10 @@ TEST(Sage2Layout, VScaleGranularityBarelyMattersForE4M3) {
     }
 }
 
-// The kernel's V amax is a bound from the token sample (2 × its amax, or the amax over
-// all tokens where that is larger; NOTES v17a): the scale is at most twice the exact
-// one, so the largest code is >= 224 of 448 and E4M3's relative step is unchanged.
+// The kernel's V amax is a bound from the token sample (4 × its amax, or the amax over
+// all tokens where that is larger; NOTES v17a): the scale is at most 4x the exact one,
+// so the largest code is >= 112 of 448 and E4M3's relative step is unchanged above its
+// subnormals.
 // Same inputs as above (channels up to ~400x apart, x30 tokens in or out of the sample).
 TEST(Sage2Layout, SampledVAmaxBoundIsAsAccurateAsTheExactAmax) {
   constexpr int N = 1000, D = 128, H = 2;
@@ -530,14 +531,14 @@ TEST(Sage2Layout, SampledVAmaxBoundIsAsAccurateAsTheExactAmax) {
         Sage2Options o;
         o.v_amax = rule;
         const auto zq = emulate::quantize_sage2(syn.q, syn.k, v, {}, o);
-        // Every scale is the exact one or up to twice it; never below (no saturation).
+        // Every scale is the exact one or up to 4x it; never below (no saturation).
         for (int h = 0; h < H; ++h)
           for (int c = 0; c < D; ++c) {
             float all = 0.f;
             for (int j = 0; j < N; ++j) all = std::max(all, std::fabs(v.at(0, h, j, c)));
             const float s = zq.v_scale[h * zq.kv_tiles() * D + c];
             ASSERT_GE(s, all / 448.f);
-            ASSERT_LE(s, 2.f * all / 448.f);
+            ASSERT_LE(s, 4.f * all / 448.f);
           }
         cos[static_cast<int>(rule)] =
             metrics::compare(std::span<const float>(emulate::sage2_attend(zq).o.data),

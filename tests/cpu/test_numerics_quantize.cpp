@@ -360,20 +360,20 @@ TEST(SampledAmaxBound, TwiceTheSampleOrTheExactAmax) {
   x.assign(kRows * kCols, 0.f);
   for (int64_t r = 0; r < kRows; ++r)
     for (int64_t c = 0; c < kCols; ++c) x[r * kCols + c] = 0.5f * u(rng);
-  x[3 * kCols + 0] = -1.f;    // channel 0: sampled amax 1, nothing larger: bound 2
-  x[3 * kCols + 1] = 1.f;     // channel 1: sampled 1, row 1 holds 2 (= the bound): 2
-  x[1 * kCols + 1] = -2.f;
+  x[3 * kCols + 0] = -1.f;    // channel 0: sampled amax 1, nothing larger: bound 4
+  x[3 * kCols + 1] = 1.f;     // channel 1: sampled 1, row 1 holds 4 (= the bound): 4
+  x[1 * kCols + 1] = -4.f;
   x[1 * kCols + 2] = 5.f;     // channel 2: row 1 above the bound: its exact amax, 5
   x[1 * kCols + 3] = std::numeric_limits<float>::quiet_NaN();  // channel 3: NaN wins
   const std::vector<float> b = qn::sampled_amax_bound(x, kRows, kCols);
-  EXPECT_EQ(b[0], 2.f);
-  EXPECT_EQ(b[1], 2.f);
+  EXPECT_EQ(b[0], 4.f);
+  EXPECT_EQ(b[1], 4.f);
   EXPECT_EQ(b[2], 5.f);
   EXPECT_TRUE(std::isnan(b[3]));
 
-  // Doubling a finite amax past FLT_MAX gives FLT_MAX, not inf; an inf stays inf.
+  // A bound past FLT_MAX from a finite amax is FLT_MAX, not inf; an inf stays inf.
   x.assign(kRows * kCols, 0.f);
-  x[0] = 3e38f;
+  x[0] = 1e38f;
   x[1] = std::numeric_limits<float>::infinity();
   const std::vector<float> big = qn::sampled_amax_bound(x, kRows, kCols);
   EXPECT_EQ(big[0], std::numeric_limits<float>::max());

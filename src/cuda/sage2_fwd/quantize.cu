@@ -147,9 +147,9 @@ __device__ void k_mean_block(const InputView<T>& k, const QuantizeParams& p, uin
   }
 }
 
-// V's per-channel amax bound (numerics::sampled_amax_bound, docs step 4): twice the amax
+// V's per-channel amax bound (numerics::sampled_amax_bound, docs step 4): 4x the amax
 // over the token sample (the amax itself when the sample is every token; FLT_MAX where
-// doubling overflows a finite amax). Values above it are reported by the K/V kernel
+// the product overflows a finite amax). Values above it are reported by the K/V kernel
 // (v_over) and their channels redone by the fix-up kernel. Also zeroes the head's v_over.
 template <typename T, int D, bool kFullDim>
 __device__ void v_bound_block(const InputView<T>& v, const QuantizeParams& p,
