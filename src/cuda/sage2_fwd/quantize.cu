@@ -423,39 +423,66 @@ __global__ void __launch_bounds__(kKvThreads, kKvMinBlocksPerSm)
 }
 
 // ---- 4. fix-up: the V channels whose values exceed the sampled bound -----------------------
-// One block per (batch, KV head). Nothing to do for almost every head: one load per
-// thread of the head's v_over and the block leaves. Otherwise each such channel takes its
-// exact amax (the K/V kernel merged it into v_over: only values above the bound can be
-// the largest) and the whole block rewrites its row of Vᵀ with it: the codes the K/V
-// kernel writes for that amax (strided column reads; rare).
+// One block of 256 threads per (batch, KV head): a grid small enough that its CTAs,
+// resident early (PDL) while they wait for the K/V kernel, take few of its slots (a
+// block per 1,024 tokens cost 2% end-to-end at N = 2K, NOTES v17b). Nothing to do for
+// almost every head: one load of v_over per thread and the block leaves. Otherwise each set channel takes its exact amax (the K/V kernel merged it into
+// v_over: only values above the bound can be the largest) and its row of Vᵀ is rewritten
+// with it: the codes the K/V kernel writes for that amax. A thread takes a 16-token
+// group and an 8-channel chunk at a time, so the loads stay 16-byte rows as in the K/V
+// kernel, whatever the number of flagged channels (a warp per channel with strided
+// loads took ~15 µs for a few channels; NOTES v17a). With every channel flagged (the
+// worst case) a call at N = 2K takes ~60 µs more (NOTES v17b).
 constexpr int kFixupThreads = 256;
 
-template <typename T, int D>
+template <typename T, int D, bool kFullDim>
 __global__ void __launch_bounds__(kFixupThreads)
     v_fixup_kernel(InputView<T> v, QuantizeParams p, QuantizeOutputs out) {
   static_assert(D <= kFixupThreads);
-  __shared__ uint32_t over[D];
+  constexpr int kGroup = 16, kChunks = D / 8;
+  __shared__ float amax[D];  // the exact amax of a flagged channel, 0 elsewhere
   hopper::launch_dependents();  // the attention kernel may launch now; it waits for us
   hopper::grid_dependency_wait();
-  const int bh = static_cast<int>(blockIdx.x), b = bh / p.heads_kv, h = bh % p.heads_kv;
-  const uint32_t o = threadIdx.x < D ? out.v_over[static_cast<int64_t>(bh) * D + threadIdx.x] : 0u;
-  if (threadIdx.x < D) over[threadIdx.x] = o;
+  const int64_t bh = blockIdx.x;
+  const int b = static_cast<int>(bh) / p.heads_kv, h = static_cast<int>(bh) % p.heads_kv;
+  const uint32_t o = threadIdx.x < D ? out.v_over[bh * D + threadIdx.x] : 0u;
+  if (threadIdx.x < D) amax[threadIdx.x] = __uint_as_float(o);
   if (!__syncthreads_or(o != 0u)) return;
-  if (o != 0u) out.v_amax[static_cast<int64_t>(bh) * D + threadIdx.x] = __uint_as_float(o);
+  if (o != 0u) out.v_amax[bh * D + threadIdx.x] = __uint_as_float(o);
   const T* head = v.data + b * v.stride_b + h * v.stride_h;
-  for (int c = 0; c < D; ++c) {
-    if (over[c] == 0u) continue;
-    const float a = __uint_as_float(over[c]), inv = kE4m3Max / a;
-    auto value = [&](int pos) {  // token v_token_at_position(pos) of the channel, scaled
-      const int t = groups::v_token_at_position(pos);
-      return t < p.seqlen_kv ? to_float(head[static_cast<int64_t>(t) * v.stride_n + c]) * inv
-                             : 0.f * inv;
-    };
-    uint8_t* row = out.vt_f8 + (static_cast<int64_t>(bh) * D + c) * p.nkv_pad;
-    for (int pos = 4 * static_cast<int>(threadIdx.x); pos < p.nkv_pad; pos += 4 * kFixupThreads) {
-      const uint32_t w = quantize_e4m3x2(value(pos), value(pos + 1)) |
-                         quantize_e4m3x2(value(pos + 2), value(pos + 3)) << 16;
-      *reinterpret_cast<uint32_t*>(row + pos) = a > 0.f ? w : 0u;
+  const int units = p.nkv_pad / kGroup * kChunks;
+  for (int u = threadIdx.x; u < units; u += kFixupThreads) {
+    const int c0 = (u % kChunks) * 8, g0 = (u / kChunks) * kGroup;
+    bool any = false;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) any |= amax[c0 + j] != 0.f;
+    if (!any) continue;
+    uint4 x[kGroup];  // tokens g0.., channels c0..c0+7 (0 past the end and past head_dim)
+#pragma unroll
+    for (int t = 0; t < kGroup; ++t) {
+      x[t] = make_uint4(0, 0, 0, 0);
+      if (g0 + t >= p.seqlen_kv) continue;
+      const T* src = head + static_cast<int64_t>(g0 + t) * v.stride_n + c0;
+      if (kFullDim || c0 + 8 <= p.head_dim) {
+        x[t] = *reinterpret_cast<const uint4*>(src);
+      } else {
+        for (int e = 0; e < 8 && c0 + e < p.head_dim; ++e)
+          reinterpret_cast<T*>(&x[t])[e] = src[e];
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float a = amax[c0 + j];
+      if (a == 0.f) continue;
+      const float inv = kE4m3Max / a;
+      uint32_t row[4] = {};
+#pragma unroll
+      for (int m = 0; m < kGroup / 2; ++m)
+        row[m / 2] |= quantize_e4m3x2(element<T>(x[groups::v_token_at_position(2 * m)], j) * inv,
+                                      element<T>(x[groups::v_token_at_position(2 * m + 1)], j) * inv)
+                      << (16 * (m % 2));
+      *reinterpret_cast<uint4*>(out.vt_f8 + (bh * D + c0 + j) * p.nkv_pad + g0) =
+          a > 0.f ? make_uint4(row[0], row[1], row[2], row[3]) : make_uint4(0, 0, 0, 0);
     }
   }
 }
@@ -467,7 +494,7 @@ cudaError_t launch_quantize_passes(const InputView<T>& k, const InputView<T>& v,
   const dim3 kv_grid(p.nkv_pad / groups::kKvTile, p.heads_kv, p.batch);
   auto statistics = statistics_kernel<T, D, kFullDim>;
   auto kv_quantize = kv_quantize_kernel<T, D, kFullDim>;
-  auto v_fixup = v_fixup_kernel<T, D>;
+  auto v_fixup = v_fixup_kernel<T, D, kFullDim>;
   // Both stage their loads in shared memory: ask for the largest carveout so that the
   // occupancy the launch bounds aim at (5 CTAs per SM) is not cut by the L1 share.
   for (const void* f :
