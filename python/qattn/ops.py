@@ -7,6 +7,7 @@ stream, so a call never synchronizes and can be captured in a CUDA graph. A fake
 """
 
 # No `from __future__ import annotations`: torch.library reads the real annotations.
+import contextlib
 import math
 import struct
 import warnings
@@ -150,11 +151,10 @@ class _Call:
 def _run(q, k, v, is_causal, scale, layout, return_lse, granularity):
     if q.device.type != "cuda":
         raise invalid(f"q is on {q.device}; allowed: a CUDA device")
-    if q.device.index == torch.cuda.current_device():
-        call = _Call(q, k, v, is_causal, scale, layout, return_lse, granularity)
-        call.launch()
-        return call.outputs()
-    with torch.cuda.device(q.device):  # the C library runs on the current device
+    # The C library runs on the current device; switching costs host time, so only when
+    # q lives elsewhere.
+    same = q.device.index == torch.cuda.current_device()
+    with contextlib.nullcontext() if same else torch.cuda.device(q.device):
         call = _Call(q, k, v, is_causal, scale, layout, return_lse, granularity)
         call.launch()
         return call.outputs()
