@@ -275,9 +275,8 @@ Sage2Quantized quantize_sage2(const Tensor4& q, const Tensor4& k, const Tensor4&
         amax = numerics::sampled_amax_bound(
             std::span<const float>(vh.data(), static_cast<std::size_t>(Nkv) * D), Nkv, D);
       if (pv == PvFormat::Int8) {
-        numerics::IntQuantized vq =
-            numerics::quantize_int(vh, nkv_pad, D, numerics::IntFormat::Int8, options.v_scale,
-                                   numerics::Operand::K, amax);
+        numerics::IntQuantized vq = numerics::quantize_int(
+            vh, nkv_pad, D, numerics::IntFormat::Int8, options.v_scale, numerics::Operand::K, amax);
         codes.assign(vq.values.begin(), vq.values.end());  // two's complement bytes
         for (std::size_t i = 0; i < codes.size(); ++i) vv[i] = vq.values[i];
         scales = std::move(vq.scales);
@@ -285,8 +284,8 @@ Sage2Quantized quantize_sage2(const Tensor4& q, const Tensor4& k, const Tensor4&
       } else {
         const auto f8 =
             pv == PvFormat::E4M3 ? numerics::Fp8Format::E4M3 : numerics::Fp8Format::E5M2;
-        numerics::Fp8Quantized vq = numerics::quantize_fp8(vh, nkv_pad, D, f8, options.v_scale,
-                                                           numerics::Operand::K, amax);
+        numerics::Fp8Quantized vq =
+            numerics::quantize_fp8(vh, nkv_pad, D, f8, options.v_scale, numerics::Operand::K, amax);
         codes = std::move(vq.codes);
         for (std::size_t i = 0; i < codes.size(); ++i) {
           vv[i] = f8 == numerics::Fp8Format::E4M3 ? numerics::e4m3_decode(codes[i])

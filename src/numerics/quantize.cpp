@@ -71,9 +71,9 @@ template <typename Code, typename Encode, typename Decode>
 void quantize_linear(std::span<const float> x, const GroupMap& map, float qmax,
                      std::vector<Code>& codes, std::vector<float>& scales, std::vector<float>& deq,
                      Encode encode, Decode decode, std::span<const float> given_amax = {}) {
-  const std::vector<float> amax =
-      given_amax.empty() ? group_amax(x, map)
-                         : std::vector<float>(given_amax.begin(), given_amax.end());
+  const std::vector<float> amax = given_amax.empty()
+                                      ? group_amax(x, map)
+                                      : std::vector<float>(given_amax.begin(), given_amax.end());
   std::vector<float> mult(amax.size());
   scales.resize(amax.size());
   for (size_t g = 0; g < amax.size(); ++g) {
@@ -406,7 +406,8 @@ std::vector<float> sampled_amax_bound(std::span<const float> x, int64_t rows, in
   std::vector<float> in_sample(cols, 0.0f), all(cols, 0.0f);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t r = sample ? i * rows / kSmoothSampleTokens : i;
-    for (int64_t c = 0; c < cols; ++c) in_sample[c] = amax_accumulate(in_sample[c], x[r * cols + c]);
+    for (int64_t c = 0; c < cols; ++c)
+      in_sample[c] = amax_accumulate(in_sample[c], x[r * cols + c]);
   }
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c) all[c] = amax_accumulate(all[c], x[r * cols + c]);
@@ -414,7 +415,8 @@ std::vector<float> sampled_amax_bound(std::span<const float> x, int64_t rows, in
   for (int64_t c = 0; c < cols; ++c) {
     const float s = in_sample[c];
     float b = sample ? s * kAmaxSampleMargin : s;
-    if (b == std::numeric_limits<float>::infinity() && s != b) b = std::numeric_limits<float>::max();
+    if (b == std::numeric_limits<float>::infinity() && s != b)
+      b = std::numeric_limits<float>::max();
     out[c] = (all[c] != all[c] || all[c] > b) ? all[c] : b;  // NaN (sticky in all) wins
   }
   return out;

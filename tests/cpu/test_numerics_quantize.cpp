@@ -360,10 +360,10 @@ TEST(SampledAmaxBound, TwiceTheSampleOrTheExactAmax) {
   x.assign(kRows * kCols, 0.f);
   for (int64_t r = 0; r < kRows; ++r)
     for (int64_t c = 0; c < kCols; ++c) x[r * kCols + c] = 0.5f * u(rng);
-  x[3 * kCols + 0] = -1.f;    // channel 0: sampled amax 1, nothing larger: bound 4
-  x[3 * kCols + 1] = 1.f;     // channel 1: sampled 1, row 1 holds 4 (= the bound): 4
+  x[3 * kCols + 0] = -1.f;  // channel 0: sampled amax 1, nothing larger: bound 4
+  x[3 * kCols + 1] = 1.f;   // channel 1: sampled 1, row 1 holds 4 (= the bound): 4
   x[1 * kCols + 1] = -4.f;
-  x[1 * kCols + 2] = 5.f;     // channel 2: row 1 above the bound: its exact amax, 5
+  x[1 * kCols + 2] = 5.f;  // channel 2: row 1 above the bound: its exact amax, 5
   x[1 * kCols + 3] = std::numeric_limits<float>::quiet_NaN();  // channel 3: NaN wins
   const std::vector<float> b = qn::sampled_amax_bound(x, kRows, kCols);
   EXPECT_EQ(b[0], 4.f);
@@ -384,14 +384,14 @@ TEST(SampledAmaxBound, TwiceTheSampleOrTheExactAmax) {
 TEST(QuantizeFp8, GivenAmaxSaturatesAboveIt) {
   const std::vector<float> x = {1.f, -3.f, 0.25f, 2.f};  // 2 rows, 2 channels
   const std::vector<float> amax = {0.5f, 4.f};
-  const auto q = qn::quantize_fp8(x, 2, 2, qn::Fp8Format::E4M3, Granularity::PerChannel,
-                                  Operand::K, amax);
+  const auto q =
+      qn::quantize_fp8(x, 2, 2, qn::Fp8Format::E4M3, Granularity::PerChannel, Operand::K, amax);
   EXPECT_EQ(q.scales[0], 0.5f / 448.f);
   EXPECT_EQ(q.scales[1], 4.f / 448.f);
   EXPECT_EQ(q.codes[0], qn::e4m3_encode(448.f));  // 1 > 0.5: saturates at 448
   EXPECT_EQ(q.codes[1], qn::e4m3_encode(-3.f * 112.f));
-  EXPECT_THROW(qn::quantize_fp8(x, 2, 2, qn::Fp8Format::E4M3, Granularity::PerChannel,
-                                Operand::K, std::vector<float>{1.f}),
+  EXPECT_THROW(qn::quantize_fp8(x, 2, 2, qn::Fp8Format::E4M3, Granularity::PerChannel, Operand::K,
+                                std::vector<float>{1.f}),
                std::invalid_argument);
 }
 

@@ -41,8 +41,8 @@ void check_order(int num_m_blocks, int heads, bool causal, int group) {
     }
     prev = at;
   }
-  for (int i = 0; i < items; ++i) ASSERT_EQ(seen[i], 1) << "item of head " << i / num_m_blocks
-                                                        << ", block " << i % num_m_blocks;
+  for (int i = 0; i < items; ++i)
+    ASSERT_EQ(seen[i], 1) << "item of head " << i / num_m_blocks << ", block " << i % num_m_blocks;
 }
 
 TEST(WorkOrder, EveryItemOnceInEachOrder) {

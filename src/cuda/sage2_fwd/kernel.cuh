@@ -56,7 +56,7 @@ struct AttentionParams {
   int causal;
   int num_m_blocks;  // nq_pad / 128
   int batch;
-  int causal_group;  // causal: query heads per group of the item order (work_order.h)
+  int causal_group;   // causal: query heads per group of the item order (work_order.h)
   int* item_counter;  // [0]: items handed out past the first gridDim.x, [1]: CTAs done;
                       // zero at launch, and put back to zero by the last CTA
 };

@@ -26,10 +26,11 @@ InputView<T> view(const qattn_tensor& t) {
 
 QuantizeOutputs outputs(const WorkspaceLayout& w, void* ws) {
   auto* base = static_cast<uint8_t*>(ws);
-  return {reinterpret_cast<int8_t*>(base + w.k_i8),     reinterpret_cast<float*>(base + w.k_scale),
-          reinterpret_cast<float*>(base + w.k_mean),    reinterpret_cast<uint8_t*>(base + w.vt_f8),
-          reinterpret_cast<float*>(base + w.v_amax),    reinterpret_cast<uint32_t*>(base + w.v_over),
-          reinterpret_cast<int*>(base + w.item_counter)};
+  return {
+      reinterpret_cast<int8_t*>(base + w.k_i8),     reinterpret_cast<float*>(base + w.k_scale),
+      reinterpret_cast<float*>(base + w.k_mean),    reinterpret_cast<uint8_t*>(base + w.vt_f8),
+      reinterpret_cast<float*>(base + w.v_amax),    reinterpret_cast<uint32_t*>(base + w.v_over),
+      reinterpret_cast<int*>(base + w.item_counter)};
 }
 
 // Where the attention kernel copies its INT8 Q, Q scales and q·c (keep_q only: the
@@ -115,9 +116,11 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
   int device = 0, num_sms = 0;
   if (auto e = hopper::current_device_sms(&device, &num_sms); e != cudaSuccess) return e;
   static std::atomic<std::uint64_t> configured{0};
-  if (auto e = hopper::once_per_device(configured, device, [&] {
-        return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-      });
+  if (auto e = hopper::once_per_device(
+          configured, device,
+          [&] {
+            return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+          });
       e != cudaSuccess)
     return e;
   ap.num_m_blocks = w.nq_pad / Tr::kBlockM;

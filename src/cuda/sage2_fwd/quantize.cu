@@ -184,7 +184,7 @@ template <typename T, int D, bool kFullDim>
 __global__ void __launch_bounds__(kThreads, kStatsMinBlocksPerSm)
     statistics_kernel(InputView<T> k, InputView<T> v, QuantizeParams p, QuantizeOutputs out) {
   extern __shared__ uint4 stage[];  // stats_stage_bytes<D>()
-  hopper::launch_dependents();  // the K/V kernel may launch once all these CTAs run
+  hopper::launch_dependents();      // the K/V kernel may launch once all these CTAs run
   const int heads = p.batch * p.heads_kv;
   const int id = static_cast<int>(blockIdx.x);
   // The attention kernel's work counters start from zero (its last CTA also puts them
@@ -319,10 +319,10 @@ __device__ void quantize_k_tile(const InputView<T>& k, const QuantizeParams& p,
 // V, with its per-channel scale (from the amax bound): warp `part` (0..D/32-1) of a tile
 // quantizes 64 channels x 64 tokens, and flags each channel holding a value above the
 // bound: it merges its amax into v_over (rare; the fix-up kernel redoes those channels with
-// their exact amax, which only values above the bound can reach). A lane copies 16 consecutive tokens of 8 channels, i.e. one
-// permuted 16-token group of 8 Vᵀ rows: the transpose and the permutation happen in
-// registers, and each row leaves as one 16-byte store. Per instruction a warp loads 4 rows
-// x 128 contiguous bytes and stores 8 rows x 64.
+// their exact amax, which only values above the bound can reach). A lane copies 16 consecutive
+// tokens of 8 channels, i.e. one permuted 16-token group of 8 Vᵀ rows: the transpose and the
+// permutation happen in registers, and each row leaves as one 16-byte store. Per instruction a warp
+// loads 4 rows x 128 contiguous bytes and stores 8 rows x 64.
 template <typename T, int D, bool kFullDim>
 __device__ void quantize_v_part(const InputView<T>& v, const QuantizeParams& p,
                                 const QuantizeOutputs& out, KvStaging& stage, int tile, int part,
@@ -427,13 +427,13 @@ __global__ void __launch_bounds__(kKvThreads, kKvMinBlocksPerSm)
 // One block of 256 threads per (batch, KV head): a grid small enough that its CTAs,
 // resident early (PDL) while they wait for the K/V kernel, take few of its slots (a
 // block per 1,024 tokens cost 2% end-to-end at N = 2K, NOTES v17b). Nothing to do for
-// almost every head: one load of v_over per thread and the block leaves. Otherwise each set channel takes its exact amax (the K/V kernel merged it into
-// v_over: only values above the bound can be the largest) and its row of Vᵀ is rewritten
-// with it: the codes the K/V kernel writes for that amax. A thread takes a 16-token
-// group and an 8-channel chunk at a time, so the loads stay 16-byte rows as in the K/V
-// kernel, whatever the number of flagged channels (a warp per channel with strided
-// loads took ~15 µs for a few channels; NOTES v17a). With every channel flagged (the
-// worst case) a call at N = 2K takes ~60 µs more (NOTES v17b).
+// almost every head: one load of v_over per thread and the block leaves. Otherwise each set channel
+// takes its exact amax (the K/V kernel merged it into v_over: only values above the bound can be
+// the largest) and its row of Vᵀ is rewritten with it: the codes the K/V kernel writes for that
+// amax. A thread takes a 16-token group and an 8-channel chunk at a time, so the loads stay 16-byte
+// rows as in the K/V kernel, whatever the number of flagged channels (a warp per channel with
+// strided loads took ~15 µs for a few channels; NOTES v17a). With every channel flagged (the worst
+// case) a call at N = 2K takes ~60 µs more (NOTES v17b).
 constexpr int kFixupThreads = 256;
 
 template <typename T, int D, bool kFullDim>
@@ -441,7 +441,7 @@ __global__ void __launch_bounds__(kFixupThreads)
     v_fixup_kernel(InputView<T> v, QuantizeParams p, QuantizeOutputs out) {
   static_assert(D <= kFixupThreads);
   constexpr int kGroup = 16, kChunks = D / 8;
-  __shared__ float amax[D];  // the exact amax of a flagged channel, 0 elsewhere
+  __shared__ float amax[D];     // the exact amax of a flagged channel, 0 elsewhere
   hopper::launch_dependents();  // the attention kernel may launch now; it waits for us
   hopper::grid_dependency_wait();
   const int64_t bh = blockIdx.x;
@@ -467,8 +467,7 @@ __global__ void __launch_bounds__(kFixupThreads)
       if (kFullDim || c0 + 8 <= p.head_dim) {
         x[t] = *reinterpret_cast<const uint4*>(src);
       } else {
-        for (int e = 0; e < 8 && c0 + e < p.head_dim; ++e)
-          reinterpret_cast<T*>(&x[t])[e] = src[e];
+        for (int e = 0; e < 8 && c0 + e < p.head_dim; ++e) reinterpret_cast<T*>(&x[t])[e] = src[e];
       }
     }
 #pragma unroll
@@ -479,9 +478,10 @@ __global__ void __launch_bounds__(kFixupThreads)
       uint32_t row[4] = {};
 #pragma unroll
       for (int m = 0; m < kGroup / 2; ++m)
-        row[m / 2] |= quantize_e4m3x2(element<T>(x[groups::v_token_at_position(2 * m)], j) * inv,
-                                      element<T>(x[groups::v_token_at_position(2 * m + 1)], j) * inv)
-                      << (16 * (m % 2));
+        row[m / 2] |=
+            quantize_e4m3x2(element<T>(x[groups::v_token_at_position(2 * m)], j) * inv,
+                            element<T>(x[groups::v_token_at_position(2 * m + 1)], j) * inv)
+            << (16 * (m % 2));
       *reinterpret_cast<uint4*>(out.vt_f8 + (bh * D + c0 + j) * p.nkv_pad + g0) =
           a > 0.f ? make_uint4(row[0], row[1], row[2], row[3]) : make_uint4(0, 0, 0, 0);
     }
@@ -502,16 +502,19 @@ cudaError_t launch_quantize_passes(const InputView<T>& k, const InputView<T>& v,
   int device = 0;
   if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
   static std::atomic<std::uint64_t> configured{0};
-  if (cudaError_t e = hopper::once_per_device(configured, device, [&] {
-        for (const void* f : {reinterpret_cast<const void*>(statistics),
-                              reinterpret_cast<const void*>(kv_quantize)})
-          if (cudaError_t e = cudaFuncSetAttribute(
-                  f, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
-              e != cudaSuccess)
-            return e;
-        return cudaFuncSetAttribute(statistics, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    stats_stage_bytes<D>());
-      });
+  if (cudaError_t e = hopper::once_per_device(
+          configured, device,
+          [&] {
+            for (const void* f : {reinterpret_cast<const void*>(statistics),
+                                  reinterpret_cast<const void*>(kv_quantize)})
+              if (cudaError_t e =
+                      cudaFuncSetAttribute(f, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                           cudaSharedmemCarveoutMaxShared);
+                  e != cudaSuccess)
+                return e;
+            return cudaFuncSetAttribute(statistics, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        stats_stage_bytes<D>());
+          });
       e != cudaSuccess)
     return e;
   // Nothing needs zeroing first: the statistics kernel zeroes V's flags and the work

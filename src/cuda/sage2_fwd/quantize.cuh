@@ -31,9 +31,9 @@ struct QuantizeOutputs {
   float* k_scale;
   float* k_mean;
   uint8_t* vt_f8;
-  float* v_amax;       // (B, Hkv, D): V's per-channel amax bound; scale = amax / 448
-  uint32_t* v_over;    // (B, Hkv, D): 0, or the exact amax bits where values exceed it
-  int* item_counter;   // the attention kernel's two work counters, zeroed here
+  float* v_amax;      // (B, Hkv, D): V's per-channel amax bound; scale = amax / 448
+  uint32_t* v_over;   // (B, Hkv, D): 0, or the exact amax bits where values exceed it
+  int* item_counter;  // the attention kernel's two work counters, zeroed here
 };
 
 // Enqueues the quantization passes on the stream: the statistics (K mean and V's amax
