@@ -441,18 +441,42 @@ TEST(Sage2Layout, TileVScalesAndTheirAccuracy) {
 // scale (per channel from the sample of the K smoothing vector, times one per tile;
 // emulated as V / s_c quantized per tile, O times s_c) give the same accuracy: E4M3 is a
 // floating-point format, so the scale only has to keep the values in its range.
+// The inputs of the V-scale tests: synthetic Q, K and V (one batch, H heads, N tokens),
+// and V's channels scaled by exp(sigma·z_c) with z Gaussian (up to ~400x apart at
+// sigma = 3), x30 on the tokens j % period == at.
+struct VScaleInputs {
+  emulate::SyntheticInputs syn;
+  std::vector<double> z;
+
+  VScaleInputs(int heads, int n, int d, std::uint64_t seed, std::uint64_t z_seed) {
+    emulate::SyntheticSpec spec;
+    spec.heads_q = spec.heads_kv = heads;
+    spec.seq_q = spec.seq_kv = n;
+    spec.head_dim = d;
+    spec.seed = seed;
+    syn = emulate::make_synthetic(spec);
+    std::mt19937_64 rng(z_seed);
+    std::normal_distribution<double> normal(0.0, 1.0);
+    z.resize(d);
+    for (double& x : z) x = normal(rng);
+  }
+  // at < 0: no x30 tokens.
+  Tensor4 v(double sigma, int period, int at) const {
+    Tensor4 out = syn.v;
+    for (int h = 0; h < out.h; ++h)
+      for (int j = 0; j < out.n; ++j)
+        for (int c = 0; c < out.d; ++c) {
+          const bool is_big = at >= 0 && j % period == at;
+          out.at(0, h, j, c) *= static_cast<float>(std::exp(sigma * z[c])) * (is_big ? 30.f : 1.f);
+        }
+    return out;
+  }
+};
+
 TEST(Sage2Layout, VScaleGranularityBarelyMattersForE4M3) {
   constexpr int N = 512, D = 128, H = 2;
-  emulate::SyntheticSpec spec;
-  spec.heads_q = spec.heads_kv = H;
-  spec.seq_q = spec.seq_kv = N;
-  spec.head_dim = D;
-  spec.seed = 7;
-  const auto syn = emulate::make_synthetic(spec);
-  std::mt19937_64 rng(11);
-  std::normal_distribution<double> normal(0.0, 1.0);
-  std::vector<double> z(D);
-  for (double& x : z) x = normal(rng);
+  const VScaleInputs in(H, N, D, 7, 11);
+  const auto& syn = in.syn;
   auto cos_of = [&](const Tensor4& v, Granularity g, const std::vector<float>* sc) {
     Sage2Options o;
     o.v_scale = g;
@@ -473,13 +497,7 @@ TEST(Sage2Layout, VScaleGranularityBarelyMattersForE4M3) {
   for (double sigma : {0.0, 3.0})
     for (int big : {0, 1, 2}) {  // no big tokens; every 128th (in the sample); 128k + 1 (not)
       SCOPED_TRACE("sigma=" + std::to_string(sigma) + " big=" + std::to_string(big));
-      Tensor4 v = syn.v;
-      for (int h = 0; h < H; ++h)
-        for (int j = 0; j < N; ++j)
-          for (int c = 0; c < D; ++c) {
-            const bool is_big = big != 0 && j % 128 == (big == 1 ? 0 : 1);
-            v.at(0, h, j, c) *= static_cast<float>(std::exp(sigma * z[c])) * (is_big ? 30.f : 1.f);
-          }
+      const Tensor4 v = in.v(sigma, 128, big - 1);
       // Sampled channel amax (tokens floor(i·N/256)), floored so no scale is 0.
       std::vector<float> sc(H * D);
       for (int h = 0; h < H; ++h)
@@ -505,26 +523,12 @@ TEST(Sage2Layout, VScaleGranularityBarelyMattersForE4M3) {
 // Same inputs as above (channels up to ~400x apart, x30 tokens in or out of the sample).
 TEST(Sage2Layout, SampledVAmaxBoundIsAsAccurateAsTheExactAmax) {
   constexpr int N = 1000, D = 128, H = 2;
-  emulate::SyntheticSpec spec;
-  spec.heads_q = spec.heads_kv = H;
-  spec.seq_q = spec.seq_kv = N;
-  spec.head_dim = D;
-  spec.seed = 21;
-  const auto syn = emulate::make_synthetic(spec);
-  std::mt19937_64 rng(5);
-  std::normal_distribution<double> normal(0.0, 1.0);
-  std::vector<double> z(D);
-  for (double& x : z) x = normal(rng);
+  const VScaleInputs in(H, N, D, 21, 5);
+  const auto& syn = in.syn;
   for (double sigma : {0.0, 3.0})
     for (int big : {0, 1, 2}) {  // no big tokens; every 125th (sampled); 125k + 1 (not)
       SCOPED_TRACE("sigma=" + std::to_string(sigma) + " big=" + std::to_string(big));
-      Tensor4 v = syn.v;
-      for (int h = 0; h < H; ++h)
-        for (int j = 0; j < N; ++j)
-          for (int c = 0; c < D; ++c) {
-            const bool is_big = big != 0 && j % 125 == (big == 1 ? 0 : 1);
-            v.at(0, h, j, c) *= static_cast<float>(std::exp(sigma * z[c])) * (is_big ? 30.f : 1.f);
-          }
+      const Tensor4 v = in.v(sigma, 125, big - 1);
       const auto ref = reference::attention_forward(syn.q, syn.k, v, {});
       double cos[2];
       for (VAmax rule : {VAmax::AllTokens, VAmax::SampleBound}) {
