@@ -38,7 +38,8 @@ enum class QSmoothing { None, BlockMean };
 enum class VAmax {
   AllTokens,    // the amax over all Nkv tokens (a pass over V before quantizing it)
   SampleBound,  // the kernel's: numerics::sampled_amax_bound (4 × the amax of the K-mean
-                // token sample, or the amax over all tokens where that is larger)
+                // token sample, or the amax over all tokens where that is larger); E4M3
+                // and E5M2 V only (INT8 V, fixed point, keeps AllTokens)
 };
 
 // Format of P̃ and V in the P·V product.

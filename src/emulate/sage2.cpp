@@ -269,9 +269,11 @@ Sage2Quantized quantize_sage2(const Tensor4& q, const Tensor4& k, const Tensor4&
       std::vector<float> scales;
       numerics::GroupMap map;
       // The kernel's per-channel amax: a bound from the token sample (padding rows and
-      // channels are zeros, outside the sample and every amax).
+      // channels are zeros, outside the sample and every amax). Floating-point formats
+      // only: a scale up to 4x the amax costs INT8 (fixed point) two bits, E4M3 nothing.
       std::vector<float> amax;
-      if (options.v_scale == Granularity::PerChannel && options.v_amax == VAmax::SampleBound)
+      if (options.v_scale == Granularity::PerChannel && options.v_amax == VAmax::SampleBound &&
+          pv != PvFormat::Int8)
         amax = numerics::sampled_amax_bound(
             std::span<const float>(vh.data(), static_cast<std::size_t>(Nkv) * D), Nkv, D);
       if (pv == PvFormat::Int8) {
