@@ -387,11 +387,11 @@ std::vector<float> token_mean(std::span<const float> x, int64_t rows, int64_t co
   if (estimate != MeanEstimate::AllTokens && estimate != MeanEstimate::Sampled) {
     fail(kFn, "estimate must be MeanEstimate::AllTokens or MeanEstimate::Sampled");
   }
-  const bool sample = estimate == MeanEstimate::Sampled && rows > kSmoothSampleTokens;
-  const int64_t n = sample ? kSmoothSampleTokens : rows;
+  const bool sample = estimate == MeanEstimate::Sampled;
+  const int64_t n = sample ? std::min(rows, kSmoothSampleTokens) : rows;
   std::vector<double> sum(cols, 0.0);
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t r = sample ? i * rows / kSmoothSampleTokens : i;
+    const int64_t r = sample ? sampled_row(i, rows) : i;
     for (int64_t c = 0; c < cols; ++c) sum[c] += x[r * cols + c];
   }
   std::vector<float> mean(cols);
@@ -401,22 +401,17 @@ std::vector<float> token_mean(std::span<const float> x, int64_t rows, int64_t co
 
 std::vector<float> sampled_amax_bound(std::span<const float> x, int64_t rows, int64_t cols) {
   check_matrix("sampled_amax_bound", x, rows, cols);
-  const bool sample = rows > kSmoothSampleTokens;
-  const int64_t n = sample ? kSmoothSampleTokens : rows;
-  std::vector<float> in_sample(cols, 0.0f), all(cols, 0.0f);
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t r = sample ? i * rows / kSmoothSampleTokens : i;
+  std::vector<float> in_sample(cols, 0.0f);
+  for (int64_t i = 0; i < std::min(rows, kSmoothSampleTokens); ++i) {
+    const int64_t r = sampled_row(i, rows);
     for (int64_t c = 0; c < cols; ++c)
       in_sample[c] = amax_accumulate(in_sample[c], x[r * cols + c]);
   }
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) all[c] = amax_accumulate(all[c], x[r * cols + c]);
+  const std::vector<float> all =
+      group_amax(x, make_group_map(Granularity::PerChannel, Operand::K, rows, cols));
   std::vector<float> out(cols);
   for (int64_t c = 0; c < cols; ++c) {
-    const float s = in_sample[c];
-    float b = sample ? s * kAmaxSampleMargin : s;
-    if (b == std::numeric_limits<float>::infinity() && s != b)
-      b = std::numeric_limits<float>::max();
+    const float b = sampled_amax_bound_of(in_sample[c], rows);
     out[c] = (all[c] != all[c] || all[c] > b) ? all[c] : b;  // NaN (sticky in all) wins
   }
   return out;

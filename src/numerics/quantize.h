@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "numerics/mma_groups.h"
+#include "numerics/token_sample.h"
 
 namespace qattn::numerics {
 
@@ -63,8 +64,6 @@ enum class Fp4Format { NvFp4, MxFp4 };
 
 inline constexpr int kNvFp4Block = 16;
 inline constexpr int kMxFp4Block = 32;
-// Tokens of K averaged by MeanEstimate::Sampled (docs/sage2-kernel-arithmetic.md §1).
-inline constexpr int64_t kSmoothSampleTokens = 256;
 
 // Largest code magnitude of a format (127, 7, 448, 57344).
 float format_max(IntFormat f);
@@ -193,11 +192,7 @@ std::vector<float> token_mean(std::span<const float> x, int64_t rows, int64_t co
 // Where the amax over all rows is larger than b (a NaN counts as the largest), that
 // amax instead. So the kernel reads all of V once: the sample gives the scale before
 // the quantization pass, which flags the rare channels the bound does not cover. The
-// margin 4 (a power of two: an exact product) keeps Gaussian tails from being flagged
-// (2 flagged ~1 channel in 4000 at N = 2K, and each costs the fix-up kernel µs); a
-// scale up to 4x the exact one still maps the largest |v| to >= 112 of E4M3's 448, a
-// normal number with the full 3-bit mantissa (NOTES v17a).
-inline constexpr float kAmaxSampleMargin = 4.0f;
+// sample and the bound's rule: numerics/token_sample.h.
 std::vector<float> sampled_amax_bound(std::span<const float> x, int64_t rows, int64_t cols);
 
 // x with the vector c (cols values) subtracted from / added to every row.

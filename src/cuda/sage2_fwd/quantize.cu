@@ -1,13 +1,11 @@
 #include <cuda_fp8.h>
 
-#include <cfloat>
-
 #include "cuda/hopper/early_launch.h"
 #include "cuda/hopper/sync.cuh"
 #include "cuda/sage2_fwd/quant_math.cuh"
 #include "cuda/sage2_fwd/quantize.cuh"
 #include "numerics/mma_groups.h"
-#include "numerics/quantize.h"
+#include "numerics/token_sample.h"
 
 namespace qattn::sage2 {
 namespace {
@@ -15,7 +13,6 @@ namespace {
 constexpr int kThreads = 256;
 // The token sample of the K mean and of V's amax bound, shared with the emulator.
 constexpr int kSmoothingSample = static_cast<int>(numerics::kSmoothSampleTokens);
-constexpr float kAmaxSampleMargin = numerics::kAmaxSampleMargin;
 constexpr float kE4m3Max = 448.f;
 
 // Asynchronous 16-byte global -> shared copy; bytes past `src_bytes` (0..16) are zero-filled.
@@ -83,17 +80,11 @@ constexpr int stats_stage_bytes() {
   return 2 * D * kSmoothingSample;
 }
 
-// The K smoothing vector c: the mean of a sample of tokens (docs/sage2-kernel-arithmetic.md
-// step 1). Thread = (channel, part): each part sums every kParts-th sampled token in order,
-// then the parts add in a fixed order. The sampled rows are staged in shared memory, 128
-// at a time, by 16-byte cp.async copies (two rounds of loads, where 2-byte loads in
-// batches of 32 per thread took four at D = 128); rows past the sample and channels past
-// head_dim are zero-filled, and adding +0.0 is what the sum did for them before.
-// The token sample's rows: thread = (channel, part) reduces every kParts-th row of its
-// channel with `take(x)`, in order. All rows are staged in shared memory at once by
-// 16-byte cp.async copies (one load latency: the block is latency-bound); rows past the
-// sample and channels past head_dim are zero-filled (+0.0), which adds nothing to a sum
-// or an amax.
+// The token sample's rows (numerics/token_sample.h): thread = (channel, part) reduces every
+// kParts-th row of its channel with `take(x)`, in order. All rows are staged in shared memory at
+// once by 16-byte cp.async copies (one load latency: the block is latency-bound; 2-byte loads in
+// batches of 32 per thread took four rounds at D = 128); rows past the sample and channels
+// past head_dim are zero-filled (+0.0), which adds nothing to a sum or an amax.
 template <typename T, int D, bool kFullDim, typename Take>
 __device__ void reduce_sample(const T* base, int64_t stride_n, const QuantizeParams& p,
                               uint4* stage, Take take) {
@@ -105,24 +96,20 @@ __device__ void reduce_sample(const T* base, int64_t stride_n, const QuantizePar
   auto rows = reinterpret_cast<T(*)[D]>(stage);
   const int ch = threadIdx.x % D, part = threadIdx.x / D;
   const int n = min(p.seqlen_kv, kSmoothingSample);
-  {
 #pragma unroll
-    for (int r = 0; r < kCopies; ++r) {
-      const int c = threadIdx.x + r * kThreads;
-      const int i = c / kChunks, c0 = (c % kChunks) * 8;
-      const int64_t tok = p.seqlen_kv <= kSmoothingSample
-                              ? i
-                              : static_cast<int64_t>(i) * p.seqlen_kv / kSmoothingSample;
-      const int elems = i < n ? chunk_elems<kFullDim>(c0, p.head_dim) : 0;
-      cp_async_16(reinterpret_cast<uint4*>(&rows[c / kChunks][c0]),
-                  base + (i < n ? tok : 0) * stride_n + (elems > 0 ? c0 : 0),
-                  elems * static_cast<int>(sizeof(T)));
-    }
-    cp_async_wait_all();
-    __syncthreads();
-#pragma unroll 8
-    for (int i = part; i < kSmoothingSample; i += kParts) take(rows[i][ch]);
+  for (int r = 0; r < kCopies; ++r) {
+    const int c = threadIdx.x + r * kThreads;
+    const int i = c / kChunks, c0 = (c % kChunks) * 8;
+    const int64_t tok = numerics::sampled_row(i, p.seqlen_kv);
+    const int elems = i < n ? chunk_elems<kFullDim>(c0, p.head_dim) : 0;
+    cp_async_16(reinterpret_cast<uint4*>(&rows[c / kChunks][c0]),
+                base + (i < n ? tok : 0) * stride_n + (elems > 0 ? c0 : 0),
+                elems * static_cast<int>(sizeof(T)));
   }
+  cp_async_wait_all();
+  __syncthreads();
+#pragma unroll 8
+  for (int i = part; i < kSmoothingSample; i += kParts) take(rows[i][ch]);
 }
 
 // The K smoothing vector c: the mean of the token sample (docs/sage2-kernel-arithmetic.md
@@ -167,9 +154,7 @@ __device__ void v_bound_block(const InputView<T>& v, const QuantizeParams& p,
   if (part == 0) {
 #pragma unroll
     for (int i = 1; i < kParts; ++i) m = max(m, partial[i][ch]);
-    const float a = nan_canonical(m);
-    float bound = p.seqlen_kv > kSmoothingSample ? a * kAmaxSampleMargin : a;
-    if (bound == INFINITY && a != INFINITY) bound = FLT_MAX;
+    const float bound = numerics::sampled_amax_bound_of(nan_canonical(m), p.seqlen_kv);
     out.v_amax[bh * D + ch] = ch < p.head_dim ? bound : 0.f;
   }
 }
@@ -408,8 +393,10 @@ __global__ void __launch_bounds__(kKvThreads, kKvMinBlocksPerSm)
   hopper::launch_dependents();
   hopper::grid_dependency_wait();
   const int tiles = p.nkv_pad / groups::kKvTile;
-  // Heads in the reverse of the statistics kernel's order: the sample rows it read last
-  // may still be in L2 when this kernel starts.
+  // Heads in reverse order: chosen when the statistics kernel read all of V, so that the
+  // V it read last was still in L2 here; since v17a it reads only the sample. The
+  // attention kernel starts with the first heads, whose codes this order writes last.
+  // Not re-measured.
   const int h = gridDim.y - 1 - blockIdx.y, b = gridDim.z - 1 - blockIdx.z;
   if (blockIdx.x < tiles) {
     quantize_k_tile<T, D, kFullDim>(k, p, out, stage, blockIdx.x, h, b);
