@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import qattn
-from forward import nvidia_smi  # bench/forward.py, next to this file
+from forward import clock_env  # bench/forward.py, next to this file
 
 
 def host_us(fn, iters):
@@ -101,12 +101,8 @@ def main():
                       f"host {row['host_us']:7.1f} us   e2e {row['e2e_ms']:.4f} ms   "
                       f"stream {row['stream_ms']:.4f} ms", flush=True)
     if args.json:
-        smi = nvidia_smi("clocks.max.sm,clocks.sm,driver_version").split(", ")
         env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "qattn": qattn.__version__, "commit": args.commit,
-               "sm_clock_mhz": int(smi[0]) if smi and smi[0].isdigit() else None,
-               "sm_clock_now_mhz": int(smi[1]) if len(smi) > 1 and smi[1].isdigit() else None,
-               "driver": smi[2] if len(smi) > 2 else "",
+               "qattn": qattn.__version__, "commit": args.commit, **clock_env(),
                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         with open(args.json, "w") as f:
             json.dump({"env": env, "rows": rows}, f, indent=1)

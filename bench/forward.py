@@ -234,14 +234,21 @@ def commit_id(explicit: str) -> str:
         return "unknown"
 
 
-def environment(args) -> dict:
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+def clock_env() -> dict:
+    """The SM clock (max and now) and the driver, from nvidia-smi (None / "" if absent)."""
     smi = nvidia_smi("clocks.max.sm,clocks.sm,driver_version").split(", ")
     return {
-        "gpu": props.name,
         "sm_clock_mhz": int(smi[0]) if smi and smi[0].isdigit() else None,
         "sm_clock_now_mhz": int(smi[1]) if len(smi) > 1 and smi[1].isdigit() else None,
         "driver": smi[2] if len(smi) > 2 else "",
+    }
+
+
+def environment(args) -> dict:
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return {
+        "gpu": props.name,
+        **clock_env(),
         "cuda": torch.version.cuda,
         "torch": torch.__version__,
         "cudnn": torch.backends.cudnn.version(),

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cstring>
 #include <limits>
 
@@ -17,12 +18,6 @@ using namespace qattn;
 using test::DeviceBuffer;
 using test::Layout;
 using test::Sage2Case;
-
-uint32_t test_bits(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  return u;
-}
 
 template <typename T>
 std::vector<T> slice(const std::vector<uint8_t>& ws, std::size_t offset, std::size_t count) {
@@ -429,7 +424,7 @@ TEST(Sage2Forward, VOutliersBeyondTheSampledBound) {
           }
           const bool above = all > numerics::kAmaxSampleMargin * in_sample;
           if (ch % 3 == 0) EXPECT_TRUE(above) << "the planted outlier of channel " << ch;
-          EXPECT_EQ(over[h * D + ch], above ? test_bits(all) : 0u)
+          EXPECT_EQ(over[h * D + ch], above ? std::bit_cast<uint32_t>(all) : 0u)
               << "head " << h << " channel " << ch << " (n=" << n << ", d=" << d << "): amax "
               << all << ", sampled amax " << in_sample;
         }
