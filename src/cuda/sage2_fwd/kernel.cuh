@@ -149,6 +149,7 @@ template <int D, int kStages>
 struct Pipeline {
   SlotItem item[kQSlots<D>];  // the work item of each Q slot
   uint64_t q_full[kQinBuffers], qin_free[kQinBuffers];
+  uint64_t q0_tile;  // the first item's 16-bit Q tile (loaded and quantized before the wait)
   uint64_t q_ready[kQSlots<D>], q_empty[kQSlots<D>];
   uint64_t k_full[kStages], k_empty[kStages];
   uint64_t v_full[kStages], v_empty[kStages];
@@ -247,6 +248,7 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
     for (int i = 0; i < kQinBuffers; ++i) {
       hopper::mbarrier_init(&bar.q_full[i], 1);
+      if (i == 0) hopper::mbarrier_init(&bar.q0_tile, 1);
       // Phase j of buffer b: the quantizer has read item 2j + b's Q tile (every thread),
       // the K/V loader has read that item, and the two store threads' TMA stores of
       // item 2j + b - 1's O (staged here) have read it.
@@ -284,33 +286,36 @@ __global__ void __launch_bounds__(384, 1)
   const uint32_t q_slot_bytes = QTileLayout<D>::kInBytes + sizeof(ItemSide<D>::v_scale) +
                                 (want_q_dot_c ? sizeof(ItemSide<D>::k_mean) : 0);
   // Loads an item's 16-bit Q tile into a buffer (Q loader).
-  auto load_q_tile = [&](int buf, const WorkItem& w) {
+  auto load_q_tile = [&](int buf, const WorkItem& w, uint64_t* full) {
 #pragma unroll
     for (int box = 0; box < D / 64; ++box)
-      hopper::tma_load_4d(s.q_in[buf] + box * (Tr::kBlockM * 128), &tm_q, &bar.q_full[buf],
-                          box * 64, w.m_block * Tr::kBlockM, w.hq, w.b,
-                          hopper::policy_evict_first());
+      hopper::tma_load_4d(s.q_in[buf] + box * (Tr::kBlockM * 128), &tm_q, full, box * 64,
+                          w.m_block * Tr::kBlockM, w.hq, w.b, hopper::policy_evict_first());
   };
   // The first item's Q is the caller's input, final before this grid could launch (the
-  // chain starts with the statistics kernel, launched in stream order), so its load is
-  // issued before the wait; the side data of the slot are outputs of the K/V kernels.
-  // The Q loader arrives on q_full later, once it has written the item to its slot: the
-  // bytes alone must not complete the phase before the item is there.
+  // chain starts with the statistics kernel, launched in stream order), so it is loaded
+  // (on q0_tile) and quantized before the grid-dependency wait; the side data of its
+  // slot are outputs of the quantization kernels and complete q_full[0] after the wait.
+  // Launched early (programmatic dependent launch) while those kernels end, the CTA
+  // waits for them only in the roles that read their outputs (the two loaders and the
+  // quantizer, before its side data); the consumers read none (NOTES v17f).
   if (threadIdx.x == 96) {
     hopper::tma_prefetch_descriptor(&tm_q);
-    hopper::mbarrier_expect_tx(&bar.q_full[0], q_slot_bytes);
-    load_q_tile(0, decode_item(p, static_cast<int>(blockIdx.x)));
+    hopper::mbarrier_arrive_expect_tx(&bar.q0_tile, QTileLayout<D>::kInBytes);
+    load_q_tile(0, decode_item(p, static_cast<int>(blockIdx.x)), &bar.q0_tile);
   }
-  // Launched early (programmatic dependent launch) while the K/V quantization ends:
-  // everything above overlaps its tail; its outputs are complete after the wait.
-  hopper::grid_dependency_wait();
 
   if (warpgroup == 0) {
     // ---- producer ------------------------------------------------------------------------
     hopper::setmaxnreg_dec<kProducerRegs>();
     if (threadIdx.x >= 32 && threadIdx.x < 32 + kQTileThreads) {
-      // Q tile quantizer: every item of this CTA, in order.
+      // Q tile quantizer: every item of this CTA, in order; the first one's tile before
+      // the grid-dependency wait (its q·c, which needs c, after it).
       const int tid = threadIdx.x - 32;
+      hopper::mbarrier_wait(&bar.q0_tile, 0);
+      quantize_q_tile<D, T>(s.q_in[0], s.q[0], s.side[0].q_scale, nullptr, nullptr, tid,
+                            p.granularity, p.scale_log2, p.sm_scale);
+      hopper::grid_dependency_wait();
       for (int local = 0;; ++local) {
         const int slot = local % kQSlots<D>, buf = local % kQinBuffers;
         ItemSide<D>& side = s.side[slot];
@@ -324,14 +329,19 @@ __global__ void __launch_bounds__(384, 1)
           break;
         }
         float* q_dot_c = want_q_dot_c ? side.q_dot_c : nullptr;
+        if (local == 0) {  // quantized before the wait
+          if (want_q_dot_c)
+            q_tile_dot_c<D, T>(s.q_in[0], side.q_dot_c, side.k_mean, tid, p.sm_scale);
+        } else {
 #if QATTN_EXPERIMENT_NO_Q_QUANT  // knockout for bench/NOTES.md: wrong results, timing only
-        // Each slot is quantized once, so the MMAs still see real data (an all-zero
-        // tile draws less power and may run at a higher clock).
-        if (local < kQSlots<D>)
+          // Each slot is quantized once, so the MMAs still see real data (an all-zero
+          // tile draws less power and may run at a higher clock).
+          if (local < kQSlots<D>)
 #endif
-          quantize_q_tile<D, T>(s.q_in[buf], s.q[slot], side.q_scale, q_dot_c,
-                                want_q_dot_c ? side.k_mean : nullptr, tid, p.granularity,
-                                p.scale_log2, p.sm_scale);
+            quantize_q_tile<D, T>(s.q_in[buf], s.q[slot], side.q_scale, q_dot_c,
+                                  want_q_dot_c ? side.k_mean : nullptr, tid, p.granularity,
+                                  p.scale_log2, p.sm_scale);
+        }
         if (p.q_debug.q_i8 != nullptr) {
           // Read here rather than kept live across the quantization, which would spill at
           // 40 registers.
@@ -360,6 +370,7 @@ __global__ void __launch_bounds__(384, 1)
     // arrives on q_full, which the quantizer and the K/V loader wait on (and the
     // consumers, through q_ready).
     if (threadIdx.x == 96) {
+      hopper::grid_dependency_wait();  // claims read the work counter; side data are outputs
       for (int local = 0;; ++local) {
         const int slot = local % kQSlots<D>, buf = local % kQinBuffers;
         hopper::mbarrier_wait(&bar.q_empty[slot], ((local / kQSlots<D>)&1) ^ 1);
@@ -381,9 +392,10 @@ __global__ void __launch_bounds__(384, 1)
         ItemSide<D>& side = s.side[slot];
         if (local > 0) {
           hopper::mbarrier_arrive_expect_tx(&bar.q_full[buf], q_slot_bytes);
-          load_q_tile(buf, w);
-        } else {  // its Q is on its way since before the wait; the item is written now
-          hopper::mbarrier_arrive(&bar.q_full[buf]);
+          load_q_tile(buf, w, &bar.q_full[buf]);
+        } else {  // its Q came on q0_tile before the wait: here only the side data
+          hopper::mbarrier_arrive_expect_tx(&bar.q_full[buf],
+                                            q_slot_bytes - QTileLayout<D>::kInBytes);
         }
         hopper::bulk_load(side.v_scale, p.v_amax + static_cast<int64_t>(kv_slice) * D,
                           sizeof(side.v_scale), &bar.q_full[buf]);
@@ -396,7 +408,8 @@ __global__ void __launch_bounds__(384, 1)
     if (threadIdx.x == 0) {
       hopper::tma_prefetch_descriptor(&tm_k);
       hopper::tma_prefetch_descriptor(&tm_vt);
-      int iter = 0;  // KV tiles loaded so far: stage and phase of the ring
+      hopper::grid_dependency_wait();  // K, V and the K scales are outputs
+      int iter = 0;                    // KV tiles loaded so far: stage and phase of the ring
       for (int local = 0;; ++local) {
         const int buf = local % kQinBuffers;
         hopper::mbarrier_wait(&bar.q_full[buf], (local / kQinBuffers) & 1);

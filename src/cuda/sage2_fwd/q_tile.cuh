@@ -55,6 +55,36 @@ __device__ __forceinline__ int q_tile_row_pair(int tid) {
   return r0;
 }
 
+// sm_scale · q·c of thread tid's two rows (r, r + 8) of the 16-bit tile, for the LSE:
+// part of quantize_q_tile, and on its own for a tile quantized before c was there.
+template <int D, typename T>
+__device__ __forceinline__ void q_tile_dot_c(const uint8_t* in, float* q_dot_c, const float* c,
+                                             int tid, float sm_scale) {
+  using L = QTileLayout<D>;
+  const int r0 = q_tile_row_pair(tid);
+#pragma unroll 1
+  for (int h = 0; h < 2; ++h) {
+    float dot = 0.f;
+#pragma unroll 1
+    for (int chunk = 0; chunk < D / 8; ++chunk) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(in + L::in_offset(r0 + 8 * h, chunk));
+      const T* e = reinterpret_cast<const T*>(&raw);
+      const float4 c0 = *reinterpret_cast<const float4*>(c + chunk * 8);
+      const float4 c1 = *reinterpret_cast<const float4*>(c + chunk * 8 + 4);
+      float part = to_float(e[0]) * c0.x;  // 8-term partial sums keep q·c accurate
+      part = fmaf(to_float(e[1]), c0.y, part);
+      part = fmaf(to_float(e[2]), c0.z, part);
+      part = fmaf(to_float(e[3]), c0.w, part);
+      part = fmaf(to_float(e[4]), c1.x, part);
+      part = fmaf(to_float(e[5]), c1.y, part);
+      part = fmaf(to_float(e[6]), c1.z, part);
+      part = fmaf(to_float(e[7]), c1.w, part);
+      dot += part;
+    }
+    q_dot_c[r0 + 8 * h] = sm_scale * dot;
+  }
+}
+
 // tid in [0, 64). `c` (the K smoothing vector, D floats) and q_dot_c may be null when
 // the caller wants no LSE. The producer warpgroup runs at 40 registers (setmaxnreg), so
 // the loops stay short and hold one or two 16-byte chunks at a time.
@@ -88,29 +118,7 @@ __device__ __forceinline__ void quantize_q_tile(const uint8_t* in, uint8_t* out,
   m[0] = __hmax2_nan(m[0], m[1]);
   float a = amax_nan(amax_nan(0.f, __low2float(m[0])), __high2float(m[0]));
 
-  if (c != nullptr) {
-#pragma unroll 1
-    for (int h = 0; h < 2; ++h) {
-      float dot = 0.f;
-#pragma unroll 1
-      for (int chunk = 0; chunk < D / 8; ++chunk) {
-        const uint4 raw = load(r0 + 8 * h, chunk);
-        const T* e = reinterpret_cast<const T*>(&raw);
-        const float4 c0 = *reinterpret_cast<const float4*>(c + chunk * 8);
-        const float4 c1 = *reinterpret_cast<const float4*>(c + chunk * 8 + 4);
-        float part = to_float(e[0]) * c0.x;  // 8-term partial sums keep q·c accurate
-        part = fmaf(to_float(e[1]), c0.y, part);
-        part = fmaf(to_float(e[2]), c0.z, part);
-        part = fmaf(to_float(e[3]), c0.w, part);
-        part = fmaf(to_float(e[4]), c1.x, part);
-        part = fmaf(to_float(e[5]), c1.y, part);
-        part = fmaf(to_float(e[6]), c1.z, part);
-        part = fmaf(to_float(e[7]), c1.w, part);
-        dot += part;
-      }
-      q_dot_c[r0 + 8 * h] = sm_scale * dot;
-    }
-  }
+  if (c != nullptr) q_tile_dot_c<D, T>(in, q_dot_c, c, tid, sm_scale);
   // Scale group: both rows (per thread), 16 rows (per warp: the 8 lanes of w), 64 rows.
   if (granularity != QATTN_QK_PER_THREAD) {
 #pragma unroll
