@@ -10,6 +10,7 @@
 #include <functional>
 #include <limits>
 #include <random>
+#include <string>
 
 #include "gpu_util.h"
 #include "qattn/qattn.hpp"
@@ -78,6 +79,27 @@ TEST(ApiOnDevice, ValidCallMatchesReference) {
   ASSERT_TRUE(s.ok()) << s.message();
   QATTN_CUDA_OK(cudaDeviceSynchronize());
   EXPECT_GE(cos_against_reference(b), 0.999);
+}
+
+// A context reset (cudaDeviceReset) clears the kernels' function attributes; the library
+// sets them once per context (hopper/per_device.h), so a forward after a reset must set
+// them again and still run. Each forward gets fresh buffers: the reset frees them all.
+TEST(ApiOnDevice, ForwardRunsAgainAfterADeviceReset) {
+  QATTN_SKIP_WITHOUT_GPU();
+  for (int round = 0; round < 2; ++round) {
+    SCOPED_TRACE("round " + std::to_string(round));
+    {
+      Buffers b;
+      const ForwardParams fp = b.params();
+      std::size_t bytes = 0;
+      ASSERT_TRUE(workspace_size(fp, &bytes).ok());
+      const Status s = forward(fp, b.ws.ptr, bytes, nullptr);
+      ASSERT_TRUE(s.ok()) << s.message();
+      QATTN_CUDA_OK(cudaDeviceSynchronize());
+      EXPECT_GE(cos_against_reference(b), 0.999);
+    }
+    QATTN_CUDA_OK(cudaDeviceReset());
+  }
 }
 
 TEST(ApiOnDevice, BadCallsFailNamedAndWriteNothing) {

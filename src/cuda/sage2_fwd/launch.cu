@@ -2,6 +2,7 @@
 #include <cmath>
 
 #include "cuda/hopper/early_launch.h"
+#include "cuda/hopper/per_device.h"
 #include "cuda/hopper/tensor_map.h"
 #include "cuda/sage2_fwd/kernel.cuh"
 #include "cuda/sage2_fwd/launch.h"
@@ -112,18 +113,20 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
 
   auto kernel = sage2_fwd_kernel<D, T>;
   constexpr int smem = static_cast<int>(sizeof(SharedStorage<D>)) + 1024;
-  if (auto e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  int device = 0, num_sms = 0;
+  if (auto e = hopper::current_device_sms(&device, &num_sms); e != cudaSuccess) return e;
+  static std::atomic<unsigned long long> configured{0};
+  if (auto e = hopper::once_per_context(
+          configured,
+          [&] {
+            return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+          });
       e != cudaSuccess)
     return e;
   ap.num_m_blocks = w.nq_pad / Tr::kBlockM;
   ap.batch = p.batch;
   ap.causal_group = causal_group_heads(w.nkv_pad, D, p.heads_q, p.heads_kv, p.batch);
   // Persistent grid: one CTA per SM (384 threads at 168 registers fill an SM).
-  int device = 0, num_sms = 0;
-  if (auto e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  if (auto e = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
-      e != cudaSuccess)
-    return e;
   const int64_t items = static_cast<int64_t>(ap.num_m_blocks) * p.heads_q * p.batch;
   const int grid = static_cast<int>(std::min<int64_t>(items, num_sms));
   // May start while the K/V quantization kernel ends (kernel.cuh: the wait).

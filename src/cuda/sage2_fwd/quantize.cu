@@ -1,6 +1,7 @@
 #include <cuda_fp8.h>
 
 #include "cuda/hopper/early_launch.h"
+#include "cuda/hopper/per_device.h"
 #include "cuda/hopper/sync.cuh"
 #include "cuda/sage2_fwd/quant_math.cuh"
 #include "cuda/sage2_fwd/quantize.cuh"
@@ -483,17 +484,22 @@ cudaError_t launch_quantize_passes(const InputView<T>& k, const InputView<T>& v,
   auto kv_quantize = kv_quantize_kernel<T, D, kFullDim>;
   auto v_fixup = v_fixup_kernel<T, D, kFullDim>;
   // Both stage their loads in shared memory: ask for the largest carveout so that the
-  // occupancy the launch bounds aim at (5 CTAs per SM) is not cut by the L1 share. Set
-  // on every call: a context reset clears them (caching them per device saved ~2 µs of
-  // host time but would fail every call after a reset, NOTES v17d).
-  for (const void* f :
-       {reinterpret_cast<const void*>(statistics), reinterpret_cast<const void*>(kv_quantize)})
-    if (cudaError_t e = cudaFuncSetAttribute(f, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                             cudaSharedmemCarveoutMaxShared);
-        e != cudaSuccess)
-      return e;
-  if (cudaError_t e = cudaFuncSetAttribute(statistics, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           stats_stage_bytes<D>());
+  // occupancy the launch bounds aim at (5 CTAs per SM) is not cut by the L1 share.
+  // Function attributes stay set within a context (a reset clears them): once per context.
+  static std::atomic<unsigned long long> configured{0};
+  if (cudaError_t e = hopper::once_per_context(
+          configured,
+          [&] {
+            for (const void* f : {reinterpret_cast<const void*>(statistics),
+                                  reinterpret_cast<const void*>(kv_quantize)})
+              if (cudaError_t e =
+                      cudaFuncSetAttribute(f, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                           cudaSharedmemCarveoutMaxShared);
+                  e != cudaSuccess)
+                return e;
+            return cudaFuncSetAttribute(statistics, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        stats_stage_bytes<D>());
+          });
       e != cudaSuccess)
     return e;
   // Nothing needs zeroing first: the statistics kernel zeroes V's flags and the work
