@@ -505,6 +505,8 @@ cudaError_t launch_quantize_passes(const InputView<T>& k, const InputView<T>& v,
   // Nothing needs zeroing first: the statistics kernel zeroes V's flags and the work
   // counters itself.
   statistics<<<2 * kv_grid.y * kv_grid.z, kThreads, stats_stage_bytes<D>(), stream>>>(k, v, p, out);
+  // Checked on its own, so a failed launch enqueues nothing after it.
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   if (cudaError_t e = hopper::early_launch(
           kv_quantize, dim3(kv_quantize_grid_x<D>(kv_grid.x), kv_grid.y, kv_grid.z),
           dim3(kKvThreads), 0, stream, k, v, p, out);
