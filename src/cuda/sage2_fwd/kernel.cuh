@@ -102,10 +102,11 @@ struct KernelTraits {
 template <int D>
 inline constexpr int kQSlots = QATTN_SAGE2_Q_SLOTS;
 #else
-// Two: three (the quantizer one more item ahead) measured 0-2% slower at d=128
-// (NOTES v13e).
+// Two at d=128: three (the quantizer one more item ahead) measured 0-3% slower there
+// (NOTES v13e, v18d). Three at d=64: causal shapes gain 1-7% end-to-end, the others are
+// even (v18e).
 template <int D>
-inline constexpr int kQSlots = 2;
+inline constexpr int kQSlots = D == 64 ? 3 : 2;
 #endif
 inline constexpr int kQinBuffers = 2;
 
