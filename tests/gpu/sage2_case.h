@@ -37,6 +37,8 @@ struct Sage2Case {
   // or items are skipped and their rows stay poisoned). The result is the last one.
   int launches = 1;
   bool lse = true;  // ask for the LSE (without it the LSE buffer stays poisoned)
+  // The attention kernel's register split (launch.h): the launch's choice, or forced.
+  sage2::RegisterSplit split = sage2::RegisterSplit::kAuto;
 
   std::string describe() const {
     return "B=" + std::to_string(batch) + " Hq=" + std::to_string(heads_q) +
@@ -170,7 +172,7 @@ inline Sage2Result run_sage2(const Sage2Case& c, const InputHook& hook = {}) {
       cudaMemset(dout.ptr, 0xFF, o_count * sizeof(uint16_t));
       cudaMemset(dlse.ptr, 0xFF, dlse.count * sizeof(float));
     }
-    r.status = launch == 0 ? sage2::launch_forward(p, ws.ptr, nullptr, c.keep_q)
+    r.status = launch == 0 ? sage2::launch_forward(p, ws.ptr, nullptr, c.keep_q, c.split)
                            : sage2::launch_attention_only(p, ws.ptr, nullptr);
     if (r.status != 0) return r;
     if (cudaDeviceSynchronize() != cudaSuccess) {

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cstring>
 #include <limits>
@@ -165,58 +166,61 @@ TEST(Sage2Forward, ManyItemsPerCtaEqualOneHeadLaunches) {
   QATTN_SKIP_WITHOUT_GPU();
   const uint64_t seed = test::fresh_seed();
   constexpr int B = 2, H = 16, N = 4096;
+  using Split = sage2::RegisterSplit;
   for (int d : {128, 64})
-    for (int causal : {0, 1}) {
-      SCOPED_TRACE("d=" + std::to_string(d) + " causal=" + std::to_string(causal) +
-                   " seed=" + std::to_string(seed));
-      const std::size_t count = std::size_t(B) * H * N * d;
-      std::mt19937_64 rng(seed + d + causal);
-      std::normal_distribution<float> normal(0.f, 1.f);
-      std::vector<uint16_t> host(count);
-      DeviceBuffer<uint16_t> q(count), k(count), v(count), o(count), o_one(std::size_t(N) * d);
-      for (auto* t : {&q, &k, &v}) {
-        for (auto& x : host) x = test::to_bits16(normal(rng), true);
-        t->upload(host);
-      }
-      auto params = [&](int b, int h, uint16_t* out) {
-        qattn_fwd_params p{};
-        p.dtype = QATTN_DTYPE_BF16;
-        p.batch = b;
-        p.heads_q = p.heads_kv = h;
-        p.seqlen_q = p.seqlen_kv = N;
-        p.head_dim = d;
-        p.causal = causal;
-        p.granularity = QATTN_QK_PER_THREAD;
-        const int64_t sn = d, sh = int64_t(N) * d, sb = sh * H;
-        p.q = {q.ptr, sb, sh, sn};
-        p.k = {k.ptr, sb, sh, sn};
-        p.v = {v.ptr, sb, sh, sn};
-        p.o = {out, b == 1 ? sh : sb, sh, sn};
-        return p;
-      };
-      qattn_fwd_params all = params(B, H, o.ptr);
-      DeviceBuffer<uint8_t> ws(sage2::workspace_bytes(all));
-      ASSERT_EQ(sage2::launch_forward(all, ws.ptr, nullptr), 0);
-      QATTN_CUDA_OK(cudaDeviceSynchronize());
-      const auto o_all = o.download();
-      // Causal d = 128 orders the 32 query heads in groups of 24 (1 MB of K/V each within
-      // the 24 MB budget, launch.cu) and a last group of 8: heads 0 and 23 are in the
-      // first, 24 (b = 1, h = 8) and 31 in the last.
-      for (auto [b, h] : {std::pair{0, 0}, std::pair{1, 7}, std::pair{1, 8}, std::pair{1, 15}}) {
-        qattn_fwd_params one = params(1, 1, o_one.ptr);
-        const int64_t offset = b * all.q.stride_b + h * all.q.stride_h;
-        one.q.data = q.ptr + offset;
-        one.k.data = k.ptr + offset;
-        one.v.data = v.ptr + offset;
-        ASSERT_EQ(sage2::launch_forward(one, ws.ptr, nullptr), 0);
+    for (int causal : {0, 1})
+      for (Split split : {Split::kConsumers232, Split::kConsumers240}) {
+        SCOPED_TRACE("d=" + std::to_string(d) + " causal=" + std::to_string(causal) +
+                     " consumers at " + (split == Split::kConsumers232 ? "232" : "240") +
+                     " registers, seed=" + std::to_string(seed));
+        const std::size_t count = std::size_t(B) * H * N * d;
+        std::mt19937_64 rng(seed + d + causal);
+        std::normal_distribution<float> normal(0.f, 1.f);
+        std::vector<uint16_t> host(count);
+        DeviceBuffer<uint16_t> q(count), k(count), v(count), o(count), o_one(std::size_t(N) * d);
+        for (auto* t : {&q, &k, &v}) {
+          for (auto& x : host) x = test::to_bits16(normal(rng), true);
+          t->upload(host);
+        }
+        auto params = [&](int b, int h, uint16_t* out) {
+          qattn_fwd_params p{};
+          p.dtype = QATTN_DTYPE_BF16;
+          p.batch = b;
+          p.heads_q = p.heads_kv = h;
+          p.seqlen_q = p.seqlen_kv = N;
+          p.head_dim = d;
+          p.causal = causal;
+          p.granularity = QATTN_QK_PER_THREAD;
+          const int64_t sn = d, sh = int64_t(N) * d, sb = sh * H;
+          p.q = {q.ptr, sb, sh, sn};
+          p.k = {k.ptr, sb, sh, sn};
+          p.v = {v.ptr, sb, sh, sn};
+          p.o = {out, b == 1 ? sh : sb, sh, sn};
+          return p;
+        };
+        qattn_fwd_params all = params(B, H, o.ptr);
+        DeviceBuffer<uint8_t> ws(sage2::workspace_bytes(all));
+        ASSERT_EQ(sage2::launch_forward(all, ws.ptr, nullptr, false, split), 0);
         QATTN_CUDA_OK(cudaDeviceSynchronize());
-        const auto o_head = o_one.download();
-        std::size_t differ = 0;
-        for (std::size_t i = 0; i < o_head.size(); ++i) differ += o_head[i] != o_all[offset + i];
-        EXPECT_EQ(differ, 0u) << "of " << o_head.size() << " values of head (" << b << ", " << h
-                              << ") differ from its own launch";
+        const auto o_all = o.download();
+        // Causal d = 128 orders the 32 query heads in groups of 24 (1 MB of K/V each within
+        // the 24 MB budget, launch.cu) and a last group of 8: heads 0 and 23 are in the
+        // first, 24 (b = 1, h = 8) and 31 in the last.
+        for (auto [b, h] : {std::pair{0, 0}, std::pair{1, 7}, std::pair{1, 8}, std::pair{1, 15}}) {
+          qattn_fwd_params one = params(1, 1, o_one.ptr);
+          const int64_t offset = b * all.q.stride_b + h * all.q.stride_h;
+          one.q.data = q.ptr + offset;
+          one.k.data = k.ptr + offset;
+          one.v.data = v.ptr + offset;
+          ASSERT_EQ(sage2::launch_forward(one, ws.ptr, nullptr, false, split), 0);
+          QATTN_CUDA_OK(cudaDeviceSynchronize());
+          const auto o_head = o_one.download();
+          std::size_t differ = 0;
+          for (std::size_t i = 0; i < o_head.size(); ++i) differ += o_head[i] != o_all[offset + i];
+          EXPECT_EQ(differ, 0u) << "of " << o_head.size() << " values of head (" << b << ", " << h
+                                << ") differ from its own launch";
+        }
       }
-    }
 }
 
 // Causal with Nq > Nkv: the first 4 blocks see no key at all (items with no KV tile,
@@ -450,6 +454,58 @@ TEST(Sage2Forward, MatchesEmulationRandomCases) {
       ADD_FAILURE() << "seed " << seed;
       return;
     }
+  }
+}
+
+// The two register splits of the attention kernel (launch.h, NOTES v18h) run the same
+// arithmetic in differently compiled producers: each, forced, matches the emulation (Q
+// codes and scales bit for bit), and their O and LSE are the same bits. Fixed shapes on
+// both sides of the launch's choice, and fresh random ones.
+TEST(Sage2Forward, BothRegisterSplitsGiveTheSameBits) {
+  QATTN_SKIP_WITHOUT_GPU();
+  const uint64_t seed = test::fresh_seed();
+  std::mt19937_64 rng(seed);
+  std::vector<Sage2Case> cases(4);
+  cases[0].seqlen_q = cases[0].seqlen_kv = 2048;  // the launch picks 240 here
+  cases[1].seqlen_q = 700;                        // and 232 here
+  cases[1].seqlen_kv = 2500;
+  cases[1].causal = true;
+  cases[1].head_dim = 64;
+  cases[1].heads_q = 4;
+  cases[1].bf16 = false;
+  cases[1].granularity = QATTN_QK_PER_BLOCK;
+  for (int i = 2; i < 4; ++i) {
+    Sage2Case& c = cases[i];
+    c.seed = rng();
+    c.heads_kv = 1 + rng() % 2;
+    c.heads_q = c.heads_kv * (1 + rng() % 3);
+    c.seqlen_q = 1 + rng() % 1500;
+    c.seqlen_kv = 1 + rng() % 2500;
+    c.head_dim = std::array{64, 100, 128}[rng() % 3];
+    c.causal = rng() % 2;
+    c.bf16 = rng() % 2;
+    c.layout = rng() % 2 ? test::Layout::NHD : test::Layout::HND;
+    c.granularity = static_cast<qattn_qk_granularity>(rng() % 3);
+  }
+  for (Sage2Case c : cases) {
+    SCOPED_TRACE(c.describe() + " seed " + std::to_string(seed));
+    c.split = sage2::RegisterSplit::kConsumers232;
+    check_against_emulation(c);
+    const auto r232 = test::run_sage2(c);
+    c.split = sage2::RegisterSplit::kConsumers240;
+    check_against_emulation(c);
+    const auto r240 = test::run_sage2(c);
+    ASSERT_EQ(r232.status, 0);
+    ASSERT_EQ(r240.status, 0);
+    EXPECT_TRUE(r240.all_written && r240.guard_intact && r240.lse_guard_intact);
+    std::size_t o_diff = 0, lse_diff = 0;
+    for (std::size_t i = 0; i < r232.o.data.size(); ++i)
+      o_diff += std::bit_cast<uint32_t>(r232.o.data[i]) != std::bit_cast<uint32_t>(r240.o.data[i]);
+    for (std::size_t i = 0; i < r232.lse.size(); ++i)
+      lse_diff += std::bit_cast<uint32_t>(r232.lse[i]) != std::bit_cast<uint32_t>(r240.lse[i]);
+    EXPECT_EQ(o_diff, 0u) << "O values differ between the splits";
+    EXPECT_EQ(lse_diff, 0u) << "LSE values differ between the splits";
+    if (HasFailure()) return;
   }
 }
 

@@ -63,16 +63,14 @@ struct AttentionParams {
 
 // Registers per thread after setmaxnreg. The CTA can only redistribute what it was
 // launched with (168 per thread at 384 threads): asking for more makes the consumers'
-// setmaxnreg.inc wait forever (a hang, not an error). The consumers need 232 at d=128;
-// the producer warpgroup (loaders and the Q quantizer) fits 40 with rolled loops.
-#ifndef QATTN_SAGE2_PRODUCER_REGS  // overridable for the knockouts of bench/NOTES.md
-#define QATTN_SAGE2_PRODUCER_REGS 40
-#define QATTN_SAGE2_CONSUMER_REGS 232
-#endif
-inline constexpr int kProducerRegs = QATTN_SAGE2_PRODUCER_REGS;
-inline constexpr int kConsumerRegs = QATTN_SAGE2_CONSUMER_REGS, kLaunchRegs = 168;
-static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= kLaunchRegs * 384,
-              "setmaxnreg budget exceeds the CTA's registers");
+// setmaxnreg.inc wait forever (a hang, not an error). Two splits are compiled: the
+// consumers at 232 with the producer warpgroup (loaders and the Q quantizer, rolled
+// loops) at 40, or at 240 with the producer at 24. 240 is faster on long items and
+// slower on short ones (NOTES v18f); the launch chooses (launch.cu).
+inline constexpr int kLaunchRegs = 168;
+template <int kConsumerRegs>
+inline constexpr int kProducerRegsFor = (kLaunchRegs * 384 - kConsumerRegs * 256) / 128;
+static_assert(kProducerRegsFor<232> == 40 && kProducerRegsFor<240> == 24);
 
 template <int D>
 struct KernelTraits {
@@ -226,7 +224,13 @@ __device__ __forceinline__ SharedStorage<D>& consumer_storage(uint8_t* smem_raw,
     return shared_view;
 }
 
-template <int D, typename T>
+// x, hidden from the optimizer: derived again where it is used instead of kept live.
+__device__ __forceinline__ int opaque(int x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+
+template <int D, typename T, int kConsumerRegs>
 __global__ void __launch_bounds__(384, 1)
     sage2_fwd_kernel(const __grid_constant__ CUtensorMap tm_q,
                      const __grid_constant__ CUtensorMap tm_k,
@@ -308,48 +312,68 @@ __global__ void __launch_bounds__(384, 1)
 
   if (warpgroup == 0) {
     // ---- producer ------------------------------------------------------------------------
-    hopper::setmaxnreg_dec<kProducerRegs>();
+    hopper::setmaxnreg_dec<kProducerRegsFor<kConsumerRegs>>();
     if (threadIdx.x >= 32 && threadIdx.x < 32 + kQTileThreads) {
       // Q tile quantizer: every item of this CTA, in order; the first one's tile before
-      // the grid-dependency wait (its q·c, which needs c, after it).
-      const int tid = threadIdx.x - 32;
+      // the grid-dependency wait (its q·c, which needs c, after it). At 24 registers
+      // (kLowRegs) nothing but the item ordinal is kept live across a quantization: the
+      // thread index, the slot and the storage base are derived again where used.
+      constexpr bool kLowRegs = kProducerRegsFor<kConsumerRegs> < 40;
+      auto keep = [](int x) {
+        if constexpr (kLowRegs) return opaque(x);
+        return x;
+      };
+      auto storage = [&]() -> SharedStorage<D>& {
+        if constexpr (kLowRegs)
+          return *reinterpret_cast<SharedStorage<D>*>(smem_raw + keep(static_cast<int>(align_pad)));
+        return s;
+      };
       hopper::mbarrier_wait(&bar.q0_tile, 0);
-      quantize_q_tile<D, T>(s.q_in[0], s.q[0], s.side[0].q_scale, nullptr, nullptr, tid,
-                            p.granularity, p.scale_log2, p.sm_scale);
+      quantize_q_tile<D, T, kLowRegs>(s.q_in[0], s.q[0], s.side[0].q_scale, nullptr, nullptr,
+                                      threadIdx.x - 32, p.granularity, p.scale_log2, p.sm_scale);
       hopper::grid_dependency_wait();
       for (int local = 0;; ++local) {
-        const int slot = local % kQSlots<D>, buf = local % kQinBuffers;
-        ItemSide<D>& side = s.side[slot];
-        // q_full implies q_empty (the loader waits on it first); waiting on q_empty too
-        // makes the consumers' last reads of this slot's scales direct predecessors of
-        // the writes below (the path through the TMA is invisible to racecheck).
-        hopper::mbarrier_wait(&bar.q_empty[slot], ((local / kQSlots<D>)&1) ^ 1);
-        hopper::mbarrier_wait(&bar.q_full[buf], (local / kQinBuffers) & 1);
-        if (bar.item[slot].m_block < 0) {  // no more work: the consumers learn it from q_ready
-          hopper::mbarrier_arrive(&bar.q_ready[slot]);
-          break;
-        }
-        float* q_dot_c = want_q_dot_c ? side.q_dot_c : nullptr;
-        if (local == 0) {  // quantized before the wait
-          if (want_q_dot_c)
-            q_tile_dot_c<D, T>(s.q_in[0], side.q_dot_c, side.k_mean, tid, p.sm_scale);
-        } else {
+        {
+          const int slot = local % kQSlots<D>, buf = local % kQinBuffers;
+          SharedStorage<D>& st = storage();
+          ItemSide<D>& side = st.side[slot];
+          // q_full implies q_empty (the loader waits on it first); waiting on q_empty too
+          // makes the consumers' last reads of this slot's scales direct predecessors of
+          // the writes below (the path through the TMA is invisible to racecheck).
+          hopper::mbarrier_wait(&bar.q_empty[slot], ((local / kQSlots<D>)&1) ^ 1);
+          hopper::mbarrier_wait(&bar.q_full[buf], (local / kQinBuffers) & 1);
+          if (bar.item[slot].m_block < 0) {  // no more work: the consumers learn it from q_ready
+            hopper::mbarrier_arrive(&bar.q_ready[slot]);
+            break;
+          }
+          float* q_dot_c = want_q_dot_c ? side.q_dot_c : nullptr;
+          const int tid = keep(threadIdx.x - 32);
+          if (local == 0) {  // quantized before the wait
+            if (want_q_dot_c)
+              q_tile_dot_c<D, T>(st.q_in[0], side.q_dot_c, side.k_mean, tid, p.sm_scale);
+          } else {
 #if QATTN_EXPERIMENT_NO_Q_QUANT  // knockout for bench/NOTES.md: wrong results, timing only
-          // Each slot is quantized once, so the MMAs still see real data (an all-zero
-          // tile draws less power and may run at a higher clock).
-          if (local < kQSlots<D>)
+            // Each slot is quantized once, so the MMAs still see real data (an all-zero
+            // tile draws less power and may run at a higher clock).
+            if (local < kQSlots<D>)
 #endif
-            quantize_q_tile<D, T>(s.q_in[buf], s.q[slot], side.q_scale, q_dot_c,
-                                  want_q_dot_c ? side.k_mean : nullptr, tid, p.granularity,
-                                  p.scale_log2, p.sm_scale);
+              quantize_q_tile<D, T, kLowRegs>(st.q_in[buf], st.q[slot], side.q_scale, q_dot_c,
+                                              want_q_dot_c ? side.k_mean : nullptr, tid,
+                                              p.granularity, p.scale_log2, p.sm_scale);
+          }
         }
+        const int slot = keep(local) % kQSlots<D>, buf = keep(local) % kQinBuffers;
+        const int tid = keep(threadIdx.x - 32);
+        SharedStorage<D>& st = storage();
+        ItemSide<D>& side = st.side[slot];
         if (p.q_debug.q_i8 != nullptr) {
           // Read here rather than kept live across the quantization, which would spill at
           // 40 registers.
           const SlotItem wd = bar.item[slot];
           // the item's 128 rows start at row m_block·128, its 64 scale groups at m_block·64
           const int64_t row0 = static_cast<int64_t>(wd.bh_q) * p.nq_pad + wd.m_block * Tr::kBlockM;
-          copy_q_tile_debug<D>(s.q[slot], side.q_scale, q_dot_c, tid, p.q_debug, row0, row0 / 2);
+          copy_q_tile_debug<D>(st.q[slot], side.q_scale, want_q_dot_c ? side.q_dot_c : nullptr, tid,
+                               p.q_debug, row0, row0 / 2);
         }
         // V amax -> V scale (docs/sage2-kernel-arithmetic.md, step 4), in place.
 #pragma unroll 1
@@ -420,11 +444,12 @@ __global__ void __launch_bounds__(384, 1)
         hopper::mbarrier_arrive(&bar.qin_free[buf]);
         if (w.m_block < 0) break;
         const int kv_slice = w.kv_slice, n_tiles = w.n_tiles;
-        const float* k_scale =
-            p.k_scale + static_cast<int64_t>(kv_slice) *
-                            (p.nkv_pad / groups::kKvTile * groups::kKThreadGroupsPerTile);
-#pragma unroll 1  // rolled: this warpgroup runs at 40 registers
+#pragma unroll 1  // rolled: this warpgroup runs at 40 (or 24) registers
         for (int it = 0; it < n_tiles; ++it, ++iter) {
+          // Addressed per tile: a 64-bit pointer kept live across the loop spills at 24.
+          const float* k_scale =
+              p.k_scale + (static_cast<int64_t>(kv_slice) * (p.nkv_pad / groups::kKvTile) + it) *
+                              groups::kKThreadGroupsPerTile;
           const int st = iter % Tr::kStages;
           const uint32_t phase = (iter / Tr::kStages) & 1;
           hopper::mbarrier_wait(&bar.k_empty[st], phase ^ 1);
@@ -432,8 +457,7 @@ __global__ void __launch_bounds__(384, 1)
           // K/V are re-read by every query block of the head: keep them in L2.
           hopper::tma_load_3d(s.k[st], &tm_k, &bar.k_full[st], 0, it * Tr::kBlockN, kv_slice,
                               hopper::policy_evict_last());
-          hopper::bulk_load(s.k_scale[st], k_scale + it * groups::kKThreadGroupsPerTile,
-                            sizeof(s.k_scale[st]), &bar.k_full[st]);
+          hopper::bulk_load(s.k_scale[st], k_scale, sizeof(s.k_scale[st]), &bar.k_full[st]);
           hopper::mbarrier_wait(&bar.v_empty[st], phase ^ 1);
 #if QATTN_EXPERIMENT_NO_V_LOAD  // knockout for bench/NOTES.md (half the L2 traffic): wrong results
           hopper::mbarrier_arrive_expect_tx(&bar.v_full[st], 0);

@@ -9,6 +9,7 @@
 #include "cuda/sage2_fwd/quantize.cuh"
 #include "cuda/sage2_fwd/work_order.h"
 #include "cuda/sage2_fwd/workspace.h"
+#include "numerics/int32_scores.h"
 
 namespace qattn::sage2 {
 namespace {
@@ -58,9 +59,26 @@ cudaError_t make_bhnd_map(CUtensorMap* map, const qattn_tensor& t, const qattn_f
   return hopper::make_tensor_map_16bit_4d(map, t.data, dims, strides, 64, box_rows);
 }
 
+// The consumers' register split (kernel.cuh): 240 registers per consumer thread pay off
+// on items of at least this many KV tiles on average, 232 are faster below it (NOTES
+// v18f-h: d=128 2K non-causal +1.5-2%, 1K and causal 2K -3-5% at 240).
+constexpr double kWideSplitMinTiles = 16.0;
+
+// Mean number of KV tiles of the grid's work items (128-row query blocks): every block's
+// tiles up to its last row's last visible key (kv_tiles_for_block, kernel.cuh).
+double mean_kv_tiles_per_item(const qattn_fwd_params& p, int num_m_blocks) {
+  int64_t tiles = 0;
+  for (int m = 0; m < num_m_blocks; ++m) {
+    const int last_row = std::min((m + 1) * 128, static_cast<int>(p.seqlen_q)) - 1;
+    const int last_key = scores::last_visible_key(p.seqlen_q, p.seqlen_kv, p.causal != 0, last_row);
+    tiles += last_key < 0 ? 0 : last_key / 128 + 1;
+  }
+  return num_m_blocks > 0 ? static_cast<double>(tiles) / num_m_blocks : 0.0;
+}
+
 template <int D, typename T>
 cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout& w, void* ws,
-                               cudaStream_t stream, bool keep_q) {
+                               cudaStream_t stream, bool keep_q, RegisterSplit split) {
   using Tr = KernelTraits<D>;
   const QuantizeOutputs q = outputs(w, ws);
   const uint64_t bkv = static_cast<uint64_t>(p.batch) * p.heads_kv;
@@ -111,19 +129,22 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
   ap.nkv_pad = w.nkv_pad;
   ap.causal = p.causal;
 
-  auto kernel = sage2_fwd_kernel<D, T>;
+  ap.num_m_blocks = w.nq_pad / Tr::kBlockM;
+  const bool wide = split == RegisterSplit::kConsumers240 ||
+                    (split == RegisterSplit::kAuto &&
+                     mean_kv_tiles_per_item(p, ap.num_m_blocks) >= kWideSplitMinTiles);
+  auto kernel = wide ? sage2_fwd_kernel<D, T, 240> : sage2_fwd_kernel<D, T, 232>;
   constexpr int smem = static_cast<int>(sizeof(SharedStorage<D>)) + 1024;
   int device = 0, num_sms = 0;
   if (auto e = hopper::current_device_sms(&device, &num_sms); e != cudaSuccess) return e;
-  static std::atomic<unsigned long long> configured{0};
+  static std::atomic<unsigned long long> configured[2] = {0, 0};
   if (auto e = hopper::once_per_context(
-          configured,
+          configured[wide ? 1 : 0],
           [&] {
             return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
           });
       e != cudaSuccess)
     return e;
-  ap.num_m_blocks = w.nq_pad / Tr::kBlockM;
   ap.batch = p.batch;
   ap.causal_group = causal_group_heads(w.nkv_pad, D, p.heads_q, p.heads_kv, p.batch);
   // Persistent grid: one CTA per SM (384 threads at 168 registers fill an SM).
@@ -149,16 +170,16 @@ cudaError_t quantize_d(const qattn_fwd_params& p, const WorkspaceLayout& w, void
 
 template <typename T>
 cudaError_t run(const qattn_fwd_params& p, void* ws, cudaStream_t stream, bool quantize,
-                bool keep_q) {
+                bool keep_q, RegisterSplit split) {
   const WorkspaceLayout w = workspace_layout(p, keep_q);
   if (w.head_dim_padded == 64) {
     if (quantize)
       if (auto e = quantize_d<T, 64>(p, w, ws, stream); e != cudaSuccess) return e;
-    return launch_attention_d<64, T>(p, w, ws, stream, keep_q);
+    return launch_attention_d<64, T>(p, w, ws, stream, keep_q, split);
   }
   if (quantize)
     if (auto e = quantize_d<T, 128>(p, w, ws, stream); e != cudaSuccess) return e;
-  return launch_attention_d<128, T>(p, w, ws, stream, keep_q);
+  return launch_attention_d<128, T>(p, w, ws, stream, keep_q, split);
 }
 
 }  // namespace
@@ -167,16 +188,18 @@ std::size_t workspace_bytes(const qattn_fwd_params& p, bool keep_q) {
   return workspace_layout(p, keep_q).total;
 }
 
-int launch_forward(const qattn_fwd_params& p, void* workspace, void* stream, bool keep_q) {
+int launch_forward(const qattn_fwd_params& p, void* workspace, void* stream, bool keep_q,
+                   RegisterSplit split) {
   auto s = static_cast<cudaStream_t>(stream);
-  return p.dtype == QATTN_DTYPE_BF16 ? run<__nv_bfloat16>(p, workspace, s, true, keep_q)
-                                     : run<__half>(p, workspace, s, true, keep_q);
+  return p.dtype == QATTN_DTYPE_BF16 ? run<__nv_bfloat16>(p, workspace, s, true, keep_q, split)
+                                     : run<__half>(p, workspace, s, true, keep_q, split);
 }
 
 int launch_attention_only(const qattn_fwd_params& p, void* workspace, void* stream) {
   auto s = static_cast<cudaStream_t>(stream);
-  return p.dtype == QATTN_DTYPE_BF16 ? run<__nv_bfloat16>(p, workspace, s, false, false)
-                                     : run<__half>(p, workspace, s, false, false);
+  return p.dtype == QATTN_DTYPE_BF16
+             ? run<__nv_bfloat16>(p, workspace, s, false, false, RegisterSplit::kAuto)
+             : run<__half>(p, workspace, s, false, false, RegisterSplit::kAuto);
 }
 
 }  // namespace qattn::sage2

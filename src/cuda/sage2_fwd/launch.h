@@ -29,9 +29,15 @@ namespace qattn::sage2 {
 // D is the head dim padded to 64 or 128.
 std::size_t workspace_bytes(const qattn_fwd_params& p, bool keep_q = false);
 
+// The attention kernel's register split between its producer and consumer warpgroups
+// (kernel.cuh): chosen by the launch from the items' length (kAuto), or forced, for the
+// GPU tests that check both give the same bits.
+enum class RegisterSplit { kAuto, kConsumers232, kConsumers240 };
+
 // Enqueues quantization and attention on `stream`. Returns cudaSuccess or the first
 // CUDA error; never synchronizes.
-int launch_forward(const qattn_fwd_params& p, void* workspace, void* stream, bool keep_q = false);
+int launch_forward(const qattn_fwd_params& p, void* workspace, void* stream, bool keep_q = false,
+                   RegisterSplit split = RegisterSplit::kAuto);
 
 // Only the attention kernel (which quantizes Q itself), on a workspace that an earlier
 // launch_forward with the same parameters filled (for kernel-only benchmarks; k and v

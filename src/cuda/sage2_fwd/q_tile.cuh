@@ -69,16 +69,19 @@ __device__ __forceinline__ void q_tile_dot_c(const uint8_t* in, float* q_dot_c, 
     for (int chunk = 0; chunk < D / 8; ++chunk) {
       const uint4 raw = *reinterpret_cast<const uint4*>(in + L::in_offset(r0 + 8 * h, chunk));
       const T* e = reinterpret_cast<const T*>(&raw);
-      const float4 c0 = *reinterpret_cast<const float4*>(c + chunk * 8);
-      const float4 c1 = *reinterpret_cast<const float4*>(c + chunk * 8 + 4);
-      float part = to_float(e[0]) * c0.x;  // 8-term partial sums keep q·c accurate
-      part = fmaf(to_float(e[1]), c0.y, part);
-      part = fmaf(to_float(e[2]), c0.z, part);
-      part = fmaf(to_float(e[3]), c0.w, part);
-      part = fmaf(to_float(e[4]), c1.x, part);
-      part = fmaf(to_float(e[5]), c1.y, part);
-      part = fmaf(to_float(e[6]), c1.z, part);
-      part = fmaf(to_float(e[7]), c1.w, part);
+      const float2* c2 = reinterpret_cast<const float2*>(c + chunk * 8);
+      float2 cc = c2[0];
+      float part = to_float(e[0]) * cc.x;  // 8-term partial sums keep q·c accurate
+      part = fmaf(to_float(e[1]), cc.y, part);
+      cc = c2[1];
+      part = fmaf(to_float(e[2]), cc.x, part);
+      part = fmaf(to_float(e[3]), cc.y, part);
+      cc = c2[2];
+      part = fmaf(to_float(e[4]), cc.x, part);
+      part = fmaf(to_float(e[5]), cc.y, part);
+      cc = c2[3];
+      part = fmaf(to_float(e[6]), cc.x, part);
+      part = fmaf(to_float(e[7]), cc.y, part);
       dot += part;
     }
     q_dot_c[r0 + 8 * h] = sm_scale * dot;
@@ -87,8 +90,10 @@ __device__ __forceinline__ void q_tile_dot_c(const uint8_t* in, float* q_dot_c, 
 
 // tid in [0, 64). `c` (the K smoothing vector, D floats) and q_dot_c may be null when
 // the caller wants no LSE. The producer warpgroup runs at 40 registers (setmaxnreg), so
-// the loops stay short and hold one or two 16-byte chunks at a time.
-template <int D, typename T>
+// the loops stay short and hold one or two 16-byte chunks at a time; kLowRegs: at 24
+// (kernel.cuh, the 240-register split), one chunk, the scale written before the codes
+// and q·c after them, so fewer values are live at once.
+template <int D, typename T, bool kLowRegs = false>
 __device__ __forceinline__ void quantize_q_tile(const uint8_t* in, uint8_t* out, float* q_scale,
                                                 float* q_dot_c, const float* c, int tid,
                                                 qattn_qk_granularity granularity, float scale_log2,
@@ -118,7 +123,7 @@ __device__ __forceinline__ void quantize_q_tile(const uint8_t* in, uint8_t* out,
   m[0] = __hmax2_nan(m[0], m[1]);
   float a = amax_nan(amax_nan(0.f, __low2float(m[0])), __high2float(m[0]));
 
-  if (c != nullptr) q_tile_dot_c<D, T>(in, q_dot_c, c, tid, sm_scale);
+  if (!kLowRegs && c != nullptr) q_tile_dot_c<D, T>(in, q_dot_c, c, tid, sm_scale);
   // Scale group: both rows (per thread), 16 rows (per warp: the 8 lanes of w), 64 rows.
   if (granularity != QATTN_QK_PER_THREAD) {
 #pragma unroll
@@ -145,15 +150,26 @@ __device__ __forceinline__ void quantize_q_tile(const uint8_t* in, uint8_t* out,
     const float x[4] = {f0.x, f0.y, f1.x, f1.y};
     return quantize_int8x4(x, inv, false);
   };
+  if constexpr (kLowRegs) q_scale[tid] = (a / kInt8Max) * scale_log2;  // a is dead after
   // One loop per case, so the common one has no branch per quad (NOTES v14c).
   auto quantize_rows = [&](auto codes) {
+    if constexpr (kLowRegs) {  // one 16-bit chunk: 8 codes, half an INT8 chunk
 #pragma unroll 1
-    for (int i = 0; i < 2 * (D / 16); ++i) {
-      const int r = r0 + 8 * (i / (D / 16)), chunk = i % (D / 16);
-      const uint4 raw0 = load(r, 2 * chunk), raw1 = load(r, 2 * chunk + 1);
-      const uint4 q{codes(raw0.x, raw0.y), codes(raw0.z, raw0.w), codes(raw1.x, raw1.y),
-                    codes(raw1.z, raw1.w)};
-      *reinterpret_cast<uint4*>(out + L::out_offset(r, chunk)) = q;
+      for (int i = 0; i < 2 * (D / 8); ++i) {
+        const int r = r0 + 8 * (i / (D / 8)), chunk = i % (D / 8);
+        const uint4 raw = load(r, chunk);
+        *reinterpret_cast<uint2*>(out + L::out_offset(r, chunk / 2) + 8 * (chunk % 2)) =
+            make_uint2(codes(raw.x, raw.y), codes(raw.z, raw.w));
+      }
+    } else {
+#pragma unroll 1
+      for (int i = 0; i < 2 * (D / 16); ++i) {
+        const int r = r0 + 8 * (i / (D / 16)), chunk = i % (D / 16);
+        const uint4 raw0 = load(r, 2 * chunk), raw1 = load(r, 2 * chunk + 1);
+        const uint4 q{codes(raw0.x, raw0.y), codes(raw0.z, raw0.w), codes(raw1.x, raw1.y),
+                      codes(raw1.z, raw1.w)};
+        *reinterpret_cast<uint4*>(out + L::out_offset(r, chunk)) = q;
+      }
     }
   };
   if (zero)
@@ -162,7 +178,11 @@ __device__ __forceinline__ void quantize_q_tile(const uint8_t* in, uint8_t* out,
     quantize_rows(tiny_quad);
   else
     quantize_rows(quad);
-  q_scale[tid] = (a / kInt8Max) * scale_log2;
+  if constexpr (kLowRegs) {
+    if (c != nullptr) q_tile_dot_c<D, T>(in, q_dot_c, c, tid, sm_scale);
+  } else {
+    q_scale[tid] = (a / kInt8Max) * scale_log2;
+  }
 }
 
 // Copies what quantize_q_tile left in shared memory to the debug outputs (after
@@ -174,6 +194,7 @@ __device__ __forceinline__ void copy_q_tile_debug(const uint8_t* out, const floa
                                                   const QDebugOut& dbg, int64_t row_base,
                                                   int64_t scale_base) {
   using L = QTileLayout<D>;
+  dbg.q_scale[scale_base + tid] = q_scale[tid];  // first: scale_base is dead after
   const int r0 = q_tile_row_pair(tid);
   for (int h = 0; h < 2; ++h) {
     const int r = r0 + 8 * h;
@@ -182,7 +203,6 @@ __device__ __forceinline__ void copy_q_tile_debug(const uint8_t* out, const floa
           *reinterpret_cast<const uint4*>(out + L::out_offset(r, chunk));
     if (q_dot_c != nullptr) dbg.q_dot_c[row_base + r] = q_dot_c[r];
   }
-  dbg.q_scale[scale_base + tid] = q_scale[tid];
 }
 
 }  // namespace qattn::sage2
