@@ -162,7 +162,7 @@ __device__ __forceinline__ int kv_tiles_for_block(const AttentionParams& p, int 
   return last_key < 0 ? 0 : last_key / groups::kKvTile + 1;
 }
 
-// gridDim.x, read where it is used: the producer warpgroup's 40 registers cannot keep
+// gridDim.x, read where it is used: the producer warpgroup's 40 (or 24) registers cannot keep
 // loop invariants live (the compiler would hoist and spill them).
 __device__ __forceinline__ int grid_size() {
   int n;
@@ -368,7 +368,7 @@ __global__ void __launch_bounds__(384, 1)
         ItemSide<D>& side = st.side[slot];
         if (p.q_debug.q_i8 != nullptr) {
           // Read here rather than kept live across the quantization, which would spill at
-          // 40 registers.
+          // 40 (or 24) registers.
           const SlotItem wd = bar.item[slot];
           // the item's 128 rows start at row m_block·128, its 64 scale groups at m_block·64
           const int64_t row0 = static_cast<int64_t>(wd.bh_q) * p.nq_pad + wd.m_block * Tr::kBlockM;

@@ -48,7 +48,7 @@ struct QTileLayout {
 
 // First of the two rows (r, r + 8) of thread tid. Opaque on purpose: otherwise the
 // compiler hoists every swizzled offset derived from it out of the caller's item loop
-// and spills them at the producer warpgroup's 40 registers.
+// and spills them at the producer warpgroup's 40 (or 24) registers.
 __device__ __forceinline__ int q_tile_row_pair(int tid) {
   int r0 = (tid / 32) * 64 + ((tid % 32) / 8) * 16 + tid % 8;
   asm volatile("" : "+r"(r0));
