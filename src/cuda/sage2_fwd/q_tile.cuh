@@ -91,8 +91,8 @@ __device__ __forceinline__ void q_tile_dot_c(const uint8_t* in, float* q_dot_c, 
 // tid in [0, 64). `c` (the K smoothing vector, D floats) and q_dot_c may be null when
 // the caller wants no LSE. The producer warpgroup runs at 40 registers (setmaxnreg), so
 // the loops stay short and hold one or two 16-byte chunks at a time; kLowRegs: at 24
-// (kernel.cuh, the 240-register split), one chunk, the scale written before the codes
-// and q·c after them, so fewer values are live at once.
+// (kernel.cuh, the 240-register split), the scale is written before the codes and q·c
+// computed after them, so fewer values are live at once.
 template <int D, typename T, bool kLowRegs = false>
 __device__ __forceinline__ void quantize_q_tile(const uint8_t* in, uint8_t* out, float* q_scale,
                                                 float* q_dot_c, const float* c, int tid,
@@ -153,23 +153,13 @@ __device__ __forceinline__ void quantize_q_tile(const uint8_t* in, uint8_t* out,
   if constexpr (kLowRegs) q_scale[tid] = (a / kInt8Max) * scale_log2;  // a is dead after
   // One loop per case, so the common one has no branch per quad (NOTES v14c).
   auto quantize_rows = [&](auto codes) {
-    if constexpr (kLowRegs) {  // one 16-bit chunk: 8 codes, half an INT8 chunk
 #pragma unroll 1
-      for (int i = 0; i < 2 * (D / 8); ++i) {
-        const int r = r0 + 8 * (i / (D / 8)), chunk = i % (D / 8);
-        const uint4 raw = load(r, chunk);
-        *reinterpret_cast<uint2*>(out + L::out_offset(r, chunk / 2) + 8 * (chunk % 2)) =
-            make_uint2(codes(raw.x, raw.y), codes(raw.z, raw.w));
-      }
-    } else {
-#pragma unroll 1
-      for (int i = 0; i < 2 * (D / 16); ++i) {
-        const int r = r0 + 8 * (i / (D / 16)), chunk = i % (D / 16);
-        const uint4 raw0 = load(r, 2 * chunk), raw1 = load(r, 2 * chunk + 1);
-        const uint4 q{codes(raw0.x, raw0.y), codes(raw0.z, raw0.w), codes(raw1.x, raw1.y),
-                      codes(raw1.z, raw1.w)};
-        *reinterpret_cast<uint4*>(out + L::out_offset(r, chunk)) = q;
-      }
+    for (int i = 0; i < 2 * (D / 16); ++i) {
+      const int r = r0 + 8 * (i / (D / 16)), chunk = i % (D / 16);
+      const uint4 raw0 = load(r, 2 * chunk), raw1 = load(r, 2 * chunk + 1);
+      const uint4 q{codes(raw0.x, raw0.y), codes(raw0.z, raw0.w), codes(raw1.x, raw1.y),
+                    codes(raw1.z, raw1.w)};
+      *reinterpret_cast<uint4*>(out + L::out_offset(r, chunk)) = q;
     }
   };
   if (zero)
