@@ -4,6 +4,7 @@
 // keeps a group's K/V within the L2 budget, counting a GQA K/V head once.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <random>
 #include <string>
 #include <vector>
@@ -16,6 +17,8 @@ using qattn::sage2::causal_group_heads;
 using qattn::sage2::item_place;
 using qattn::sage2::ItemPlace;
 using qattn::sage2::kCausalGroupL2Bytes;
+using qattn::sage2::kv_tiles_for_block;
+using qattn::sage2::mean_kv_tiles_per_item;
 
 void check_order(int num_m_blocks, int heads, bool causal, int group) {
   SCOPED_TRACE("blocks=" + std::to_string(num_m_blocks) + " heads=" + std::to_string(heads) +
@@ -75,6 +78,39 @@ TEST(WorkOrder, CausalGroupsFitTheL2Budget) {
       EXPECT_LE(g, 24);
       if (g > 1) EXPECT_LE(std::size_t(g) * 2 * nkv * d, kCausalGroupL2Bytes);
     }
+}
+
+// A query block's KV tile count is the number of 128-key tiles holding a key that one of
+// its rows sees (counted here pair by pair: causal aligned bottom-right, Nq != Nkv, rows
+// that see nothing), and the launch's mean is their average over the grid's blocks.
+TEST(WorkOrder, KvTilesPerBlockCountTheVisibleTiles) {
+  std::mt19937 rng(std::random_device{}());
+  std::uniform_int_distribution<int> len(1, 700);
+  for (int i = 0; i < 60; ++i) {
+    const int nq = i < 4 ? 128 * (i + 1) : len(rng), nkv = i < 4 ? 128 * (i + 1) : len(rng);
+    for (bool causal : {false, true}) {
+      SCOPED_TRACE("Nq=" + std::to_string(nq) + " Nkv=" + std::to_string(nkv) +
+                   " causal=" + std::to_string(causal));
+      const int blocks = (nq + 127) / 128;
+      long long sum = 0;
+      for (int m = 0; m < blocks; ++m) {
+        int tiles = 0;  // the last tile with a visible key, plus one
+        for (int r = m * 128; r < std::min(nq, (m + 1) * 128); ++r)
+          for (int k = 0; k < nkv; ++k)
+            if (!causal || k <= r + (nkv - nq)) tiles = std::max(tiles, k / 128 + 1);
+        ASSERT_EQ(kv_tiles_for_block(nq, nkv, causal, m), tiles) << "block " << m;
+        sum += tiles;
+      }
+      EXPECT_DOUBLE_EQ(mean_kv_tiles_per_item(nq, nkv, causal, blocks),
+                       static_cast<double>(sum) / blocks);
+    }
+  }
+  // The launch's threshold (16, launch.cu) against the benchmark grid: non-causal 2K and
+  // causal 4K reach it, causal 2K (8.5) and 1K do not.
+  EXPECT_EQ(mean_kv_tiles_per_item(2048, 2048, false, 16), 16.0);
+  EXPECT_EQ(mean_kv_tiles_per_item(2048, 2048, true, 16), 8.5);
+  EXPECT_EQ(mean_kv_tiles_per_item(4096, 4096, true, 32), 16.5);
+  EXPECT_EQ(mean_kv_tiles_per_item(1024, 1024, false, 8), 8.0);
 }
 
 }  // namespace

@@ -154,14 +154,6 @@ struct Pipeline {
   uint64_t v_full[kStages], v_empty[kStages];
 };
 
-// Number of KV tiles a 128-row query block must visit: up to the last key its last row
-// sees (all of them unless causal; none when that row sees no key).
-__device__ __forceinline__ int kv_tiles_for_block(const AttentionParams& p, int m_block) {
-  const int last_row = min((m_block + 1) * 128, p.seqlen_q) - 1;
-  const int last_key = scores::last_visible_key(p.seqlen_q, p.seqlen_kv, p.causal != 0, last_row);
-  return last_key < 0 ? 0 : last_key / groups::kKvTile + 1;
-}
-
 // gridDim.x, read where it is used: the producer warpgroup's 40 (or 24) registers cannot keep
 // loop invariants live (the compiler would hoist and spill them).
 __device__ __forceinline__ int grid_size() {
@@ -413,7 +405,8 @@ __global__ void __launch_bounds__(384, 1)
         const WorkItem w = decode_item(p, item);
         const int kv_slice = kv_slice_of(p, w);
         bar.item[slot] =
-            SlotItem{w.m_block, w.b * p.heads_q + w.hq, kv_slice, kv_tiles_for_block(p, w.m_block)};
+            SlotItem{w.m_block, w.b * p.heads_q + w.hq, kv_slice,
+                     kv_tiles_for_block(p.seqlen_q, p.seqlen_kv, p.causal != 0, w.m_block)};
         ItemSide<D>& side = s.side[slot];
         if (local > 0) {
           hopper::mbarrier_arrive_expect_tx(&bar.q_full[buf], q_slot_bytes);

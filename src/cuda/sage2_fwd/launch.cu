@@ -9,7 +9,6 @@
 #include "cuda/sage2_fwd/quantize.cuh"
 #include "cuda/sage2_fwd/work_order.h"
 #include "cuda/sage2_fwd/workspace.h"
-#include "numerics/int32_scores.h"
 
 namespace qattn::sage2 {
 namespace {
@@ -63,18 +62,6 @@ cudaError_t make_bhnd_map(CUtensorMap* map, const qattn_tensor& t, const qattn_f
 // on items of at least this many KV tiles on average, 232 are faster below it (NOTES
 // v18f-h: d=128 2K non-causal +1.5-2%, 1K and causal 2K -3-5% at 240).
 constexpr double kWideSplitMinTiles = 16.0;
-
-// Mean number of KV tiles of the grid's work items (128-row query blocks): every block's
-// tiles up to its last row's last visible key (kv_tiles_for_block, kernel.cuh).
-double mean_kv_tiles_per_item(const qattn_fwd_params& p, int num_m_blocks) {
-  int64_t tiles = 0;
-  for (int m = 0; m < num_m_blocks; ++m) {
-    const int last_row = std::min((m + 1) * 128, static_cast<int>(p.seqlen_q)) - 1;
-    const int last_key = scores::last_visible_key(p.seqlen_q, p.seqlen_kv, p.causal != 0, last_row);
-    tiles += last_key < 0 ? 0 : last_key / 128 + 1;
-  }
-  return num_m_blocks > 0 ? static_cast<double>(tiles) / num_m_blocks : 0.0;
-}
 
 template <int D, typename T>
 cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout& w, void* ws,
@@ -132,7 +119,8 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
   ap.num_m_blocks = w.nq_pad / Tr::kBlockM;
   const bool wide = split == RegisterSplit::kConsumers240 ||
                     (split == RegisterSplit::kAuto &&
-                     mean_kv_tiles_per_item(p, ap.num_m_blocks) >= kWideSplitMinTiles);
+                     mean_kv_tiles_per_item(p.seqlen_q, p.seqlen_kv, p.causal != 0,
+                                            ap.num_m_blocks) >= kWideSplitMinTiles);
   auto kernel = wide ? sage2_fwd_kernel<D, T, 240> : sage2_fwd_kernel<D, T, 232>;
   constexpr int smem = static_cast<int>(sizeof(SharedStorage<D>)) + 1024;
   int device = 0, num_sms = 0;

@@ -8,6 +8,8 @@
 #include <cstddef>
 
 #include "numerics/hd.h"
+#include "numerics/int32_scores.h"
+#include "numerics/mma_groups.h"
 
 namespace qattn::sage2 {
 
@@ -34,6 +36,23 @@ QATTN_HD ItemPlace item_place(int item, int num_m_blocks, int heads, bool causal
   const int in_group = std::min(causal_group, heads - g * causal_group);
   const int r = g * causal_group + i % in_group;
   return {num_m_blocks - 1 - i / in_group, r};
+}
+
+// Number of KV tiles a 128-row query block must visit: up to the last key its last row
+// sees (all of them unless causal, bottom-right aligned; none when that row sees no key).
+QATTN_HD int kv_tiles_for_block(int seqlen_q, int seqlen_kv, bool causal, int m_block) {
+  const int last_row = std::min((m_block + 1) * 128, seqlen_q) - 1;
+  const int last_key = scores::last_visible_key(seqlen_q, seqlen_kv, causal, last_row);
+  return last_key < 0 ? 0 : last_key / groups::kKvTile + 1;
+}
+
+// The mean of kv_tiles_for_block over a grid's query blocks: the launch chooses the
+// attention kernel's register split by it (launch.cu).
+inline double mean_kv_tiles_per_item(int seqlen_q, int seqlen_kv, bool causal, int num_m_blocks) {
+  long long tiles = 0;
+  for (int m = 0; m < num_m_blocks; ++m)
+    tiles += kv_tiles_for_block(seqlen_q, seqlen_kv, causal, m);
+  return num_m_blocks > 0 ? static_cast<double>(tiles) / num_m_blocks : 0.0;
 }
 
 // L2 that a causal group's K/V may take (the H200 has 50 MB; the rest holds Q and O).
