@@ -1,7 +1,8 @@
-// The order in which the attention kernel's persistent CTAs take their work items
-// (decode_item, kernel.cuh) and the size of the causal head groups (launch.cu). Plain
-// C++ usable on both sides, so the CPU tests can check that the order visits every item
-// exactly once.
+// The attention kernel's work items: the order in which its persistent CTAs take them
+// (decode_item, kernel.cuh), the size of the causal head groups (launch.cu), and how
+// many KV tiles each visits (the launch's register split depends on their mean). Plain
+// C++ usable on both sides, so the CPU tests can check the order visits every item
+// exactly once and the tile counts.
 #pragma once
 
 #include <algorithm>
