@@ -216,12 +216,6 @@ __device__ __forceinline__ SharedStorage<D>& consumer_storage(uint8_t* smem_raw,
     return shared_view;
 }
 
-// x, hidden from the optimizer: derived again where it is used instead of kept live.
-__device__ __forceinline__ int opaque(int x) {
-  asm volatile("" : "+r"(x));
-  return x;
-}
-
 template <int D, typename T, int kConsumerRegs>
 __global__ void __launch_bounds__(384, 1)
     sage2_fwd_kernel(const __grid_constant__ CUtensorMap tm_q,

@@ -46,13 +46,18 @@ struct QTileLayout {
   }
 };
 
+// x, hidden from the optimizer: derived again where it is used instead of kept live (the
+// producer warpgroup's 40 or 24 registers spill what the compiler hoists).
+__device__ __forceinline__ int opaque(int x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+
 // First of the two rows (r, r + 8) of thread tid. Opaque on purpose: otherwise the
 // compiler hoists every swizzled offset derived from it out of the caller's item loop
-// and spills them at the producer warpgroup's 40 (or 24) registers.
+// and spills them.
 __device__ __forceinline__ int q_tile_row_pair(int tid) {
-  int r0 = (tid / 32) * 64 + ((tid % 32) / 8) * 16 + tid % 8;
-  asm volatile("" : "+r"(r0));
-  return r0;
+  return opaque((tid / 32) * 64 + ((tid % 32) / 8) * 16 + tid % 8);
 }
 
 // sm_scale · q·c of thread tid's two rows (r, r + 8) of the 16-bit tile, for the LSE:

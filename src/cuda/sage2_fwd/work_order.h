@@ -50,6 +50,8 @@ QATTN_HD int kv_tiles_for_block(int seqlen_q, int seqlen_kv, bool causal, int m_
 // The mean of kv_tiles_for_block over a grid's query blocks: the launch chooses the
 // attention kernel's register split by it (launch.cu).
 inline double mean_kv_tiles_per_item(int seqlen_q, int seqlen_kv, bool causal, int num_m_blocks) {
+  // Without the mask every block sees every key: no loop on the call's host path.
+  if (!causal) return num_m_blocks > 0 ? kv_tiles_for_block(seqlen_q, seqlen_kv, false, 0) : 0.0;
   long long tiles = 0;
   for (int m = 0; m < num_m_blocks; ++m)
     tiles += kv_tiles_for_block(seqlen_q, seqlen_kv, causal, m);
