@@ -296,10 +296,14 @@ namespace {
 // emulation on those tensors to rounding: ex2.approx against std::exp2 and the FP32
 // summation order, which can move a P value to the neighbouring E4M3 code, plus the
 // final 16-bit rounding (bf16: 2^-9 relative).
-void check_against_emulation(Sage2Case c, const test::InputHook& hook = {}) {
+// `result`, if given, receives the GPU run (with the debug copy of Q; O is asserted to be
+// the same without it).
+void check_against_emulation(Sage2Case c, const test::InputHook& hook = {},
+                             test::Sage2Result* result = nullptr) {
   SCOPED_TRACE(c.describe());
   c.keep_q = true;
   const auto r = test::run_sage2(c, hook);
+  if (result != nullptr) *result = r;
   ASSERT_EQ(r.status, 0);
   {  // writing the debug copy of the quantized Q changes nothing else
     Sage2Case plain = c;
@@ -435,21 +439,27 @@ TEST(Sage2Forward, VOutliersBeyondTheSampledBound) {
     }
 }
 
+// A random case for the emulation comparisons: GQA ratios 1-3, lengths with tails up to
+// the given bounds, d 64 or 128, causal or not, bf16 or fp16.
+Sage2Case random_emulation_case(std::mt19937_64& rng, int max_nq, int max_nkv) {
+  Sage2Case c;
+  c.seed = rng();
+  c.heads_kv = 1 + rng() % 2;
+  c.heads_q = c.heads_kv * (1 + rng() % 3);
+  c.seqlen_q = 1 + rng() % max_nq;
+  c.seqlen_kv = 1 + rng() % max_nkv;
+  c.head_dim = (rng() % 2) ? 64 : 128;
+  c.causal = rng() % 2;
+  c.bf16 = rng() % 2;
+  return c;
+}
+
 TEST(Sage2Forward, MatchesEmulationRandomCases) {
   QATTN_SKIP_WITHOUT_GPU();
   const uint64_t seed = test::fresh_seed();
   std::mt19937_64 rng(seed);
   for (int i = 0; i < 4; ++i) {
-    Sage2Case c;
-    c.seed = rng();
-    c.heads_kv = 1 + rng() % 2;
-    c.heads_q = c.heads_kv * (1 + rng() % 3);
-    c.seqlen_q = 1 + rng() % 300;
-    c.seqlen_kv = 1 + rng() % 600;
-    c.head_dim = (rng() % 2) ? 64 : 128;
-    c.causal = rng() % 2;
-    c.bf16 = rng() % 2;
-    check_against_emulation(c);
+    check_against_emulation(random_emulation_case(rng, 300, 600));
     if (HasFailure()) {
       ADD_FAILURE() << "seed " << seed;
       return;
@@ -476,25 +486,18 @@ TEST(Sage2Forward, BothRegisterSplitsGiveTheSameBits) {
   cases[1].granularity = QATTN_QK_PER_BLOCK;
   for (int i = 2; i < 4; ++i) {
     Sage2Case& c = cases[i];
-    c.seed = rng();
-    c.heads_kv = 1 + rng() % 2;
-    c.heads_q = c.heads_kv * (1 + rng() % 3);
-    c.seqlen_q = 1 + rng() % 1500;
-    c.seqlen_kv = 1 + rng() % 2500;
+    c = random_emulation_case(rng, 1500, 2500);
     c.head_dim = std::array{64, 100, 128}[rng() % 3];
-    c.causal = rng() % 2;
-    c.bf16 = rng() % 2;
     c.layout = rng() % 2 ? test::Layout::NHD : test::Layout::HND;
     c.granularity = static_cast<qattn_qk_granularity>(rng() % 3);
   }
   for (Sage2Case c : cases) {
     SCOPED_TRACE(c.describe() + " seed " + std::to_string(seed));
+    test::Sage2Result r232, r240;
     c.split = sage2::RegisterSplit::kConsumers232;
-    check_against_emulation(c);
-    const auto r232 = test::run_sage2(c);
+    check_against_emulation(c, {}, &r232);
     c.split = sage2::RegisterSplit::kConsumers240;
-    check_against_emulation(c);
-    const auto r240 = test::run_sage2(c);
+    check_against_emulation(c, {}, &r240);
     ASSERT_EQ(r232.status, 0);
     ASSERT_EQ(r240.status, 0);
     EXPECT_TRUE(r240.all_written && r240.guard_intact && r240.lse_guard_intact);
