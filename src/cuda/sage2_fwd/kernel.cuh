@@ -647,11 +647,20 @@ __global__ void __launch_bounds__(384, 1)
   float o[kO];
 #pragma unroll
   for (int i = 0; i < kO; ++i) o[i] = 0.f;
+  // The next turn's V tile, and its K tile when it is of the same item, checked while this
+  // turn's MMAs run: a completed barrier still takes a try_wait round trip (~70 cycles
+  // each, NOTES v19c), which at a turn's start delays its MMA issue. The stages stay
+  // full until the consumers release them, so the phase checked here holds.
+  auto wait_ahead = [&](const Item& w, int it) {
+    hopper::mbarrier_wait(&bar.v_full[w.stage(it)], w.phase(it));
+    if (it + 1 < w.n_tiles) hopper::mbarrier_wait(&bar.k_full[w.stage(it + 1)], w.phase(it + 1));
+  };
   {  // the pipeline's first tile: nothing to overlap it with yet
     hopper::mbarrier_wait(&bar.k_full[cur.stage(0)], cur.phase(0));
     hopper::wgmma_fence();
     issue_qk(cur, 0);
     const float qk = tile_scale(cur, 0);
+    wait_ahead(cur, 0);
     hopper::wgmma_wait<0>();
     float x[kS];
     softmax_tile(cur, 0, qk, sm_cur, x, alpha);
@@ -662,12 +671,14 @@ __global__ void __launch_bounds__(384, 1)
   // of the next tile (tile it + 1 of cur, or the first tile of the next item). The MMAs
   // are issued on straight-line paths (no branch around a wgmma), which ptxas needs to
   // keep them asynchronous (C7520).
-  auto turn = [&](int it, const Item& nw, int nit, Softmax& sm_next, auto has_next) {
+  // V(it) and, within an item, K(nit) were checked by the turn before (wait_ahead); the
+  // first K tile of the next item is checked here (new_item).
+  auto turn = [&](int it, const Item& nw, int nit, Softmax& sm_next, auto has_next,
+                  auto new_item) {
     const int st = cur.stage(it);
     float qk_next = 0.f;
     float acc_o[kOAcc];
-    hopper::mbarrier_wait(&bar.v_full[st], cur.phase(it));
-    if constexpr (has_next) hopper::mbarrier_wait(&bar.k_full[nw.stage(nit)], nw.phase(nit));
+    if constexpr (new_item) hopper::mbarrier_wait(&bar.k_full[nw.stage(nit)], nw.phase(nit));
     hopper::wgmma_fence();
     if constexpr (has_next) issue_qk(nw, nit);
     issue_pv(st, acc_o);
@@ -675,6 +686,7 @@ __global__ void __launch_bounds__(384, 1)
     // of delaying the issue (3% at N=8K, NOTES v11).
     if constexpr (has_next) qk_next = tile_scale(nw, nit);
     resolve_store();
+    if constexpr (has_next) wait_ahead(nw, nit);
     float x[kS], alpha_next[2];
     if constexpr (kOverlapSoftmax && has_next) {
       // The softmax of the next tile runs while P·V(it) still computes; its P waits in x
@@ -702,14 +714,15 @@ __global__ void __launch_bounds__(384, 1)
   };
 
   while (true) {
-    for (int it = 0; it + 1 < cur.n_tiles; ++it) turn(it, cur, it + 1, sm_cur, std::true_type{});
+    for (int it = 0; it + 1 < cur.n_tiles; ++it)
+      turn(it, cur, it + 1, sm_cur, std::true_type{}, std::false_type{});
     Item nxt;
     Softmax sm_next;
     const bool more = open_item(nxt);
     if (more)
-      turn(cur.n_tiles - 1, nxt, 0, sm_next, std::true_type{});
+      turn(cur.n_tiles - 1, nxt, 0, sm_next, std::true_type{}, std::true_type{});
     else
-      turn(cur.n_tiles - 1, cur, 0, sm_next, std::false_type{});
+      turn(cur.n_tiles - 1, cur, 0, sm_next, std::false_type{}, std::false_type{});
     write_output(cur, o, sm_cur);
     if (!more) {
       // The last stores must have read shared memory before the CTA exits.
