@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -66,8 +67,11 @@ inline float from_bits16(uint16_t b, bool bf16) {
   return bf16 ? numerics::bf16_from_bits(b) : numerics::fp16_from_bits(b);
 }
 
-// A seed: fixed when given, else fresh (printed by the caller on failure).
+// A fresh seed (printed by the caller on failure), or QATTN_TEST_SEED's value, to run a
+// failure again with the seed it printed.
 inline uint64_t fresh_seed() {
+  if (const char* s = std::getenv("QATTN_TEST_SEED"); s != nullptr && *s != '\0')
+    return std::strtoull(s, nullptr, 10);
   return std::random_device{}() * 0x9E3779B97F4A7C15ull + std::random_device{}();
 }
 
