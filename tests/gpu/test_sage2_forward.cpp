@@ -298,8 +298,9 @@ namespace {
 // final 16-bit rounding (bf16: 2^-9 relative).
 // `result`, if given, receives the GPU run (with the debug copy of Q; O is asserted to be
 // the same without it).
+// `min_cos`: the O comparison's bound (see VOutliersBeyondTheSampledBound).
 void check_against_emulation(Sage2Case c, const test::InputHook& hook = {},
-                             test::Sage2Result* result = nullptr) {
+                             test::Sage2Result* result = nullptr, double min_cos = 0.99999) {
   SCOPED_TRACE(c.describe());
   c.keep_q = true;
   const auto r = test::run_sage2(c, hook);
@@ -339,7 +340,7 @@ void check_against_emulation(Sage2Case c, const test::InputHook& hook = {},
   const auto emu = emulate::sage2_attend(qz);
   const auto m =
       metrics::compare(std::span<const float>(r.o.data), std::span<const float>(emu.o.data));
-  EXPECT_GE(m.cos_sim, 0.99999) << "rel_l1=" << m.rel_l1;
+  EXPECT_GE(m.cos_sim, min_cos) << "rel_l1=" << m.rel_l1;
   EXPECT_LE(m.rel_l1, 5e-3);
   // The row sums are sums of the cast P (step 7), so where ex2.approx and std::exp2 put
   // a P on either side of an E4M3 rounding boundary, l moves by one code: at most
@@ -415,7 +416,12 @@ TEST(Sage2Forward, VOutliersBeyondTheSampledBound) {
             x = test::from_bits16(test::to_bits16(32.f * (std::fabs(x) + 2.f), c.bf16), c.bf16);
           }
       };
-      check_against_emulation(c, hook);
+      // The quantized tensors (and so the fix-up's codes and scales) are compared bit for
+      // bit; O to a looser bound than Gaussian inputs: where ex2.approx and std::exp2 put a
+      // P on either side of an E4M3 boundary, a value ~100x the channel's others carries the
+      // one-code difference into O (seed 10451546965365878640 gave CosSim 0.999975 on
+      // main at 20f6ee5 too; NOTES v19e).
+      check_against_emulation(c, hook, nullptr, 0.9999);
       c.keep_q = false;
       const auto r = test::run_sage2(c, hook);
       ASSERT_EQ(r.status, 0);

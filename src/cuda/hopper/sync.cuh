@@ -49,6 +49,19 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 
+// Whether the phase with the given parity has completed, without waiting (a check whose
+// latency can hide under other work; mbarrier_wait later where it had not).
+__device__ __forceinline__ bool mbarrier_test(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(smem_addr(bar)), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
 // Orders this thread's generic-proxy shared-memory accesses before later async-proxy
 // (TMA, wgmma) accesses.
 __device__ __forceinline__ void fence_proxy_async() {
