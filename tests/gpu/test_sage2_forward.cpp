@@ -483,10 +483,10 @@ TEST(Sage2Forward, BothRegisterSplitsGiveTheSameBits) {
   std::mt19937_64 rng(seed);
   std::vector<Sage2Case> cases(4);
   cases[0].seqlen_q = cases[0].seqlen_kv = 2048;  // the launch picks 240 here
-  cases[1].seqlen_q = 700;                        // and 232 here
-  cases[1].seqlen_kv = 2500;
+  cases[1].seqlen_q = 700;                        // and 232 here (d=128, ~5 tiles per item)
+  cases[1].seqlen_kv = 900;
   cases[1].causal = true;
-  cases[1].head_dim = 64;
+  cases[1].head_dim = 128;
   cases[1].heads_q = 4;
   cases[1].bf16 = false;
   cases[1].granularity = QATTN_QK_PER_BLOCK;

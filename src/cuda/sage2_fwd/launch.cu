@@ -58,9 +58,10 @@ cudaError_t make_bhnd_map(CUtensorMap* map, const qattn_tensor& t, const qattn_f
   return hopper::make_tensor_map_16bit_4d(map, t.data, dims, strides, 64, box_rows);
 }
 
-// The consumers' register split (kernel.cuh): 240 registers per consumer thread pay off
-// on items of at least this many KV tiles on average, 232 are faster below it (NOTES
-// v18f-h: d=128 2K non-causal +1.5-2%, 1K and causal 2K -3-5% at 240).
+// The consumers' register split (kernel.cuh): at d=128, 240 registers per consumer thread
+// pay off on items of at least this many KV tiles on average, 232 are faster below it
+// (NOTES v18f-h: 2K non-causal +1.5-2%, 1K and causal 2K -3-5% at 240; again after v19c:
+// causal 2K -2%, 1K -4%). d=64 takes 240 at every length (v19g: causal 2K +5%).
 constexpr double kWideSplitMinTiles = 16.0;
 
 template <int D, typename T>
@@ -119,8 +120,8 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
   ap.num_m_blocks = w.nq_pad / Tr::kBlockM;
   const bool wide = split == RegisterSplit::kConsumers240 ||
                     (split == RegisterSplit::kAuto &&
-                     mean_kv_tiles_per_item(p.seqlen_q, p.seqlen_kv, p.causal != 0,
-                                            ap.num_m_blocks) >= kWideSplitMinTiles);
+                     (D == 64 || mean_kv_tiles_per_item(p.seqlen_q, p.seqlen_kv, p.causal != 0,
+                                                        ap.num_m_blocks) >= kWideSplitMinTiles));
   auto kernel = wide ? sage2_fwd_kernel<D, T, 240> : sage2_fwd_kernel<D, T, 232>;
   constexpr int smem = static_cast<int>(sizeof(SharedStorage<D>)) + 1024;
   int device = 0, num_sms = 0;
