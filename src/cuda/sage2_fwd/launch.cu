@@ -61,7 +61,7 @@ cudaError_t make_bhnd_map(CUtensorMap* map, const qattn_tensor& t, const qattn_f
 // The consumers' register split (kernel.cuh): at d=128, 240 registers per consumer thread
 // pay off on items of at least this many KV tiles on average, 232 are faster below it
 // (NOTES v18f-h: 2K non-causal +1.5-2%, 1K and causal 2K -3-5% at 240; again after v19c:
-// causal 2K -2%, 1K -4%). d=64 takes 240 at every length (v19g: causal 2K +5%).
+// causal 2K -2%, 1K -4%). d=64 takes 240 at every length (v19g: causal 2K +1-5%).
 constexpr double kWideSplitMinTiles = 16.0;
 
 template <int D, typename T>
