@@ -58,20 +58,21 @@ cudaError_t once_per_context(std::atomic<unsigned long long>& done, Set set) {
   return cudaSuccess;
 }
 
-// The current device and its SM count (queried once per device: it survives resets).
-inline cudaError_t current_device_sms(int* device, int* sms) {
+// The current device's SM count (queried once per device: it survives resets).
+inline cudaError_t current_device_sms(int* sms) {
   static std::atomic<int> cached[64] = {};  // 0: not queried yet
-  if (cudaError_t e = cudaGetDevice(device); e != cudaSuccess) return e;
-  if (*device >= 0 && *device < 64) {
-    if (const int n = cached[*device].load(std::memory_order_relaxed); n > 0) {
+  int device = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  if (device >= 0 && device < 64) {
+    if (const int n = cached[device].load(std::memory_order_relaxed); n > 0) {
       *sms = n;
       return cudaSuccess;
     }
   }
-  if (cudaError_t e = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, *device);
+  if (cudaError_t e = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
       e != cudaSuccess)
     return e;
-  if (*device >= 0 && *device < 64) cached[*device].store(*sms, std::memory_order_relaxed);
+  if (device >= 0 && device < 64) cached[device].store(*sms, std::memory_order_relaxed);
   return cudaSuccess;
 }
 

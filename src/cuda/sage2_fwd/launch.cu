@@ -124,8 +124,8 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
                                                         ap.num_m_blocks) >= kWideSplitMinTiles));
   auto kernel = wide ? sage2_fwd_kernel<D, T, 240> : sage2_fwd_kernel<D, T, 232>;
   constexpr int smem = static_cast<int>(sizeof(SharedStorage<D>)) + 1024;
-  int device = 0, num_sms = 0;
-  if (auto e = hopper::current_device_sms(&device, &num_sms); e != cudaSuccess) return e;
+  int num_sms = 0;
+  if (auto e = hopper::current_device_sms(&num_sms); e != cudaSuccess) return e;
   static std::atomic<unsigned long long> configured[2] = {0, 0};
   if (auto e = hopper::once_per_context(
           configured[wide ? 1 : 0],

@@ -60,6 +60,22 @@ __device__ __forceinline__ uint32_t quantize_e4m3x2(float lo, float hi) {
   return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
 }
 
+// Row j (the j-th of a chunk's 8 channels) of a permuted 16-token group of Vᵀ: byte k is
+// the E4M3 code of channel j of chunk(v_token_at_position(k)), times inv. The K/V kernel
+// and the fix-up kernel both write Vᵀ with it, so a channel's codes depend only on its
+// amax, whichever kernel wrote them.
+template <typename T, typename Chunk>
+__device__ __forceinline__ uint4 vt_group_row(Chunk chunk, int j, float inv) {
+  uint32_t row[4] = {};
+#pragma unroll
+  for (int m = 0; m < 8; ++m)
+    row[m / 2] |=
+        quantize_e4m3x2(element<T>(chunk(groups::v_token_at_position(2 * m)), j) * inv,
+                        element<T>(chunk(groups::v_token_at_position(2 * m + 1)), j) * inv)
+        << (16 * (m % 2));
+  return make_uint4(row[0], row[1], row[2], row[3]);
+}
+
 // 8 consecutive floats (32-byte aligned) in two vector loads.
 __device__ __forceinline__ void load_floats8(const float* src, float (&out)[8]) {
   const float4 lo = reinterpret_cast<const float4*>(src)[0];
@@ -360,23 +376,13 @@ __device__ void quantize_v_part(const InputView<T>& v, const QuantizeParams& p,
     }
   }
 
-  // Row j of the output (channel ch0 + j) as 4 words; position k of the group holds token
-  // v_token_at_position(k), so byte pair (2m, 2m+1) comes from two token chunks.
-  uint32_t row[8][4] = {};
+  // Row j of the output: channel ch0 + j.
 #pragma unroll
-  for (int m = 0; m < kGroup / 2; ++m) {
-    const uint4 lo = slot[groups::v_token_at_position(2 * m)][lane];
-    const uint4 hi = slot[groups::v_token_at_position(2 * m + 1)][lane];
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-      row[j][m / 2] |= quantize_e4m3x2(element<T>(lo, j) * inv[j], element<T>(hi, j) * inv[j])
-                       << (16 * (m % 2));
-  }
-#pragma unroll
-  for (int j = 0; j < 8; ++j)
+  for (int j = 0; j < 8; ++j) {
+    const uint4 row = vt_group_row<T>([&](int t) { return slot[t][lane]; }, j, inv[j]);
     *reinterpret_cast<uint4*>(out.vt_f8 + (bh * D + ch0 + j) * p.nkv_pad + tok0) =
-        amax[j] > 0.f ? make_uint4(row[j][0], row[j][1], row[j][2], row[j][3])
-                      : make_uint4(0, 0, 0, 0);
+        amax[j] > 0.f ? row : make_uint4(0, 0, 0, 0);
+  }
 }
 
 template <int D>
@@ -461,16 +467,9 @@ __global__ void __launch_bounds__(kFixupThreads)
     for (int j = 0; j < 8; ++j) {
       const float a = amax[c0 + j];
       if (a == 0.f) continue;
-      const float inv = kE4m3Max / a;
-      uint32_t row[4] = {};
-#pragma unroll
-      for (int m = 0; m < kGroup / 2; ++m)
-        row[m / 2] |=
-            quantize_e4m3x2(element<T>(x[groups::v_token_at_position(2 * m)], j) * inv,
-                            element<T>(x[groups::v_token_at_position(2 * m + 1)], j) * inv)
-            << (16 * (m % 2));
+      const uint4 row = vt_group_row<T>([&](int t) { return x[t]; }, j, kE4m3Max / a);
       *reinterpret_cast<uint4*>(out.vt_f8 + (bh * D + c0 + j) * p.nkv_pad + g0) =
-          a > 0.f ? make_uint4(row[0], row[1], row[2], row[3]) : make_uint4(0, 0, 0, 0);
+          a > 0.f ? row : make_uint4(0, 0, 0, 0);
     }
   }
 }
