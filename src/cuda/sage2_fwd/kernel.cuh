@@ -109,16 +109,21 @@ inline constexpr int kQSlots = D == 64 ? 3 : 2;
 inline constexpr int kQinBuffers = 2;
 
 // The small per-item data in shared memory, so no consumer waits on a global load at
-// the start or the end of an item (NOTES v10): V amax and c are bulk-copied with the Q
-// tile; the Q scales and q·c come from the Q tile quantizer.
+// the start or the end of an item (NOTES v10). V amax and c are bulk-copied with the Q
+// tile into its 16-bit buffer's QInSide; the quantizer turns them into the Q slot's
+// ItemSide with the Q scales and q·c.
+template <int D>
+struct QInSide {
+  float v_amax[D];  // the KV head's per-channel V amax
+  float k_mean[D];  // c of the KV head
+};
 template <int D>
 struct ItemSide {
   float q_scale[2 * groups::kQThreadGroupsPerBlock];  // the 128 rows' Q scale groups
   float q_dot_c[128];                                 // q·c per row (LSE correction)
-  // The KV head's per-channel V scale: loaded as the amax, which the quantizer divides
-  // by 448 in place, so the consumers' epilogue does no division (NOTES v14e).
+  // The per-channel V scale, amax / 448, divided by the quantizer so the consumers'
+  // epilogue does no division (NOTES v14e).
   float v_scale[D];
-  float k_mean[D];  // c of the KV head
 };
 
 // A claimed work item as the Q loader publishes it in its Q slot, decoded once for all
@@ -136,6 +141,7 @@ struct SharedStorage {
   alignas(1024) uint8_t q[kQSlots<D>][Tr::kQBytes];                   // INT8, wgmma layout
   alignas(1024) uint8_t k[Tr::kStages][Tr::kKBytes];
   alignas(1024) uint8_t v[Tr::kStages][Tr::kVStageBytes];
+  alignas(16) QInSide<D> side_in[kQinBuffers];
   alignas(16) ItemSide<D> side[kQSlots<D>];
   alignas(16) float k_scale[Tr::kStages][groups::kKThreadGroupsPerTile];  // with its K tile
 };
@@ -146,7 +152,8 @@ struct SharedStorage {
 // consumers.
 template <int D, int kStages>
 struct Pipeline {
-  SlotItem item[kQSlots<D>];  // the work item of each Q slot
+  SlotItem item_in[kQinBuffers];  // the work item of each 16-bit buffer (the Q loader's claim)
+  SlotItem item[kQSlots<D>];      // and of each Q slot (the quantizer's copy)
   uint64_t q_full[kQinBuffers], qin_free[kQinBuffers];
   uint64_t q0_tile;  // the first item's 16-bit Q tile (loaded and quantized before the wait)
   uint64_t q_ready[kQSlots<D>], q_empty[kQSlots<D>];
@@ -274,8 +281,8 @@ __global__ void __launch_bounds__(384, 1)
   __syncthreads();
   const bool want_q_dot_c = p.lse != nullptr || p.q_debug.q_dot_c != nullptr;
   // Bytes that complete an item's q_full: the 16-bit Q tile, V amax and (for q·c) c.
-  const uint32_t q_slot_bytes = QTileLayout<D>::kInBytes + sizeof(ItemSide<D>::v_scale) +
-                                (want_q_dot_c ? sizeof(ItemSide<D>::k_mean) : 0);
+  const uint32_t q_slot_bytes = QTileLayout<D>::kInBytes + sizeof(QInSide<D>::v_amax) +
+                                (want_q_dot_c ? sizeof(QInSide<D>::k_mean) : 0);
   // Loads an item's 16-bit Q tile into a buffer (Q loader).
   auto load_q_tile = [&](int buf, const WorkItem& w, uint64_t* full) {
 #pragma unroll
@@ -323,12 +330,13 @@ __global__ void __launch_bounds__(384, 1)
           const int slot = local % kQSlots<D>, buf = local % kQinBuffers;
           SharedStorage<D>& st = storage();
           ItemSide<D>& side = st.side[slot];
-          // q_full implies q_empty (the loader waits on it first); waiting on q_empty too
-          // makes the consumers' last reads of this slot's scales direct predecessors of
-          // the writes below (the path through the TMA is invisible to racecheck).
+          // The slot is free once the consumers are done with item local - kQSlots; the
+          // 16-bit tile, its side data and the item were loaded into buffer `buf` as soon
+          // as that was free, usually long before (NOTES v20a).
           hopper::mbarrier_wait(&bar.q_empty[slot], ((local / kQSlots<D>)&1) ^ 1);
           hopper::mbarrier_wait(&bar.q_full[buf], (local / kQinBuffers) & 1);
-          if (bar.item[slot].m_block < 0) {  // no more work: the consumers learn it from q_ready
+          if (threadIdx.x == 32) bar.item[slot] = bar.item_in[buf];  // published by q_ready
+          if (bar.item_in[buf].m_block < 0) {  // no more work: the consumers learn it from q_ready
             hopper::mbarrier_arrive(&bar.q_ready[slot]);
             break;
           }
@@ -336,7 +344,7 @@ __global__ void __launch_bounds__(384, 1)
           const int tid = keep(threadIdx.x - 32);
           if (local == 0) {  // quantized before the wait
             if (want_q_dot_c)
-              q_tile_dot_c<D, T>(st.q_in[0], side.q_dot_c, side.k_mean, tid, p.sm_scale);
+              q_tile_dot_c<D, T>(st.q_in[0], side.q_dot_c, st.side_in[0].k_mean, tid, p.sm_scale);
           } else {
 #if QATTN_EXPERIMENT_NO_Q_QUANT  // knockout for bench/NOTES.md: wrong results, timing only
             // Each slot is quantized once, so the MMAs still see real data (an all-zero
@@ -344,7 +352,7 @@ __global__ void __launch_bounds__(384, 1)
             if (local < kQSlots<D>)
 #endif
               quantize_q_tile<D, T, kLowRegs>(st.q_in[buf], st.q[slot], side.q_scale, q_dot_c,
-                                              want_q_dot_c ? side.k_mean : nullptr, tid,
+                                              want_q_dot_c ? st.side_in[buf].k_mean : nullptr, tid,
                                               p.granularity, p.scale_log2, p.sm_scale);
           }
         }
@@ -355,53 +363,51 @@ __global__ void __launch_bounds__(384, 1)
         if (p.q_debug.q_i8 != nullptr) {
           // Read here rather than kept live across the quantization, which would spill at
           // 40 (or 24) registers.
-          const SlotItem wd = bar.item[slot];
+          const SlotItem wd = bar.item_in[buf];
           // the item's 128 rows start at row m_block·128, its 64 scale groups at m_block·64
           const int64_t row0 = static_cast<int64_t>(wd.bh_q) * p.nq_pad + wd.m_block * Tr::kBlockM;
           copy_q_tile_debug<D>(st.q[slot], side.q_scale, want_q_dot_c ? side.q_dot_c : nullptr, tid,
                                p.q_debug, row0, row0 / 2);
         }
-        // V amax -> V scale (docs/sage2-kernel-arithmetic.md, step 4), in place.
+        // V amax -> V scale (docs/sage2-kernel-arithmetic.md, step 4).
 #pragma unroll 1
         for (int ch = tid; ch < D; ch += kQTileThreads)
-          side.v_scale[ch] = side.v_scale[ch] / kE4m3MaxF;
-        // The INT8 tile is read by wgmma (async proxy) after the consumers' wait; the side
-        // data will be overwritten by TMA.
+          side.v_scale[ch] = st.side_in[buf].v_amax[ch] / kE4m3MaxF;
+        // The INT8 tile is read by wgmma (async proxy) after the consumers' wait; the
+        // buffer will be overwritten by TMA.
         hopper::fence_proxy_async();
-        // The 16-bit tile is read. With more Q slots than buffers nothing else orders
-        // this before the buffer's reload: item local + 2's Q overwrote item 0's before
-        // it was quantized (NOTES v13e).
+        // The buffer (16-bit tile, side data, item) is read: the Q loader may refill it.
         hopper::mbarrier_arrive(&bar.qin_free[buf]);
         hopper::mbarrier_arrive(&bar.q_ready[slot]);
       }
     }
     // Two loader threads with separate loops, so each fits the warpgroup's registers:
     // warp 3 loads every item's Q tile and side data, warp 0 the K/V ring.
-    // The Q loader also claims the items: it writes each one to its slot before it
-    // arrives on q_full, which the quantizer and the K/V loader wait on (and the
-    // consumers, through q_ready).
+    // The Q loader also claims the items: it writes each one to its buffer before it
+    // arrives on q_full, which the quantizer and the K/V loader wait on (the consumers
+    // read the quantizer's copy in the Q slot, through q_ready).
     if (threadIdx.x == 96) {
       hopper::grid_dependency_wait();  // claims read the work counter; side data are outputs
       for (int local = 0;; ++local) {
-        const int slot = local % kQSlots<D>, buf = local % kQinBuffers;
-        hopper::mbarrier_wait(&bar.q_empty[slot], ((local / kQSlots<D>)&1) ^ 1);
+        const int buf = local % kQinBuffers;
         // Buffer `buf` is free once item local - 2's tile in it is quantized, the K/V
         // loader has read that item (so q_full cannot run a phase ahead of it), and item
-        // local - 3's O staged there is stored.
+        // local - 3's O staged there is stored. The Q slot is not waited for: the load
+        // is off the quantizer's path (NOTES v20a).
         if (local >= kQinBuffers)
           hopper::mbarrier_wait(&bar.qin_free[buf], (local / kQinBuffers - 1) & 1);
         const int item = next_item(p, local);
         if (item >= num_items) {
-          bar.item[slot] = SlotItem{-1, 0, 0, 0};
+          bar.item_in[buf] = SlotItem{-1, 0, 0, 0};
           hopper::mbarrier_arrive(&bar.q_full[buf]);
           break;
         }
         const WorkItem w = decode_item(p, item);
         const int kv_slice = kv_slice_of(p, w);
-        bar.item[slot] =
+        bar.item_in[buf] =
             SlotItem{w.m_block, w.b * p.heads_q + w.hq, kv_slice,
                      kv_tiles_for_block(p.seqlen_q, p.seqlen_kv, p.causal != 0, w.m_block)};
-        ItemSide<D>& side = s.side[slot];
+        QInSide<D>& side = s.side_in[buf];
         if (local > 0) {
           hopper::mbarrier_arrive_expect_tx(&bar.q_full[buf], q_slot_bytes);
           load_q_tile(buf, w, &bar.q_full[buf]);
@@ -409,8 +415,8 @@ __global__ void __launch_bounds__(384, 1)
           hopper::mbarrier_arrive_expect_tx(&bar.q_full[buf],
                                             q_slot_bytes - QTileLayout<D>::kInBytes);
         }
-        hopper::bulk_load(side.v_scale, p.v_amax + static_cast<int64_t>(kv_slice) * D,
-                          sizeof(side.v_scale), &bar.q_full[buf]);
+        hopper::bulk_load(side.v_amax, p.v_amax + static_cast<int64_t>(kv_slice) * D,
+                          sizeof(side.v_amax), &bar.q_full[buf]);
         if (want_q_dot_c)
           hopper::bulk_load(side.k_mean, p.k_mean + static_cast<int64_t>(kv_slice) * D,
                             sizeof(side.k_mean), &bar.q_full[buf]);
@@ -425,7 +431,7 @@ __global__ void __launch_bounds__(384, 1)
       for (int local = 0;; ++local) {
         const int buf = local % kQinBuffers;
         hopper::mbarrier_wait(&bar.q_full[buf], (local / kQinBuffers) & 1);
-        const SlotItem w = bar.item[local % kQSlots<D>];
+        const SlotItem w = bar.item_in[buf];
         // Read: the buffer's q_full may complete its next phase (item local + 2) only
         // after this, or this loader could miss a phase and wait on the wrong one.
         hopper::mbarrier_arrive(&bar.qin_free[buf]);
