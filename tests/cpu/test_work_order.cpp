@@ -1,7 +1,8 @@
 // The attention kernel's work order (src/cuda/sage2_fwd/work_order.h): every item of a
 // grid is visited exactly once; non-causal keeps a head's blocks together; causal takes
-// heads in groups, each group's blocks from longest to shortest; and the group size
-// keeps a group's K/V within the L2 budget, counting a GQA K/V head once.
+// heads in groups, each group's blocks from longest to shortest, and then every head's
+// shortest blocks, longest first; the group size keeps a group's K/V within the L2
+// budget, counting a GQA K/V head once; and the tail fills the asked rounds of the grid.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -14,20 +15,23 @@
 namespace {
 
 using qattn::sage2::causal_group_heads;
+using qattn::sage2::causal_tail_blocks;
+using qattn::sage2::kCausalTailRounds;
 using qattn::sage2::item_place;
 using qattn::sage2::ItemPlace;
 using qattn::sage2::kCausalGroupL2Bytes;
 using qattn::sage2::kv_tiles_for_block;
 using qattn::sage2::mean_kv_tiles_per_item;
 
-void check_order(int num_m_blocks, int heads, bool causal, int group) {
+void check_order(int num_m_blocks, int heads, bool causal, int group, int tail) {
   SCOPED_TRACE("blocks=" + std::to_string(num_m_blocks) + " heads=" + std::to_string(heads) +
-               " causal=" + std::to_string(causal) + " group=" + std::to_string(group));
+               " causal=" + std::to_string(causal) + " group=" + std::to_string(group) +
+               " tail=" + std::to_string(tail));
   const int items = num_m_blocks * heads;
   std::vector<int> seen(items, 0);
   ItemPlace prev{};
   for (int item = 0; item < items; ++item) {
-    const ItemPlace at = item_place(item, num_m_blocks, heads, causal, group);
+    const ItemPlace at = item_place(item, num_m_blocks, heads, causal, group, tail);
     ASSERT_GE(at.m_block, 0);
     ASSERT_LT(at.m_block, num_m_blocks);
     ASSERT_GE(at.head, 0);
@@ -36,11 +40,16 @@ void check_order(int num_m_blocks, int heads, bool causal, int group) {
     if (!causal) {
       EXPECT_EQ(at.head, item / num_m_blocks);  // a head's blocks are consecutive
       EXPECT_EQ(at.m_block, item % num_m_blocks);
-    } else {
-      EXPECT_EQ(at.head / group, item / (group * num_m_blocks)) << "item " << item;
+    } else if (item < heads * (num_m_blocks - tail)) {
+      EXPECT_EQ(at.head / group, item / (group * (num_m_blocks - tail))) << "item " << item;
+      EXPECT_GE(at.m_block, tail) << "item " << item;  // the shortest blocks come last
       // Within a group the blocks never get longer (block m sees m + 1 key tiles).
       if (item > 0 && at.head / group == prev.head / group)
         EXPECT_LE(at.m_block, prev.m_block) << "item " << item;
+    } else {
+      // The tail: every head's blocks below `tail`, never getting longer.
+      EXPECT_LT(at.m_block, tail) << "item " << item;
+      if (item > heads * (num_m_blocks - tail)) EXPECT_LE(at.m_block, prev.m_block) << "item " << item;
     }
     prev = at;
   }
@@ -52,13 +61,36 @@ TEST(WorkOrder, EveryItemOnceInEachOrder) {
   for (bool causal : {false, true})
     for (int blocks : {1, 2, 16, 33})
       for (int heads : {1, 7, 128})
-        for (int group : {1, 3, 48, 128, 500}) check_order(blocks, heads, causal, group);
+        for (int group : {1, 3, 48, 128, 500})
+          for (int tail : {0, blocks / 4, blocks}) check_order(blocks, heads, causal, group, tail);
 }
 
 TEST(WorkOrder, EveryItemOnceOnRandomGrids) {
   std::mt19937 rng(std::random_device{}());
-  std::uniform_int_distribution<int> blocks(1, 64), heads(1, 200), group(1, 220);
-  for (int i = 0; i < 50; ++i) check_order(blocks(rng), heads(rng), true, group(rng));
+  std::uniform_int_distribution<int> blocks(1, 64), heads(1, 200), group(1, 220), grid(1, 200);
+  for (int i = 0; i < 50; ++i) {
+    const int b = blocks(rng), h = heads(rng);
+    check_order(b, h, true, group(rng), causal_tail_blocks(b, h, grid(rng)));
+  }
+}
+
+TEST(WorkOrder, CausalTailFillsTheAskedRounds) {
+  // B = 4, H = 32 on 132 SMs: 2K (16 blocks per head) ends on its 4 shortest blocks of
+  // every head, 512 items = 3.9 rounds; 8K (64 blocks) on 4 blocks as well.
+  EXPECT_EQ(causal_tail_blocks(16, 128, 132), 4);
+  EXPECT_EQ(causal_tail_blocks(64, 128, 132), 4);
+  // B = 1, H = 32, 8K: 13 blocks per head (416 items).
+  EXPECT_EQ(causal_tail_blocks(64, 32, 132), (kCausalTailRounds * 132 + 31) / 32);
+  // Never more than a quarter of a head's blocks; none for one block.
+  EXPECT_EQ(causal_tail_blocks(8, 1, 132), 2);
+  EXPECT_EQ(causal_tail_blocks(1, 8, 132), 0);
+  for (int b = 1; b < 70; b += 3)
+    for (int h : {1, 5, 32, 128, 1000}) {
+      const int t = causal_tail_blocks(b, h, 132);
+      EXPECT_GE(t, 0);
+      EXPECT_LE(t, b / 4);
+      if (t < b / 4) EXPECT_GE(t * h, kCausalTailRounds * 132);
+    }
 }
 
 TEST(WorkOrder, CausalGroupsFitTheL2Budget) {

@@ -57,6 +57,7 @@ struct AttentionParams {
   int num_m_blocks;  // nq_pad / 128
   int batch;
   int causal_group;   // causal: query heads per group of the item order (work_order.h)
+  int causal_tail;    // causal: blocks per head in the order's tail (work_order.h)
   int* item_counter;  // [0]: items handed out past the first gridDim.x, [1]: CTAs done;
                       // zero at launch, and put back to zero by the last CTA
 };
@@ -141,9 +142,9 @@ struct SharedStorage {
   alignas(1024) uint8_t q[kQSlots<D>][Tr::kQBytes];                   // INT8, wgmma layout
   alignas(1024) uint8_t k[Tr::kStages][Tr::kKBytes];
   alignas(1024) uint8_t v[Tr::kStages][Tr::kVStageBytes];
-  alignas(16) QInSide<D> side_in[kQinBuffers];
   alignas(16) ItemSide<D> side[kQSlots<D>];
   alignas(16) float k_scale[Tr::kStages][groups::kKThreadGroupsPerTile];  // with its K tile
+  alignas(16) QInSide<D> side_in[kQinBuffers];  // last: the consumers' offsets stay as before
 };
 
 // The pipeline's mbarriers and each Q slot's work item, in static shared memory: every
@@ -152,8 +153,8 @@ struct SharedStorage {
 // consumers.
 template <int D, int kStages>
 struct Pipeline {
-  SlotItem item_in[kQinBuffers];  // the work item of each 16-bit buffer (the Q loader's claim)
-  SlotItem item[kQSlots<D>];      // and of each Q slot (the quantizer's copy)
+  SlotItem item[kQSlots<D>];      // the work item of each Q slot (the quantizer's copy)
+  SlotItem item_in[kQinBuffers];  // and of each 16-bit buffer (the Q loader's claim)
   uint64_t q_full[kQinBuffers], qin_free[kQinBuffers];
   uint64_t q0_tile;  // the first item's 16-bit Q tile (loaded and quantized before the wait)
   uint64_t q_ready[kQSlots<D>], q_empty[kQSlots<D>];
@@ -182,10 +183,11 @@ struct WorkItem {
 // measured build's machine code in the consumers (only the producer's registers differ).
 __device__ __forceinline__ WorkItem decode_item(const AttentionParams& p, int item) {
   if (!p.causal) {
-    const ItemPlace at = item_place(item, p.num_m_blocks, 0, false, 1);
+    const ItemPlace at = item_place(item, p.num_m_blocks, 0, false, 1, 0);
     return {at.m_block, at.head % p.heads_q, at.head / p.heads_q};
   }
-  const ItemPlace at = item_place(item, p.num_m_blocks, p.heads_q * p.batch, true, p.causal_group);
+  const ItemPlace at =
+      item_place(item, p.num_m_blocks, p.heads_q * p.batch, true, p.causal_group, p.causal_tail);
   return {at.m_block, at.head % p.heads_q, at.head / p.heads_q};
 }
 // The Q loader's claim of this CTA's work item number `local` (one thread per CTA).

@@ -139,6 +139,7 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
   // Persistent grid: one CTA per SM (384 threads at 168 registers fill an SM).
   const int64_t items = static_cast<int64_t>(ap.num_m_blocks) * p.heads_q * p.batch;
   const int grid = static_cast<int>(std::min<int64_t>(items, num_sms));
+  ap.causal_tail = causal_tail_blocks(ap.num_m_blocks, p.heads_q * p.batch, grid);
   // May start while the K/V quantization kernel ends (kernel.cuh: the wait).
   return hopper::early_launch(kernel, dim3(grid), dim3(Tr::kThreads), smem, stream, tm_q, tm_k,
                               tm_vt, tm_o, ap);

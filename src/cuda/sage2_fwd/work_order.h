@@ -24,19 +24,44 @@ struct ItemPlace {
 // flight share that head's K/V in L2 (with query blocks slowest, a causal grid thrashed
 // L2 and ran 6% slower at N = 8K, NOTES v6). Causal: the heads go in groups of
 // `causal_group` whose K/V fit in L2 together, and within a group every head's longest
-// block (the last one) comes first, then every head's next longest: the grid ends on
-// short items (kernel-only causal 2K +9% over longest-first within each head, NOTES v16g).
+// block (the last one) comes first, then every head's next longest (kernel-only causal
+// 2K +9% over longest-first within each head, NOTES v16g). The `tail_blocks` shortest
+// blocks of every head are left out of the groups and come last, all heads together,
+// longest first: the grid ends on several rounds of short items however few heads the
+// last group has (they read only the first K/V tiles of each head). NOTES v20b.
 QATTN_HD ItemPlace item_place(int item, int num_m_blocks, int heads, bool causal,
-                              int causal_group) {
+                              int causal_group, int tail_blocks) {
   if (!causal) {
     const int r = item / num_m_blocks, m = item % num_m_blocks;
     return {m, r};
   }
-  const int per_group = causal_group * num_m_blocks;
+  const int group_blocks = num_m_blocks - tail_blocks;  // per head, in the groups
+  const int grouped = heads * group_blocks;
+  if (item >= grouped) {
+    const int i = item - grouped;
+    return {tail_blocks - 1 - i / heads, i % heads};
+  }
+  const int per_group = causal_group * group_blocks;
   const int g = item / per_group, i = item % per_group;
   const int in_group = std::min(causal_group, heads - g * causal_group);
   const int r = g * causal_group + i % in_group;
   return {num_m_blocks - 1 - i / in_group, r};
+}
+
+// Rounds of the grid that the causal order's tail of short blocks should fill: the Q
+// loader claims up to two items ahead of the one running (kernel.cuh), so the last
+// claims must be short for the CTAs to end together.
+#ifndef QATTN_SAGE2_TAIL_ROUNDS
+#define QATTN_SAGE2_TAIL_ROUNDS 3
+#endif
+inline constexpr int kCausalTailRounds = QATTN_SAGE2_TAIL_ROUNDS;
+
+// The number of shortest blocks per head in the causal order's tail: enough for
+// kCausalTailRounds items per CTA, at most a quarter of a head's blocks.
+inline int causal_tail_blocks(int num_m_blocks, int heads, int grid) {
+  if (heads <= 0) return 0;
+  const int want = (kCausalTailRounds * grid + heads - 1) / heads;
+  return std::min(want, num_m_blocks / 4);
 }
 
 // Number of KV tiles a 128-row query block must visit: up to the last key its last row
