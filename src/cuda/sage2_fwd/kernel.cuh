@@ -68,10 +68,19 @@ struct AttentionParams {
 // consumers at 232 with the producer warpgroup (loaders and the Q quantizer, rolled
 // loops) at 40, or at 240 with the producer at 24. 240 is faster on long items and
 // slower on short ones (NOTES v18f); the launch chooses (launch.cu).
-inline constexpr int kLaunchRegs = 168;
-template <int kConsumerRegs>
-inline constexpr int kProducerRegsFor = (kLaunchRegs * 384 - kConsumerRegs * 256) / 128;
-static_assert(kProducerRegsFor<232> == 40 && kProducerRegsFor<240> == 24);
+// A third shape: 512 threads, where a fourth warpgroup holds the two loaders and all
+// four warps of warpgroup 0 quantize Q (one warp per scheduler instead of two of the
+// four), each producer warpgroup at 24 with the consumers at 232 (kQuantWarps = 4).
+template <int kQuantWarps>
+inline constexpr int kCtaThreads = kQuantWarps == 4 ? 512 : 384;
+template <int kQuantWarps>
+inline constexpr int kLaunchRegs = 65536 / kCtaThreads<kQuantWarps> / 8 * 8;  // 168 or 128
+template <int kConsumerRegs, int kQuantWarps = 2>
+inline constexpr int kProducerRegsFor =
+    (kLaunchRegs<kQuantWarps> * kCtaThreads<kQuantWarps> - kConsumerRegs * 256) /
+    (kCtaThreads<kQuantWarps> - 256);
+static_assert(kProducerRegsFor<232> == 40 && kProducerRegsFor<240> == 24 &&
+              kProducerRegsFor<232, 4> == 24);
 
 template <int D>
 struct KernelTraits {
@@ -81,7 +90,6 @@ struct KernelTraits {
 #else
   static constexpr int kStages = D == 128 ? 3 : 4;
 #endif
-  static constexpr int kThreads = 384;
   static constexpr int kConsumerThreads = 256;
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
   static constexpr int kQBytes = kBlockM * D, kKBytes = kBlockN * D, kVBytes = D * kBlockN;
@@ -160,6 +168,7 @@ struct Pipeline {
   uint64_t q_ready[kQSlots<D>], q_empty[kQSlots<D>];
   uint64_t k_full[kStages], k_empty[kStages];
   uint64_t v_full[kStages], v_empty[kStages];
+  float block_amax[2 * 4];  // the four-warp quantizer's per-block amax (quantize_q_row)
 };
 
 // gridDim.x, read where it is used: the producer warpgroup's 40 (or 24) registers cannot keep
@@ -225,13 +234,21 @@ __device__ __forceinline__ SharedStorage<D>& consumer_storage(uint8_t* smem_raw,
     return shared_view;
 }
 
-template <int D, typename T, int kConsumerRegs>
-__global__ void __launch_bounds__(384, 1)
+template <int D, typename T, int kConsumerRegs, int kQuantWarps = 2>
+__global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
     sage2_fwd_kernel(const __grid_constant__ CUtensorMap tm_q,
                      const __grid_constant__ CUtensorMap tm_k,
                      const __grid_constant__ CUtensorMap tm_vt,
                      const __grid_constant__ CUtensorMap tm_o, const AttentionParams p) {
   using Tr = KernelTraits<D>;
+  constexpr int kThreads = kCtaThreads<kQuantWarps>;
+  constexpr int kProducerRegs = kProducerRegsFor<kConsumerRegs, kQuantWarps>;
+  // The producer roles: Q quantizer threads [kQuantFirst, kQuantFirst + kQuantThreads),
+  // the K/V loader and the Q loader (one thread each, in other warps).
+  constexpr int kQuantThreads = 32 * kQuantWarps;
+  constexpr int kQuantFirst = kQuantWarps == 4 ? 0 : 32;
+  constexpr int kKvLoader = kQuantWarps == 4 ? 384 : 0;
+  constexpr int kQLoader = kQuantWarps == 4 ? 416 : 96;
   extern __shared__ uint8_t smem_raw[];
   // The storage starts at the first 1024-byte boundary (the TMA 128B swizzle). The
   // __shared__ array itself is offset, not an integer address: the compiler then knows
@@ -252,13 +269,13 @@ __global__ void __launch_bounds__(384, 1)
       // Phase j of buffer b: the quantizer has read item 2j + b's Q tile (every thread),
       // the K/V loader has read that item, and the two store threads' TMA stores of
       // item 2j + b - 1's O (staged here) have read it.
-      hopper::mbarrier_init(&bar.qin_free[i], kQTileThreads + 3);
+      hopper::mbarrier_init(&bar.qin_free[i], kQuantThreads + 3);
     }
 #pragma unroll
     for (int i = 0; i < kQSlots<D>; ++i) {
       // Every thread arrives on these two (once per item): each thread's own shared-memory
       // writes or reads are then ordered by the barrier itself.
-      hopper::mbarrier_init(&bar.q_ready[i], kQTileThreads);
+      hopper::mbarrier_init(&bar.q_ready[i], kQuantThreads);
       hopper::mbarrier_init(&bar.q_empty[i], Tr::kConsumerThreads);
     }
 #pragma unroll
@@ -276,7 +293,7 @@ __global__ void __launch_bounds__(384, 1)
     // The ones rows of every V stage (0x38 = E4M3 1.0; equal bytes need no swizzle),
     // written once: the TMA fills only the D rows before them.
     constexpr int kWords = Tr::kVOnesRows * Tr::kBlockN / 4;
-    for (int i = threadIdx.x; i < Tr::kStages * kWords; i += Tr::kThreads)
+    for (int i = threadIdx.x; i < Tr::kStages * kWords; i += kThreads)
       reinterpret_cast<uint32_t*>(s.v[i / kWords] + D * Tr::kBlockN)[i % kWords] = 0x38383838u;
     hopper::fence_proxy_async();  // read by wgmma
   }
@@ -299,21 +316,21 @@ __global__ void __launch_bounds__(384, 1)
   // Launched early (programmatic dependent launch) while those kernels end, the CTA
   // waits for them only in the roles that read their outputs (the two loaders and the
   // quantizer, before its side data); the consumers read none (NOTES v17f).
-  if (threadIdx.x == 96) {
+  if (threadIdx.x == kQLoader) {
     hopper::tma_prefetch_descriptor(&tm_q);
     hopper::mbarrier_arrive_expect_tx(&bar.q0_tile, QTileLayout<D>::kInBytes);
     load_q_tile(0, decode_item(p, static_cast<int>(blockIdx.x)), &bar.q0_tile);
   }
 
-  if (warpgroup == 0) {
+  if (warpgroup == 0 || (kQuantWarps == 4 && warpgroup == 3)) {
     // ---- producer ------------------------------------------------------------------------
-    hopper::setmaxnreg_dec<kProducerRegsFor<kConsumerRegs>>();
-    if (threadIdx.x >= 32 && threadIdx.x < 32 + kQTileThreads) {
+    hopper::setmaxnreg_dec<kProducerRegs>();
+    if (threadIdx.x >= kQuantFirst && threadIdx.x < kQuantFirst + kQuantThreads) {
       // Q tile quantizer: every item of this CTA, in order; the first one's tile before
       // the grid-dependency wait (its q·c, which needs c, after it). At 24 registers
       // (kLowRegs) nothing but the item ordinal is kept live across a quantization: the
       // thread index, the slot and the storage base are derived again where used.
-      constexpr bool kLowRegs = kProducerRegsFor<kConsumerRegs> < 40;
+      constexpr bool kLowRegs = kProducerRegs < 40;
       auto keep = [](int x) {
         if constexpr (kLowRegs) return opaque(x);
         return x;
@@ -324,8 +341,14 @@ __global__ void __launch_bounds__(384, 1)
         return s;
       };
       hopper::mbarrier_wait(&bar.q0_tile, 0);
-      quantize_q_tile<D, T, kLowRegs>(s.q_in[0], s.q[0], s.side[0].q_scale, nullptr, nullptr,
-                                      threadIdx.x - 32, p.granularity, p.scale_log2, p.sm_scale);
+      if constexpr (kQuantWarps == 4)
+        quantize_q_row<D, T>(s.q_in[0], s.q[0], s.side[0].q_scale, nullptr, nullptr,
+                             threadIdx.x - kQuantFirst, p.granularity, p.scale_log2, p.sm_scale,
+                             bar.block_amax, 0);
+      else
+        quantize_q_tile<D, T, kLowRegs>(s.q_in[0], s.q[0], s.side[0].q_scale, nullptr, nullptr,
+                                        threadIdx.x - kQuantFirst, p.granularity, p.scale_log2,
+                                        p.sm_scale);
       hopper::grid_dependency_wait();
       for (int local = 0;; ++local) {
         {
@@ -337,29 +360,39 @@ __global__ void __launch_bounds__(384, 1)
           // as that was free, usually long before (NOTES v20a).
           hopper::mbarrier_wait(&bar.q_empty[slot], ((local / kQSlots<D>)&1) ^ 1);
           hopper::mbarrier_wait(&bar.q_full[buf], (local / kQinBuffers) & 1);
-          if (threadIdx.x == 32) bar.item[slot] = bar.item_in[buf];  // published by q_ready
+          if (threadIdx.x == kQuantFirst) bar.item[slot] = bar.item_in[buf];  // published by q_ready
           if (bar.item_in[buf].m_block < 0) {  // no more work: the consumers learn it from q_ready
             hopper::mbarrier_arrive(&bar.q_ready[slot]);
             break;
           }
           float* q_dot_c = want_q_dot_c ? side.q_dot_c : nullptr;
-          const int tid = keep(threadIdx.x - 32);
+          const int tid = keep(threadIdx.x - kQuantFirst);
           if (local == 0) {  // quantized before the wait
-            if (want_q_dot_c)
-              q_tile_dot_c<D, T>(st.q_in[0], side.q_dot_c, st.side_in[0].k_mean, tid, p.sm_scale);
+            if (want_q_dot_c) {
+              if constexpr (kQuantWarps == 4)
+                q_row_dot_c<D, T>(st.q_in[0], side.q_dot_c, st.side_in[0].k_mean, tid, p.sm_scale);
+              else
+                q_tile_dot_c<D, T>(st.q_in[0], side.q_dot_c, st.side_in[0].k_mean, tid, p.sm_scale);
+            }
           } else {
 #if QATTN_EXPERIMENT_NO_Q_QUANT  // knockout for bench/NOTES.md: wrong results, timing only
             // Each slot is quantized once, so the MMAs still see real data (an all-zero
             // tile draws less power and may run at a higher clock).
             if (local < kQSlots<D>)
 #endif
-              quantize_q_tile<D, T, kLowRegs>(st.q_in[buf], st.q[slot], side.q_scale, q_dot_c,
-                                              want_q_dot_c ? st.side_in[buf].k_mean : nullptr, tid,
-                                              p.granularity, p.scale_log2, p.sm_scale);
+              if constexpr (kQuantWarps == 4)
+                quantize_q_row<D, T>(st.q_in[buf], st.q[slot], side.q_scale, q_dot_c,
+                                     want_q_dot_c ? st.side_in[buf].k_mean : nullptr, tid,
+                                     p.granularity, p.scale_log2, p.sm_scale, bar.block_amax,
+                                     local & 1);
+              else
+                quantize_q_tile<D, T, kLowRegs>(st.q_in[buf], st.q[slot], side.q_scale, q_dot_c,
+                                                want_q_dot_c ? st.side_in[buf].k_mean : nullptr,
+                                                tid, p.granularity, p.scale_log2, p.sm_scale);
           }
         }
         const int slot = keep(local) % kQSlots<D>, buf = keep(local) % kQinBuffers;
-        const int tid = keep(threadIdx.x - 32);
+        const int tid = keep(threadIdx.x - kQuantFirst);
         SharedStorage<D>& st = storage();
         ItemSide<D>& side = st.side[slot];
         if (p.q_debug.q_i8 != nullptr) {
@@ -368,12 +401,16 @@ __global__ void __launch_bounds__(384, 1)
           const SlotItem wd = bar.item_in[buf];
           // the item's 128 rows start at row m_block·128, its 64 scale groups at m_block·64
           const int64_t row0 = static_cast<int64_t>(wd.bh_q) * p.nq_pad + wd.m_block * Tr::kBlockM;
-          copy_q_tile_debug<D>(st.q[slot], side.q_scale, want_q_dot_c ? side.q_dot_c : nullptr, tid,
-                               p.q_debug, row0, row0 / 2);
+          if constexpr (kQuantWarps == 4)
+            copy_q_row_debug<D>(st.q[slot], side.q_scale, want_q_dot_c ? side.q_dot_c : nullptr,
+                                tid, p.q_debug, row0, row0 / 2);
+          else
+            copy_q_tile_debug<D>(st.q[slot], side.q_scale, want_q_dot_c ? side.q_dot_c : nullptr,
+                                 tid, p.q_debug, row0, row0 / 2);
         }
         // V amax -> V scale (docs/sage2-kernel-arithmetic.md, step 4).
 #pragma unroll 1
-        for (int ch = tid; ch < D; ch += kQTileThreads)
+        for (int ch = tid; ch < D; ch += kQuantThreads)
           side.v_scale[ch] = st.side_in[buf].v_amax[ch] / kE4m3MaxF;
         // The INT8 tile is read by wgmma (async proxy) after the consumers' wait; the
         // buffer will be overwritten by TMA.
@@ -388,7 +425,7 @@ __global__ void __launch_bounds__(384, 1)
     // The Q loader also claims the items: it writes each one to its buffer before it
     // arrives on q_full, which the quantizer and the K/V loader wait on (the consumers
     // read the quantizer's copy in the Q slot, through q_ready).
-    if (threadIdx.x == 96) {
+    if (threadIdx.x == kQLoader) {
       hopper::grid_dependency_wait();  // claims read the work counter; side data are outputs
       for (int local = 0;; ++local) {
         const int buf = local % kQinBuffers;
@@ -425,7 +462,7 @@ __global__ void __launch_bounds__(384, 1)
       }
       release_item_counter(p);
     }
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == kKvLoader) {
       hopper::tma_prefetch_descriptor(&tm_k);
       hopper::tma_prefetch_descriptor(&tm_vt);
       hopper::grid_dependency_wait();  // K, V and the K scales are outputs

@@ -118,17 +118,31 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
   ap.causal = p.causal;
 
   ap.num_m_blocks = w.nq_pad / Tr::kBlockM;
-  const bool wide = split == RegisterSplit::kConsumers240 ||
-                    (split == RegisterSplit::kAuto &&
-                     (D == 64 || mean_kv_tiles_per_item(p.seqlen_q, p.seqlen_kv, p.causal != 0,
-                                                        ap.num_m_blocks) >= kWideSplitMinTiles));
-  auto kernel = wide ? sage2_fwd_kernel<D, T, 240> : sage2_fwd_kernel<D, T, 232>;
+  if (split == RegisterSplit::kAuto) {
+    const bool long_items =
+        D == 64 || mean_kv_tiles_per_item(p.seqlen_q, p.seqlen_kv, p.causal != 0,
+                                          ap.num_m_blocks) >= kWideSplitMinTiles;
+#ifndef QATTN_SAGE2_QUANT4  // timing builds: 0 never, 1 for short items, 2 always
+#define QATTN_SAGE2_QUANT4 0
+#endif
+    split = long_items ? (QATTN_SAGE2_QUANT4 == 2 ? RegisterSplit::kQuantizer4Warps
+                                                  : RegisterSplit::kConsumers240)
+                       : (QATTN_SAGE2_QUANT4 >= 1 ? RegisterSplit::kQuantizer4Warps
+                                                  : RegisterSplit::kConsumers232);
+  }
+  const int variant = split == RegisterSplit::kConsumers240      ? 1
+                      : split == RegisterSplit::kQuantizer4Warps ? 2
+                                                                 : 0;
+  auto kernel = variant == 1   ? sage2_fwd_kernel<D, T, 240>
+                : variant == 2 ? sage2_fwd_kernel<D, T, 232, 4>
+                               : sage2_fwd_kernel<D, T, 232>;
+  const int threads = variant == 2 ? kCtaThreads<4> : kCtaThreads<2>;
   constexpr int smem = static_cast<int>(sizeof(SharedStorage<D>)) + 1024;
   int num_sms = 0;
   if (auto e = hopper::current_device_sms(&num_sms); e != cudaSuccess) return e;
-  static std::atomic<unsigned long long> configured[2] = {0, 0};
+  static std::atomic<unsigned long long> configured[3] = {0, 0, 0};
   if (auto e = hopper::once_per_context(
-          configured[wide ? 1 : 0],
+          configured[variant],
           [&] {
             return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
           });
@@ -141,7 +155,7 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
   const int grid = static_cast<int>(std::min<int64_t>(items, num_sms));
   ap.causal_tail = causal_tail_blocks(ap.num_m_blocks, p.heads_q * p.batch, grid);
   // May start while the K/V quantization kernel ends (kernel.cuh: the wait).
-  return hopper::early_launch(kernel, dim3(grid), dim3(Tr::kThreads), smem, stream, tm_q, tm_k,
+  return hopper::early_launch(kernel, dim3(grid), dim3(threads), smem, stream, tm_q, tm_k,
                               tm_vt, tm_o, ap);
 }
 

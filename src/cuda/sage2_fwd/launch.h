@@ -32,7 +32,8 @@ std::size_t workspace_bytes(const qattn_fwd_params& p, bool keep_q = false);
 // The attention kernel's register split between its producer and consumer warpgroups
 // (kernel.cuh): chosen by the launch from the items' length (kAuto), or forced, for the
 // GPU tests that check both give the same bits.
-enum class RegisterSplit { kAuto, kConsumers232, kConsumers240 };
+// kQuantizer4Warps: 512 threads, consumers at 232 and the Q quantizer on four warps.
+enum class RegisterSplit { kAuto, kConsumers232, kConsumers240, kQuantizer4Warps };
 
 // Enqueues quantization and attention on `stream`. Returns cudaSuccess or the first
 // CUDA error; never synchronizes.

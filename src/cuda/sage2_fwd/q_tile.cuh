@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "cuda/hopper/sync.cuh"
 #include "cuda/sage2_fwd/quant_math.cuh"
 #include "qattn/qattn.h"
 
@@ -178,6 +179,146 @@ __device__ __forceinline__ void quantize_q_tile(const uint8_t* in, uint8_t* out,
   } else {
     q_scale[tid] = (a / kInt8Max) * scale_log2;
   }
+}
+
+// The same quantization by 128 threads, one row each (the four-warp quantizer of the
+// 512-thread CTA, kernel.cuh): thread tid takes row r + 8·(tid % 2) of scale group
+// tid / 2, so the group's two rows are lanes tid and tid ^ 1 (one shuffle), a 16-row
+// group is 16 lanes, and a 64-row block is two warps, which meet in `block_amax` (two
+// floats per warp, by item parity: the partner may still read the previous item's)
+// at named barrier 3 + block. Writes the codes, scales and q·c that quantize_q_tile
+// writes, bit for bit. Registers: kLowRegs' order (scale, codes, then q·c).
+template <int D, typename T>
+__device__ __forceinline__ void quantize_q_row(const uint8_t* in, uint8_t* out, float* q_scale,
+                                               float* q_dot_c, const float* c, int tid,
+                                               qattn_qk_granularity granularity, float scale_log2,
+                                               float sm_scale, float* block_amax, int parity) {
+  using L = QTileLayout<D>;
+  using T2 = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, __nv_bfloat162, __half2>;
+  const int r = opaque(q_tile_row_pair(tid >> 1) + 8 * (tid & 1));
+  auto load = [&](int chunk) { return *reinterpret_cast<const uint4*>(in + L::in_offset(r, chunk)); };
+  auto pair = [](uint32_t w) { return *reinterpret_cast<const T2*>(&w); };
+  T2 m[2];
+  m[0] = m[1] = pair(0u);
+#pragma unroll 1
+  for (int chunk = 0; chunk < D / 8; ++chunk) {
+    const uint4 raw = load(chunk);
+    m[0] = __hmax2_nan(m[0], __habs2(pair(raw.x)));
+    m[1] = __hmax2_nan(m[1], __habs2(pair(raw.y)));
+    m[0] = __hmax2_nan(m[0], __habs2(pair(raw.z)));
+    m[1] = __hmax2_nan(m[1], __habs2(pair(raw.w)));
+  }
+  m[0] = __hmax2_nan(m[0], m[1]);
+  float a = amax_nan(amax_nan(0.f, __low2float(m[0])), __high2float(m[0]));
+  a = amax_nan(a, __shfl_xor_sync(0xffffffff, a, 1));  // the group's other row
+  if (granularity != QATTN_QK_PER_THREAD) {
+#pragma unroll
+    for (int off = 2; off < 16; off <<= 1) a = amax_nan(a, __shfl_xor_sync(0xffffffff, a, off));
+    if (granularity == QATTN_QK_PER_BLOCK) {
+      a = amax_nan(a, __shfl_xor_sync(0xffffffff, a, 16));
+      const int warp = opaque(tid) / 32;
+      if (tid % 32 == 0) block_amax[parity * 4 + warp] = a;
+      hopper::named_barrier_sync(3 + warp / 2, 64);
+      a = amax_nan(a, block_amax[parity * 4 + (warp ^ 1)]);
+    }
+  }
+  const float inv = kInt8Max / a;
+  const bool zero = !(a > 0.f) || a == INFINITY;  // quantize_q_tile's cases
+  const bool tiny = !zero && inv == INFINITY;
+  if ((tid & 1) == 0) q_scale[tid >> 1] = (a / kInt8Max) * scale_log2;
+  auto quad = [&](uint32_t w0, uint32_t w1) {
+    const float2 f0 = widen_pair<T>(w0), f1 = widen_pair<T>(w1);
+    return quantize_int8x4_rn(f0.x, f0.y, f1.x, f1.y, inv);
+  };
+  auto tiny_quad = [&](uint32_t w0, uint32_t w1) {
+    const float2 f0 = widen_pair<T>(w0), f1 = widen_pair<T>(w1);
+    const float x[4] = {f0.x, f0.y, f1.x, f1.y};
+    return quantize_int8x4(x, inv, false);
+  };
+  auto quantize_row = [&](auto codes) {
+#pragma unroll 1
+    for (int chunk = 0; chunk < D / 16; ++chunk) {
+      const uint4 raw0 = load(2 * chunk), raw1 = load(2 * chunk + 1);
+      const uint4 q{codes(raw0.x, raw0.y), codes(raw0.z, raw0.w), codes(raw1.x, raw1.y),
+                    codes(raw1.z, raw1.w)};
+      *reinterpret_cast<uint4*>(out + L::out_offset(r, chunk)) = q;
+    }
+  };
+  if (zero)
+    quantize_row([](uint32_t, uint32_t) { return 0u; });
+  else if (tiny)
+    quantize_row(tiny_quad);
+  else
+    quantize_row(quad);
+  if (c != nullptr) {
+    float dot = 0.f;  // q_tile_dot_c's sum for this row, in its order
+#pragma unroll 1
+    for (int chunk = 0; chunk < D / 8; ++chunk) {
+      const uint4 raw = load(chunk);
+      const T* e = reinterpret_cast<const T*>(&raw);
+      const float2* c2 = reinterpret_cast<const float2*>(c + chunk * 8);
+      float2 cc = c2[0];
+      float part = to_float(e[0]) * cc.x;
+      part = fmaf(to_float(e[1]), cc.y, part);
+      cc = c2[1];
+      part = fmaf(to_float(e[2]), cc.x, part);
+      part = fmaf(to_float(e[3]), cc.y, part);
+      cc = c2[2];
+      part = fmaf(to_float(e[4]), cc.x, part);
+      part = fmaf(to_float(e[5]), cc.y, part);
+      cc = c2[3];
+      part = fmaf(to_float(e[6]), cc.x, part);
+      part = fmaf(to_float(e[7]), cc.y, part);
+      dot += part;
+    }
+    q_dot_c[r] = sm_scale * dot;
+  }
+}
+
+// q·c of thread tid's row (the four-warp quantizer's rows), for a tile quantized
+// before c was there.
+template <int D, typename T>
+__device__ __forceinline__ void q_row_dot_c(const uint8_t* in, float* q_dot_c, const float* c,
+                                            int tid, float sm_scale) {
+  using L = QTileLayout<D>;
+  const int r = opaque(q_tile_row_pair(tid >> 1) + 8 * (tid & 1));
+  float dot = 0.f;
+#pragma unroll 1
+  for (int chunk = 0; chunk < D / 8; ++chunk) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(in + L::in_offset(r, chunk));
+    const T* e = reinterpret_cast<const T*>(&raw);
+    const float2* c2 = reinterpret_cast<const float2*>(c + chunk * 8);
+    float2 cc = c2[0];
+    float part = to_float(e[0]) * cc.x;
+    part = fmaf(to_float(e[1]), cc.y, part);
+    cc = c2[1];
+    part = fmaf(to_float(e[2]), cc.x, part);
+    part = fmaf(to_float(e[3]), cc.y, part);
+    cc = c2[2];
+    part = fmaf(to_float(e[4]), cc.x, part);
+    part = fmaf(to_float(e[5]), cc.y, part);
+    cc = c2[3];
+    part = fmaf(to_float(e[6]), cc.x, part);
+    part = fmaf(to_float(e[7]), cc.y, part);
+    dot += part;
+  }
+  q_dot_c[r] = sm_scale * dot;
+}
+
+// copy_q_tile_debug for the four-warp quantizer: thread tid's row, and its group's scale
+// from the even thread.
+template <int D>
+__device__ __forceinline__ void copy_q_row_debug(const uint8_t* out, const float* q_scale,
+                                                 const float* q_dot_c, int tid,
+                                                 const QDebugOut& dbg, int64_t row_base,
+                                                 int64_t scale_base) {
+  using L = QTileLayout<D>;
+  if ((tid & 1) == 0) dbg.q_scale[scale_base + (tid >> 1)] = q_scale[tid >> 1];
+  const int r = q_tile_row_pair(tid >> 1) + 8 * (tid & 1);
+  for (int chunk = 0; chunk < D / 16; ++chunk)
+    *reinterpret_cast<uint4*>(dbg.q_i8 + (row_base + r) * D + chunk * 16) =
+        *reinterpret_cast<const uint4*>(out + L::out_offset(r, chunk));
+  if (q_dot_c != nullptr) dbg.q_dot_c[row_base + r] = q_dot_c[r];
 }
 
 // Copies what quantize_q_tile left in shared memory to the debug outputs (after
