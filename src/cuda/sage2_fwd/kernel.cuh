@@ -380,12 +380,20 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
             // tile draws less power and may run at a higher clock).
             if (local < kQSlots<D>)
 #endif
-              if constexpr (kQuantWarps == 4)
-                quantize_q_row<D, T>(st.q_in[buf], st.q[slot], side.q_scale, q_dot_c,
-                                     want_q_dot_c ? st.side_in[buf].k_mean : nullptr, tid,
+              if constexpr (kQuantWarps == 4) {
+                // q·c after the codes, its pointers derived again: kept live across the
+                // quantization they spilled at 24 registers.
+                quantize_q_row<D, T>(st.q_in[buf], st.q[slot], side.q_scale, nullptr, nullptr, tid,
                                      p.granularity, p.scale_log2, p.sm_scale, bar.block_amax,
                                      local & 1);
-              else
+                if (want_q_dot_c) {
+                  SharedStorage<D>& st2 = storage();
+                  const int slot2 = keep(local) % kQSlots<D>, buf2 = keep(local) % kQinBuffers;
+                  q_row_dot_c<D, T>(st2.q_in[buf2], st2.side[slot2].q_dot_c,
+                                    st2.side_in[buf2].k_mean, keep(threadIdx.x - kQuantFirst),
+                                    p.sm_scale);
+                }
+              } else
                 quantize_q_tile<D, T, kLowRegs>(st.q_in[buf], st.q[slot], side.q_scale, q_dot_c,
                                                 want_q_dot_c ? st.side_in[buf].k_mean : nullptr,
                                                 tid, p.granularity, p.scale_log2, p.sm_scale);

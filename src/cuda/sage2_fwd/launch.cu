@@ -122,13 +122,15 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
     const bool long_items =
         D == 64 || mean_kv_tiles_per_item(p.seqlen_q, p.seqlen_kv, p.causal != 0,
                                           ap.num_m_blocks) >= kWideSplitMinTiles;
-#ifndef QATTN_SAGE2_QUANT4  // timing builds: 0 never, 1 for short items, 2 always
-#define QATTN_SAGE2_QUANT4 0
+    // Short items at d=128: the Q quantizer on four warps (a 512-thread CTA), whose
+    // ends of causal grids are quantizer-bound (NOTES v20f-g). QATTN_SAGE2_QUANT4=0 in a
+    // timing build keeps the 232 split there.
+#ifndef QATTN_SAGE2_QUANT4
+#define QATTN_SAGE2_QUANT4 1
 #endif
-    split = long_items ? (QATTN_SAGE2_QUANT4 == 2 ? RegisterSplit::kQuantizer4Warps
-                                                  : RegisterSplit::kConsumers240)
-                       : (QATTN_SAGE2_QUANT4 >= 1 ? RegisterSplit::kQuantizer4Warps
-                                                  : RegisterSplit::kConsumers232);
+    split = long_items                ? RegisterSplit::kConsumers240
+            : QATTN_SAGE2_QUANT4 != 0 ? RegisterSplit::kQuantizer4Warps
+                                      : RegisterSplit::kConsumers232;
   }
   const int variant = split == RegisterSplit::kConsumers240      ? 1
                       : split == RegisterSplit::kQuantizer4Warps ? 2
