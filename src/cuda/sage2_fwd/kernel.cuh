@@ -342,9 +342,8 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
       };
       hopper::mbarrier_wait(&bar.q0_tile, 0);
       if constexpr (kQuantWarps == 4)
-        quantize_q_row<D, T>(s.q_in[0], s.q[0], s.side[0].q_scale, nullptr, nullptr,
-                             threadIdx.x - kQuantFirst, p.granularity, p.scale_log2, p.sm_scale,
-                             bar.block_amax, 0);
+        quantize_q_row<D, T>(s.q_in[0], s.q[0], s.side[0].q_scale, threadIdx.x - kQuantFirst,
+                             p.granularity, p.scale_log2, bar.block_amax, 0);
       else
         quantize_q_tile<D, T, kLowRegs>(s.q_in[0], s.q[0], s.side[0].q_scale, nullptr, nullptr,
                                         threadIdx.x - kQuantFirst, p.granularity, p.scale_log2,
@@ -383,9 +382,8 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
               if constexpr (kQuantWarps == 4) {
                 // q·c after the codes, its pointers derived again: kept live across the
                 // quantization they spilled at 24 registers.
-                quantize_q_row<D, T>(st.q_in[buf], st.q[slot], side.q_scale, nullptr, nullptr, tid,
-                                     p.granularity, p.scale_log2, p.sm_scale, bar.block_amax,
-                                     local & 1);
+                quantize_q_row<D, T>(st.q_in[buf], st.q[slot], side.q_scale, tid, p.granularity,
+                                     p.scale_log2, bar.block_amax, local & 1);
                 if (want_q_dot_c) {
                   SharedStorage<D>& st2 = storage();
                   const int slot2 = keep(local) % kQSlots<D>, buf2 = keep(local) % kQinBuffers;

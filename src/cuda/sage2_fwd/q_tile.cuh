@@ -61,6 +61,26 @@ __device__ __forceinline__ int q_tile_row_pair(int tid) {
   return opaque((tid / 32) * 64 + ((tid % 32) / 8) * 16 + tid % 8);
 }
 
+// One 16-bit chunk (8 channels) of a Q row times c's 8 channels: an 8-term partial sum,
+// which keeps q·c accurate when the row's partial sums are then added in order.
+template <typename T>
+__device__ __forceinline__ float chunk_dot_c(const uint4& raw, const float* c8) {
+  const T* e = reinterpret_cast<const T*>(&raw);
+  const float2* c2 = reinterpret_cast<const float2*>(c8);
+  float2 cc = c2[0];
+  float part = to_float(e[0]) * cc.x;
+  part = fmaf(to_float(e[1]), cc.y, part);
+  cc = c2[1];
+  part = fmaf(to_float(e[2]), cc.x, part);
+  part = fmaf(to_float(e[3]), cc.y, part);
+  cc = c2[2];
+  part = fmaf(to_float(e[4]), cc.x, part);
+  part = fmaf(to_float(e[5]), cc.y, part);
+  cc = c2[3];
+  part = fmaf(to_float(e[6]), cc.x, part);
+  return fmaf(to_float(e[7]), cc.y, part);
+}
+
 // sm_scale · q·c of thread tid's two rows (r, r + 8) of the 16-bit tile, for the LSE:
 // part of quantize_q_tile, and on its own for a tile quantized before c was there.
 template <int D, typename T>
@@ -74,21 +94,7 @@ __device__ __forceinline__ void q_tile_dot_c(const uint8_t* in, float* q_dot_c, 
 #pragma unroll 1
     for (int chunk = 0; chunk < D / 8; ++chunk) {
       const uint4 raw = *reinterpret_cast<const uint4*>(in + L::in_offset(r0 + 8 * h, chunk));
-      const T* e = reinterpret_cast<const T*>(&raw);
-      const float2* c2 = reinterpret_cast<const float2*>(c + chunk * 8);
-      float2 cc = c2[0];
-      float part = to_float(e[0]) * cc.x;  // 8-term partial sums keep q·c accurate
-      part = fmaf(to_float(e[1]), cc.y, part);
-      cc = c2[1];
-      part = fmaf(to_float(e[2]), cc.x, part);
-      part = fmaf(to_float(e[3]), cc.y, part);
-      cc = c2[2];
-      part = fmaf(to_float(e[4]), cc.x, part);
-      part = fmaf(to_float(e[5]), cc.y, part);
-      cc = c2[3];
-      part = fmaf(to_float(e[6]), cc.x, part);
-      part = fmaf(to_float(e[7]), cc.y, part);
-      dot += part;
+      dot += chunk_dot_c<T>(raw, c + chunk * 8);
     }
     q_dot_c[r0 + 8 * h] = sm_scale * dot;
   }
@@ -186,13 +192,14 @@ __device__ __forceinline__ void quantize_q_tile(const uint8_t* in, uint8_t* out,
 // tid / 2, so the group's two rows are lanes tid and tid ^ 1 (one shuffle), a 16-row
 // group is 16 lanes, and a 64-row block is two warps, which meet in `block_amax` (two
 // floats per warp, by item parity: the partner may still read the previous item's)
-// at named barrier 3 + block. Writes the codes, scales and q·c that quantize_q_tile
-// writes, bit for bit. Registers: kLowRegs' order (scale, codes, then q·c).
+// at named barrier 3 + block. Writes the codes and scales that quantize_q_tile writes,
+// bit for bit, the scale before the codes (kLowRegs' order); q·c is q_row_dot_c's, which
+// the caller runs after it with its pointers derived again (kept live across this
+// function they spilled at 24 registers).
 template <int D, typename T>
 __device__ __forceinline__ void quantize_q_row(const uint8_t* in, uint8_t* out, float* q_scale,
-                                               float* q_dot_c, const float* c, int tid,
-                                               qattn_qk_granularity granularity, float scale_log2,
-                                               float sm_scale, float* block_amax, int parity) {
+                                               int tid, qattn_qk_granularity granularity,
+                                               float scale_log2, float* block_amax, int parity) {
   using L = QTileLayout<D>;
   using T2 = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, __nv_bfloat162, __half2>;
   const int r = opaque(q_tile_row_pair(tid >> 1) + 8 * (tid & 1));
@@ -250,29 +257,6 @@ __device__ __forceinline__ void quantize_q_row(const uint8_t* in, uint8_t* out, 
     quantize_row(tiny_quad);
   else
     quantize_row(quad);
-  if (c != nullptr) {
-    float dot = 0.f;  // q_tile_dot_c's sum for this row, in its order
-#pragma unroll 1
-    for (int chunk = 0; chunk < D / 8; ++chunk) {
-      const uint4 raw = load(chunk);
-      const T* e = reinterpret_cast<const T*>(&raw);
-      const float2* c2 = reinterpret_cast<const float2*>(c + chunk * 8);
-      float2 cc = c2[0];
-      float part = to_float(e[0]) * cc.x;
-      part = fmaf(to_float(e[1]), cc.y, part);
-      cc = c2[1];
-      part = fmaf(to_float(e[2]), cc.x, part);
-      part = fmaf(to_float(e[3]), cc.y, part);
-      cc = c2[2];
-      part = fmaf(to_float(e[4]), cc.x, part);
-      part = fmaf(to_float(e[5]), cc.y, part);
-      cc = c2[3];
-      part = fmaf(to_float(e[6]), cc.x, part);
-      part = fmaf(to_float(e[7]), cc.y, part);
-      dot += part;
-    }
-    q_dot_c[r] = sm_scale * dot;
-  }
 }
 
 // q·c of thread tid's row (the four-warp quantizer's rows), for a tile quantized
@@ -286,21 +270,7 @@ __device__ __forceinline__ void q_row_dot_c(const uint8_t* in, float* q_dot_c, c
 #pragma unroll 1
   for (int chunk = 0; chunk < D / 8; ++chunk) {
     const uint4 raw = *reinterpret_cast<const uint4*>(in + L::in_offset(r, chunk));
-    const T* e = reinterpret_cast<const T*>(&raw);
-    const float2* c2 = reinterpret_cast<const float2*>(c + chunk * 8);
-    float2 cc = c2[0];
-    float part = to_float(e[0]) * cc.x;
-    part = fmaf(to_float(e[1]), cc.y, part);
-    cc = c2[1];
-    part = fmaf(to_float(e[2]), cc.x, part);
-    part = fmaf(to_float(e[3]), cc.y, part);
-    cc = c2[2];
-    part = fmaf(to_float(e[4]), cc.x, part);
-    part = fmaf(to_float(e[5]), cc.y, part);
-    cc = c2[3];
-    part = fmaf(to_float(e[6]), cc.x, part);
-    part = fmaf(to_float(e[7]), cc.y, part);
-    dot += part;
+    dot += chunk_dot_c<T>(raw, c + chunk * 8);
   }
   q_dot_c[r] = sm_scale * dot;
 }
