@@ -6,7 +6,9 @@
 // transaction bytes) and "empty" (consumers done) mbarriers, another claims the work
 // items and loads each one's 16-bit Q tile, and two warps quantize it to INT8 in shared memory
 // (q_tile.cuh). Warpgroups 1 and 2 are consumers, 64 query rows each; registers move to
-// them with setmaxnreg. Every role and barrier: docs/sage2-kernel-pipeline.md.
+// them with setmaxnreg. The four-warp shape (kQuantWarps = 4) adds a fourth warpgroup for
+// the two loaders, and all of warpgroup 0 quantizes. Every role and barrier:
+// docs/sage2-kernel-pipeline.md.
 #pragma once
 
 #include <cuda.h>
@@ -63,8 +65,8 @@ struct AttentionParams {
 };
 
 // Registers per thread after setmaxnreg. The CTA can only redistribute what it was
-// launched with (168 per thread at 384 threads): asking for more makes the consumers'
-// setmaxnreg.inc wait forever (a hang, not an error). Two splits are compiled: the
+// launched with (168 per thread at 384 threads, 128 at 512): asking for more makes the
+// consumers' setmaxnreg.inc wait forever (a hang, not an error). Two splits are compiled: the
 // consumers at 232 with the producer warpgroup (loaders and the Q quantizer, rolled
 // loops) at 40, or at 240 with the producer at 24. 240 is faster on long items and
 // slower on short ones (NOTES v18f); the launch chooses (launch.cu).
@@ -359,7 +361,8 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
           // as that was free, usually long before (NOTES v20a).
           hopper::mbarrier_wait(&bar.q_empty[slot], ((local / kQSlots<D>)&1) ^ 1);
           hopper::mbarrier_wait(&bar.q_full[buf], (local / kQinBuffers) & 1);
-          if (threadIdx.x == kQuantFirst) bar.item[slot] = bar.item_in[buf];  // published by q_ready
+          if (threadIdx.x == kQuantFirst)
+            bar.item[slot] = bar.item_in[buf];  // published by q_ready
           if (bar.item_in[buf].m_block < 0) {  // no more work: the consumers learn it from q_ready
             hopper::mbarrier_arrive(&bar.q_ready[slot]);
             break;
@@ -427,7 +430,7 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
       }
     }
     // Two loader threads with separate loops, so each fits the warpgroup's registers:
-    // warp 3 loads every item's Q tile and side data, warp 0 the K/V ring.
+    // kQLoader loads every item's Q tile and side data, kKvLoader the K/V ring.
     // The Q loader also claims the items: it writes each one to its buffer before it
     // arrives on q_full, which the quantizer and the K/V loader wait on (the consumers
     // read the quantizer's copy in the Q slot, through q_ready).

@@ -63,6 +63,13 @@ cudaError_t make_bhnd_map(CUtensorMap* map, const qattn_tensor& t, const qattn_f
 // (NOTES v18f-h: 2K non-causal +1.5-2%, 1K and causal 2K -3-5% at 240; again after v19c:
 // causal 2K -2%, 1K -4%). d=64 takes 240 at every length (v19g: causal 2K +1-5%).
 constexpr double kWideSplitMinTiles = 16.0;
+// Below that at d=128: the Q quantizer on four warps (a 512-thread CTA), whose ends of
+// causal grids are quantizer-bound (NOTES v20f-g). QATTN_SAGE2_QUANT4=0 in a timing
+// build keeps the 232 split there.
+#ifndef QATTN_SAGE2_QUANT4
+#define QATTN_SAGE2_QUANT4 1
+#endif
+constexpr bool kShortItemsOnFourQuantWarps = QATTN_SAGE2_QUANT4 != 0;
 
 template <int D, typename T>
 cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout& w, void* ws,
@@ -122,29 +129,23 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
     const bool long_items =
         D == 64 || mean_kv_tiles_per_item(p.seqlen_q, p.seqlen_kv, p.causal != 0,
                                           ap.num_m_blocks) >= kWideSplitMinTiles;
-    // Short items at d=128: the Q quantizer on four warps (a 512-thread CTA), whose
-    // ends of causal grids are quantizer-bound (NOTES v20f-g). QATTN_SAGE2_QUANT4=0 in a
-    // timing build keeps the 232 split there.
-#ifndef QATTN_SAGE2_QUANT4
-#define QATTN_SAGE2_QUANT4 1
-#endif
-    split = long_items                ? RegisterSplit::kConsumers240
-            : QATTN_SAGE2_QUANT4 != 0 ? RegisterSplit::kQuantizer4Warps
-                                      : RegisterSplit::kConsumers232;
+    split = long_items                    ? RegisterSplit::kConsumers240
+            : kShortItemsOnFourQuantWarps ? RegisterSplit::kQuantizer4Warps
+                                          : RegisterSplit::kConsumers232;
   }
-  const int variant = split == RegisterSplit::kConsumers240      ? 1
-                      : split == RegisterSplit::kQuantizer4Warps ? 2
-                                                                 : 0;
-  auto kernel = variant == 1   ? sage2_fwd_kernel<D, T, 240>
-                : variant == 2 ? sage2_fwd_kernel<D, T, 232, 4>
-                               : sage2_fwd_kernel<D, T, 232>;
-  const int threads = variant == 2 ? kCtaThreads<4> : kCtaThreads<2>;
+  const bool four_warps = split == RegisterSplit::kQuantizer4Warps;
+  auto kernel = split == RegisterSplit::kConsumers240 ? sage2_fwd_kernel<D, T, 240>
+                : four_warps                           ? sage2_fwd_kernel<D, T, 232, 4>
+                                                       : sage2_fwd_kernel<D, T, 232>;
+  const int threads = four_warps ? kCtaThreads<4> : kCtaThreads<2>;
   constexpr int smem = static_cast<int>(sizeof(SharedStorage<D>)) + 1024;
   int num_sms = 0;
   if (auto e = hopper::current_device_sms(&num_sms); e != cudaSuccess) return e;
+  // Per kernel shape (kAuto was resolved above; the others are 1-3).
+  static_assert(static_cast<int>(RegisterSplit::kQuantizer4Warps) == 3);
   static std::atomic<unsigned long long> configured[3] = {0, 0, 0};
   if (auto e = hopper::once_per_context(
-          configured[variant],
+          configured[static_cast<int>(split) - 1],
           [&] {
             return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
           });
@@ -152,7 +153,8 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
     return e;
   ap.batch = p.batch;
   ap.causal_group = causal_group_heads(w.nkv_pad, D, p.heads_q, p.heads_kv, p.batch);
-  // Persistent grid: one CTA per SM (384 threads at 168 registers fill an SM).
+  // Persistent grid: one CTA per SM (384 threads at 168 registers, or 512 at 128, fill
+  // an SM).
   const int64_t items = static_cast<int64_t>(ap.num_m_blocks) * p.heads_q * p.batch;
   const int grid = static_cast<int>(std::min<int64_t>(items, num_sms));
   ap.causal_tail = causal_tail_blocks(ap.num_m_blocks, p.heads_q * p.batch, grid);

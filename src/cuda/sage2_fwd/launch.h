@@ -29,9 +29,9 @@ namespace qattn::sage2 {
 // D is the head dim padded to 64 or 128.
 std::size_t workspace_bytes(const qattn_fwd_params& p, bool keep_q = false);
 
-// The attention kernel's register split between its producer and consumer warpgroups
-// (kernel.cuh): chosen by the launch from the items' length (kAuto), or forced, for the
-// GPU tests that check both give the same bits.
+// The attention kernel's shape (kernel.cuh): its register split between producer and
+// consumer warpgroups, chosen by the launch from the items' length (kAuto), or forced,
+// for the GPU tests that check every shape gives the same bits.
 // kQuantizer4Warps: 512 threads, consumers at 232 and the Q quantizer on four warps.
 enum class RegisterSplit { kAuto, kConsumers232, kConsumers240, kQuantizer4Warps };
 
