@@ -49,7 +49,8 @@ void check_order(int num_m_blocks, int heads, bool causal, int group, int tail) 
     } else {
       // The tail: every head's blocks below `tail`, never getting longer.
       EXPECT_LT(at.m_block, tail) << "item " << item;
-      if (item > heads * (num_m_blocks - tail)) EXPECT_LE(at.m_block, prev.m_block) << "item " << item;
+      if (item > heads * (num_m_blocks - tail))
+        EXPECT_LE(at.m_block, prev.m_block) << "item " << item;
     }
     prev = at;
   }

@@ -503,7 +503,8 @@ TEST(Sage2Forward, EveryRegisterSplitGivesTheSameBits) {
     c.split = sage2::RegisterSplit::kConsumers232;
     check_against_emulation(c, {}, &r232);
     ASSERT_EQ(r232.status, 0);
-    for (auto split : {sage2::RegisterSplit::kConsumers240, sage2::RegisterSplit::kQuantizer4Warps}) {
+    using Split = sage2::RegisterSplit;
+    for (auto split : {Split::kConsumers240, Split::kQuantizer4Warps}) {
       SCOPED_TRACE("split " + std::to_string(static_cast<int>(split)));
       test::Sage2Result other;
       c.split = split;
@@ -512,7 +513,8 @@ TEST(Sage2Forward, EveryRegisterSplitGivesTheSameBits) {
       EXPECT_TRUE(other.all_written && other.guard_intact && other.lse_guard_intact);
       std::size_t o_diff = 0, lse_diff = 0;
       for (std::size_t i = 0; i < r232.o.data.size(); ++i)
-        o_diff += std::bit_cast<uint32_t>(r232.o.data[i]) != std::bit_cast<uint32_t>(other.o.data[i]);
+        o_diff +=
+            std::bit_cast<uint32_t>(r232.o.data[i]) != std::bit_cast<uint32_t>(other.o.data[i]);
       for (std::size_t i = 0; i < r232.lse.size(); ++i)
         lse_diff += std::bit_cast<uint32_t>(r232.lse[i]) != std::bit_cast<uint32_t>(other.lse[i]);
       EXPECT_EQ(o_diff, 0u) << "O values differ between the splits";

@@ -720,7 +720,8 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
       next_item_ready =
           hopper::mbarrier_test(&bar.q_ready[next_local % kQSlots<D>],
                                 (next_local / kQSlots<D>)&1) &&
-          hopper::mbarrier_test(&bar.k_full[next_iter % Tr::kStages], (next_iter / Tr::kStages) & 1);
+          hopper::mbarrier_test(&bar.k_full[next_iter % Tr::kStages],
+                                (next_iter / Tr::kStages) & 1);
   };
   {  // the pipeline's first tile: nothing to overlap it with yet
     hopper::mbarrier_wait(&bar.k_full[cur.stage(0)], cur.phase(0));

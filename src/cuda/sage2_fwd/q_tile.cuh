@@ -203,7 +203,9 @@ __device__ __forceinline__ void quantize_q_row(const uint8_t* in, uint8_t* out, 
   using L = QTileLayout<D>;
   using T2 = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, __nv_bfloat162, __half2>;
   const int r = opaque(q_tile_row_pair(tid >> 1) + 8 * (tid & 1));
-  auto load = [&](int chunk) { return *reinterpret_cast<const uint4*>(in + L::in_offset(r, chunk)); };
+  auto load = [&](int chunk) {
+    return *reinterpret_cast<const uint4*>(in + L::in_offset(r, chunk));
+  };
   auto pair = [](uint32_t w) { return *reinterpret_cast<const T2*>(&w); };
   T2 m[2];
   m[0] = m[1] = pair(0u);
