@@ -528,8 +528,12 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
   constexpr int kO = D / 2;            // output elements per thread
   constexpr int kOAcc = kO + 4;        // and the ones columns: row sums
   // Independent max chains per row: 4 at d=128, 2 at d=64 (NOTES v8, v12b).
-  // d=128: a quarter of the exps on the FMA pipe (NOTES v15d).
-  using Softmax = OnlineSoftmax<kS, D == 64 ? 2 : 4, D == 128>;
+  // Every exp on MUFU: a quarter of them on the FMA pipe gained 4% at N=2K in v15d, but
+  // after v19d the kernel is issue-bound and it cost 1-6% (NOTES v21b).
+#ifndef QATTN_SAGE2_POLY_CHUNKS  // lever for bench/NOTES.md: chunks of 8 on the FMA pipe
+#define QATTN_SAGE2_POLY_CHUNKS 0
+#endif
+  using Softmax = OnlineSoftmax<kS, D == 64 ? 2 : 4, D == 128 ? QATTN_SAGE2_POLY_CHUNKS : 0>;
 
   // A work item as a consumer thread sees it.
   struct Item {

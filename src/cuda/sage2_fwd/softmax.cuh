@@ -34,9 +34,10 @@ __device__ __forceinline__ uint16_t pack_e4m3x2(float lo, float hi) {
 using scores::kMaskedScore;
 using scores::score_to_float;
 
-// kPolyExp: a share of the exps by numerics::exp2_poly instead of MUFU (d=128: +4% at
-// N=2K; d=64 lost 10-16%, NOTES v15d).
-template <int kCols, int kChains, bool kPolyExp>
+// kPolyChunks: the exps of that many column chunks in each 8 by numerics::exp2_poly
+// instead of MUFU. 0 in the kernel: 2 gained 4% at d=128 N=2K in v15d, lost 10-16% at
+// d=64, and since v19d loses 1-6% at d=128 too (NOTES v21b); kept as a lever.
+template <int kCols, int kChains, int kPolyChunks>
 struct OnlineSoftmax {
 #ifdef QATTN_SAGE2_SOFTMAX_CHAINS  // override for the measurements of bench/NOTES.md
   static constexpr int kPartials = QATTN_SAGE2_SOFTMAX_CHAINS;
@@ -93,9 +94,9 @@ struct OnlineSoftmax {
     for (int i = 0; i < kCols; ++i) {
       const int r = (i % 4) / 2;
       const float y = fmaf(__int_as_float(s[i] + scores::kMagicBits), qk, neg_bias[r]);
-      // A quarter of the exps (column chunks 0, 1, 8, 9 of 16) on the FMA pipe when
-      // kPolyExp: measured per pattern (NOTES v15d).
-      p[i] = kPolyExp && (i / 4) % 8 < 2 ? numerics::exp2_poly(y) : exp2_approx(y);
+      // Column chunks 0 .. kPolyChunks-1 of each 8 on the FMA pipe (2: chunks 0, 1, 8, 9
+      // of 16): measured per pattern (NOTES v15d).
+      p[i] = (i / 4) % 8 < kPolyChunks ? numerics::exp2_poly(y) : exp2_approx(y);
     }
   }
 
