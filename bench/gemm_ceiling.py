@@ -47,7 +47,7 @@ def gemm_fns(dtype: str, n: int):
         one = torch.ones((), device=dev)
         return lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
     a = torch.randint(-127, 128, (n, n), device=dev, dtype=torch.int8)
-    b = torch.randint(-127, 128, (n, n), device=dev, dtype=torch.int8)
+    b = torch.randint(-127, 128, (n, n), device=dev, dtype=torch.int8).t()  # column-major B
     return lambda: torch._int_mm(a, b)
 
 
