@@ -100,6 +100,35 @@ __device__ __forceinline__ void q_tile_dot_c(const uint8_t* in, float* q_dot_c, 
   }
 }
 
+// The INT8 codes of a scale group with amax a: `rows(codes)` runs the caller's loop over
+// its rows, `codes(w0, w1)` turning two packed 16-bit pairs into four codes, low byte
+// first. One loop per case, so the common one has no branch per quad (NOTES v14c).
+template <typename T, typename Rows>
+__device__ __forceinline__ void quantize_group_codes(float a, Rows&& rows) {
+  const float inv = kInt8Max / a;
+  // All zeros for amax 0 or NaN (quantize_int8x4's rule) and for amax inf, where every
+  // x·inv is 0 or NaN and __float2int_rn gives 0.
+  const bool zero = !(a > 0.f) || a == INFINITY;
+  // amax below 127 / FLT_MAX (only subnormal 16-bit values) makes inv infinite: take
+  // quantize_int8x4's path, where F2I saturates, so the codes stay identical.
+  const bool tiny = !zero && inv == INFINITY;
+  auto quad = [&](uint32_t w0, uint32_t w1) {
+    const float2 f0 = widen_pair<T>(w0), f1 = widen_pair<T>(w1);
+    return quantize_int8x4_rn(f0.x, f0.y, f1.x, f1.y, inv);
+  };
+  auto tiny_quad = [&](uint32_t w0, uint32_t w1) {
+    const float2 f0 = widen_pair<T>(w0), f1 = widen_pair<T>(w1);
+    const float x[4] = {f0.x, f0.y, f1.x, f1.y};
+    return quantize_int8x4(x, inv, false);
+  };
+  if (zero)
+    rows([](uint32_t, uint32_t) { return 0u; });
+  else if (tiny)
+    rows(tiny_quad);
+  else
+    rows(quad);
+}
+
 // tid in [0, 64). `c` (the K smoothing vector, D floats) and q_dot_c may be null when
 // the caller wants no LSE. The producer warpgroup runs at 40 registers (setmaxnreg), so
 // the loops stay short and hold one or two 16-byte chunks at a time; kLowRegs: at 24
@@ -145,26 +174,8 @@ __device__ __forceinline__ void quantize_q_tile(const uint8_t* in, uint8_t* out,
       a = amax_nan(a, __shfl_xor_sync(0xffffffff, a, 16));
     }
   }
-  const float inv = kInt8Max / a;
-  // All zeros for amax 0 or NaN (quantize_int8x4's rule) and for amax inf, where every
-  // x·inv is 0 or NaN and __float2int_rn gives 0.
-  const bool zero = !(a > 0.f) || a == INFINITY;
-  // amax below 127 / FLT_MAX (only subnormal bf16 rows) makes inv infinite: take
-  // quantize_int8x4's path, where F2I saturates, so the codes stay identical.
-  const bool tiny = !zero && inv == INFINITY;
-  // Four elements (two packed pairs) → four INT8 codes, low byte first.
-  auto quad = [&](uint32_t w0, uint32_t w1) {
-    const float2 f0 = widen_pair<T>(w0), f1 = widen_pair<T>(w1);
-    return quantize_int8x4_rn(f0.x, f0.y, f1.x, f1.y, inv);
-  };
-  auto tiny_quad = [&](uint32_t w0, uint32_t w1) {
-    const float2 f0 = widen_pair<T>(w0), f1 = widen_pair<T>(w1);
-    const float x[4] = {f0.x, f0.y, f1.x, f1.y};
-    return quantize_int8x4(x, inv, false);
-  };
-  if constexpr (kLowRegs) q_scale[tid] = (a / kInt8Max) * scale_log2;  // a is dead after
-  // One loop per case, so the common one has no branch per quad (NOTES v14c).
-  auto quantize_rows = [&](auto codes) {
+  if constexpr (kLowRegs) q_scale[tid] = (a / kInt8Max) * scale_log2;  // a dies with inv
+  quantize_group_codes<T>(a, [&](auto codes) {
 #pragma unroll 1
     for (int i = 0; i < 2 * (D / 16); ++i) {
       const int r = r0 + 8 * (i / (D / 16)), chunk = i % (D / 16);
@@ -173,13 +184,7 @@ __device__ __forceinline__ void quantize_q_tile(const uint8_t* in, uint8_t* out,
                     codes(raw1.z, raw1.w)};
       *reinterpret_cast<uint4*>(out + L::out_offset(r, chunk)) = q;
     }
-  };
-  if (zero)
-    quantize_rows([](uint32_t, uint32_t) { return 0u; });
-  else if (tiny)
-    quantize_rows(tiny_quad);
-  else
-    quantize_rows(quad);
+  });
   if constexpr (kLowRegs) {
     if (c != nullptr) q_tile_dot_c<D, T>(in, q_dot_c, c, tid, sm_scale);
   } else {
@@ -231,20 +236,8 @@ __device__ __forceinline__ void quantize_q_row(const uint8_t* in, uint8_t* out, 
       a = amax_nan(a, block_amax[parity * 4 + (warp ^ 1)]);
     }
   }
-  const float inv = kInt8Max / a;
-  const bool zero = !(a > 0.f) || a == INFINITY;  // quantize_q_tile's cases
-  const bool tiny = !zero && inv == INFINITY;
   if ((tid & 1) == 0) q_scale[tid >> 1] = (a / kInt8Max) * scale_log2;
-  auto quad = [&](uint32_t w0, uint32_t w1) {
-    const float2 f0 = widen_pair<T>(w0), f1 = widen_pair<T>(w1);
-    return quantize_int8x4_rn(f0.x, f0.y, f1.x, f1.y, inv);
-  };
-  auto tiny_quad = [&](uint32_t w0, uint32_t w1) {
-    const float2 f0 = widen_pair<T>(w0), f1 = widen_pair<T>(w1);
-    const float x[4] = {f0.x, f0.y, f1.x, f1.y};
-    return quantize_int8x4(x, inv, false);
-  };
-  auto quantize_row = [&](auto codes) {
+  quantize_group_codes<T>(a, [&](auto codes) {
 #pragma unroll 1
     for (int chunk = 0; chunk < D / 16; ++chunk) {
       const uint4 raw0 = load(2 * chunk), raw1 = load(2 * chunk + 1);
@@ -252,13 +245,7 @@ __device__ __forceinline__ void quantize_q_row(const uint8_t* in, uint8_t* out, 
                     codes(raw1.z, raw1.w)};
       *reinterpret_cast<uint4*>(out + L::out_offset(r, chunk)) = q;
     }
-  };
-  if (zero)
-    quantize_row([](uint32_t, uint32_t) { return 0u; });
-  else if (tiny)
-    quantize_row(tiny_quad);
-  else
-    quantize_row(quad);
+  });
 }
 
 // q·c of thread tid's row (the four-warp quantizer's rows), for a tile quantized
