@@ -55,9 +55,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path)
     ap.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192, 16384])
+    ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp8", "int8"],
+                    choices=["bf16", "fp8", "int8"])
     args = ap.parse_args()
     rows = []
-    for dtype in ("bf16", "fp8", "int8"):
+    for dtype in args.dtypes:
         for n in args.sizes:
             ms = time_ms(gemm_fns(dtype, n))
             tops = 2.0 * n**3 / (ms * 1e-3) / 1e12
