@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <array>
 #include <bit>
+#include <cmath>
 #include <cstring>
 #include <limits>
 
@@ -169,7 +170,8 @@ TEST(Sage2Forward, ManyItemsPerCtaEqualOneHeadLaunches) {
   using Split = sage2::RegisterSplit;
   for (int d : {128, 64})
     for (int causal : {0, 1})
-      for (Split split : {Split::kConsumers232, Split::kConsumers240, Split::kQuantizer4Warps}) {
+      for (Split split : {Split::kConsumers232, Split::kConsumers240, Split::kQuantizer4Warps,
+                          Split::kConsumers240PolyExp}) {
         SCOPED_TRACE("d=" + std::to_string(d) + " causal=" + std::to_string(causal) + " split " +
                      std::to_string(static_cast<int>(split)) + ", seed=" + std::to_string(seed));
         const std::size_t count = std::size_t(B) * H * N * d;
@@ -472,11 +474,13 @@ TEST(Sage2Forward, MatchesEmulationRandomCases) {
   }
 }
 
-// The three shapes of the attention kernel (launch.h: consumers at 232 or 240, and the
+// The shapes of the attention kernel (launch.h: consumers at 232 or 240, and the
 // 512-thread CTA with the Q quantizer on four warps; NOTES v18h, v20f) run the same
 // arithmetic in differently compiled producers: each, forced, matches the emulation (Q
-// codes and scales bit for bit), and their O and LSE are the same bits. Fixed shapes on
-// both sides of the launch's choice, and fresh random ones.
+// codes and scales bit for bit), and their O and LSE are the same bits. The fourth
+// shape (one exp in eight by a polynomial, d=128) matches the emulation too, and its O
+// has a CosSim of at least 0.99999 to the others'. Fixed shapes on both sides of the
+// launch's choice, and fresh random ones.
 TEST(Sage2Forward, EveryRegisterSplitGivesTheSameBits) {
   QATTN_SKIP_WITHOUT_GPU();
   const uint64_t seed = test::fresh_seed();
@@ -519,6 +523,25 @@ TEST(Sage2Forward, EveryRegisterSplitGivesTheSameBits) {
         lse_diff += std::bit_cast<uint32_t>(r232.lse[i]) != std::bit_cast<uint32_t>(other.lse[i]);
       EXPECT_EQ(o_diff, 0u) << "O values differ between the splits";
       EXPECT_EQ(lse_diff, 0u) << "LSE values differ between the splits";
+    }
+    {
+      SCOPED_TRACE("split 4 (poly exps)");
+      test::Sage2Result poly;
+      c.split = sage2::RegisterSplit::kConsumers240PolyExp;
+      check_against_emulation(c, {}, &poly);
+      ASSERT_EQ(poly.status, 0);
+      EXPECT_TRUE(poly.all_written && poly.guard_intact && poly.lse_guard_intact);
+      // A P code that rounds the other way moves O by at most one E4M3 step of that P's
+      // weight: far below 1% of the row's scale. Compare with the 232 shape's O.
+      double dot = 0, n0 = 0, n1 = 0;
+      for (std::size_t i = 0; i < r232.o.data.size(); ++i) {
+        const double a = r232.o.data[i], b = poly.o.data[i];
+        if (!std::isfinite(a) || !std::isfinite(b)) continue;  // the NaN-poisoned row gaps
+        dot += a * b;
+        n0 += a * a;
+        n1 += b * b;
+      }
+      EXPECT_GT(dot / std::sqrt(n0 * n1), 0.99999) << "poly-exp O strays from the others'";
     }
     if (HasFailure()) return;
   }

@@ -236,7 +236,9 @@ __device__ __forceinline__ SharedStorage<D>& consumer_storage(uint8_t* smem_raw,
     return shared_view;
 }
 
-template <int D, typename T, int kConsumerRegs, int kQuantWarps = 2>
+// kPolyChunks (d=128 only): the softmax's exps of that many column chunks in each 8 on the
+// FMA pipe (numerics::exp2_poly) instead of MUFU; 0 or 1 (launch.cu chooses, NOTES v21b).
+template <int D, typename T, int kConsumerRegs, int kQuantWarps = 2, int kPolyChunks = 0>
 __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
     sage2_fwd_kernel(const __grid_constant__ CUtensorMap tm_q,
                      const __grid_constant__ CUtensorMap tm_k,
@@ -528,12 +530,8 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
   constexpr int kO = D / 2;            // output elements per thread
   constexpr int kOAcc = kO + 4;        // and the ones columns: row sums
   // Independent max chains per row: 4 at d=128, 2 at d=64 (NOTES v8, v12b).
-  // Every exp on MUFU: a quarter of them on the FMA pipe gained 4% at N=2K in v15d, but
-  // after v19d the kernel is issue-bound and it cost 1-6% (NOTES v21b).
-#ifndef QATTN_SAGE2_POLY_CHUNKS  // lever for bench/NOTES.md: chunks of 8 on the FMA pipe
-#define QATTN_SAGE2_POLY_CHUNKS 0
-#endif
-  using Softmax = OnlineSoftmax<kS, D == 64 ? 2 : 4, D == 128 ? QATTN_SAGE2_POLY_CHUNKS : 0>;
+  static_assert(D == 128 || kPolyChunks == 0, "d=64 loses 10-16% with poly exps (NOTES v15d)");
+  using Softmax = OnlineSoftmax<kS, D == 64 ? 2 : 4, kPolyChunks>;
 
   // A work item as a consumer thread sees it.
   struct Item {

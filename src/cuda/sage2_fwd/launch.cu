@@ -70,6 +70,11 @@ constexpr double kWideSplitMinTiles = 16.0;
 #define QATTN_SAGE2_QUANT4 1
 #endif
 constexpr bool kShortItemsOnFourQuantWarps = QATTN_SAGE2_QUANT4 != 0;
+// d=128 without the causal mask, from kWideSplitMinTiles up to this many KV tiles per
+// item: one exp in eight on the FMA pipe (kConsumers240PolyExp). Side by side in two calls
+// it gained 3-4% kernel-only at N = 2K, 4K and the image DiT (36 tiles), was even at 8K
+// and lost 1-2% at 32K and causal 8K (NOTES v21b, v21f).
+constexpr double kPolyExpMaxTiles = 48.0;
 
 template <int D, typename T>
 cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout& w, void* ws,
@@ -125,25 +130,31 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
   ap.causal = p.causal;
 
   ap.num_m_blocks = w.nq_pad / Tr::kBlockM;
+  if (D == 64 && split == RegisterSplit::kConsumers240PolyExp)
+    split = RegisterSplit::kConsumers240;  // d=64 has no poly shape (kernel.cuh)
   if (split == RegisterSplit::kAuto) {
-    const bool long_items =
-        D == 64 || mean_kv_tiles_per_item(p.seqlen_q, p.seqlen_kv, p.causal != 0,
-                                          ap.num_m_blocks) >= kWideSplitMinTiles;
-    split = long_items                    ? RegisterSplit::kConsumers240
+    const double tiles =
+        mean_kv_tiles_per_item(p.seqlen_q, p.seqlen_kv, p.causal != 0, ap.num_m_blocks);
+    const bool long_items = D == 64 || tiles >= kWideSplitMinTiles;
+    const bool poly = D == 128 && p.causal == 0 && tiles < kPolyExpMaxTiles;
+    split = long_items && poly            ? RegisterSplit::kConsumers240PolyExp
+            : long_items                  ? RegisterSplit::kConsumers240
             : kShortItemsOnFourQuantWarps ? RegisterSplit::kQuantizer4Warps
                                           : RegisterSplit::kConsumers232;
   }
   const bool four_warps = split == RegisterSplit::kQuantizer4Warps;
-  auto kernel = split == RegisterSplit::kConsumers240 ? sage2_fwd_kernel<D, T, 240>
-                : four_warps                           ? sage2_fwd_kernel<D, T, 232, 4>
-                                                       : sage2_fwd_kernel<D, T, 232>;
+  auto kernel = sage2_fwd_kernel<D, T, 232>;
+  if (split == RegisterSplit::kConsumers240) kernel = sage2_fwd_kernel<D, T, 240>;
+  if (split == RegisterSplit::kConsumers240PolyExp)
+    kernel = sage2_fwd_kernel<D, T, 240, 2, D == 128 ? 1 : 0>;
+  if (four_warps) kernel = sage2_fwd_kernel<D, T, 232, 4>;
   const int threads = four_warps ? kCtaThreads<4> : kCtaThreads<2>;
   constexpr int smem = static_cast<int>(sizeof(SharedStorage<D>)) + 1024;
   int num_sms = 0;
   if (auto e = hopper::current_device_sms(&num_sms); e != cudaSuccess) return e;
-  // Per kernel shape (kAuto was resolved above; the others are 1-3).
-  static_assert(static_cast<int>(RegisterSplit::kQuantizer4Warps) == 3);
-  static std::atomic<unsigned long long> configured[3] = {0, 0, 0};
+  // Per kernel shape (kAuto was resolved above; the others are 1-4).
+  static_assert(static_cast<int>(RegisterSplit::kConsumers240PolyExp) == 4);
+  static std::atomic<unsigned long long> configured[4] = {0, 0, 0, 0};
   if (auto e = hopper::once_per_context(
           configured[static_cast<int>(split) - 1],
           [&] {
