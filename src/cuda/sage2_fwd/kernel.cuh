@@ -237,7 +237,7 @@ __device__ __forceinline__ SharedStorage<D>& consumer_storage(uint8_t* smem_raw,
 }
 
 // kPolyChunks (d=128 only): the softmax's exps of that many column chunks in each 8 on the
-// FMA pipe (numerics::exp2_poly) instead of MUFU; 0 or 1 (launch.cu chooses, NOTES v21b).
+// FMA pipe (numerics::exp2_poly) instead of MUFU; 0 or 1 (launch.cu chooses, NOTES v21f).
 template <int D, typename T, int kConsumerRegs, int kQuantWarps = 2, int kPolyChunks = 0>
 __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
     sage2_fwd_kernel(const __grid_constant__ CUtensorMap tm_q,

@@ -35,8 +35,9 @@ using scores::kMaskedScore;
 using scores::score_to_float;
 
 // kPolyChunks: the exps of that many column chunks in each 8 by numerics::exp2_poly
-// instead of MUFU. 0 in the kernel: 2 gained 4% at d=128 N=2K in v15d, lost 10-16% at
-// d=64, and since v19d loses 1-6% at d=128 too (NOTES v21b); kept as a lever.
+// instead of MUFU. The kernel uses 0, and 1 in one d=128 shape (launch.h). 2 gained 4%
+// at d=128 N=2K in NOTES v15d and lost 10-16% at d=64; since v19d it loses 1-6% at
+// d=128 too (v21b), and 1 pays only for mid-length non-causal items (v21f).
 template <int kCols, int kChains, int kPolyChunks>
 struct OnlineSoftmax {
 #ifdef QATTN_SAGE2_SOFTMAX_CHAINS  // override for the measurements of bench/NOTES.md
