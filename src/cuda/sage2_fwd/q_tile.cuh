@@ -100,6 +100,28 @@ __device__ __forceinline__ void q_tile_dot_c(const uint8_t* in, float* q_dot_c, 
   }
 }
 
+// |x| max over a row's 16-byte chunks, on packed 16-bit pairs (exact: max commutes with
+// the widening): m starts at `absmax_zero`, `absmax_chunk` folds one chunk (8 values)
+// into it, `absmax_float` gives the float amax of m (NaN propagates).
+template <typename T2>
+__device__ __forceinline__ T2 absmax_zero() {
+  const uint32_t zero = 0u;
+  return *reinterpret_cast<const T2*>(&zero);
+}
+template <typename T2>
+__device__ __forceinline__ void absmax_chunk(T2 (&m)[2], const uint4& raw) {
+  auto pair = [](uint32_t w) { return *reinterpret_cast<const T2*>(&w); };
+  m[0] = __hmax2_nan(m[0], __habs2(pair(raw.x)));
+  m[1] = __hmax2_nan(m[1], __habs2(pair(raw.y)));
+  m[0] = __hmax2_nan(m[0], __habs2(pair(raw.z)));
+  m[1] = __hmax2_nan(m[1], __habs2(pair(raw.w)));
+}
+template <typename T2>
+__device__ __forceinline__ float absmax_float(const T2 (&m)[2]) {
+  const T2 mm = __hmax2_nan(m[0], m[1]);
+  return amax_nan(amax_nan(0.f, __low2float(mm)), __high2float(mm));
+}
+
 // The INT8 codes of a scale group with amax a: `rows(codes)` runs the caller's loop over
 // its rows, `codes(w0, w1)` turning two packed 16-bit pairs into four codes, low byte
 // first. One loop per case, so the common one has no branch per quad (NOTES v14c).
@@ -145,24 +167,16 @@ __device__ __forceinline__ void quantize_q_tile(const uint8_t* in, uint8_t* out,
   auto load = [&](int r, int chunk) {
     return *reinterpret_cast<const uint4*>(in + L::in_offset(r, chunk));
   };
-  auto pair = [](uint32_t w) { return *reinterpret_cast<const T2*>(&w); };
 
-  // amax over both rows on packed 16-bit pairs (exact: max commutes with the widening).
+  // amax over both rows.
   T2 m[2];
-  m[0] = m[1] = pair(0u);
+  m[0] = m[1] = absmax_zero<T2>();
 #pragma unroll 1
   for (int chunk = 0; chunk < D / 8; ++chunk) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint4 raw = load(r0 + 8 * h, chunk);
-      m[0] = __hmax2_nan(m[0], __habs2(pair(raw.x)));
-      m[1] = __hmax2_nan(m[1], __habs2(pair(raw.y)));
-      m[0] = __hmax2_nan(m[0], __habs2(pair(raw.z)));
-      m[1] = __hmax2_nan(m[1], __habs2(pair(raw.w)));
-    }
+    for (int h = 0; h < 2; ++h) absmax_chunk(m, load(r0 + 8 * h, chunk));
   }
-  m[0] = __hmax2_nan(m[0], m[1]);
-  float a = amax_nan(amax_nan(0.f, __low2float(m[0])), __high2float(m[0]));
+  float a = absmax_float(m);
 
   if (!kLowRegs && c != nullptr) q_tile_dot_c<D, T>(in, q_dot_c, c, tid, sm_scale);
   // Scale group: both rows (per thread), 16 rows (per warp: the 8 lanes of w), 64 rows.
@@ -211,19 +225,11 @@ __device__ __forceinline__ void quantize_q_row(const uint8_t* in, uint8_t* out, 
   auto load = [&](int chunk) {
     return *reinterpret_cast<const uint4*>(in + L::in_offset(r, chunk));
   };
-  auto pair = [](uint32_t w) { return *reinterpret_cast<const T2*>(&w); };
   T2 m[2];
-  m[0] = m[1] = pair(0u);
+  m[0] = m[1] = absmax_zero<T2>();
 #pragma unroll 1
-  for (int chunk = 0; chunk < D / 8; ++chunk) {
-    const uint4 raw = load(chunk);
-    m[0] = __hmax2_nan(m[0], __habs2(pair(raw.x)));
-    m[1] = __hmax2_nan(m[1], __habs2(pair(raw.y)));
-    m[0] = __hmax2_nan(m[0], __habs2(pair(raw.z)));
-    m[1] = __hmax2_nan(m[1], __habs2(pair(raw.w)));
-  }
-  m[0] = __hmax2_nan(m[0], m[1]);
-  float a = amax_nan(amax_nan(0.f, __low2float(m[0])), __high2float(m[0]));
+  for (int chunk = 0; chunk < D / 8; ++chunk) absmax_chunk(m, load(chunk));
+  float a = absmax_float(m);
   a = amax_nan(a, __shfl_xor_sync(0xffffffff, a, 1));  // the group's other row
   if (granularity != QATTN_QK_PER_THREAD) {
 #pragma unroll
