@@ -8,12 +8,14 @@ Samples `nvidia-smi --query-gpu=clocks.sm,power.draw` every 50 ms while the comm
 one after the other, and reports per command the median and minimum SM clock and the
 median and maximum power over its busy samples (power above --busy-watts, so set-up and
 idle gaps do not count). A kernel that is power-capped shows a median power near the
-board's limit and a clock below its maximum.
+board's limit and a clock below its maximum. Pass --commit on the device (its copy of the
+tree may not know its commit), as for forward.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import shlex
 import statistics
@@ -21,6 +23,8 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+
+from forward import clock_env, commit_id  # bench/forward.py, next to this file
 
 
 def sample(stop: threading.Event, rows: list) -> None:
@@ -37,6 +41,7 @@ def main() -> None:
     ap.add_argument("phases", nargs="+", help="label=command")
     ap.add_argument("--busy-watts", type=float, default=250.0)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--commit", default="", help="commit id to record (else $QATTN_COMMIT or git)")
     args = ap.parse_args()
     rows: list = []
     stop = threading.Event()
@@ -66,7 +71,9 @@ def main() -> None:
             print(f"{label:10s} no busy samples")
         results.append(res)
     if args.out:
-        args.out.write_text(json.dumps({"phases": results}, indent=1))
+        env = {**clock_env(), "commit": commit_id(args.commit),
+               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+        args.out.write_text(json.dumps({"env": env, "phases": results}, indent=1))
 
 
 if __name__ == "__main__":

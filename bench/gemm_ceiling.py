@@ -8,17 +8,21 @@ attention kernel's TOPS are read against (bench/NOTES.md, issue 4's bound).
 
 Square M = N = K problems, CUDA-event timing after warm-up, median of 20 runs, random
 inputs (never zeros). Prints one line per (dtype, size) and writes OUT/gemm-ceiling.json
-when --out is given. Run on the device: python3 bench/gemm_ceiling.py --out $OUT
+when --out is given. Run on the device: python3 bench/gemm_ceiling.py --out $OUT --commit ID
+(the device's copy of the tree may not know its commit: pass it, as for forward.py)
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import statistics
 from pathlib import Path
 
 import torch
+
+from forward import clock_env, commit_id  # bench/forward.py, next to this file
 
 
 def time_ms(fn, runs: int = 20) -> float:
@@ -54,6 +58,7 @@ def gemm_fns(dtype: str, n: int):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--commit", default="", help="commit id to record (else $QATTN_COMMIT or git)")
     ap.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192, 16384])
     ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp8", "int8"],
                     choices=["bf16", "fp8", "int8"])
@@ -66,8 +71,9 @@ def main() -> None:
             rows.append({"dtype": dtype, "n": n, "ms": ms, "tops": tops})
             print(f"{dtype:5s} {n:6d}  {ms:8.3f} ms  {tops:7.1f} TOPS", flush=True)
     if args.out:
-        env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "cuda": torch.version.cuda}
+        env = {"gpu": torch.cuda.get_device_name(), **clock_env(), "torch": torch.__version__,
+               "cuda": torch.version.cuda, "commit": commit_id(args.commit),
+               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
         (args.out / "gemm-ceiling.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
 
 
