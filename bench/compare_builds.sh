@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Two builds of the library on one GPU, in one run: (1) bit for bit — output_digest built
+# against each prints a digest of O and the LSE per case of its grid, on the same inputs
+# (a fixed grid plus random cases from one fresh seed), and the digests must be equal;
+# the base build runs twice to show the digests are stable run to run; (2) speed —
+# kernel_timing built against each, interleaved (bench/ab_timing.sh).
+#   run: bench/compare_builds.sh DIR   (DIR holds output_digest_{base,new} and
+#        kernel_timing_{base,new}, built on the development machine and carried)
+#   env: SEED (default: from the clock, printed), SHAPES and ROUNDS for ab_timing.sh
+set -uo pipefail
+dir=${1:?folder with output_digest_{base,new} and kernel_timing_{base,new}}
+seed=${SEED:-$(date +%s)}
+out=${OUT:-/tmp/qattn-out}
+mkdir -p "$out"
+echo "seed $seed"
+"$dir/output_digest_base" --seed "$seed" >"$out/digest-base.txt"
+"$dir/output_digest_base" --seed "$seed" >"$out/digest-base-again.txt"
+"$dir/output_digest_new" --seed "$seed" >"$out/digest-new.txt"
+cases=$(wc -l <"$out/digest-base.txt")
+failed=$(grep -vc "status=0 " "$out/digest-base.txt")
+if cmp -s "$out/digest-base.txt" "$out/digest-base-again.txt"; then
+  echo "base twice: identical ($cases cases, $failed not run: status != 0)"
+else
+  echo "base twice: DIFFERENT"
+fi
+if cmp -s "$out/digest-base.txt" "$out/digest-new.txt"; then
+  echo "base vs new: bit-identical O and LSE in all $cases cases"
+else
+  echo "base vs new: DIFFERENT"
+  diff "$out/digest-base.txt" "$out/digest-new.txt" | head -20
+fi
+"$(dirname "$0")/ab_timing.sh" "$dir/kernel_timing_base" "$dir/kernel_timing_new" | tee "$out/ab-timing.txt"
