@@ -358,11 +358,11 @@ def attention_kernel_only(
     scale: Optional[float] = None,
     layout: str = "HND",
 ) -> Callable[[], torch.Tensor]:
-    """Benchmarks only ("kernel-only" time, docs/design.md "Measuring"). Runs one full forward now and
-    returns a function that enqueues only the attention kernel again, on the current
-    stream, over the quantized workspace that forward filled (q, k, v are not read
-    again). The function returns the output tensor it writes. is_causal uses the
-    kernel's own bottom-right alignment (one kernel call, as timed)."""
+    """Benchmarks only ("kernel-only" time, docs/design.md "Measuring"). Runs one full
+    forward now and returns a function that enqueues only the attention kernel again,
+    on the current stream, over the quantized workspace that forward filled (q, k, v
+    are not read again). The function returns the output tensor it writes. is_causal
+    uses the kernel's own bottom-right alignment (one kernel call, as timed)."""
     if q.device.type != "cuda":
         raise invalid(f"q is on {q.device}; allowed: a CUDA device")
     with torch.cuda.device(q.device):
