@@ -128,6 +128,17 @@ def test_compile_fullgraph_matches_eager():
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)  # the same kernel calls
 
 
+def test_top_left_split_makes_no_host_synchronization():
+    q, k, v = qkv(1, 4, 4, 700, 300, 64, seed=55)
+    qattn.scaled_dot_product_attention(q, k, v, is_causal=True)  # warm-up
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        qattn.scaled_dot_product_attention(q, k, v, is_causal=True)
+        qattn.scaled_dot_product_attention(q, k[:, :, :100], v[:, :, :100], is_causal=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 # ---- the fallback --------------------------------------------------------------------------
 
 
