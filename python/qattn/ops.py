@@ -41,9 +41,9 @@ def _bhnd(t: torch.Tensor, layout: str) -> Tuple[int, int, int, int]:
 
 
 def scale_ok(scale) -> bool:
-    """True for a scale the C ABI honours as given: finite, positive, and finite and
-    non-zero in FP32. The ABI reads sm_scale 0 as "the default" and rejects a negative
-    one, so a positive scale that rounds to 0 (or overflows) in FP32 must not turn into
+    """True for a scale the C ABI honours as given: positive, non-zero in FP32, and with
+    scale·log2(e) finite in FP32. The ABI reads sm_scale 0 as "the default" and rejects
+    a negative one, so a positive scale that rounds to 0 in FP32 must not turn into
     1/sqrt(d) silently."""
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         return False
@@ -93,7 +93,7 @@ def _check_inputs(q, k, v, layout: str, scale: Optional[float], granularity: str
     if scale is not None and not scale_ok(scale):
         raise invalid(
             f"scale = {scale}; allowed: None (1/sqrt(head_dim)) or a positive number that is "
-            "finite and non-zero in FP32"
+            "non-zero in FP32 and whose product with log2(e) is finite in FP32"
         )
 
 
