@@ -5,7 +5,7 @@
 #
 # Why a direct CMake build and not `pip install -e .`: both compile the same sources
 # (the CUDA kernels dominate), but the direct build (1) reuses a build folder that is
-# still there on a warm machine, or the lead's own build folder (QATTN_BUILD_DIR), so
+# still there on a warm machine, or an existing build folder named by QATTN_BUILD_DIR, so
 # a second call compiles only what changed; (2) builds just the library and the
 # module, no tests or CLI; (3) skips pip's wheel packing and metadata steps. Carrying a
 # library built here instead was rejected: compiling the kernels on this 2-core

@@ -1,8 +1,13 @@
 """qattn: low-bit attention (SageAttention family) with a C ABI core.
 
     import qattn
-    o = qattn.attention(q, k, v, is_causal=True)          # like F.scaled_dot_product_attention
-    o = qattn.sageattn(q, k, v, tensor_layout="NHD")       # drop-in for SageAttention's sageattn
+    o = qattn.scaled_dot_product_attention(q, k, v, is_causal=True)  # F.scaled_dot_product_attention's signature
+    o = qattn.attention(q, k, v, is_causal=True, layout="NHD")       # qattn's own options (layout, LSE, alignment)
+    o = qattn.sageattn(q, k, v, tensor_layout="NHD")                 # drop-in for SageAttention's sageattn
+
+qattn.scaled_dot_product_attention runs what qattn does not support on PyTorch's SDPA,
+with a warning once per reason; qattn.set_fallback("raise") (or QATTN_FALLBACK=raise in
+the environment) makes that an error.
 
 The compiled module qattn._C links no PyTorch library; the PyTorch integration
 (qattn/ops.py, a torch.library custom op) is pure Python, so one build works with any
@@ -12,7 +17,7 @@ PyTorch version. Without PyTorch, only the _C-level helpers below are available.
 from __future__ import annotations
 
 from . import _C
-from .errors import QattnBackwardNotImplemented, QattnError
+from .errors import QattnBackwardNotImplemented, QattnError, QattnFallbackWarning, QattnUnsupportedError
 
 __version__ = _C.version()
 
@@ -30,6 +35,8 @@ def device_supported(device: int = -1) -> bool:
 __all__ = [
     "QattnBackwardNotImplemented",
     "QattnError",
+    "QattnFallbackWarning",
+    "QattnUnsupportedError",
     "__version__",
     "built_with_cuda",
     "device_supported",
@@ -41,5 +48,13 @@ except ImportError:  # pragma: no cover - the torch layer needs torch
     pass
 else:
     from .ops import attention, attention_kernel_only, sageattn  # noqa: F401
+    from .sdpa import get_fallback, scaled_dot_product_attention, set_fallback  # noqa: F401
 
-    __all__ += ["attention", "attention_kernel_only", "sageattn"]
+    __all__ += [
+        "attention",
+        "attention_kernel_only",
+        "get_fallback",
+        "sageattn",
+        "scaled_dot_product_attention",
+        "set_fallback",
+    ]

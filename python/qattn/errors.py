@@ -40,3 +40,19 @@ def check(status: int) -> None:
     thread (the message is per thread in the C library)."""
     if status != _C.OK:
         raise QattnError(status, _C.last_error_message())
+
+
+class QattnUnsupportedError(QattnError, NotImplementedError):
+    """Raised by qattn.scaled_dot_product_attention in the "raise" fallback mode when
+    qattn cannot run a valid call (qattn.set_fallback). `reason` names the kind of
+    call ("attn_mask", "dropout_p", "dtype", ...); str(error) says why."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(_C.ERROR_UNSUPPORTED, message)
+        self.reason = reason
+
+
+class QattnFallbackWarning(UserWarning):
+    """Issued (once per reason) when qattn.scaled_dot_product_attention hands a call to
+    torch.nn.functional.scaled_dot_product_attention. Filter it with the warnings
+    module, or make it an error with qattn.set_fallback("raise")."""

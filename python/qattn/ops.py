@@ -24,6 +24,8 @@ _DTYPES = {torch.float16: _C.DTYPE_FP16, torch.bfloat16: _C.DTYPE_BF16}
 _GRANULARITIES = {"per_thread": 0, "per_warp": 1, "per_block": 2}
 _ROW_MULTIPLE = 8  # elements: the C ABI wants 16-byte strides and pointers
 _ALIGN_BYTES = 16
+_LOG2E = 1.4426950408889634
+_ALIGNMENTS = ("top_left", "bottom_right")
 
 
 # ---- shape checks (run on real and on fake tensors) ----------------------------------
@@ -36,6 +38,23 @@ def _bhnd(t: torch.Tensor, layout: str) -> Tuple[int, int, int, int]:
     else:
         b, n, h, d = t.shape
     return b, h, n, d
+
+
+def scale_ok(scale) -> bool:
+    """True for a scale the C ABI honours as given: positive, non-zero in FP32, and with
+    scale·log2(e) finite in FP32. The ABI reads sm_scale 0 as "the default" and rejects
+    a negative one, so a positive scale that rounds to 0 in FP32 must not turn into
+    1/sqrt(d) silently."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        return False
+    if not (math.isfinite(scale) and scale > 0):
+        return False
+    # The kernel works with sm_scale·log2(e) in FP32 (exp2 softmax): that must be finite too.
+    return 0.0 < _fp32(scale) and _fp32(scale * _LOG2E) < math.inf
+
+
+def _fp32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def _check_inputs(q, k, v, layout: str, scale: Optional[float], granularity: str) -> None:
@@ -71,14 +90,10 @@ def _check_inputs(q, k, v, layout: str, scale: Optional[float], granularity: str
         raise invalid(
             f"heads_q = {hq} is not a multiple of heads_kv = {hk}; allowed: heads_q = g * heads_kv (GQA/MQA)"
         )
-    # The C ABI takes an FP32 sm_scale and reads 0 as "the default": a positive scale that
-    # rounds to 0 (or overflows) in FP32 must not turn into 1/sqrt(d) silently.
-    if scale is not None and not (
-        math.isfinite(scale) and scale > 0 and 0.0 < struct.unpack("f", struct.pack("f", scale))[0] < math.inf
-    ):
+    if scale is not None and not scale_ok(scale):
         raise invalid(
             f"scale = {scale}; allowed: None (1/sqrt(head_dim)) or a positive number that is "
-            "finite and non-zero in FP32"
+            "non-zero in FP32 and whose product with log2(e) is finite in FP32"
         )
 
 
@@ -223,6 +238,43 @@ _attention_op.register_autograd(_backward, setup_context=lambda ctx, inputs, out
 # ---- public functions --------------------------------------------------------------
 
 
+def _forward(q, k, v, is_causal, scale, layout, return_lse, granularity):
+    """One forward with the C ABI's own causal rule (bottom-right aligned)."""
+    if _direct_call_ok(q, k, v):
+        return _run(q, k, v, is_causal, scale, layout, return_lse, granularity)
+    return torch.ops.qattn.attention(q, k, v, is_causal, scale, layout, return_lse, granularity)
+
+
+def _seq_lengths(q, k, layout):
+    """(Nq, Nkv), or None where the inputs are not 4-D tensors in a known layout (the
+    call then goes on unchanged and _check_inputs names what is wrong)."""
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)) or layout not in _LAYOUTS:
+        return None
+    if q.dim() != 4 or k.dim() != 4:
+        return None
+    seq = 2 if layout == "HND" else 1
+    return q.shape[seq], k.shape[seq]
+
+
+def _top_left(q, k, v, scale, layout, return_lse, granularity):
+    """Causal attention with SDPA's rule, query i sees keys j <= i, from the kernel's
+    bottom-right rule (query i sees keys j <= i + Nkv - Nq). Both agree when Nq == Nkv.
+    Nq < Nkv: keys j >= Nq are never seen, so the kernel runs square on the first Nq keys
+    (a view, no copy). Nq > Nkv: rows i < Nkv form a square causal problem with all the
+    keys, and rows i >= Nkv see every key (no mask); two calls on views, and the two
+    outputs are joined along the sequence (one copy of o). No row is empty."""
+    nq, nkv = _seq_lengths(q, k, layout)
+    seq = 2 if layout == "HND" else 1
+    if nq <= nkv:
+        k, v = k.narrow(seq, 0, nq), v.narrow(seq, 0, nq)
+        return _forward(q, k, v, True, scale, layout, return_lse, granularity)
+    o1, lse1 = _forward(q.narrow(seq, 0, nkv), k, v, True, scale, layout, return_lse, granularity)
+    o2, lse2 = _forward(q.narrow(seq, nkv, nq - nkv), k, v, False, scale, layout, return_lse, granularity)
+    o = torch.cat((o1, o2), dim=seq)
+    lse = torch.cat((lse1, lse2), dim=2) if return_lse else lse1
+    return o, lse
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -233,24 +285,36 @@ def attention(
     return_lse: bool = False,
     *,
     granularity: str = "per_thread",
+    causal_alignment: str = "top_left",
 ):
     """SageAttention2-8b attention (INT8 Q·Kᵀ, FP8 P·V) on a Hopper GPU.
 
-    Semantics follow torch.nn.functional.scaled_dot_product_attention: q is
-    (B, Hq, Nq, d) and k, v are (B, Hkv, Nkv, d) for layout "HND", or (B, N, H, d) for
-    "NHD"; fp16 or bf16 on one CUDA device; Hq a multiple of Hkv (GQA/MQA); scale
-    defaults to 1/sqrt(d); with is_causal and Nq != Nkv the mask is aligned to the
-    bottom-right (as FlashAttention >= 2.1; SDPA aligns top-left). d <= 128.
+    q is (B, Hq, Nq, d) and k, v are (B, Hkv, Nkv, d) for layout "HND", or (B, N, H, d)
+    for "NHD"; fp16 or bf16 on one CUDA device; Hq a multiple of Hkv (GQA/MQA: query
+    head h reads key/value head h // (Hq / Hkv)); scale defaults to 1/sqrt(d); d <= 128.
+    For a drop-in with SDPA's exact signature and a fallback for what qattn does not
+    run, see qattn.scaled_dot_product_attention.
+
+    causal_alignment says where the causal mask sits when Nq != Nkv (it makes no
+    difference when Nq == Nkv):
+      "top_left" (default, SDPA's rule): query i sees keys j <= i. With Nq > Nkv this
+        takes two kernel calls and one copy of the output.
+      "bottom_right" (FlashAttention >= 2.1, a KV cache: the queries are the last Nq
+        positions): query i sees keys j <= i + Nkv - Nq. With Nq > Nkv the first
+        Nq - Nkv rows see no key: their output is 0 and their LSE -inf.
 
     Returns o (q's shape and dtype, contiguous), and with return_lse also the
     natural-log log-sum-exp of the scaled scores, (B, Hq, Nq) float32.
     granularity: quantization groups of Q and K, "per_thread" (default), "per_warp" or
     "per_block". Raises QattnError with a message naming the bad parameter.
     """
-    if _direct_call_ok(q, k, v):
-        o, lse = _run(q, k, v, is_causal, scale, layout, return_lse, granularity)
+    if causal_alignment not in _ALIGNMENTS:
+        raise invalid(f"causal_alignment = {causal_alignment!r}; allowed: 'top_left' or 'bottom_right'")
+    lengths = _seq_lengths(q, k, layout) if is_causal and causal_alignment == "top_left" else None
+    if lengths is not None and lengths[0] != lengths[1] and min(lengths) > 0:
+        o, lse = _top_left(q, k, v, scale, layout, return_lse, granularity)
     else:
-        o, lse = torch.ops.qattn.attention(q, k, v, is_causal, scale, layout, return_lse, granularity)
+        o, lse = _forward(q, k, v, is_causal, scale, layout, return_lse, granularity)
     return (o, lse) if return_lse else o
 
 
@@ -264,7 +328,9 @@ def sageattn(
     return_lse: bool = False,
     **kwargs,
 ):
-    """Drop-in for SageAttention's `sageattn` (same signature and return values).
+    """Drop-in for SageAttention's `sageattn` (same signature and return values). A
+    causal mask with Nq != Nkv is aligned top-left, as in SDPA and SageAttention's own
+    kernels (query i sees keys j <= i).
 
     Of the upstream keyword options, `qk_quant_gran` ("per_thread", "per_warp",
     "per_block") is honoured; `smooth_k` is always on (it is exact: softmax ignores a
@@ -292,10 +358,11 @@ def attention_kernel_only(
     scale: Optional[float] = None,
     layout: str = "HND",
 ) -> Callable[[], torch.Tensor]:
-    """Benchmarks only ("kernel-only" time, DESIGN §4). Runs one full forward now and
-    returns a function that enqueues only the attention kernel again, on the current
-    stream, over the quantized workspace that forward filled (q, k, v are not read
-    again). The function returns the output tensor it writes."""
+    """Benchmarks only ("kernel-only" time, docs/design.md "Measuring"). Runs one full
+    forward now and returns a function that enqueues only the attention kernel again,
+    on the current stream, over the quantized workspace that forward filled (q, k, v
+    are not read again). The function returns the output tensor it writes. is_causal
+    uses the kernel's own bottom-right alignment (one kernel call, as timed)."""
     if q.device.type != "cuda":
         raise invalid(f"q is on {q.device}; allowed: a CUDA device")
     with torch.cuda.device(q.device):

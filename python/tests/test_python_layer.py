@@ -43,6 +43,19 @@ def test_compile_fullgraph_traces():
     assert out.shape == (2, 8, 300)
 
 
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("nq,nkv", [(300, 500), (500, 300)])
+def test_compile_fullgraph_traces_both_alignments(alignment, nq, nkv):
+    def f(q, k, v):
+        o, lse = qattn.attention(q, k, v, is_causal=True, return_lse=True, layout="NHD",
+                                 causal_alignment=alignment)
+        return o, lse
+
+    q, k = meta(2, nq, 8, 128), meta(2, nkv, 2, 128)
+    o, lse = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, k)
+    assert o.shape == q.shape and o.is_contiguous() and lse.shape == (2, 8, nq)
+
+
 def test_backward_raises_a_clear_error():
     q = meta(1, 4, 128, 64).requires_grad_(True)
     o = qattn.attention(q, meta(1, 4, 128, 64), meta(1, 4, 128, 64))
@@ -145,6 +158,9 @@ def test_call_copies_expanded_inputs():
 
 def test_scale_that_vanishes_in_fp32_is_refused():
     q = torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16)
-    for bad in (1e-50, 1e300):
+    # 3e38 is finite in FP32 but its product with log2(e), which the kernel uses, is not.
+    for bad in (1e-50, 1e300, 3e38, -0.5, 0.0, float("inf")):
         with pytest.raises(qattn.QattnError, match="scale"):
             ops._check_inputs(q, q, q, "HND", bad, "per_thread")
+    for good in (1e-30, 0.125, 2.0e38):
+        ops._check_inputs(q, q, q, "HND", good, "per_thread")

@@ -1,0 +1,218 @@
+"""qattn.scaled_dot_product_attention: torch.nn.functional.scaled_dot_product_attention's
+signature and semantics, run on qattn's SageAttention2-8b kernel where qattn supports the
+call and on PyTorch's SDPA where it does not.
+
+What runs on qattn: query (B, Hq, Nq, d), key and value (B, Hkv, Nkv, d) of one shape;
+float16 or bfloat16 on a CUDA GPU of compute capability 9.0; d <= 128; no attn_mask;
+dropout_p 0; scale None or positive; Hq == Hkv, Hkv == 1 (SDPA broadcasts it), or
+enable_gqa with Hq a multiple of Hkv; no input that needs a gradient (qattn has no
+backward pass yet). Everything else goes to PyTorch's SDPA: with a QattnFallbackWarning
+once per reason (the default, "warn"), or as a QattnUnsupportedError ("raise"); see
+set_fallback. Meta tensors take qattn's op, whose fake implementation gives the shapes.
+
+The results are SageAttention2-8b's, not SDPA's bits: the bounds of the scheme are in
+docs/design.md ("Numerics") and tests/tolerances/sage2_8b.json.
+"""
+
+# No `from __future__ import annotations`: the public signature is compared with
+# PyTorch's at test time.
+import os
+import threading
+import warnings
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from . import _C, ops
+from .errors import QattnError, QattnFallbackWarning, QattnUnsupportedError
+
+_MODES = ("warn", "raise")
+_ENV = "QATTN_FALLBACK"
+_DTYPES = (torch.float16, torch.bfloat16)
+_MAX_HEAD_DIM = 128
+
+
+def _check_mode(mode, what: str) -> str:
+    if mode not in _MODES:
+        raise ValueError(f"{what} = {mode!r}; allowed: 'warn' (the default) or 'raise'")
+    return mode
+
+
+_mode = _check_mode(os.environ.get(_ENV) or "warn", _ENV)
+_warned = set()  # reason keys already warned about in this process
+_lock = threading.Lock()
+
+
+def set_fallback(mode: str) -> str:
+    """What qattn.scaled_dot_product_attention does with a call qattn cannot run:
+    "warn" (the default) runs torch.nn.functional.scaled_dot_product_attention and
+    issues a QattnFallbackWarning once per reason; "raise" raises QattnUnsupportedError
+    instead. The environment variable QATTN_FALLBACK sets the mode at import. Returns
+    the previous mode, so that a caller can restore it. A call that SDPA itself rejects
+    raises SDPA's own error (TypeError, RuntimeError, ...) in either mode."""
+    global _mode
+    _check_mode(mode, "mode")
+    with _lock:
+        previous, _mode = _mode, mode
+    return previous
+
+
+def get_fallback() -> str:
+    """The current fallback mode, "warn" or "raise" (see set_fallback)."""
+    return _mode
+
+
+_cuda_ok = {}  # device index -> bool
+
+
+@torch.compiler.assume_constant_result
+def _device_runs_qattn(device_type: str, index: int) -> bool:
+    """Whether qattn's kernels run on this device. A constant under torch.compile: it is
+    called at trace time, so the binding is never traced."""
+    if device_type == "meta":
+        return True
+    if device_type != "cuda":
+        return False
+    if index < 0:
+        index = torch.cuda.current_device()
+    if index not in _cuda_ok:
+        _cuda_ok[index] = bool(_C.built_with_cuda() and _C.device_supported(index))
+    return _cuda_ok[index]
+
+
+def _decline(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> Optional[Tuple[str, str]]:
+    """None when qattn runs the call; otherwise (reason key, why). The key is coarse (one
+    warning per key), the text says what was seen."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return "arguments", "query, key and value are not all tensors"
+    if type(is_causal) is not bool or type(enable_gqa) is not bool:
+        return "arguments", "is_causal or enable_gqa is not a bool"
+    if attn_mask is not None:
+        return "attn_mask", "an attn_mask is given; qattn runs no mask but is_causal"
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or dropout_p != 0:
+        return "dropout_p", f"dropout_p = {dropout_p!r}; qattn has no dropout"
+    if scale is not None and not ops.scale_ok(scale):
+        return "scale", (
+            f"scale = {scale!r}; qattn takes a positive scale whose product with log2(e) is "
+            "finite in FP32"
+        )
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return "autograd", "an input requires grad and qattn has no backward pass yet"
+    if any(t.is_nested or t.layout != torch.strided for t in (q, k, v)):
+        return "layout", "an input is nested or not strided; qattn takes strided tensors"
+    dev = q.device
+    if k.device != dev or v.device != dev:
+        return "device", f"query, key and value are on {dev}, {k.device}, {v.device}"
+    if not _device_runs_qattn(dev.type, -1 if dev.index is None else dev.index):
+        return f"device {dev.type}", (
+            f"the tensors are on {dev}; qattn runs on CUDA GPUs of compute capability 9.0 "
+            "(built with CUDA)"
+        )
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtype {q.dtype}", (
+            f"dtypes {q.dtype}, {k.dtype}, {v.dtype}; qattn takes torch.float16 or "
+            "torch.bfloat16, one for all three"
+        )
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return "rank", (
+            f"query, key and value have {q.dim()}, {k.dim()}, {v.dim()} dimensions; qattn "
+            "takes 4-D (B, H, N, d) tensors"
+        )
+    b, hq, nq, d = q.shape
+    bk, hkv, nkv, dk = k.shape
+    if tuple(v.shape) != tuple(k.shape) or bk != b or dk != d:
+        return "shape", (
+            f"query {tuple(q.shape)}, key {tuple(k.shape)}, value {tuple(v.shape)}; qattn "
+            "takes key and value of one shape, with query's batch and head dim (no "
+            "broadcasting, value's head dim equal to key's)"
+        )
+    # SDPA broadcasts Hkv == 1 over the query heads without enable_gqa; that is MQA.
+    if hq != hkv and hkv != 1 and not (enable_gqa and hkv > 0 and hq % hkv == 0):
+        return "heads", f"heads of query {hq}, of key and value {hkv}, enable_gqa = {enable_gqa}"
+    if min(b, hq, hkv, nq, nkv, d) == 0:
+        return "empty", f"an empty dimension: query {tuple(q.shape)}, key {tuple(k.shape)}"
+    if d > _MAX_HEAD_DIM:
+        return "head_dim", f"head dim {d}; qattn takes 1..{_MAX_HEAD_DIM}"
+    return None
+
+
+def _fallback(declined, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    key, why = declined
+    kwargs = dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+    if enable_gqa is not False:  # passed on only when set: PyTorch < 2.5 lacks the argument
+        kwargs["enable_gqa"] = enable_gqa
+    # SDPA runs first, so a call it rejects raises its own error in either mode.
+    out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    if _mode == "raise":
+        _refuse(key, why)
+    if not torch.compiler.is_compiling():
+        _warn_once(key, why)
+    return out
+
+
+# Called, not traced, by torch.compile (a "constant" function): the error is raised
+# while tracing, as it would be in eager mode.
+@torch.compiler.assume_constant_result
+def _refuse(key: str, why: str) -> None:
+    raise QattnUnsupportedError(
+        key,
+        f"qattn.scaled_dot_product_attention cannot run this call: {why} "
+        "(qattn.set_fallback('warn') runs torch.nn.functional.scaled_dot_product_attention "
+        "instead)",
+    )
+
+
+def _warn_once(key: str, why: str) -> None:
+    with _lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    warnings.warn(
+        f"qattn.scaled_dot_product_attention: {why}; running "
+        "torch.nn.functional.scaled_dot_product_attention instead (warned once per reason; "
+        "qattn.set_fallback('raise') makes this an error)",
+        QattnFallbackWarning,
+        stacklevel=4,
+    )
+
+
+def scaled_dot_product_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """Drop-in for torch.nn.functional.scaled_dot_product_attention: the same arguments
+    (scale and enable_gqa keyword-only, as in PyTorch) and the same semantics, on qattn's
+    SageAttention2-8b kernel where qattn supports the call (see the module docstring).
+
+    is_causal aligns the mask top-left as SDPA does: query i sees keys j <= i, also when
+    Nq != Nkv (for the bottom-right rule of a KV cache, call qattn.attention with
+    causal_alignment="bottom_right"). scale None is 1/sqrt(d). enable_gqa: Hq must be a
+    multiple of Hkv, and query head h reads key/value head h // (Hq / Hkv).
+
+    A call qattn cannot run goes to PyTorch's SDPA with a QattnFallbackWarning once per
+    reason, or raises QattnUnsupportedError under qattn.set_fallback("raise"); a call
+    SDPA rejects raises SDPA's error. Under torch.compile the fallback issues no
+    warning. Returns (B, Hq, Nq, d) in query's dtype, contiguous on the qattn path.
+    """
+    declined = _decline(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if declined is None:
+        if torch.compiler.is_compiling():
+            return ops.attention(query, key, value, is_causal=is_causal, scale=scale,
+                                 causal_alignment="top_left")
+        try:
+            return ops.attention(query, key, value, is_causal=is_causal, scale=scale,
+                                 causal_alignment="top_left")
+        except QattnError as error:
+            # The library's own limits (e.g. sizes past its bounds): SDPA runs the call.
+            if error.status not in (_C.ERROR_INVALID_ARGUMENT, _C.ERROR_UNSUPPORTED):
+                raise
+            declined = (f"library {error.status_name}", f"the qattn library declined the call ({error})")
+    return _fallback(declined, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
