@@ -48,7 +48,7 @@ const ForwardFamily* select_family(const char* fn, const qattn_fwd_params& p, co
     reasons += cat("; ", f->name, ": ", why);
   }
   const std::string device =
-      arch != nullptr ? cat(" on sm_", arch->major, arch->minor) : std::string(" (any device)");
+      arch != nullptr ? cat("; device sm_", arch->major, arch->minor) : std::string(" (any device)");
   *status = fail(QATTN_ERROR_UNSUPPORTED, fn, ": no kernel family runs this call (scheme ",
                  p.scheme, ", ", dtype_name(p.dtype), ", head_dim ", p.head_dim,
                  p.causal != 0 ? ", causal" : ", no mask", device, "); considered ",

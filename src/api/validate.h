@@ -1,7 +1,9 @@
 // Parameter validation of the forward call: host arithmetic on the parameter values
 // and pointer addresses only — nothing here reads device memory or calls CUDA, so it
-// runs (and is tested) on a machine without a GPU. The support rules live here, in
-// one place; the kernels assume them (e.g. 16-byte vector loads of q, k, v).
+// runs (and is tested) on a machine without a GPU. The rules every call obeys live
+// here (the kernels assume them, e.g. 16-byte vector loads of q, k, v); what one
+// kernel family runs (head dims, architectures, its own limits) is that family's
+// declaration (family.h), asked through the registry.
 #pragma once
 
 #include <array>

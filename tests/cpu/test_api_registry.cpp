@@ -67,7 +67,7 @@ TEST(Registry, NonHopperDeviceIsUnsupportedNamingEveryFamily) {
                           "sage2_fwd_sm90", "its kernels run on sm_90"})
       EXPECT_TRUE(contains(m, w)) << "no '" << w << "' in: " << m;
     EXPECT_TRUE(contains(m, "compute capability " + cc)) << m;
-    EXPECT_TRUE(contains(m, "on sm_" + std::to_string(arch.major) + std::to_string(arch.minor)))
+    EXPECT_TRUE(contains(m, "device sm_" + std::to_string(arch.major) + std::to_string(arch.minor)))
         << m;
     // No family's internals (the old message named SageAttention2 and sm_90 as a demand).
     EXPECT_FALSE(contains(m, "SageAttention2")) << m;
