@@ -87,7 +87,8 @@ typedef struct qattn_sage2_options {
  *     version of the struct it was given).
  *   - Fields are only ever appended at the end; none is removed, reordered or
  *     retyped, and a published sub-struct (qattn_sage2_options, ...) never changes: a
- *     new option is a new field at the end.
+ *     new option is a new field at the end. Every version ends the struct without
+ *     tail padding (a reserved field fills it), so each layout has its own size.
  *   - The library reads a caller's struct up to struct_size; fields past it take the
  *     defaults qattn_fwd_params_init gives. So a program compiled against an older
  *     qattn.h keeps working with a newer library.
@@ -118,8 +119,8 @@ typedef struct qattn_fwd_params {
                         appended later starts past every older struct_size */
 } qattn_fwd_params;
 
-/* The smallest struct_size accepted: sizeof(qattn_fwd_params) of qattn 0.1, the first
- * version whose struct carries its size. */
+/* The smallest struct_size accepted: the size of the first layout that carried its
+ * size (this one, 192 bytes on LP64). It stays this value as fields are appended. */
 #define QATTN_FWD_PARAMS_MIN_SIZE (offsetof(qattn_fwd_params, reserved0) + sizeof(int32_t))
 
 /* The largest sm_scale accepted. Scores are formed in FP32 as sm_scale·log2(e)·(q·k);
