@@ -123,12 +123,14 @@ typedef struct qattn_fwd_params {
  * size (this one, 192 bytes on LP64). It stays this value as fields are appended. */
 #define QATTN_FWD_PARAMS_MIN_SIZE (offsetof(qattn_fwd_params, reserved0) + sizeof(int32_t))
 
-/* The largest sm_scale accepted. Scores are formed in FP32 as sm_scale·log2(e)·(q·k);
- * with |q|, |k| <= 65504 (the FP16 range; BF16 inputs beyond it are far outside any
- * useful softmax) and d <= 128, |q·k| <= 128·65504² ≈ 5.5e11, so every score stays
- * below FP32's 3.4e38 when sm_scale <= 3.4e38 / (1.4427·5.5e11) ≈ 4.3e26. 1e26 keeps
- * a factor of 4 for the rounding of the quantization scales. */
-#define QATTN_MAX_SM_SCALE 1e26f
+/* The largest sm_scale accepted. Scores are formed in FP32 as
+ * sm_scale·log2(e)·q·(k − mean k) (K is smoothed), and the softmax subtracts the row
+ * maximum, so twice the largest |score| must stay below FP32's 3.4e38. With |q|, |k|
+ * <= 65504 (the FP16 range; BF16 inputs beyond it are far outside any useful softmax)
+ * and d <= 128, |q·(k − mean k)| <= 128·65504·(2·65504) ≈ 1.1e12, so
+ * 2·1.4427·1.1e12·sm_scale < 3.4e38 needs sm_scale < 1.07e26; 1e25 leaves a factor of
+ * 10 for the rounding of the quantization scales. */
+#define QATTN_MAX_SM_SCALE 1e25f
 
 /* Fills p with defaults: struct_size = sizeof(qattn_fwd_params), everything else
  * zero/NULL, dtype bf16, scheme sage2-8b, sage2.granularity per-thread, sm_scale 0
