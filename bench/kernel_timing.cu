@@ -84,7 +84,7 @@ int main(int argc, char** argv) {
     p.seqlen_kv = c.n;
     p.head_dim = c.d;
     p.causal = c.causal;
-    p.granularity = QATTN_QK_PER_THREAD;
+    p.sage2.granularity = QATTN_QK_PER_THREAD;
     const int64_t sn = c.d, sh = int64_t(c.n) * c.d, sb = sh * c.h, sb_kv = sh * hkv;
     p.q = {q, sb, sh, sn};
     p.k = {k, sb_kv, sh, sn};

@@ -34,7 +34,15 @@ typedef enum qattn_status {
   QATTN_ERROR_INTERNAL = 6
 } qattn_status;
 
+/* The enums name the values of the int32_t fields below. The fields are plain integers,
+ * not enum types, so any value a caller stores is well defined to read: one outside
+ * the list is rejected with QATTN_ERROR_INVALID_ARGUMENT naming the field. */
 typedef enum qattn_dtype { QATTN_DTYPE_FP16 = 0, QATTN_DTYPE_BF16 = 1 } qattn_dtype;
+
+/* The quantization scheme, which selects the kernel families that may run the call. */
+typedef enum qattn_scheme {
+  QATTN_SCHEME_SAGE2_8B = 0 /* default: SageAttention2-8b (INT8 Q·Kᵀ, E4M3 P·V) */
+} qattn_scheme;
 
 /* Quantization granularity of Q and K for the INT8 Q·Kᵀ (SageAttention2 §3.2). */
 typedef enum qattn_qk_granularity {
@@ -54,50 +62,100 @@ typedef enum qattn_qk_granularity {
  *     dimension of extent 1 is ignored;
  *   - for a contiguous tensor this means head_dim % 8 == 0; pad the rows otherwise
  *     (any head_dim <= 128 works once the row stride is a multiple of 8);
- *   - o: no two of its elements share an address, and o overlaps none of q, k, v, lse
- *     or the workspace (q, k and v may overlap each other: they are only read). */
+ *   - o: no two of its elements share an address (strides may interleave heads, rows
+ *     and batches in any order as long as no two rows meet; a layout whose rows
+ *     interleave and that has more than 2^20 rows is reported as not supported, since
+ *     proving it alias-free would cost more than the call), and o overlaps none of
+ *     q, k, v, lse or the workspace (q, k and v may overlap each other: they are only
+ *     read). */
 typedef struct qattn_tensor {
   void* data;
   int64_t stride_b, stride_h, stride_n;
 } qattn_tensor;
 
+/* Options of the SageAttention2 scheme (used when scheme == QATTN_SCHEME_SAGE2_8B). */
+typedef struct qattn_sage2_options {
+  int32_t granularity; /* a qattn_qk_granularity; default QATTN_QK_PER_THREAD */
+} qattn_sage2_options;
+
+/* The parameters of a forward call.
+ *
+ * Stability rule (the ABI can grow without breaking compiled callers):
+ *   - struct_size is the first field and holds sizeof(qattn_fwd_params) as the
+ *     caller's qattn.h defines it; qattn_fwd_params_init sets it. A caller that fills
+ *     the struct by hand sets it too (0 is rejected: the library cannot tell which
+ *     version of the struct it was given).
+ *   - Fields are only ever appended at the end; none is removed, reordered or
+ *     retyped, and a published sub-struct (qattn_sage2_options, ...) never changes: a
+ *     new option is a new field at the end. Every version ends the struct without
+ *     tail padding (a reserved field fills it), so each layout has its own size.
+ *   - The library reads a caller's struct up to struct_size; fields past it take the
+ *     defaults qattn_fwd_params_init gives. So a program compiled against an older
+ *     qattn.h keeps working with a newer library.
+ *   - A struct_size larger than this library's sizeof (a program compiled against a
+ *     newer qattn.h than the library it runs with) is rejected with
+ *     QATTN_ERROR_UNSUPPORTED: its newer fields would otherwise be ignored silently.
+ *     A size smaller than QATTN_FWD_PARAMS_MIN_SIZE (the first struct that carried
+ *     its size) is rejected with QATTN_ERROR_INVALID_ARGUMENT. */
 typedef struct qattn_fwd_params {
+  size_t struct_size;   /* sizeof(qattn_fwd_params); set by qattn_fwd_params_init */
   qattn_tensor q, k, v; /* inputs: q (B, Hq, Nq, d), k and v (B, Hkv, Nkv, d) */
   qattn_tensor o;       /* output (B, Hq, Nq, d), same dtype as the inputs */
   float* lse;           /* optional (B, Hq, Nq) FP32 natural-log LSE, contiguous, 4-byte
                            aligned; NULL = none */
-  qattn_dtype dtype;
-  int batch, heads_q, heads_kv, seqlen_q, seqlen_kv; /* all >= 1; heads_q % heads_kv == 0;
-                                                        batch, heads_q <= 65535 (grid) */
-  int head_dim;   /* 1..128; 64 and 128 run natively, others are zero-padded inside */
-  int causal;     /* 0 or 1; bottom-right aligned when seqlen_q != seqlen_kv */
-  float sm_scale; /* <= 0 means 1/sqrt(head_dim); NaN and infinity are rejected */
-  qattn_qk_granularity granularity;
+  int32_t dtype;        /* a qattn_dtype */
+  int32_t batch, heads_q, heads_kv, seqlen_q, seqlen_kv; /* all >= 1; heads_q % heads_kv
+                                                            == 0; batch, heads_q <= 65535
+                                                            (grid); seqlens <= 2^30 */
+  int32_t head_dim; /* >= 1; the sage2 family runs 1..128 (64 and 128 natively, others
+                       zero-padded inside); larger is QATTN_ERROR_UNSUPPORTED */
+  int32_t causal;   /* 0 or 1; bottom-right aligned when seqlen_q != seqlen_kv */
+  float sm_scale;   /* 0 means 1/sqrt(head_dim); otherwise positive and at most
+                       QATTN_MAX_SM_SCALE. Negative values, NaN and infinity are
+                       rejected (QATTN_ERROR_INVALID_ARGUMENT). */
+  int32_t scheme;   /* a qattn_scheme; default QATTN_SCHEME_SAGE2_8B */
+  qattn_sage2_options sage2;
+  int32_t reserved0; /* must be 0: it ends the struct without tail padding, so a field
+                        appended later starts past every older struct_size */
 } qattn_fwd_params;
 
-/* Fills p with defaults: everything zero/NULL, dtype bf16, granularity per-thread,
- * sm_scale 0 (= 1/sqrt(d)), causal 0. */
+/* The smallest struct_size accepted: the size of the first layout that carried its
+ * size (this one, 192 bytes on LP64). It stays this value as fields are appended. */
+#define QATTN_FWD_PARAMS_MIN_SIZE (offsetof(qattn_fwd_params, reserved0) + sizeof(int32_t))
+
+/* The largest sm_scale accepted. Scores are formed in FP32 as
+ * sm_scale·log2(e)·q·(k − mean k) (K is smoothed), and the softmax subtracts the row
+ * maximum, so twice the largest |score| must stay below FP32's 3.4e38. With |q|, |k|
+ * <= 65504 (the FP16 range; BF16 inputs beyond it are far outside any useful softmax)
+ * and d <= 128, |q·(k − mean k)| <= 128·65504·(2·65504) ≈ 1.1e12, so
+ * 2·1.4427·1.1e12·sm_scale < 3.4e38 needs sm_scale < 1.07e26; 1e25 leaves a factor of
+ * 10 for the rounding of the quantization scales. */
+#define QATTN_MAX_SM_SCALE 1e25f
+
+/* Fills p with defaults: struct_size = sizeof(qattn_fwd_params), everything else
+ * zero/NULL, dtype bf16, scheme sage2-8b, sage2.granularity per-thread, sm_scale 0
+ * (= 1/sqrt(d)), causal 0. */
 void qattn_fwd_params_init(qattn_fwd_params* p);
 
 /* Bytes of device workspace qattn_fwd needs for these parameters (validates them:
- * returns the same error qattn_fwd would for a bad parameter, without a device). */
+ * returns the same error qattn_fwd would for a bad parameter, without a device). When
+ * several kernel families could run the call on different GPUs, this is the largest of
+ * their sizes, so the value holds on any supported device. */
 qattn_status qattn_fwd_workspace_size(const qattn_fwd_params* p, size_t* bytes);
 
-/* SageAttention2-8b forward: smoothed INT8 Q·Kᵀ, E4M3 P·V, two-level accumulation.
+/* The forward of the selected scheme (SageAttention2-8b: smoothed INT8 Q·Kᵀ, E4M3 P·V,
+ * two-level accumulation), run by the first kernel family that supports the call on
+ * the current device. When none does, QATTN_ERROR_UNSUPPORTED with a message that
+ * names every family considered and why it declined.
  * workspace: device memory of at least qattn_fwd_workspace_size bytes, 256-byte
  * aligned, not used by anything else until the work on `stream` is done.
  * stream: a cudaStream_t (NULL = the legacy default stream); the call is
- * asynchronous and may be captured into a CUDA graph.
- * Needs a device of compute capability 9.0 (Hopper), current on the calling thread. */
+ * asynchronous and may be captured into a CUDA graph (in any capture mode; the
+ * pointer checks are host queries and run during capture too).
+ * The sage2 family needs a device of compute capability 9.0 (Hopper), current on the
+ * calling thread. */
 qattn_status qattn_fwd(const qattn_fwd_params* p, void* workspace, size_t workspace_bytes,
                        void* stream);
-
-/* Benchmarks only: runs the attention kernel alone on a workspace that an earlier
- * qattn_fwd with the same parameters (same pointers) filled; k and v are not read
- * (q is: the attention kernel quantizes Q itself).
- * "Kernel-only" time in DESIGN §4 terms. Same checks as qattn_fwd. */
-qattn_status qattn_fwd_attention_only(const qattn_fwd_params* p, void* workspace,
-                                      size_t workspace_bytes, void* stream);
 
 /* Message of the last failed call on this thread ("" if none has failed). */
 const char* qattn_last_error_message(void);

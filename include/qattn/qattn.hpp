@@ -86,30 +86,58 @@ enum class Granularity {
 enum class Layout { kHND, kNHD };
 
 // A view of a contiguous tensor in `layout`; `row_stride` (elements between two rows
-// of d, >= d) lets a caller pad rows to a multiple of 8 elements.
-inline qattn_tensor make_tensor(const void* data, Layout layout, int heads, int seqlen,
-                                int64_t row_stride) {
+// of d, >= d) lets a caller pad rows to a multiple of 8 elements. Fails (kInvalidArgument)
+// when a stride does not fit in int64, instead of wrapping to a stride the caller never
+// asked for.
+inline Status make_tensor(const void* data, Layout layout, int heads, int seqlen,
+                          int64_t row_stride, qattn_tensor* out) {
+  // a * b, or false when it does not fit in int64 (no wrap: checked before multiplying).
+  auto mul = [](int64_t a, int64_t b, int64_t* r) {
+    if (a == INT64_MIN || b == INT64_MIN) return false;
+    const int64_t ua = a < 0 ? -a : a, ub = b < 0 ? -b : b;
+    if (ua != 0 && ub > INT64_MAX / ua) return false;
+    *r = a * b;
+    return true;
+  };
   qattn_tensor t{const_cast<void*>(data), 0, 0, 0};
+  const int64_t inner = layout == Layout::kHND ? seqlen : heads;
+  const int64_t outer = layout == Layout::kHND ? heads : seqlen;
+  int64_t mid = 0, big = 0;
+  if (!mul(inner, row_stride, &mid) || !mul(outer, mid, &big))
+    return {StatusCode::kInvalidArgument,
+            "qattn::make_tensor: row_stride = " + std::to_string(row_stride) + " with heads = " +
+                std::to_string(heads) + ", seqlen = " + std::to_string(seqlen) +
+                " gives a stride beyond int64; allowed: strides of at most 2^63 - 1 elements"};
   if (layout == Layout::kHND) {
     t.stride_n = row_stride;
-    t.stride_h = static_cast<int64_t>(seqlen) * row_stride;
-    t.stride_b = static_cast<int64_t>(heads) * t.stride_h;
+    t.stride_h = mid;
+    t.stride_b = big;
   } else {
     t.stride_h = row_stride;
-    t.stride_n = static_cast<int64_t>(heads) * row_stride;
-    t.stride_b = static_cast<int64_t>(seqlen) * t.stride_n;
+    t.stride_n = mid;
+    t.stride_b = big;
   }
+  *out = t;
+  return {};
+}
+
+// The same, for strides known to fit; throws qattn::Error when they do not.
+inline qattn_tensor make_tensor(const void* data, Layout layout, int heads, int seqlen,
+                                int64_t row_stride) {
+  qattn_tensor t{};
+  make_tensor(data, layout, heads, seqlen, row_stride, &t).throw_if_error();
   return t;
 }
 
 // Builder of qattn_fwd_params. Shapes first, then the buffers; nothing is checked
-// until workspace_size or forward, which check everything.
+// until workspace_size or forward, which check everything (a stride the builder could
+// not represent is reported there, as the first error).
 class ForwardParams {
  public:
   ForwardParams(DType dtype, int batch, int heads_q, int heads_kv, int seqlen_q, int seqlen_kv,
                 int head_dim) {
     qattn_fwd_params_init(&p_);
-    p_.dtype = static_cast<qattn_dtype>(dtype);
+    p_.dtype = static_cast<int32_t>(dtype);
     p_.batch = batch;
     p_.heads_q = heads_q;
     p_.heads_kv = heads_kv;
@@ -125,20 +153,16 @@ class ForwardParams {
   ForwardParams& o(void* data, Layout layout) { return o(data, layout, p_.head_dim); }
   // The same with padded rows.
   ForwardParams& q(const void* data, Layout layout, int64_t row_stride) {
-    p_.q = make_tensor(data, layout, p_.heads_q, p_.seqlen_q, row_stride);
-    return *this;
+    return layout_tensor(p_.q, data, layout, p_.heads_q, p_.seqlen_q, row_stride);
   }
   ForwardParams& k(const void* data, Layout layout, int64_t row_stride) {
-    p_.k = make_tensor(data, layout, p_.heads_kv, p_.seqlen_kv, row_stride);
-    return *this;
+    return layout_tensor(p_.k, data, layout, p_.heads_kv, p_.seqlen_kv, row_stride);
   }
   ForwardParams& v(const void* data, Layout layout, int64_t row_stride) {
-    p_.v = make_tensor(data, layout, p_.heads_kv, p_.seqlen_kv, row_stride);
-    return *this;
+    return layout_tensor(p_.v, data, layout, p_.heads_kv, p_.seqlen_kv, row_stride);
   }
   ForwardParams& o(void* data, Layout layout, int64_t row_stride) {
-    p_.o = make_tensor(data, layout, p_.heads_q, p_.seqlen_q, row_stride);
-    return *this;
+    return layout_tensor(p_.o, data, layout, p_.heads_q, p_.seqlen_q, row_stride);
   }
   // Arbitrary strides (in elements).
   ForwardParams& q(const qattn_tensor& t) { return set(p_.q, t); }
@@ -155,42 +179,47 @@ class ForwardParams {
     p_.causal = on ? 1 : 0;
     return *this;
   }
-  // <= 0 restores the default 1/sqrt(head_dim).
+  // 0 restores the default 1/sqrt(head_dim); negative values are rejected.
   ForwardParams& sm_scale(float scale) {
     p_.sm_scale = scale;
     return *this;
   }
   ForwardParams& granularity(Granularity g) {
-    p_.granularity = static_cast<qattn_qk_granularity>(g);
+    p_.sage2.granularity = static_cast<int32_t>(g);
     return *this;
   }
 
   const qattn_fwd_params& raw() const { return p_; }
   qattn_fwd_params& raw() { return p_; }
+  // The first error the builder met (ok when none); workspace_size and forward return it.
+  const Status& status() const { return status_; }
 
  private:
+  ForwardParams& layout_tensor(qattn_tensor& dst, const void* data, Layout layout, int heads,
+                               int seqlen, int64_t row_stride) {
+    Status s = make_tensor(data, layout, heads, seqlen, row_stride, &dst);
+    if (!s.ok() && status_.ok()) status_ = std::move(s);
+    return *this;
+  }
   ForwardParams& set(qattn_tensor& dst, const qattn_tensor& src) {
     dst = src;
     return *this;
   }
   qattn_fwd_params p_{};
+  Status status_;
 };
 
 // Checks the parameters and returns the workspace bytes qattn::forward needs.
 inline Status workspace_size(const ForwardParams& p, std::size_t* bytes) {
+  if (!p.status().ok()) return p.status();
   return Status::from_c(qattn_fwd_workspace_size(&p.raw(), bytes));
 }
 
-// The SageAttention2-8b forward on `stream` (a cudaStream_t; nullptr = legacy default).
+// The forward on `stream` (a cudaStream_t; nullptr = legacy default).
 inline Status forward(const ForwardParams& p, void* workspace, std::size_t workspace_bytes,
                       void* stream) {
+  if (!p.status().ok()) return p.status();
   return Status::from_c(qattn_fwd(&p.raw(), workspace, workspace_bytes, stream));
-}
-
-// Benchmarks only: the attention kernel alone, on a workspace a forward filled.
-inline Status forward_attention_only(const ForwardParams& p, void* workspace,
-                                     std::size_t workspace_bytes, void* stream) {
-  return Status::from_c(qattn_fwd_attention_only(&p.raw(), workspace, workspace_bytes, stream));
 }
 
 inline bool device_supported(int device = -1) { return qattn_device_supported(device) != 0; }

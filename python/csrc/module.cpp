@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <tuple>
 
+#include "../../src/api/bench_hooks.h"  // qattn_fwd_attention_only, for the bench tools
 #include "qattn/qattn.h"
 
 namespace nb = nanobind;
@@ -37,11 +38,11 @@ qattn_fwd_params make_params(const TensorArg& q, const TensorArg& k, const Tenso
   p.v = tensor(v);
   p.o = tensor(o);
   p.lse = reinterpret_cast<float*>(lse);
-  p.dtype = static_cast<qattn_dtype>(dtype);
+  p.dtype = dtype;
   std::tie(p.batch, p.heads_q, p.heads_kv, p.seqlen_q, p.seqlen_kv, p.head_dim) = shape;
   p.causal = causal;
   p.sm_scale = sm_scale;
-  p.granularity = static_cast<qattn_qk_granularity>(granularity);
+  p.sage2.granularity = granularity;
   return p;
 }
 

@@ -1,11 +1,13 @@
-// The extern "C" functions of qattn.h: validate everything, then the device, then
-// launch. Nothing here throws across the ABI: the only allocation that can throw is
+// The extern "C" functions of qattn.h (and bench_hooks.h): read the caller's struct,
+// validate everything, pick the kernel family for the device, then launch. Nothing here throws across the ABI: the only allocation that can throw is
 // the error message itself, and a failure there becomes QATTN_ERROR_INTERNAL.
 #include <cstring>
 #include <exception>
 
+#include "api/bench_hooks.h"
 #include "api/device.h"
 #include "api/error.h"
+#include "api/registry.h"
 #include "api/validate.h"
 #include "qattn/qattn.h"
 
@@ -33,14 +35,27 @@ qattn_status guarded(F&& body) noexcept {
   }
 }
 
-qattn_status forward(const char* fn, const qattn_fwd_params* p, void* workspace,
+qattn_status forward(const char* fn, const qattn_fwd_params* caller, void* workspace,
                      size_t workspace_bytes, void* stream, ForwardPart part) {
   return guarded([&] {
-    if (auto s = qattn::api::validate_forward(fn, p); s != QATTN_OK) return s;
-    if (auto s = qattn::api::validate_workspace(fn, *p, workspace, workspace_bytes); s != QATTN_OK)
+    namespace api = qattn::api;
+    qattn_fwd_params p;
+    if (auto s = api::read_params(fn, caller, &p); s != QATTN_OK) return s;
+    if (auto s = api::validate_forward(fn, p); s != QATTN_OK) return s;
+    if (auto s = api::validate_workspace(fn, p, workspace, workspace_bytes); s != QATTN_OK)
       return s;
-    if (auto s = qattn::api::check_device(fn, *p, workspace, stream); s != QATTN_OK) return s;
-    return qattn::api::launch(fn, qattn::api::resolve_defaults(*p), workspace, stream, part);
+    int device = 0;
+    api::Arch arch;
+    if (auto s = api::current_device(fn, &device, &arch); s != QATTN_OK) return s;
+    qattn_status s = QATTN_OK;
+    const api::ForwardFamily* family = api::select_family(fn, p, &arch, &s);
+    if (family == nullptr) return s;
+    if (family->launch == nullptr)  // a family declared without its kernels in this build
+      return api::fail(QATTN_ERROR_NO_DEVICE, fn, ": ", family->name,
+                       " has no kernels in this build of qattn");
+    if (s = api::check_pointers(fn, p, workspace, device); s != QATTN_OK) return s;
+    return api::launch_status(
+        fn, *family, family->launch(api::resolve_defaults(p), workspace, stream, part));
   });
 }
 
@@ -51,8 +66,10 @@ extern "C" {
 void qattn_fwd_params_init(qattn_fwd_params* p) {
   if (p == nullptr) return;
   std::memset(p, 0, sizeof(*p));
+  p->struct_size = sizeof(*p);
   p->dtype = QATTN_DTYPE_BF16;
-  p->granularity = QATTN_QK_PER_THREAD;
+  p->scheme = QATTN_SCHEME_SAGE2_8B;
+  p->sage2.granularity = QATTN_QK_PER_THREAD;
   p->causal = 0;
   p->sm_scale = 0.f;
 }
@@ -62,8 +79,10 @@ qattn_status qattn_fwd_workspace_size(const qattn_fwd_params* p, size_t* bytes) 
     constexpr const char* fn = "qattn_fwd_workspace_size";
     if (bytes == nullptr)
       return qattn::api::fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": bytes is NULL");
-    if (auto s = qattn::api::validate_forward(fn, p); s != QATTN_OK) return s;
-    *bytes = qattn::api::forward_workspace_bytes(*p);
+    qattn_fwd_params full;
+    if (auto s = qattn::api::read_params(fn, p, &full); s != QATTN_OK) return s;
+    if (auto s = qattn::api::validate_forward(fn, full); s != QATTN_OK) return s;
+    *bytes = qattn::api::forward_workspace_bytes(full);
     return QATTN_OK;
   });
 }

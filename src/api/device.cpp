@@ -1,13 +1,12 @@
 #include "api/device.h"
 
 #include "api/error.h"
+#include "api/registry.h"
 #include "api/validate.h"
 
 #if QATTN_HAVE_CUDA
 #include <cuda.h>  // driver types only: the calls are reached through the runtime
 #include <cuda_runtime.h>
-
-#include "cuda/sage2_fwd/launch.h"
 #endif
 
 namespace qattn::api {
@@ -33,11 +32,7 @@ qattn_status device_fail(const char* fn, cudaError_t e) {
   return cuda_fail(fn, "cudaGetDevice", e);
 }
 
-struct Capability {
-  int major = 0, minor = 0;
-};
-
-cudaError_t capability(int device, Capability* cc) {
+cudaError_t capability(int device, Arch* cc) {
   if (auto e = cudaDeviceGetAttribute(&cc->major, cudaDevAttrComputeCapabilityMajor, device); e)
     return e;
   return cudaDeviceGetAttribute(&cc->minor, cudaDevAttrComputeCapabilityMinor, device);
@@ -105,34 +100,39 @@ qattn_status check_span(const char* fn, const BufferSpan& b) {
   return QATTN_OK;
 }
 
-bool capturing(void* stream) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &status) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return true;  // e.g. the legacy stream while another stream captures: check nothing more
+// Switches the calling thread to the relaxed capture mode for its lifetime: the
+// pointer queries enqueue nothing, but in the global and thread-local modes a capture
+// in progress forbids any "potentially unsafe" call, and the CUDA documentation does
+// not list which queries are safe. Relaxed mode allows them by definition.
+class RelaxedCaptureMode {
+ public:
+  RelaxedCaptureMode() { ok_ = cudaThreadExchangeStreamCaptureMode(&mode_) == cudaSuccess; }
+  ~RelaxedCaptureMode() {
+    if (ok_) (void)cudaThreadExchangeStreamCaptureMode(&mode_);
   }
-  return status != cudaStreamCaptureStatusNone;
-}
+  RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
+  RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+  bool ok_ = false;
+};
 
 }  // namespace
 
-qattn_status check_device(const char* fn, const qattn_fwd_params& p, const void* workspace,
-                          void* stream) {
-  int device = 0;
-  if (auto e = cudaGetDevice(&device); e != cudaSuccess) {
+qattn_status current_device(const char* fn, int* device, Arch* arch) {
+  if (auto e = cudaGetDevice(device); e != cudaSuccess) {
     (void)cudaGetLastError();
     return device_fail(fn, e);
   }
-  Capability cc;
-  if (auto e = capability(device, &cc); e != cudaSuccess)
+  if (auto e = capability(*device, arch); e != cudaSuccess)
     return cuda_fail(fn, "cudaDeviceGetAttribute", e);
-  if (cc.major != kHopperMajor || cc.minor != kHopperMinor)
-    return fail(QATTN_ERROR_UNSUPPORTED, fn, ": the current device ", device,
-                " has compute capability ", cc.major, ".", cc.minor,
-                "; the SageAttention2 kernels need sm_90 (Hopper: H100, H200, H20)");
-  // Pointer attributes are host-side queries; skip them while capturing to keep the
-  // capture free of anything but the launches.
-  if (capturing(stream)) return QATTN_OK;
+  return QATTN_OK;
+}
+
+qattn_status check_pointers(const char* fn, const qattn_fwd_params& p, const void* workspace,
+                            int device) {
+  RelaxedCaptureMode relaxed;
   for (const BufferSpan& b : buffer_spans(p, workspace)) {
     if (b.data == nullptr) continue;  // no lse
     if (auto s = check_pointer(fn, b.name, b.data, device); s != QATTN_OK) return s;
@@ -141,12 +141,11 @@ qattn_status check_device(const char* fn, const qattn_fwd_params& p, const void*
   return QATTN_OK;
 }
 
-qattn_status launch(const char* fn, const qattn_fwd_params& p, void* workspace, void* stream,
-                    ForwardPart part) {
-  const int e = part == ForwardPart::kAll ? sage2::launch_forward(p, workspace, stream)
-                                          : sage2::launch_attention_only(p, workspace, stream);
+qattn_status launch_status(const char* fn, const ForwardFamily& family, int e) {
   if (e != cudaSuccess)
-    return cuda_fail(fn, "enqueueing the SageAttention2 kernels", static_cast<cudaError_t>(e));
+    return fail(QATTN_ERROR_CUDA, fn, ": enqueueing the ", family.name, " kernels failed: ",
+                cudaGetErrorName(static_cast<cudaError_t>(e)), ": ",
+                cudaGetErrorString(static_cast<cudaError_t>(e)));
   return QATTN_OK;
 }
 
@@ -155,25 +154,28 @@ bool device_supported(int device) {
     (void)cudaGetLastError();
     return false;
   }
-  Capability cc;
+  Arch cc;
   if (capability(device, &cc) != cudaSuccess) {
     (void)cudaGetLastError();
     return false;
   }
-  return cc.major == kHopperMajor && cc.minor == kHopperMinor;
+  return arch_supported(cc);
 }
 
 #else  // CPU-only build
 
-qattn_status check_device(const char* fn, const qattn_fwd_params&, const void*, void*) {
+qattn_status current_device(const char* fn, int*, Arch*) {
   return fail(QATTN_ERROR_NO_DEVICE, fn,
               ": this build of qattn has no CUDA kernels (configured with QATTN_CUDA=OFF or "
               "without nvcc); rebuild with CUDA to run on a GPU");
 }
 
-qattn_status launch(const char* fn, const qattn_fwd_params& p, void* workspace, void* stream,
-                    ForwardPart) {
-  return check_device(fn, p, workspace, stream);
+qattn_status check_pointers(const char* fn, const qattn_fwd_params&, const void*, int) {
+  return current_device(fn, nullptr, nullptr);
+}
+
+qattn_status launch_status(const char* fn, const ForwardFamily&, int) {
+  return current_device(fn, nullptr, nullptr);
 }
 
 bool device_supported(int) { return false; }

@@ -1,30 +1,29 @@
-// The device half of a call: is there a device that can run the Hopper kernels, are
-// the pointers device memory on it (each with room for its span), and the launch
-// itself with its CUDA errors mapped to qattn_status. In a CPU-only build
+// The device half of a call: which device is current and its architecture, whether
+// the pointers are device memory on it (each with room for its span), and the mapping
+// of a launch's CUDA error to qattn_status. Names no kernel family: which family runs
+// on the architecture is the registry's question (registry.h). In a CPU-only build
 // (QATTN_HAVE_CUDA=0) every entry reports QATTN_ERROR_NO_DEVICE.
 #pragma once
 
-#include <string>
-
+#include "api/family.h"
 #include "qattn/qattn.h"
 
 namespace qattn::api {
 
-inline constexpr int kHopperMajor = 9, kHopperMinor = 0;  // the sm_90a cubins run only on 9.0
+// The current device and its compute capability.
+qattn_status current_device(const char* fn, int* device, Arch* arch);
 
-enum class ForwardPart { kAll, kAttentionOnly };
+// Checks that the buffers are device memory of `device` and, where the driver can
+// tell, that each buffer's span (buffer_spans) fits in its allocation. The queries are
+// host-side reads of allocation attributes; they run during stream capture too (in any
+// capture mode: the calling thread is switched to the relaxed mode around them).
+qattn_status check_pointers(const char* fn, const qattn_fwd_params& p, const void* workspace,
+                            int device);
 
-// Checks the current device (compute capability 9.0) and, unless `stream` is being
-// captured into a graph, that the buffers are device memory of that device and, where
-// the driver can tell, that each buffer's span (buffer_spans) fits in its allocation.
-qattn_status check_device(const char* fn, const qattn_fwd_params& p, const void* workspace,
-                          void* stream);
+// The status of a family's launch (a cudaError_t; 0 = success).
+qattn_status launch_status(const char* fn, const ForwardFamily& family, int cuda_error);
 
-// Enqueues the forward on `stream` (parameters validated and resolved).
-qattn_status launch(const char* fn, const qattn_fwd_params& p, void* workspace, void* stream,
-                    ForwardPart part);
-
-// 1 when `device` (< 0: the current one) has compute capability 9.0.
+// 1 when `device` (< 0: the current one) has an architecture some family runs on.
 bool device_supported(int device);
 
 }  // namespace qattn::api

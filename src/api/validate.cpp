@@ -4,9 +4,12 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
 
 #include "api/error.h"
-#include "cuda/sage2_fwd/workspace.h"
+#include "api/registry.h"
 
 namespace qattn::api {
 namespace {
@@ -57,6 +60,63 @@ Spans spans_of(const qattn_fwd_params& p) {
   return s;
 }
 
+// Every element of an output has its own address. Rows are head_dim contiguous
+// elements, so that holds exactly when no two row starts b*sb + h*sh + n*sn lie closer
+// than head_dim. `dims` are (b, h, n) with the strides of extent-1 dimensions zeroed.
+qattn_status check_no_self_alias(const char* fn, const char* name, const qattn_tensor& t,
+                                 const std::array<Dim, 3>& dims, int64_t head_dim) {
+  // Sufficient and cheap: sorted by stride, each dimension steps past everything the
+  // smaller ones span (HND, NHD and their padded forms all pass here).
+  std::array<Dim, 3> sorted = dims;
+  std::stable_sort(sorted.begin(), sorted.end(),
+                   [](const Dim& a, const Dim& b) { return a.stride < b.stride; });
+  int64_t spanned = head_dim;  // elements covered by the dimensions seen so far
+  bool nested = true;
+  for (const Dim& d : sorted) {
+    if (d.extent == 1) continue;
+    if (d.stride < spanned) {
+      nested = false;
+      break;
+    }
+    spanned = d.stride * (d.extent - 1) + spanned;  // no overflow: bounded by the span check
+  }
+  if (nested) return QATTN_OK;
+
+  // The strides interleave rows (a dimension starts inside another's span): decide it
+  // exactly by sorting every row's start and looking at neighbours.
+  const int64_t rows = dims[0].extent * dims[1].extent * dims[2].extent;
+  if (rows > kMaxInterleavedRows)
+    return fail(QATTN_ERROR_UNSUPPORTED, fn, ": ", name, " has interleaved strides (stride_b = ",
+                t.stride_b, ", stride_h = ", t.stride_h, ", stride_n = ", t.stride_n, ") and ", rows,
+                " rows; an output whose strides interleave is supported up to ",
+                kMaxInterleavedRows,
+                " rows (each row's start is checked against the others); allowed beyond that: "
+                "strides that, sorted, each step past the rows and heads they contain");
+  std::vector<std::pair<int64_t, int64_t>> starts;  // (element offset, row index)
+  starts.reserve(static_cast<std::size_t>(rows));
+  for (int64_t b = 0; b < dims[0].extent; ++b)
+    for (int64_t h = 0; h < dims[1].extent; ++h)
+      for (int64_t n = 0; n < dims[2].extent; ++n)
+        starts.emplace_back(b * dims[0].stride + h * dims[1].stride + n * dims[2].stride,
+                            (b * dims[1].extent + h) * dims[2].extent + n);
+  std::sort(starts.begin(), starts.end());
+  for (std::size_t i = 1; i < starts.size(); ++i) {
+    if (starts[i].first - starts[i - 1].first >= head_dim) continue;
+    auto index = [&](int64_t row) {
+      return cat("[", row / (dims[1].extent * dims[2].extent), ", ",
+                 row / dims[2].extent % dims[1].extent, ", ", row % dims[2].extent, "]");
+    };
+    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": ", name, ".stride_b = ", t.stride_b, ", ",
+                name, ".stride_h = ", t.stride_h, ", ", name, ".stride_n = ", t.stride_n,
+                " make elements of ", name, " share addresses: the rows ", name, "[b, h, n] = ",
+                index(starts[i - 1].second), " and ", index(starts[i].second), " start ",
+                starts[i].first - starts[i - 1].first, " elements apart, less than head_dim = ",
+                head_dim, "; allowed: strides under which no two rows meet (an output may not "
+                "alias itself)");
+  }
+  return QATTN_OK;
+}
+
 // Checks one (B, H, N, d) view: pointer, alignment, strides, size arithmetic. `writes`
 // adds the check that no two elements share an address.
 qattn_status check_tensor(const char* fn, const char* name, const qattn_tensor& t, int64_t batch,
@@ -95,25 +155,7 @@ qattn_status check_tensor(const char* fn, const char* name, const qattn_tensor& 
     return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": ", name,
                 " runs past the end of the address space (data + strides)");
 
-  if (writes) {
-    // Sorted by stride, each dimension must step past everything the smaller ones
-    // span; then every element has its own address (the rows are contiguous).
-    // Ties keep the natural order innermost first (n, h, b), so the message names the
-    // dimension whose stride does not step far enough.
-    std::reverse(dims.begin(), dims.end());
-    std::stable_sort(dims.begin(), dims.end(),
-                     [](const Dim& a, const Dim& b) { return a.stride < b.stride; });
-    int64_t spanned = head_dim;  // elements covered by the dimensions seen so far
-    for (const Dim& d : dims) {
-      if (d.extent == 1) continue;
-      if (d.stride < spanned)
-        return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": ", name, ".", d.name, " = ", d.stride,
-                    " makes elements of ", name,
-                    " share addresses; allowed: strides that step past the rows and heads "
-                    "they contain (an output may not alias itself)");
-      spanned = d.stride * (d.extent - 1) + spanned;  // no overflow: bounded by `last` above
-    }
-  }
+  if (writes) return check_no_self_alias(fn, name, t, dims, head_dim);
   return QATTN_OK;
 }
 
@@ -144,15 +186,34 @@ qattn_status check_int(const char* fn, const char* name, int value, int lo, int 
 
 }  // namespace
 
-qattn_status validate_forward(const char* fn, const qattn_fwd_params* pp) {
-  if (pp == nullptr) return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": params is NULL");
-  const qattn_fwd_params& p = *pp;
+qattn_status read_params(const char* fn, const qattn_fwd_params* p, qattn_fwd_params* out) {
+  if (p == nullptr) return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": params is NULL");
+  const std::size_t size = p->struct_size;
+  if (size < QATTN_FWD_PARAMS_MIN_SIZE)
+    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": params->struct_size = ", size,
+                "; allowed: sizeof(qattn_fwd_params) of the caller's qattn.h, at least ",
+                QATTN_FWD_PARAMS_MIN_SIZE, " (set by qattn_fwd_params_init)");
+  if (size > sizeof(qattn_fwd_params))
+    return fail(QATTN_ERROR_UNSUPPORTED, fn, ": params->struct_size = ", size,
+                " is larger than this library's qattn_fwd_params (", sizeof(qattn_fwd_params),
+                " bytes, qattn ", QATTN_VERSION_MAJOR, ".", QATTN_VERSION_MINOR, ".",
+                QATTN_VERSION_PATCH,
+                "): the program was compiled against a newer qattn.h; link a library at least "
+                "as new as its header");
+  qattn_fwd_params_init(out);
+  std::memcpy(out, p, size);  // fields only ever appended: the caller's prefix is ours
+  out->struct_size = sizeof(qattn_fwd_params);
+  return QATTN_OK;
+}
 
+qattn_status validate_forward(const char* fn, const qattn_fwd_params& p) {
   // ---- scalars ----
-  const int dtype = static_cast<int>(p.dtype);
-  if (dtype != QATTN_DTYPE_FP16 && dtype != QATTN_DTYPE_BF16)
-    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": dtype = ", dtype,
+  if (p.dtype != QATTN_DTYPE_FP16 && p.dtype != QATTN_DTYPE_BF16)
+    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": dtype = ", p.dtype,
                 "; allowed: QATTN_DTYPE_FP16 (0) or QATTN_DTYPE_BF16 (1)");
+  if (p.scheme != QATTN_SCHEME_SAGE2_8B)
+    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": scheme = ", p.scheme,
+                "; allowed: QATTN_SCHEME_SAGE2_8B (0)");
   if (auto s = check_int(fn, "batch", p.batch, 1, kMaxGridDim, " (a grid dimension)"); s) return s;
   if (auto s = check_int(fn, "heads_q", p.heads_q, 1, kMaxGridDim, " (a grid dimension)"); s)
     return s;
@@ -163,35 +224,35 @@ qattn_status validate_forward(const char* fn, const qattn_fwd_params* pp) {
                 "; allowed: heads_q = g * heads_kv (GQA/MQA)");
   if (auto s = check_int(fn, "seqlen_q", p.seqlen_q, 1, kMaxSeqlen); s) return s;
   if (auto s = check_int(fn, "seqlen_kv", p.seqlen_kv, 1, kMaxSeqlen); s) return s;
-  if (p.head_dim > kMaxHeadDim)
-    return fail(QATTN_ERROR_UNSUPPORTED, fn, ": head_dim = ", p.head_dim,
-                " is not supported yet; allowed: 1..128 (64 and 128 natively, others padded)");
-  if (auto s = check_int(fn, "head_dim", p.head_dim, 1, kMaxHeadDim); s) return s;
+  if (p.head_dim < 1)
+    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": head_dim = ", p.head_dim,
+                "; allowed: 1.. (the kernel families say which sizes they run)");
   if (p.causal != 0 && p.causal != 1)
     return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": causal = ", p.causal, "; allowed: 0 or 1");
-  if (!std::isfinite(p.sm_scale))
+  // 0 selects the default; a negative scale is not "the default" (the reference would
+  // honour its sign), and above kMaxSmScale the FP32 scores overflow (qattn.h derives
+  // the bound from the largest |q·k| of FP16-range inputs).
+  if (!std::isfinite(p.sm_scale) || p.sm_scale < 0.f || p.sm_scale > kMaxSmScale)
     return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": sm_scale = ", p.sm_scale,
-                "; allowed: a finite number (<= 0 selects 1/sqrt(head_dim))");
-  const int gran = static_cast<int>(p.granularity);
-  if (gran != QATTN_QK_PER_THREAD && gran != QATTN_QK_PER_WARP && gran != QATTN_QK_PER_BLOCK)
-    return fail(
-        QATTN_ERROR_INVALID_ARGUMENT, fn, ": granularity = ", gran,
-        "; allowed: QATTN_QK_PER_THREAD (0), QATTN_QK_PER_WARP (1), QATTN_QK_PER_BLOCK (2)");
+                !std::isfinite(p.sm_scale) ? " is not finite"
+                : p.sm_scale < 0.f         ? " is negative"
+                                           : " would overflow the FP32 scores",
+                "; allowed: 0 (selects 1/sqrt(head_dim)) or a positive number up to ", kMaxSmScale,
+                " (QATTN_MAX_SM_SCALE)");
+  if (p.reserved0 != 0)
+    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": reserved0 = ", p.reserved0,
+                "; allowed: 0 (qattn_fwd_params_init sets it)");
+  if (p.scheme == QATTN_SCHEME_SAGE2_8B) {
+    const int32_t gran = p.sage2.granularity;
+    if (gran != QATTN_QK_PER_THREAD && gran != QATTN_QK_PER_WARP && gran != QATTN_QK_PER_BLOCK)
+      return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": sage2.granularity = ", gran,
+                  "; allowed: QATTN_QK_PER_THREAD (0), QATTN_QK_PER_WARP (1), "
+                  "QATTN_QK_PER_BLOCK (2)");
+  }
 
-  // The workspace arrays hold (B*H*N_pad) rows of at most 128 bytes plus a few floats
-  // each; a bound of 1 KiB per row keeps every size_t sum below in range.
-  const int64_t nq_pad = (int64_t{p.seqlen_q} + 127) / 128 * 128;
-  const int64_t nkv_pad = (int64_t{p.seqlen_kv} + 127) / 128 * 128;
-  int64_t rows_q = 0, rows_kv = 0, bound = 0;
-  if (!mul(int64_t{p.batch} * p.heads_q, nq_pad, &rows_q) ||
-      !mul(int64_t{p.batch} * p.heads_kv, nkv_pad, &rows_kv) || !add(rows_q, rows_kv, &bound) ||
-      !mul(bound, 1024, &bound))
-    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn,
-                ": batch * heads * seqlen is too large for the workspace size to be represented");
-  // The kernel numbers its work items (128-row query blocks of every head) in an int.
-  if (int64_t{p.batch} * p.heads_q * (nq_pad / 128) > int64_t{INT32_MAX})
-    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": batch * heads_q * ceil(seqlen_q / 128) = ",
-                int64_t{p.batch} * p.heads_q * (nq_pad / 128), "; allowed: at most 2^31 - 1");
+  // ---- a kernel family for it (on some device: the device is checked at launch) ----
+  qattn_status support = QATTN_OK;
+  if (select_family(fn, p, nullptr, &support) == nullptr) return support;
 
   // ---- tensors ----
   const int64_t d = p.head_dim;
@@ -213,9 +274,7 @@ qattn_status validate_forward(const char* fn, const qattn_fwd_params* pp) {
   return check_overlaps(fn, spans_of(p));
 }
 
-std::size_t forward_workspace_bytes(const qattn_fwd_params& p) {
-  return sage2::workspace_layout(p).total;
-}
+std::size_t forward_workspace_bytes(const qattn_fwd_params& p) { return workspace_bytes_for(p); }
 
 qattn_status validate_workspace(const char* fn, const qattn_fwd_params& p, const void* workspace,
                                 std::size_t workspace_bytes) {
@@ -266,7 +325,7 @@ std::array<BufferSpan, 6> buffer_spans(const qattn_fwd_params& p, const void* wo
 
 qattn_fwd_params resolve_defaults(const qattn_fwd_params& p) {
   qattn_fwd_params r = p;
-  if (!(r.sm_scale > 0.f)) r.sm_scale = 1.f / std::sqrt(static_cast<float>(r.head_dim));
+  if (r.sm_scale == 0.f) r.sm_scale = 1.f / std::sqrt(static_cast<float>(r.head_dim));
   return r;
 }
 

@@ -1,7 +1,9 @@
 // Parameter validation of the forward call: host arithmetic on the parameter values
 // and pointer addresses only — nothing here reads device memory or calls CUDA, so it
-// runs (and is tested) on a machine without a GPU. The support rules live here, in
-// one place; the kernels assume them (e.g. 16-byte vector loads of q, k, v).
+// runs (and is tested) on a machine without a GPU. The rules every call obeys live
+// here (the kernels assume them, e.g. 16-byte vector loads of q, k, v); what one
+// kernel family runs (head dims, architectures, its own limits) is that family's
+// declaration (family.h), asked through the registry.
 #pragma once
 
 #include <array>
@@ -13,7 +15,6 @@
 namespace qattn::api {
 
 // ---- the support rules --------------------------------------------------------------
-inline constexpr int kMaxHeadDim = 128;     // larger d: a later kernel (QATTN_ERROR_UNSUPPORTED)
 inline constexpr int kMaxGridDim = 65535;   // batch and heads are grid y/z dimensions
 inline constexpr int kMaxSeqlen = 1 << 30;  // padded lengths must stay an int
 inline constexpr std::size_t kTensorAlign = 16;  // bytes: one 16-byte vector load/store
@@ -21,12 +22,24 @@ inline constexpr int64_t kStrideMultiple = 8;    // elements: 16 bytes of a 16-b
 inline constexpr int64_t kMaxStrideBytes = int64_t{1} << 40;  // cuTensorMapEncode limit
 inline constexpr std::size_t kLseAlign = alignof(float);
 inline constexpr std::size_t kWorkspaceAlign = 256;
+inline constexpr float kMaxSmScale = QATTN_MAX_SM_SCALE;  // qattn.h derives it
+// Above this many rows, an output whose strides interleave rows is reported as not
+// supported rather than proved alias-free (the proof sorts every row's offset).
+inline constexpr int64_t kMaxInterleavedRows = int64_t{1} << 20;
 
-// Checks every field of *p (see qattn.h for the rules). On failure records a message
+// Reads the caller's struct up to its struct_size into *out (the fields it lacks keep
+// qattn_fwd_params_init's defaults), after checking the size (qattn.h's stability
+// rule). On failure records a message that starts with `fn`.
+qattn_status read_params(const char* fn, const qattn_fwd_params* p, qattn_fwd_params* out);
+
+// Checks every field of p, a struct read_params filled (see qattn.h for the rules):
+// the scalars, then that some kernel family runs the call on some device (registry.h;
+// QATTN_ERROR_UNSUPPORTED otherwise), then the tensors. On failure records a message
 // that starts with `fn` and names the parameter and its allowed values.
-qattn_status validate_forward(const char* fn, const qattn_fwd_params* p);
+qattn_status validate_forward(const char* fn, const qattn_fwd_params& p);
 
-// Workspace bytes for validated parameters (the kernel side's layout).
+// Workspace bytes for validated parameters: the largest need of the families that run
+// them (registry.h).
 std::size_t forward_workspace_bytes(const qattn_fwd_params& p);
 
 // Checks the workspace pointer, size and alignment, and that it overlaps none of the
@@ -34,7 +47,8 @@ std::size_t forward_workspace_bytes(const qattn_fwd_params& p);
 qattn_status validate_workspace(const char* fn, const qattn_fwd_params& p, const void* workspace,
                                 std::size_t workspace_bytes);
 
-// A copy of validated parameters with the defaults made explicit (sm_scale).
+// A copy of validated parameters with the defaults made explicit (sm_scale 0 becomes
+// 1/sqrt(head_dim)).
 qattn_fwd_params resolve_defaults(const qattn_fwd_params& p);
 
 // ---- the memory a call touches --------------------------------------------------------

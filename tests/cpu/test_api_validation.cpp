@@ -15,6 +15,7 @@
 #include <tuple>
 #include <vector>
 
+#include "api/bench_hooks.h"
 #include "api/validate.h"
 #include "qattn/qattn.h"
 #include "qattn/qattn.hpp"
@@ -63,14 +64,17 @@ Outcome fwd(const qattn_fwd_params& p, void* ws, std::size_t bytes) {
   return {s, s == QATTN_OK ? "" : qattn_last_error_message()};
 }
 
-// Asserts the status and that the message names every one of `words`.
-#define EXPECT_REJECTS(outcome, code, ...)                           \
-  do {                                                               \
-    const Outcome o_ = (outcome);                                    \
-    EXPECT_EQ(o_.status, code) << o_.message;                        \
-    for (const char* w_ : {__VA_ARGS__})                             \
-      EXPECT_NE(o_.message.find(w_), std::string::npos)              \
-          << "message does not name '" << w_ << "': " << o_.message; \
+// Asserts the status and that the message names every one of `words` (strings or
+// string literals). The words are copied into std::strings inside the range's own
+// initializer list: a `const char*` list would keep only pointers into temporaries
+// (e.g. std::to_string(n).c_str()) that die before the loop runs.
+#define EXPECT_REJECTS(outcome, code, ...)                                    \
+  do {                                                                        \
+    const Outcome o_ = (outcome);                                             \
+    EXPECT_EQ(o_.status, code) << o_.message;                                 \
+    for (const std::string& w_ : std::initializer_list<std::string>{__VA_ARGS__}) \
+      EXPECT_NE(o_.message.find(w_), std::string::npos)                       \
+          << "message does not name '" << w_ << "': " << o_.message;          \
   } while (0)
 
 // ---- the valid baseline ------------------------------------------------------------
@@ -94,8 +98,10 @@ TEST(ApiValidation, ParamsInitGivesDefaults) {
   qattn_fwd_params_init(&p);
   EXPECT_EQ(p.q.data, nullptr);
   EXPECT_EQ(p.lse, nullptr);
+  EXPECT_EQ(p.struct_size, sizeof(qattn_fwd_params));
   EXPECT_EQ(p.dtype, QATTN_DTYPE_BF16);
-  EXPECT_EQ(p.granularity, QATTN_QK_PER_THREAD);
+  EXPECT_EQ(p.scheme, QATTN_SCHEME_SAGE2_8B);
+  EXPECT_EQ(p.sage2.granularity, QATTN_QK_PER_THREAD);
   EXPECT_EQ(p.causal, 0);
   EXPECT_EQ(p.sm_scale, 0.f);
   qattn_fwd_params_init(nullptr);  // no crash
@@ -195,7 +201,7 @@ TEST(ApiValidation, HeadDim) {
 TEST(ApiValidation, EnumsAndFlags) {
   for (int bad : {2, -1, 255}) {
     qattn_fwd_params p = valid_params();
-    p.dtype = static_cast<qattn_dtype>(bad);
+    p.dtype = bad;  // an int field: any value is defined to read
     EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "dtype", "QATTN_DTYPE_BF16");
   }
   for (int bad : {2, -1}) {
@@ -203,14 +209,20 @@ TEST(ApiValidation, EnumsAndFlags) {
     p.causal = bad;
     EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "causal", "0 or 1");
   }
-  for (int bad : {3, -1}) {
+  for (int bad : {3, -1, std::numeric_limits<int>::min()}) {
     qattn_fwd_params p = valid_params();
-    p.granularity = static_cast<qattn_qk_granularity>(bad);
-    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "granularity", "QATTN_QK_PER_WARP");
+    p.sage2.granularity = bad;
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "sage2.granularity",
+                   "QATTN_QK_PER_WARP");
+  }
+  for (int bad : {1, -1, 1000}) {
+    qattn_fwd_params p = valid_params();
+    p.scheme = bad;
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "scheme", "QATTN_SCHEME_SAGE2_8B");
   }
   for (int g : {0, 1, 2}) {
     qattn_fwd_params p = valid_params();
-    p.granularity = static_cast<qattn_qk_granularity>(g);
+    p.sage2.granularity = g;
     p.dtype = QATTN_DTYPE_FP16;
     p.causal = 1;
     EXPECT_EQ(size_of(p).status, QATTN_OK);
@@ -222,16 +234,36 @@ TEST(ApiValidation, SmScale) {
                     -std::numeric_limits<float>::infinity()}) {
     qattn_fwd_params p = valid_params();
     p.sm_scale = bad;
-    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "sm_scale", "finite");
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "sm_scale", "not finite");
   }
-  for (float ok : {0.f, -0.f, -1.f, 0.125f, 1e-30f, 3e38f}) {
+  // A negative scale is an error, not the default (the reference would honour it).
+  for (float bad : {-1.f, -2.f, -1e-30f, -std::numeric_limits<float>::denorm_min()}) {
+    qattn_fwd_params p = valid_params();
+    p.sm_scale = bad;
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "sm_scale", "negative", "0 (selects");
+  }
+  // Above QATTN_MAX_SM_SCALE the FP32 scores overflow (qattn.h derives the bound).
+  for (float bad : {1e37f, 3e38f, std::nextafter(QATTN_MAX_SM_SCALE, 1e38f)}) {
+    qattn_fwd_params p = valid_params();
+    p.sm_scale = bad;
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "sm_scale", "overflow",
+                   "QATTN_MAX_SM_SCALE");
+  }
+  for (float ok : {0.f, -0.f, 0.125f, 1e-30f, std::numeric_limits<float>::denorm_min(), 1e20f,
+                   QATTN_MAX_SM_SCALE}) {
     qattn_fwd_params p = valid_params();
     p.sm_scale = ok;
-    EXPECT_EQ(size_of(p).status, QATTN_OK) << ok;
+    EXPECT_EQ(size_of(p).status, QATTN_OK) << ok << ": " << size_of(p).message;
   }
-  // <= 0 resolves to 1/sqrt(d) (the launch gets the explicit value).
+  // The bound beside the check: twice the largest |score| of FP16-range inputs with K
+  // smoothed, 2 * 128 * 65504 * (2 * 65504) * log2(e) * QATTN_MAX_SM_SCALE, is below
+  // FLT_MAX with a factor of 10 to spare.
+  EXPECT_LT(2 * 128.0 * 65504.0 * (2 * 65504.0) * 1.4426950408889634 *
+                double{QATTN_MAX_SM_SCALE},
+            double{std::numeric_limits<float>::max()} / 10);
+  // 0 resolves to 1/sqrt(d) (the launch gets the explicit value).
   qattn_fwd_params p = valid_params();
-  p.sm_scale = -2.f;
+  p.sm_scale = 0.f;
   EXPECT_FLOAT_EQ(qattn::api::resolve_defaults(p).sm_scale, 1.f / std::sqrt(64.f));
   p.sm_scale = 0.3f;
   EXPECT_EQ(qattn::api::resolve_defaults(p).sm_scale, 0.3f);
@@ -342,6 +374,56 @@ TEST(ApiValidation, OutputMustNotAliasItself) {
   EXPECT_EQ(size_of(p).status, QATTN_OK) << size_of(p).message;
 }
 
+// Strides may interleave rows of different heads (or batches) without any two rows
+// meeting: such an output is valid and must be accepted. Row starts are b*sb + h*sh +
+// n*sn and each row is d = 64 elements long. With sn = 128 and sh = 192 over 3 rows,
+// head 1 starts inside head 0's span (so "each stride steps past the smaller ones"
+// fails) but its rows 192, 320, 448 fall in the gaps of head 0's 0, 128, 256.
+TEST(ApiValidation, InterleavedOutputWithoutAliasingIsAccepted) {
+  Shape s;
+  s.batch = 1;
+  s.heads_q = s.heads_kv = 2;
+  s.seqlen_q = s.seqlen_kv = 3;
+  qattn_fwd_params p = valid_params(s);
+  p.lse = nullptr;
+  p.o = {fake(4), 0, /*stride_h=*/192, /*stride_n=*/128};  // rows at 0,128,256 and 192,320,448
+  EXPECT_EQ(size_of(p).status, QATTN_OK) << size_of(p).message;
+  // Heads interleaved with rows across batches: b*sb + h*sh + n*sn with sb = 64.
+  Shape t;
+  t.batch = 2;
+  t.heads_q = t.heads_kv = 4;
+  t.seqlen_q = t.seqlen_kv = 5;
+  p = valid_params(t);
+  p.lse = nullptr;
+  p.o = {fake(4), /*stride_b=*/64, /*stride_h=*/128 * 5, /*stride_n=*/128};
+  EXPECT_EQ(size_of(p).status, QATTN_OK) << size_of(p).message;
+  // One element of overlap in the same pattern is refused, naming two rows that meet.
+  p.o.stride_b = 56;  // row (1, 0, 0) starts 56 elements after (0, 0, 0), less than d = 64
+  EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "o.stride_b = 56", "share addresses",
+                 "[0, 0, 0]", "[1, 0, 0]");
+}
+
+// Past kMaxInterleavedRows rows, an interleaved output is "not supported", never
+// "share addresses" (which would be a false reason).
+TEST(ApiValidation, LargeInterleavedOutputIsUnsupportedNotFalselyAliased) {
+  // Head 1's rows (384 + 256 n) fall between head 0's (256 n): valid, interleaved.
+  Shape s;
+  s.batch = 1;
+  s.heads_q = s.heads_kv = 2;
+  s.seqlen_q = s.seqlen_kv = 3;
+  qattn_fwd_params p = valid_params(s);
+  p.lse = nullptr;
+  p.o = {fake(4), 0, /*stride_h=*/384, /*stride_n=*/256};
+  EXPECT_EQ(size_of(p).status, QATTN_OK) << size_of(p).message;
+  s.seqlen_q = s.seqlen_kv = (1 << 19) + 1;  // 2^20 + 2 rows: over the limit
+  p = valid_params(s);
+  p.lse = nullptr;
+  p.o = {fake(4), 0, /*stride_h=*/384, /*stride_n=*/256};
+  const Outcome o = size_of(p);
+  EXPECT_REJECTS(o, QATTN_ERROR_UNSUPPORTED, "o has interleaved strides", "supported up to");
+  EXPECT_EQ(o.message.find("share addresses"), std::string::npos) << o.message;
+}
+
 TEST(ApiValidation, LseMustNotOverlap) {
   qattn_fwd_params p = valid_params();
   p.lse = static_cast<float*>(p.o.data);
@@ -359,7 +441,7 @@ TEST(ApiValidation, Workspace) {
   EXPECT_REJECTS(fwd(p, nullptr, n), QATTN_ERROR_INVALID_ARGUMENT, "workspace", "NULL");
   EXPECT_REJECTS(fwd(p, fake(6, 128), n), QATTN_ERROR_INVALID_ARGUMENT, "workspace", "256-byte");
   EXPECT_REJECTS(fwd(p, fake(6), n - 1), QATTN_ERROR_WORKSPACE_TOO_SMALL, "workspace_bytes",
-                 std::to_string(n).c_str());
+                 std::to_string(n));
   EXPECT_REJECTS(fwd(p, fake(6), 0), QATTN_ERROR_WORKSPACE_TOO_SMALL, "workspace_bytes");
   EXPECT_REJECTS(fwd(p, p.v.data, n), QATTN_ERROR_INVALID_ARGUMENT, "workspace overlaps v");
   EXPECT_REJECTS(fwd(p, static_cast<char*>(p.o.data) + 256, n), QATTN_ERROR_INVALID_ARGUMENT,
@@ -558,7 +640,7 @@ TEST(ApiCpp, BuilderSetsEveryField) {
   EXPECT_EQ(p.head_dim, 128);
   EXPECT_EQ(p.causal, 1);
   EXPECT_EQ(p.sm_scale, 0.5f);
-  EXPECT_EQ(p.granularity, QATTN_QK_PER_BLOCK);
+  EXPECT_EQ(p.sage2.granularity, QATTN_QK_PER_BLOCK);
   EXPECT_EQ(p.lse, fake(5));
 }
 
@@ -566,14 +648,15 @@ TEST(ApiCpp, BuilderSetsEveryField) {
 
 namespace {
 
-// The kernel numbers its work items (128-row query blocks of every head) in an int.
+// The sage2 kernel numbers its work items (128-row query blocks of every head) in an
+// int: a family limit, so the call is unsupported (another family could run it).
 TEST(ApiValidation, TooManyQueryBlocksIsRejected) {
   Shape s;
   s.batch = 1024;
   s.heads_q = s.heads_kv = 1024;
   s.seqlen_q = 1 << 20;
-  EXPECT_REJECTS(size_of(valid_params(s)), QATTN_ERROR_INVALID_ARGUMENT, "ceil(seqlen_q / 128)",
-                 "2^31");
+  EXPECT_REJECTS(size_of(valid_params(s)), QATTN_ERROR_UNSUPPORTED, "sage2_fwd_sm90",
+                 "ceil(seqlen_q / 128)", "2^31");
 }
 
 }  // namespace

@@ -105,7 +105,7 @@ inline qattn_fwd_params make_params(const Sage2Case& c) {
   p.head_dim = c.head_dim;
   p.causal = c.causal ? 1 : 0;
   p.sm_scale = 0.f;
-  p.granularity = c.granularity;
+  p.sage2.granularity = c.granularity;
   return p;
 }
 

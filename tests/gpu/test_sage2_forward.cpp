@@ -191,7 +191,7 @@ TEST(Sage2Forward, ManyItemsPerCtaEqualOneHeadLaunches) {
           p.seqlen_q = p.seqlen_kv = N;
           p.head_dim = d;
           p.causal = causal;
-          p.granularity = QATTN_QK_PER_THREAD;
+          p.sage2.granularity = QATTN_QK_PER_THREAD;
           const int64_t sn = d, sh = int64_t(N) * d, sb = sh * H;
           p.q = {q.ptr, sb, sh, sn};
           p.k = {k.ptr, sb, sh, sn};

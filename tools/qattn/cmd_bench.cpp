@@ -27,6 +27,7 @@
 
 #include "commands.h"
 #include "device_info.h"
+#include "api/bench_hooks.h"
 #include "qattn/qattn.hpp"
 
 namespace qattn::cli {

@@ -113,7 +113,7 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
   if (keep_q) ap.q_debug = q_debug_out(w, ws);
   ap.sm_scale = resolved_sm_scale(p);
   ap.scale_log2 = ap.sm_scale * kLog2e;
-  ap.granularity = p.granularity;
+  ap.granularity = static_cast<qattn_qk_granularity>(p.sage2.granularity);
   ap.o = p.o.data;
   ap.o_stride_b = p.o.stride_b;
   ap.o_stride_h = p.o.stride_h;
@@ -183,7 +183,7 @@ cudaError_t quantize_d(const qattn_fwd_params& p, const WorkspaceLayout& w, void
   qp.seqlen_kv = p.seqlen_kv;
   qp.head_dim = p.head_dim;
   qp.nkv_pad = w.nkv_pad;
-  qp.granularity = p.granularity;
+  qp.granularity = static_cast<qattn_qk_granularity>(p.sage2.granularity);
   return launch_quantize<T, D>(view<T>(p.k), view<T>(p.v), qp, outputs(w, ws), stream);
 }
 

@@ -1,0 +1,54 @@
+// A kernel family: one set of kernels (e.g. the SageAttention2-8b forward for Hopper)
+// and the declaration of what it runs. src/api dispatches every call through the
+// registry (registry.h) of these declarations and names no family's internals; a
+// family's own file (src/families/) fills one in. The declaration is host C++ that
+// every build compiles, so a CPU-only build validates and sizes the workspace with
+// the same rules; only `launch` needs the CUDA kernels (nullptr without them).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "qattn/qattn.h"
+
+namespace qattn::api {
+
+// A device's compute capability, e.g. {9, 0} for sm_90.
+struct Arch {
+  int major = 0, minor = 0;
+  bool operator==(const Arch&) const = default;
+};
+
+// The masks a call may ask for (qattn_fwd_params::causal), as bits of
+// ForwardFamily::masks.
+enum MaskBit : uint32_t { kMaskNone = 1u << 0, kMaskCausal = 1u << 1 };
+
+// Which kernels of a forward to run: all, or (bench hooks) the attention kernel alone
+// on a workspace an earlier full forward filled.
+enum class ForwardPart { kAll, kAttentionOnly };
+
+struct ForwardFamily {
+  const char* name;  // in messages: "sage2_fwd_sm90"
+  int32_t scheme;    // the qattn_scheme it implements
+  // The compute capabilities its binaries run on, exactly (an sm_90a cubin runs on 9.0
+  // only).
+  std::span<const Arch> archs;
+  int32_t min_head_dim, max_head_dim;
+  uint32_t dtypes;  // bit (1 << QATTN_DTYPE_*) per input format it reads
+  uint32_t masks;   // MaskBit
+  // Further limits of its kernels (grid sizes, index widths, ...), checked after the
+  // table above matched: "" when the call fits, else why not, in a few words.
+  std::string (*check_limits)(const qattn_fwd_params& p);
+  // Workspace bytes for a call it supports (a multiple of 256).
+  std::size_t (*workspace_bytes)(const qattn_fwd_params& p);
+  // Enqueues the call on `stream` with defaults resolved (sm_scale > 0); returns a
+  // cudaError_t (0 = success) and never synchronizes. nullptr in a CPU-only build.
+  int (*launch)(const qattn_fwd_params& p, void* workspace, void* stream, ForwardPart part);
+};
+
+// Every family of this build, in the order the registry tries them (src/families/).
+std::span<const ForwardFamily* const> forward_families();
+
+}  // namespace qattn::api

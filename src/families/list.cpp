@@ -1,0 +1,15 @@
+// The kernel families of this build, in the order the registry tries them: a family
+// that is faster where several accept a call comes first.
+#include <array>
+
+#include "api/family.h"
+#include "families/sage2_fwd.h"
+
+namespace qattn::api {
+
+std::span<const ForwardFamily* const> forward_families() {
+  static const std::array<const ForwardFamily*, 1> kAll{&families::sage2_fwd_sm90()};
+  return kAll;
+}
+
+}  // namespace qattn::api

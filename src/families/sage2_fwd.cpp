@@ -1,0 +1,75 @@
+// Declaration of the SageAttention2-8b Hopper forward: what it runs, its workspace and
+// its launch. Host C++ in every build; the launch exists only where the CUDA kernels
+// are built.
+#include "families/sage2_fwd.h"
+
+#include <array>
+#include <cstdint>
+
+#include "api/error.h"
+#include "cuda/sage2_fwd/workspace.h"
+#include "numerics/mma_groups.h"
+
+#if QATTN_HAVE_CUDA
+#include "cuda/sage2_fwd/launch.h"
+#endif
+
+namespace qattn::families {
+namespace {
+
+// The sm_90a cubins run on compute capability 9.0 only (H100, H200, H20).
+constexpr std::array<api::Arch, 1> kArchs{{{9, 0}}};
+
+bool mul(int64_t a, int64_t b, int64_t* r) { return !__builtin_mul_overflow(a, b, r); }
+bool add(int64_t a, int64_t b, int64_t* r) { return !__builtin_add_overflow(a, b, r); }
+
+std::string check_limits(const qattn_fwd_params& p) {
+  // The workspace holds (B*H*N_pad) rows of at most 128 bytes plus a few floats each
+  // (workspace.h); a bound of 1 KiB per row keeps every size_t sum of its layout in
+  // range.
+  const int64_t q_tile = sage2::kQTile, kv_tile = groups::kKvTile;
+  const int64_t nq_pad = (int64_t{p.seqlen_q} + q_tile - 1) / q_tile * q_tile;
+  const int64_t nkv_pad = (int64_t{p.seqlen_kv} + kv_tile - 1) / kv_tile * kv_tile;
+  int64_t rows_q = 0, rows_kv = 0, bound = 0;
+  if (!mul(int64_t{p.batch} * p.heads_q, nq_pad, &rows_q) ||
+      !mul(int64_t{p.batch} * p.heads_kv, nkv_pad, &rows_kv) || !add(rows_q, rows_kv, &bound) ||
+      !mul(bound, 1024, &bound))
+    return "batch * heads * seqlen is too large for its workspace size to be represented";
+  // The kernel numbers its work items (query tiles of every head) in an int.
+  const int64_t items = int64_t{p.batch} * p.heads_q * (nq_pad / q_tile);
+  if (items > int64_t{INT32_MAX})
+    return api::cat("batch * heads_q * ceil(seqlen_q / ", q_tile, ") = ", items,
+                    "; allowed: at most 2^31 - 1 (its work items are numbered in an int)");
+  return {};
+}
+
+std::size_t workspace_bytes(const qattn_fwd_params& p) { return sage2::workspace_layout(p).total; }
+
+#if QATTN_HAVE_CUDA
+int launch(const qattn_fwd_params& p, void* workspace, void* stream, api::ForwardPart part) {
+  return part == api::ForwardPart::kAll ? sage2::launch_forward(p, workspace, stream)
+                                        : sage2::launch_attention_only(p, workspace, stream);
+}
+constexpr auto kLaunch = &launch;
+#else
+constexpr decltype(api::ForwardFamily::launch) kLaunch = nullptr;
+#endif
+
+constexpr api::ForwardFamily kFamily{
+    .name = "sage2_fwd_sm90",
+    .scheme = QATTN_SCHEME_SAGE2_8B,
+    .archs = kArchs,
+    .min_head_dim = 1,
+    .max_head_dim = 128,  // 64 and 128 natively, others zero-padded to the next of them
+    .dtypes = (1u << QATTN_DTYPE_FP16) | (1u << QATTN_DTYPE_BF16),
+    .masks = api::kMaskNone | api::kMaskCausal,
+    .check_limits = &check_limits,
+    .workspace_bytes = &workspace_bytes,
+    .launch = kLaunch,
+};
+
+}  // namespace
+
+const api::ForwardFamily& sage2_fwd_sm90() { return kFamily; }
+
+}  // namespace qattn::families

@@ -1,0 +1,298 @@
+// The kernel-family registry and the growable ABI, without a GPU: which family runs a
+// call on a given architecture (a fake compute capability stands in for the device),
+// the message of an unsupported call naming every family and its reason, the
+// workspace size over families, qattn_fwd_params' struct_size rule, the C++ builder's
+// overflow report, and validation from many threads at once.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "api/family.h"
+#include "api/registry.h"
+#include "api/validate.h"
+#include "qattn/qattn.h"
+#include "qattn/qattn.hpp"
+
+namespace {
+
+using qattn::api::Arch;
+using qattn::api::ForwardFamily;
+
+void* fake(int slot) { return reinterpret_cast<void*>(static_cast<std::uintptr_t>(slot) << 40); }
+
+qattn_fwd_params valid_params(int head_dim = 64) {
+  qattn::ForwardParams fp(qattn::DType::kBF16, 2, 8, 2, 300, 500, head_dim);
+  const int64_t row = (head_dim + 7) / 8 * 8;
+  fp.q(fake(1), qattn::Layout::kHND, row)
+      .k(fake(2), qattn::Layout::kHND, row)
+      .v(fake(3), qattn::Layout::kHND, row)
+      .o(fake(4), qattn::Layout::kHND, row);
+  return fp.raw();
+}
+
+bool contains(const std::string& s, const std::string& word) {
+  return s.find(word) != std::string::npos;
+}
+
+// ---- the registry with this build's families, on fake devices ----------------------
+
+TEST(Registry, HopperRunsTheSage2Family) {
+  qattn_status s = QATTN_ERROR_INTERNAL;
+  const Arch hopper{9, 0};
+  const ForwardFamily* f = qattn::api::select_family("t", valid_params(), &hopper, &s);
+  ASSERT_NE(f, nullptr) << qattn_last_error_message();
+  EXPECT_EQ(s, QATTN_OK);
+  EXPECT_STREQ(f->name, "sage2_fwd_sm90");
+  // The launch exists exactly when the kernels are built.
+  EXPECT_EQ(f->launch != nullptr, QATTN_HAVE_CUDA != 0);
+}
+
+// The non-Hopper path: an Ampere (8.0), an Ada (8.9), a Blackwell (10.0, 12.0) device.
+TEST(Registry, NonHopperDeviceIsUnsupportedNamingEveryFamily) {
+  for (Arch arch : {Arch{8, 0}, Arch{8, 9}, Arch{9, 1}, Arch{10, 0}, Arch{12, 0}}) {
+    SCOPED_TRACE(std::to_string(arch.major) + "." + std::to_string(arch.minor));
+    qattn_status s = QATTN_OK;
+    EXPECT_EQ(qattn::api::select_family("qattn_fwd", valid_params(), &arch, &s), nullptr);
+    EXPECT_EQ(s, QATTN_ERROR_UNSUPPORTED);
+    const std::string m = qattn_last_error_message();
+    const std::string cc = std::to_string(arch.major) + "." + std::to_string(arch.minor);
+    for (const char* w : {"qattn_fwd: no kernel family runs this call", "considered 1",
+                          "sage2_fwd_sm90", "its kernels run on sm_90"})
+      EXPECT_TRUE(contains(m, w)) << "no '" << w << "' in: " << m;
+    EXPECT_TRUE(contains(m, "compute capability " + cc)) << m;
+    EXPECT_TRUE(contains(m, "device sm_" + std::to_string(arch.major) + std::to_string(arch.minor)))
+        << m;
+    // No family's internals (the old message named SageAttention2 and sm_90 as a demand).
+    EXPECT_FALSE(contains(m, "SageAttention2")) << m;
+  }
+}
+
+TEST(Registry, HeadDimBeyondEveryFamilyIsUnsupportedOnAnyDevice) {
+  for (int d : {129, 256}) {
+    qattn_status s = QATTN_OK;
+    const Arch hopper{9, 0};
+    EXPECT_EQ(qattn::api::select_family("f", valid_params(d), &hopper, &s), nullptr);
+    EXPECT_EQ(s, QATTN_ERROR_UNSUPPORTED);
+    std::string m = qattn_last_error_message();
+    EXPECT_TRUE(contains(m, "sage2_fwd_sm90: head_dim = " + std::to_string(d))) << m;
+    EXPECT_TRUE(contains(m, "1..128")) << m;
+    // Through the C ABI without a device (workspace size): the same reason.
+    std::size_t bytes = 0;
+    qattn_fwd_params p = valid_params(d);
+    EXPECT_EQ(qattn_fwd_workspace_size(&p, &bytes), QATTN_ERROR_UNSUPPORTED);
+    m = qattn_last_error_message();
+    EXPECT_TRUE(contains(m, "qattn_fwd_workspace_size: no kernel family")) << m;
+    EXPECT_TRUE(contains(m, "(any device)")) << m;
+    EXPECT_TRUE(contains(m, "sage2_fwd_sm90: head_dim")) << m;
+  }
+}
+
+TEST(Registry, DeviceSupportFollowsTheFamilies) {
+  EXPECT_EQ(qattn::api::arch_supported({9, 0}), QATTN_HAVE_CUDA != 0);
+  EXPECT_FALSE(qattn::api::arch_supported({8, 0}));
+  EXPECT_FALSE(qattn::api::arch_supported({10, 0}));
+}
+
+// ---- the registry's logic, on families made up here --------------------------------
+
+constexpr std::array<Arch, 1> kSm80{{{8, 0}}};
+constexpr std::array<Arch, 2> kSm90And100{{{9, 0}, {10, 0}}};
+
+std::string too_long(const qattn_fwd_params& p) {
+  return p.seqlen_kv > 256 ? "seqlen_kv above 256" : "";
+}
+std::size_t ws_1k(const qattn_fwd_params&) { return 1024; }
+std::size_t ws_4k(const qattn_fwd_params&) { return 4096; }
+
+constexpr ForwardFamily kFp16Only{"fake_fp16_sm80", QATTN_SCHEME_SAGE2_8B, kSm80, 1, 256,
+                                  1u << QATTN_DTYPE_FP16, qattn::api::kMaskNone, nullptr, &ws_1k,
+                                  nullptr};
+constexpr ForwardFamily kShortKv{"fake_short_kv",
+                                 QATTN_SCHEME_SAGE2_8B,
+                                 kSm90And100,
+                                 64,
+                                 64,
+                                 (1u << QATTN_DTYPE_FP16) | (1u << QATTN_DTYPE_BF16),
+                                 qattn::api::kMaskNone | qattn::api::kMaskCausal,
+                                 &too_long,
+                                 &ws_4k,
+                                 nullptr};
+constexpr ForwardFamily kOtherScheme{"fake_other_scheme", 7, kSm80, 1, 512, ~0u, ~0u, nullptr,
+                                     &ws_1k, nullptr};
+
+TEST(Registry, EveryDeclineReasonIsNamed) {
+  const std::array<const ForwardFamily*, 3> families{&kFp16Only, &kShortKv, &kOtherScheme};
+  qattn_fwd_params p = valid_params();  // bf16, d = 64, seqlen_kv = 500, no mask
+  p.causal = 1;
+  const Arch sm80{8, 0};
+  qattn_status s = QATTN_OK;
+  EXPECT_EQ(qattn::api::select_family("f", p, &sm80, &s, families), nullptr);
+  EXPECT_EQ(s, QATTN_ERROR_UNSUPPORTED);
+  const std::string m = qattn_last_error_message();
+  for (const char* w : {"considered 3", "fake_fp16_sm80: does not read bf16 inputs",
+                        "fake_short_kv: the device has compute capability 8.0; its kernels run "
+                        "on sm_90, sm_100",
+                        "fake_other_scheme: implements scheme 7, not 0", "causal"})
+    EXPECT_TRUE(contains(m, w)) << "no '" << w << "' in: " << m;
+
+  // On sm_90 the short-KV family gets past the table and declines by its own limit.
+  const Arch sm90{9, 0};
+  EXPECT_EQ(qattn::api::select_family("f", p, &sm90, &s, families), nullptr);
+  EXPECT_TRUE(contains(qattn_last_error_message(), "fake_short_kv: seqlen_kv above 256"))
+      << qattn_last_error_message();
+  // Masks: the fp16 family has no causal kernel.
+  p.dtype = QATTN_DTYPE_FP16;
+  EXPECT_EQ(qattn::api::select_family("f", p, &sm80, &s, families), nullptr);
+  EXPECT_TRUE(contains(qattn_last_error_message(), "fake_fp16_sm80: has no causal kernel"))
+      << qattn_last_error_message();
+  // And it runs the unmasked call on its architecture: the first that accepts wins.
+  p.causal = 0;
+  EXPECT_EQ(qattn::api::select_family("f", p, &sm80, &s, families), &kFp16Only);
+  EXPECT_EQ(s, QATTN_OK);
+  p.seqlen_kv = 128;
+  EXPECT_EQ(qattn::api::select_family("f", p, &sm90, &s, families), &kShortKv);
+  // No families at all.
+  EXPECT_EQ(qattn::api::select_family("f", p, &sm90, &s, {}), nullptr);
+  EXPECT_TRUE(contains(qattn_last_error_message(), "considered 0")) << qattn_last_error_message();
+}
+
+// The workspace size holds on any device: the largest need of the families that accept
+// the shape, whatever their architecture.
+TEST(Registry, WorkspaceIsTheLargestOverAcceptingFamilies) {
+  const std::array<const ForwardFamily*, 2> families{&kFp16Only, &kShortKv};
+  qattn_fwd_params p = valid_params();
+  p.dtype = QATTN_DTYPE_FP16;
+  p.seqlen_kv = 128;
+  EXPECT_EQ(qattn::api::workspace_bytes_for(p, families), 4096u);  // both accept
+  p.seqlen_kv = 500;
+  EXPECT_EQ(qattn::api::workspace_bytes_for(p, families), 1024u);  // only the fp16 one
+  p.dtype = QATTN_DTYPE_BF16;
+  EXPECT_EQ(qattn::api::workspace_bytes_for(p, families), 0u);  // none
+}
+
+// ---- struct_size: the ABI's growth rule --------------------------------------------
+
+TEST(Abi, StructSizeIsChecked) {
+  std::size_t bytes = 0;
+  qattn_fwd_params p = valid_params();
+  ASSERT_EQ(qattn_fwd_workspace_size(&p, &bytes), QATTN_OK) << qattn_last_error_message();
+  const std::size_t want = bytes;
+
+  p.struct_size = 0;  // a struct filled by hand without init
+  EXPECT_EQ(qattn_fwd_workspace_size(&p, &bytes), QATTN_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(contains(qattn_last_error_message(), "struct_size = 0")) << qattn_last_error_message();
+  EXPECT_TRUE(contains(qattn_last_error_message(), "qattn_fwd_params_init"));
+  p.struct_size = QATTN_FWD_PARAMS_MIN_SIZE - 1;
+  EXPECT_EQ(qattn_fwd_workspace_size(&p, &bytes), QATTN_ERROR_INVALID_ARGUMENT);
+
+  // A caller compiled against a newer header (a larger struct) is refused, not misread.
+  struct Newer {
+    qattn_fwd_params base;
+    int64_t field_from_the_future;
+  } newer{};
+  newer.base = valid_params();
+  newer.base.struct_size = sizeof(Newer);
+  newer.field_from_the_future = 1;
+  EXPECT_EQ(qattn_fwd_workspace_size(&newer.base, &bytes), QATTN_ERROR_UNSUPPORTED);
+  EXPECT_TRUE(contains(qattn_last_error_message(), "newer qattn.h")) << qattn_last_error_message();
+  EXPECT_EQ(qattn_fwd(&newer.base, fake(6), 1 << 30, nullptr), QATTN_ERROR_UNSUPPORTED);
+
+  // read_params copies the caller's prefix and keeps the defaults after it.
+  p = valid_params();
+  qattn_fwd_params full;
+  std::memset(&full, 0x5A, sizeof(full));
+  ASSERT_EQ(qattn::api::read_params("t", &p, &full), QATTN_OK);
+  EXPECT_EQ(std::memcmp(&full, &p, sizeof(p)), 0);
+  EXPECT_EQ(qattn_fwd_workspace_size(&p, &bytes), QATTN_OK);
+  EXPECT_EQ(bytes, want);
+}
+
+// The first field is the size and the sub-struct of the scheme is last: the layout a
+// compiled caller relies on.
+TEST(Abi, LayoutKeepsItsPromises) {
+  EXPECT_EQ(offsetof(qattn_fwd_params, struct_size), 0u);
+  // No tail padding: a field appended later cannot land inside an older struct_size.
+  EXPECT_EQ(QATTN_FWD_PARAMS_MIN_SIZE, sizeof(qattn_fwd_params));
+  qattn_fwd_params p = valid_params();
+  p.reserved0 = 1;
+  std::size_t bytes = 0;
+  EXPECT_EQ(qattn_fwd_workspace_size(&p, &bytes), QATTN_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(contains(qattn_last_error_message(), "reserved0")) << qattn_last_error_message();
+  EXPECT_EQ(sizeof(qattn_fwd_params{}.dtype), 4u);
+  EXPECT_EQ(sizeof(qattn_fwd_params{}.sage2.granularity), 4u);
+}
+
+// ---- the C++ builder: a stride that does not fit is named, not wrapped --------------
+
+TEST(ApiCpp, MakeTensorReportsOverflowInsteadOfWrapping) {
+  const int64_t huge = int64_t{1} << 40;  // elements per row
+  qattn_tensor t{};
+  // 2^40 * 2^30 rows overflows int64: before, this wrapped to a stride of 0.
+  const qattn::Status s =
+      qattn::make_tensor(fake(1), qattn::Layout::kHND, 8, 1 << 30, huge, &t);
+  EXPECT_EQ(s.code(), qattn::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(contains(s.message(), "row_stride = " + std::to_string(huge))) << s.message();
+  EXPECT_THROW(qattn::make_tensor(fake(1), qattn::Layout::kNHD, 1 << 30, 8, huge),
+               qattn::Error);
+  // The builder keeps the first such error and workspace_size returns it, naming what
+  // the caller passed (never a wrapped stride).
+  qattn::ForwardParams fp(qattn::DType::kBF16, 1, 8, 8, 1 << 30, 64, 64);
+  fp.q(fake(1), qattn::Layout::kHND, huge).k(fake(2), qattn::Layout::kHND);
+  std::size_t bytes = 0;
+  const qattn::Status w = qattn::workspace_size(fp, &bytes);
+  EXPECT_EQ(w.code(), qattn::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(contains(w.message(), "row_stride = 1099511627776")) << w.message();
+  // Strides that fit are exact.
+  ASSERT_TRUE(qattn::make_tensor(fake(1), qattn::Layout::kHND, 3, 1 << 20, 1 << 20, &t).ok());
+  EXPECT_EQ(t.stride_h, int64_t{1} << 40);
+  EXPECT_EQ(t.stride_b, int64_t{3} << 40);
+}
+
+// ---- many threads at once ----------------------------------------------------------
+
+// Validation holds no shared state but the registry's constant tables: threads that
+// validate at the same time get their own results and their own messages.
+TEST(ApiThreads, ValidationFromManyThreadsAtOnce) {
+  const qattn_fwd_params base = valid_params();
+  std::size_t want = 0;
+  ASSERT_EQ(qattn_fwd_workspace_size(&base, &want), QATTN_OK);
+  constexpr int kThreads = 16, kCalls = 2000;
+  std::atomic<int> wrong{0};
+  std::atomic<bool> go{false};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      while (!go.load()) std::this_thread::yield();
+      for (int i = 0; i < kCalls; ++i) {
+        qattn_fwd_params p = base;
+        std::size_t bytes = 0;
+        if (i % 2 == 0) {
+          if (qattn_fwd_workspace_size(&p, &bytes) != QATTN_OK || bytes != want) ++wrong;
+        } else {
+          p.causal = 100 + t;  // this thread's own bad value
+          const std::string mine = "causal = " + std::to_string(100 + t) + ";";
+          if (qattn_fwd_workspace_size(&p, &bytes) != QATTN_ERROR_INVALID_ARGUMENT ||
+              !contains(qattn_last_error_message(), mine))
+            ++wrong;
+          p = base;
+          p.head_dim = 129 + t;  // an unsupported one, through the registry
+          if (qattn_fwd_workspace_size(&p, &bytes) != QATTN_ERROR_UNSUPPORTED ||
+              !contains(qattn_last_error_message(), "head_dim = " + std::to_string(129 + t)))
+            ++wrong;
+        }
+      }
+    });
+  }
+  go = true;
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(wrong.load(), 0);
+}
+
+}  // namespace
