@@ -6,7 +6,8 @@
 # kernel_timing built against each, interleaved (bench/ab_timing.sh).
 #   run: bench/compare_builds.sh DIR   (DIR holds output_digest_{base,new} and
 #        kernel_timing_{base,new}, built on the development machine and carried)
-#   env: SEED (default: from the clock, printed), SHAPES and ROUNDS for ab_timing.sh
+#   env: SEED (default: from the clock, printed), SHAPES and ROUNDS for ab_timing.sh,
+#        SKIP_TIMING=1 for the bit-for-bit part alone
 set -uo pipefail
 dir=${1:?folder with output_digest_{base,new} and kernel_timing_{base,new}}
 seed=${SEED:-$(date +%s)}
@@ -29,4 +30,4 @@ else
   echo "base vs new: DIFFERENT"
   diff "$out/digest-base.txt" "$out/digest-new.txt" | head -20
 fi
-"$(dirname "$0")/ab_timing.sh" "$dir/kernel_timing_base" "$dir/kernel_timing_new" | tee "$out/ab-timing.txt"
+[[ -n "${SKIP_TIMING:-}" ]] || "$(dirname "$0")/ab_timing.sh" "$dir/kernel_timing_base" "$dir/kernel_timing_new" | tee "$out/ab-timing.txt"

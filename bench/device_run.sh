@@ -4,8 +4,8 @@
 # forward benchmark side by side with PyTorch SDPA. Logs go to $OUT; a short table last.
 #   run: bench/device_run.sh .devbin <commit>   (carry .devbin and .deps)
 # Pass the commit as a literal hash: git in the device machine's copy of the tree may
-# report an older commit (it did in session 10; bench/forward.py --replot --commit fixes
-# a file written that way).
+# report an older commit (bench/forward.py --replot --commit fixes a file written that way).
+# SKIP_BENCH=1 stops after the tests (no bench/forward.py).
 set -uo pipefail
 bin=${1:?folder with the prebuilt GPU test binaries}
 commit=${2:-unknown}
@@ -39,7 +39,7 @@ if python/build_on_device.sh >"$logs/python-build.log" 2>&1; then
     status+=("pytest: FAIL $(tail -1 "$logs/pytest.log")")
     grep -E "FAILED|Error" "$logs/pytest.log" | head -10
   fi
-  PYTHONPATH=python timeout 420 python3 bench/forward.py ${BENCH_ARGS:-} --out "$out" --commit "$commit" \
+  [[ -n "${SKIP_BENCH:-}" ]] || PYTHONPATH=python timeout 420 python3 bench/forward.py ${BENCH_ARGS:-} --out "$out" --commit "$commit" \
     >"$logs/bench.log" 2>&1 || status+=("bench: FAIL")
 else
   status+=("python build: FAIL")
