@@ -9,7 +9,7 @@
 #   env: SEED (default: from the clock, printed), SHAPES and ROUNDS for ab_timing.sh,
 #        SKIP_TIMING=1 for the bit-for-bit part alone
 set -uo pipefail
-dir=${1:?folder with output_digest_{base,new} and kernel_timing_{base,new}}
+dir=${1:?"folder with the output_digest and kernel_timing binaries (base, new)"}
 seed=${SEED:-$(date +%s)}
 out=${OUT:-/tmp/qattn-out}
 mkdir -p "$out"

