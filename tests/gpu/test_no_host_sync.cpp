@@ -126,7 +126,7 @@ struct Cupti {
       return;
     }
     if (CUptiResult r = subscribe(&subscriber, on_api_call, nullptr); r != CUPTI_SUCCESS) {
-      unavailable = "cuptiSubscribe: " + error(r) + " (another profiler attached?)";
+      unavailable = "cuptiSubscribe: " + error(r);
       return;
     }
     for (CUpti_CallbackDomain d : {CUPTI_CB_DOMAIN_DRIVER_API, CUPTI_CB_DOMAIN_RUNTIME_API}) {
@@ -144,10 +144,14 @@ Cupti& cupti() {
   return c;
 }
 
-#define SKIP_WITHOUT_CUPTI_OR_GPU()                                                  \
-  do {                                                                               \
-    if (!cupti().unavailable.empty()) GTEST_SKIP() << cupti().unavailable;           \
-    QATTN_SKIP_WITHOUT_GPU();                                                        \
+// CUPTI first: it must be subscribed before the GPU check's first CUDA call.
+#define SKIP_WITHOUT_CUPTI_OR_GPU()                                             \
+  do {                                                                          \
+    if (const std::string cupti_why = cupti().unavailable; !cupti_why.empty()) { \
+      const std::string gpu_why = ::qattn::test::gpu_skip_reason();             \
+      GTEST_SKIP() << (gpu_why.empty() ? "" : gpu_why + "; ") << cupti_why;     \
+    }                                                                           \
+    QATTN_SKIP_WITHOUT_GPU();                                                   \
   } while (0)
 
 // Runs f with the recorder armed; returns the synchronizing calls it made.
