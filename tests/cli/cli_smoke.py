@@ -1,18 +1,25 @@
 #!/usr/bin/env python3
 """Smoke tests of the qattn command-line tool (CTest label cpu; no GPU needed).
 
-    cli_smoke.py QATTN_BINARY CASE     CASE: accuracy_json | bad_options | info
+    cli_smoke.py QATTN_BINARY CASE
+    CASE: accuracy_json | accuracy_default | bad_options | json_file | info
 
 accuracy_json checks the JSON schema of `qattn accuracy --json -` on a small run
 (the studies and variants that issue 2 item 8 requires, the pinned E4M3 counts);
-bad_options checks that bad arguments exit non-zero with a message; info checks that
-`qattn info` succeeds with or without a GPU.
+accuracy_default checks the default report's numbers against the README's table and
+every paper direction's verdict against the README's claims; bad_options checks that
+bad arguments exit with a named error (no abort, no unreadable range, no silent wrap);
+json_file checks that `--json FILE` leaves an existing FILE alone on a failed run and
+replaces it on a good one; info checks that `qattn info` succeeds with or without a GPU.
 """
 
 import json
 import math
+import os
+import re
 import subprocess
 import sys
+import tempfile
 
 # study -> variants every report must contain (issue 2, item 8).
 REQUIRED = {
@@ -83,22 +90,166 @@ def accuracy_json(binary):
     print(f"ok: {len(rows)} ablation rows, {len(seen)} studies")
 
 
+# The README's table of the default report (batch 1 x 2 heads x 1024 tokens x head dim
+# 128, seed 0): (study, variant, tensor) -> CosSim as printed there, 5 decimals.
+README_COS = {
+    ("fp4_format", "nvfp4", "o"): 0.98160, ("fp4_format", "mxfp4", "o"): 0.96773,
+    ("p_scaling", "two_level", "o"): 0.98160, ("p_scaling", "direct", "o"): 0.98140,
+    ("p_quant_softmax", "two_level", "p"): 0.99597, ("p_quant_softmax", "direct", "p"): 0.77676,
+    ("smoothing_fp4", "none", "o"): 0.95618, ("smoothing_fp4", "k", "o"): 0.97887,
+    ("smoothing_fp4", "q", "o"): 0.96308, ("smoothing_fp4", "qk", "o"): 0.98160,
+    ("pv_format", "e4m3", "o"): 0.99971, ("pv_format", "e5m2", "o"): 0.99886,
+    ("pv_format", "int8", "o"): 0.99970, ("pv_format", "fp16", "o"): 1.00000,
+    ("pv_format_joint", "e4m3", "o"): 0.99934, ("pv_format_joint", "e5m2", "o"): 0.99746,
+    ("pv_format_joint", "int8", "o"): 0.99966, ("pv_format_joint", "fp16", "o"): 1.00000,
+    ("qk_granularity_int4", "per_tensor", "o"): 0.95993,
+    ("qk_granularity_int4", "per_block", "o"): 0.97024,
+    ("qk_granularity_int4", "per_thread", "o"): 0.97877,
+    ("qk_granularity_int4", "per_token", "o"): 0.98558,
+    ("sagebwd_dov", "fp16", "dq"): 0.99733, ("sagebwd_dov", "int8", "dq"): 0.99729,
+    ("sagebwd_format", "int8", "dq"): 0.99733, ("sagebwd_format", "fp8", "dq"): 0.99623,
+    ("schemes", "sa2_8b", "o"): 0.99927, ("schemes", "sa2_4b", "o"): 0.97814,
+    ("schemes", "sa3_nvfp4", "o"): 0.98160, ("schemes", "fp8_per_tensor", "o"): 0.99654,
+    ("schemes", "sagebwd", "o"): 0.99971, ("schemes", "sagebwd", "dq"): 0.99733,
+    ("schemes", "sagebwd", "dk"): 0.99799, ("schemes", "sagebwd", "dv"): 0.99859,
+}
+# Band around each value: the table rounds to 5 decimals (+-5e-6), and the report is
+# deterministic for a seed (mt19937_64 and Box-Muller in IEEE double; the emulators'
+# float arithmetic has one defined order), so only a libm that rounds exp/log
+# differently in the last bit can move it further: far below 1e-6 in a CosSim over
+# 262,144 values. 1e-5 covers both and still fails for any change of a scheme: the
+# smallest difference between two variants the report compares is 1.3e-5 (E4M3 vs INT8
+# P at T = 0.25), and seeds 1-3 move CosSim by up to 3e-5 (docs/accuracy-report.md).
+COS_BAND = 1e-5
+
+# The README's verdict on each paper direction of the default report: all hold but the
+# two it names (E4M3 vs INT8 for P and V together; E4M3 vs INT8 for P at T = 1/8, 1/16).
+FAILING_CLAIMS = {
+    "E4M3 above INT8 for P and V (SageAttention2 Table 7)",
+    "E4M3 above INT8 for P (V in FP16), T = 0.125",
+    "E4M3 above INT8 for P (V in FP16), T = 0.0625",
+}
+HOLDING_CLAIMS = {
+    "NVFP4 above MXFP4 (SageAttention3 Table 1a)",
+    "two-level above direct P scaling (SageAttention3 Table 1b)",
+    "two-level above direct on the softmax rows P (SA3 Figure 3e)",
+    "Q+K smoothing above none (SageAttention3 Table 16)",
+    "K smoothing above none (SageAttention3 Table 16)",
+    "Q smoothing above none (SageAttention3 Table 16)",
+    "E4M3 above INT8 for P (V in FP16; SageAttention2 §3.3)",
+    "E4M3 above E5M2 for P (V in FP16; SageAttention2 §3.3)",
+    "per-thread above per-block for INT4 (SageAttention2 Table 6)",
+    "16-bit dO·Vᵀ above INT8 on dQ (SageAttention3 Table 1c)",
+    "INT8 above FP8 SageBwd on dQ (SageAttention3 Table 7)",
+    "E4M3 above INT8 for P (V in FP16), T = 1",
+    "E4M3 above INT8 for P (V in FP16), T = 0.5",
+    "E4M3 above INT8 for P (V in FP16), T = 0.25",
+}
+
+
+def accuracy_default(binary):
+    r = run(binary, "accuracy", "--json", "-")
+    check(r.returncode == 0, f"exit {r.returncode}\n{r.stderr}")
+    report = json.loads(r.stdout)
+    cfg = report["config"]
+    check((cfg["batch"], cfg["heads"], cfg["seq_len"], cfg["head_dim"], cfg["seed"]) == (1, 2, 1024, 128, 0),
+          f"the defaults changed: {cfg}")
+    check(abs(report["facts"]["study_normalized_entropy"] - 0.911) <= 5e-4,
+          f"normalized entropy {report['facts']['study_normalized_entropy']} (README: 0.911)")
+    got = {(a["study"], a["variant"], a["tensor"]): a["cos"] for a in report["ablations"]}
+    bad = []
+    for key, want in README_COS.items():
+        if key not in got:
+            bad.append(f"{'/'.join(key)}: missing")
+        elif abs(got[key] - want) > COS_BAND:
+            bad.append(f"{'/'.join(key)}: CosSim {got[key]:.6f}, README {want:.5f} (band {COS_BAND:g})")
+    dirs = {d["claim"]: d for d in report["directions"]}
+    check(set(dirs) == HOLDING_CLAIMS | FAILING_CLAIMS,
+          f"directions differ from the README's list: extra {sorted(set(dirs) - HOLDING_CLAIMS - FAILING_CLAIMS)}, "
+          f"missing {sorted((HOLDING_CLAIMS | FAILING_CLAIMS) - set(dirs))}")
+    for claim, d in dirs.items():
+        expect = claim in HOLDING_CLAIMS
+        check(d["holds"] == (d["better_cos"] > d["worse_cos"]), f"{claim}: 'holds' disagrees with its numbers")
+        if d["holds"] != expect:
+            bad.append(f"{claim}: {'holds' if d['holds'] else 'fails'} ({d['better_cos']:.6f} vs "
+                       f"{d['worse_cos']:.6f}); the README says it {'holds' if expect else 'fails'}")
+    check(not bad, "the default report disagrees with the README:\n  " + "\n  ".join(bad))
+    print(f"ok: {len(README_COS)} CosSim values within {COS_BAND:g} of the README, "
+          f"{len(HOLDING_CLAIMS)} directions hold and {len(FAILING_CLAIMS)} fail as it says")
+
+
+# A number longer than this in an error message is CLI11's DBL_MAX range, not a limit
+# a reader can use (2^64 - 1 has 20 digits).
+MAX_DIGITS = 20
+
+
 def bad_options(binary):
+    # (arguments, a word the message must contain: the option it names)
     cases = [
-        ["accuracy", "--head-dim", "0"],
-        ["accuracy", "--head-dim", "48"],
-        ["accuracy", "--seq-len", "0"],
-        ["accuracy", "--heads", "abc"],
-        ["accuracy", "--no-such-option"],
-        ["accuracy", "--json", "/nonexistent-dir/report.json"],
-        ["no-such-command"],
+        (["accuracy", "--head-dim", "0"], "--head-dim"),
+        (["accuracy", "--head-dim", "48"], "--head-dim"),
+        (["accuracy", "--seq-len", "0"], "--seq-len"),
+        (["accuracy", "--heads", "abc"], "--heads"),
+        (["accuracy", "--no-such-option"], "--no-such-option"),
+        (["accuracy", "--json", "/nonexistent-dir/report.json"], "--json"),
+        (["no-such-command"], "subcommand"),
+        # issue 18 item 8: each of these aborted, overflowed, wrapped or was taken silently
+        (["accuracy", "--threads", "100000"], "--threads"),
+        (["accuracy", "--batch", "100000"], "--batch"),
+        (["accuracy", "--heads", "99999999999"], "--heads"),
+        (["accuracy", "--batch", "65536", "--heads", "65536"], "--batch"),
+        # fits the per-option caps, not memory (~99 GiB): refused before allocating
+        (["accuracy", "--batch", "8", "--heads", "8", "--seq-len", "16384", "--head-dim", "256"], "--batch"),
+        (["accuracy", "--seed", "-1"], "--seed"),
+        (["accuracy", "--seed", "18446744073709551616"], "--seed"),
+        (["accuracy", "--temperatures", "1,,2"], "--temperatures"),
+        (["accuracy", "--temperatures", "1,"], "--temperatures"),
+        (["accuracy", "--temperatures", "1,0"], "--temperatures"),
+        (["bench", "--warmup", "-1"], "--warmup"),
+        (["bench", "--iters", "0"], "--iters"),
+        (["bench", "--batch", "0"], "--batch"),
+        (["bench", "--seq-lens", "1,,2"], "--seq-lens"),
+        (["bench", "--head-dims", "0"], "--head-dims"),
     ]
-    for args in cases:
-        r = run(binary, *args)
-        check(r.returncode != 0, f"qattn {' '.join(args)}: exit 0, expected an error")
+    for args, names in cases:
+        what = f"qattn {' '.join(args)}"
+        try:  # a refused run must fail at once, not after allocating for a minute
+            r = subprocess.run([binary, *args], capture_output=True, text=True, timeout=60)
+        except subprocess.TimeoutExpired:
+            fail(f"{what}: still running after 60 s, expected an error at once")
         msg = (r.stderr + r.stdout).strip()
-        check(msg, f"qattn {' '.join(args)}: exit {r.returncode} without a message")
-        print(f"ok: qattn {' '.join(args)} -> exit {r.returncode}: {msg.splitlines()[0]}")
+        check(r.returncode != 0, f"{what}: exit 0, expected an error")
+        check(r.returncode in (1, 2) or 100 <= r.returncode < 128,
+              f"{what}: exit {r.returncode} (a crash, not an error)\n{msg}")
+        check(msg, f"{what}: exit {r.returncode} without a message")
+        check(names in msg, f"{what}: the message does not name {names}:\n{msg}")
+        long_numbers = [n for n in re.findall(r"\d+", msg) if len(n) > MAX_DIGITS]
+        check(not long_numbers, f"{what}: unreadable number in the message: {''.join(long_numbers)[:40]}...")
+        check("bad_alloc" not in msg and "terminate" not in msg, f"{what}: {msg}")
+        print(f"ok: {what} -> exit {r.returncode}: {msg.splitlines()[0]}")
+
+
+def json_file(binary):
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "report.json")
+        before = '{"kept": true}\n'
+        with open(path, "w") as f:
+            f.write(before)
+        for bad in (["--seq-len", "0"], ["--seed", "-1"], ["--batch", "8", "--heads", "8", "--seq-len", "16384",
+                                                          "--head-dim", "256"]):
+            r = run(binary, "accuracy", *bad, "--json", path)
+            check(r.returncode != 0, f"--json with {bad}: exit 0")
+            with open(path) as f:
+                after = f.read()
+            check(after == before, f"--json {path} with {bad} (a failed run) changed the file to {after[:200]!r}")
+            check(os.listdir(d) == ["report.json"], f"left behind: {sorted(os.listdir(d))}")
+        r = run(binary, "accuracy", "--seq-len", "64", "--heads", "1", "--temperatures", "1", "--json", path)
+        check(r.returncode == 0, f"exit {r.returncode}\n{r.stderr}")
+        with open(path) as f:
+            report = json.load(f)
+        check(report["config"]["seq_len"] == 64, f"the file holds {report.get('config')}")
+        check(os.listdir(d) == ["report.json"], f"left behind: {sorted(os.listdir(d))}")
+    print("ok: --json FILE is kept on a failed run and replaced on a good one")
 
 
 def info(binary):
@@ -114,7 +265,8 @@ def info(binary):
     print("ok: qattn info and qattn info --json")
 
 
-CASES = {"accuracy_json": accuracy_json, "bad_options": bad_options, "info": info}
+CASES = {"accuracy_json": accuracy_json, "accuracy_default": accuracy_default, "bad_options": bad_options,
+         "json_file": json_file, "info": info}
 
 if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[2] not in CASES:

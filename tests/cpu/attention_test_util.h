@@ -5,6 +5,7 @@
 #include <random>
 
 #include "reference/tensor.h"
+#include "test_seed.h"
 
 namespace qattn::testutil {
 
@@ -29,8 +30,8 @@ inline Tensor4 gaussian_grid(int b, int h, int n, int d, std::uint64_t seed, flo
   return t;
 }
 
-// A seed that differs per run, reported by the caller (SCOPED_TRACE) so a failure
-// can be replayed.
-inline std::uint64_t fresh_seed() { return std::random_device{}() * 0x9E3779B97F4A7C15ull + 1; }
+// A seed that differs per run (or QATTN_TEST_SEED's), reported by the caller through
+// SCOPED_TRACE(test::seed_trace(seed)) so a failure can be replayed.
+using test::fresh_seed;
 
 }  // namespace qattn::testutil

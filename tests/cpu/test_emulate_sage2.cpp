@@ -75,7 +75,7 @@ const Case kCases[] = {
 // in exact arithmetic.
 TEST(Sage2Emulator, UnquantizedMatchesReferenceThroughTilingAndSmoothing) {
   const std::uint64_t seed = testutil::fresh_seed();
-  SCOPED_TRACE(testing::Message() << "seed=" << seed);
+  SCOPED_TRACE(qattn::test::seed_trace(seed));
   for (const Case& c : kCases) {
     const Inputs in = make_inputs(c, seed, 3.0f);
     const AttentionParams p{c.mask, std::nullopt};
@@ -132,7 +132,7 @@ TEST(Sage2Emulator, SixteenBitPvIsCloseToReference) {
 // (relative error ~1/254 per element) and E4M3 P (2^-4) give CosSim >= 0.999.
 TEST(Sage2Emulator, Sage2EightBitAccuracyWithKBias) {
   const std::uint64_t seed = testutil::fresh_seed();
-  SCOPED_TRACE(testing::Message() << "seed=" << seed);
+  SCOPED_TRACE(qattn::test::seed_trace(seed));
   for (int d : {64, 128}) {
     const Case c{1, 2, 2, 200, 333, d, Mask::None};
     const Inputs in = make_inputs(c, seed + d, 4.0f);
@@ -678,7 +678,22 @@ TEST(Fp8PerTensor, CloseToReferenceWithoutBiasAndWorseThanSage2WithIt) {
       emulate::fp8_per_tensor_attention(plain.q, plain.k, plain.v, p).o.data, ref.o.data);
   // E4M3 Q and K (2^-4 relative) on O(1) logits: CosSim ~0.99+.
   EXPECT_GE(m.cos_sim, 0.99);
-  expect_close(emulate::fp8_per_tensor_attention(plain.q, plain.k, plain.v, p), ref, 0.5, 0.5);
+  // Bounds from the format. E4M3 keeps 3 mantissa bits: a rounding's relative error is
+  // at most 2^-4, RMS at most 2^-4/sqrt(3) = 0.036 (uniform within half an ulp).
+  // O, RMS: each element is a softmax-weighted mean over 173..300 visible keys; with
+  // N(0,1) inputs and sm_scale = 1/8 the scores have unit variance, so
+  // sqrt(sum w^2) = sqrt(e/n) ~ 0.12. V's rounding adds 0.036 * 0.12 = 0.0043 RMS and
+  // P~'s the same; Q's and K's move each score by sm_scale * 0.036 * sqrt(2 sum q^2 k^2)
+  // = 0.036 * sqrt(2) = 0.051 RMS, which reweights the mean by 0.051 * 0.12 = 0.006.
+  // Together sqrt(2 * 0.0043^2 + 0.006^2) = 0.0085 (measured 0.0056 over seeds
+  // 31..90); the bound is 1.5x the estimate. (A per-element bound from the format alone,
+  // 2 * 2^-4 * max|v| for a row that one key dominates, would be ~0.5 and test nothing.)
+  EXPECT_LE(m.rmse, 0.0125) << "rel_l1=" << m.rel_l1;
+  // LSE: log-sum-exp is 1-Lipschitz in the max norm, so its error is at most the largest
+  // score error: 0.051 RMS (above), whose largest over these 76,800 scores is ~4.3
+  // sigma = 0.22 (measured worst LSE error 0.06). Fully masked rows stay exact.
+  expect_close(emulate::fp8_per_tensor_attention(plain.q, plain.k, plain.v, p), ref,
+               std::numeric_limits<double>::infinity(), 0.25);
 
   const Inputs biased = make_inputs(c, 32, 8.0f);
   const auto refb = reference::attention_forward(biased.q, biased.k, biased.v, p);

@@ -247,7 +247,7 @@ TEST(Sage3, PaperOrderingsOnFixedSeeds) {
 // see docs/accuracy-report.md.
 TEST(Sage3, FreshRandomInputs) {
   const std::uint64_t seed = testutil::fresh_seed();
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  SCOPED_TRACE(qattn::test::seed_trace(seed));
   const Variants v = measure(seed);
   EXPECT_GT(v.nvfp4, kNvfp4CosMin);
   EXPECT_GT(v.nvfp4, v.mxfp4);

@@ -270,7 +270,7 @@ TEST(SageBwd, PaperOrderingsOnFixedSeeds) {
 
 TEST(SageBwd, FreshRandomInputs) {
   const std::uint64_t seed = testutil::fresh_seed();
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  SCOPED_TRACE(qattn::test::seed_trace(seed));
   const auto in = emulate::make_synthetic(small_spec(seed));
   const Cos c = cos_vs_reference(in, {});
   expect_close_to_reference(c);

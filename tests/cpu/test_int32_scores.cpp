@@ -6,6 +6,8 @@
 // shapes on fixed seeds and on a fresh seed (printed on failure).
 #include <gtest/gtest.h>
 
+#include "test_seed.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -40,9 +42,9 @@ bool visible(int nq, int nkv, bool causal, int row, int key) {
 }
 
 TEST(Int32Scores, LastVisibleKeyIsTheMaskOfEveryRow) {
-  const unsigned seeds[] = {1u, 20261129u, std::random_device{}()};
+  const unsigned seeds[] = {1u, 20261129u, qattn::test::fresh_seed32()};
   for (unsigned seed : seeds) {
-    SCOPED_TRACE("seed " + std::to_string(seed));
+    SCOPED_TRACE(qattn::test::seed_trace(seed));
     std::mt19937 rng(seed);
     std::uniform_int_distribution<int> len(1, 700);
     for (int c = 0; c < 200; ++c) {

@@ -2,6 +2,8 @@
 // independent oracle (nearest representable value found by search in double).
 #include <gtest/gtest.h>
 
+#include "test_seed.h"
+
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -73,7 +75,7 @@ float random_float(std::mt19937& gen, int min_exp, int max_exp) {
   return neg(gen) ? -v : v;
 }
 
-unsigned fresh_seed() { return std::random_device{}(); }
+unsigned fresh_seed() { return qattn::test::fresh_seed32(); }
 
 void check_exhaustive(const Fp8Like& f) {
   SCOPED_TRACE(f.name);
@@ -122,7 +124,7 @@ void check_saturation(const Fp8Like& f) {
 
 void check_random_against_oracle(const Fp8Like& f, int min_exp, int max_exp) {
   const unsigned seed = fresh_seed();
-  SCOPED_TRACE(testing::Message() << f.name << " seed " << seed);
+  SCOPED_TRACE(testing::Message() << f.name << " " << qattn::test::seed_trace(seed));
   std::mt19937 gen(seed);
   const auto codes = nonneg_finite_codes(f);
   int failures = 0;
@@ -184,7 +186,7 @@ TEST(E4M3, SubnormalRounding) {
 
 TEST(E4M3, RoundIsDecodeOfEncode) {
   const unsigned seed = fresh_seed();
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  SCOPED_TRACE(qattn::test::seed_trace(seed));
   std::mt19937 gen(seed);
   for (int i = 0; i < kRandomSamples; ++i) {
     const float x = random_float(gen, -14, 12);
@@ -280,7 +282,7 @@ TEST(Rne, TiesToEvenAndSpecials) {
 
 TEST(Rne, MatchesNearbyintInDefaultMode) {
   const unsigned seed = fresh_seed();
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  SCOPED_TRACE(qattn::test::seed_trace(seed));
   std::mt19937 gen(seed);
   std::uniform_real_distribution<float> u(-300.0f, 300.0f);
   for (int i = 0; i < kRandomSamples; ++i) {
@@ -329,7 +331,7 @@ TEST(Fp16, AllCodesRoundTrip) {
 
 TEST(Fp16, RandomFloatsMatchCompilerCast) {
   const unsigned seed = fresh_seed();
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  SCOPED_TRACE(qattn::test::seed_trace(seed));
   std::mt19937 gen(seed);
   for (int i = 0; i < kRandomSamples; ++i) {
     const float x = random_float(gen, -26, 17);
@@ -343,7 +345,7 @@ TEST(Fp16, RandomFloatsMatchCompilerCast) {
 
 TEST(Bf16, RoundingAgainstOracle) {
   const unsigned seed = fresh_seed();
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  SCOPED_TRACE(qattn::test::seed_trace(seed));
   std::mt19937 gen(seed);
   for (int i = 0; i < kRandomSamples; ++i) {
     const float x = random_float(gen, -130, 127);

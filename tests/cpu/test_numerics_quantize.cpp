@@ -1,8 +1,10 @@
 // Block quantizers and smoothing: error bounds derived from each format, monotonicity,
 // zero blocks, NaN/Inf propagation, the wgmma scale-group structure, and bad sizes.
-// Random cases run on fixed seeds and on a fresh std::random_device seed (printed on
-// failure through SCOPED_TRACE).
+// Random cases run on fixed seeds and on a fresh seed (printed on failure
+// through SCOPED_TRACE; QATTN_TEST_SEED=<seed> reruns it).
 #include <gtest/gtest.h>
+
+#include "test_seed.h"
 
 #include <algorithm>
 #include <cmath>
@@ -39,9 +41,9 @@ constexpr Operand kOperands[] = {Operand::Q, Operand::K};
 
 // Runs body on two fixed seeds and one fresh seed, the seed in the failure trace.
 void for_seeds(const std::function<void(std::mt19937&)>& body) {
-  const unsigned seeds[] = {1u, 20261107u, std::random_device{}()};
+  const unsigned seeds[] = {1u, 20261107u, qattn::test::fresh_seed32()};
   for (unsigned s : seeds) {
-    SCOPED_TRACE(testing::Message() << "seed " << s);
+    SCOPED_TRACE(qattn::test::seed_trace(s));
     std::mt19937 gen(s);
     body(gen);
   }
@@ -347,7 +349,9 @@ TEST(SampledAmaxBound, TwiceTheSampleOrTheExactAmax) {
   constexpr int64_t kCols = 4;
   // Up to 256 rows the sample is every row: the exact amax.
   std::vector<float> x(200 * kCols);
-  std::mt19937 rng(std::random_device{}());
+  const unsigned seed = qattn::test::fresh_seed32();
+  SCOPED_TRACE(qattn::test::seed_trace(seed));
+  std::mt19937 rng(seed);
   std::uniform_real_distribution<float> u(-1.f, 1.f);
   for (float& e : x) e = u(rng);
   std::vector<float> exact(kCols, 0.f);

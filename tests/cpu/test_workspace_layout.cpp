@@ -79,6 +79,94 @@ void check(const qattn_fwd_params& p) {
   EXPECT_EQ(full.total - lean.total, q_bytes);
 }
 
+// The layout written out from its documentation (workspace.h, numerics/mma_groups.h),
+// with the numbers as literals rather than through workspace_layout's constants and
+// helpers: head dim padded to 64 or 128; Q rows padded to the 128-row CTA tile; KV
+// tokens to the 128-token KV tile; regions in this order, each starting at a multiple of
+// 256 bytes, and the total rounded up to 256:
+//   q_i8     int8  B*Hq  * Nq_pad * D      (keep_q only; else empty)
+//   q_scale  float B*Hq  * Nq_pad/64 * 32  (keep_q only: 32 per-thread groups per 64 rows)
+//   q_dot_c  float B*Hq  * Nq_pad          (keep_q only)
+//   k_i8     int8  B*Hkv * Nkv_pad * D
+//   k_scale  float B*Hkv * Nkv_pad/128 * 4 (4 per-thread groups per 128-token tile)
+//   k_mean   float B*Hkv * D
+//   vt_f8    fp8   B*Hkv * D * Nkv_pad
+//   v_amax   float B*Hkv * D
+//   v_over   u32   B*Hkv * D
+//   counters int   2
+struct Expected {
+  std::size_t offset[10];
+  std::size_t total;
+};
+
+Expected expected_layout(const qattn_fwd_params& p, bool keep_q) {
+  const std::uint64_t D = p.head_dim <= 64 ? 64 : 128;
+  const std::uint64_t nq = (std::uint64_t(p.seqlen_q) + 127) / 128 * 128;
+  const std::uint64_t nkv = (std::uint64_t(p.seqlen_kv) + 127) / 128 * 128;
+  const std::uint64_t bq = std::uint64_t(p.batch) * p.heads_q, bkv = std::uint64_t(p.batch) * p.heads_kv;
+  const std::uint64_t q = keep_q ? 1 : 0;
+  const std::uint64_t bytes[10] = {q * bq * nq * D,          q * bq * (nq / 64) * 32 * 4,
+                                   q * bq * nq * 4,          bkv * nkv * D,
+                                   bkv * (nkv / 128) * 4 * 4, bkv * D * 4,
+                                   bkv * D * nkv,            bkv * D * 4,
+                                   bkv * D * 4,              2 * 4};
+  Expected e{};
+  std::uint64_t at = 0;
+  for (int i = 0; i < 10; ++i) {
+    e.offset[i] = at;
+    at += bytes[i];
+    at = (at + 255) / 256 * 256;
+  }
+  e.total = at;
+  return e;
+}
+
+void check_against_documented(const qattn_fwd_params& p) {
+  for (bool keep_q : {false, true}) {
+    SCOPED_TRACE(std::string(keep_q ? "keep_q " : "") + "B=" + std::to_string(p.batch) +
+                 " Hq=" + std::to_string(p.heads_q) + " Hkv=" + std::to_string(p.heads_kv) +
+                 " Nq=" + std::to_string(p.seqlen_q) + " Nkv=" + std::to_string(p.seqlen_kv) +
+                 " d=" + std::to_string(p.head_dim));
+    const WorkspaceLayout w = workspace_layout(p, keep_q);
+    const Expected e = expected_layout(p, keep_q);
+    const std::size_t got[10] = {w.q_i8,   w.q_scale, w.q_dot_c, w.k_i8,   w.k_scale,
+                                 w.k_mean, w.vt_f8,   w.v_amax,  w.v_over, w.item_counter};
+    const char* names[10] = {"q_i8",   "q_scale", "q_dot_c", "k_i8",   "k_scale",
+                             "k_mean", "vt_f8",   "v_amax",  "v_over", "item_counter"};
+    for (int i = 0; i < 10; ++i) EXPECT_EQ(got[i], e.offset[i]) << names[i];
+    EXPECT_EQ(w.total, e.total);
+  }
+}
+
+TEST(WorkspaceLayout, RegionSizesFromTheDocumentedLayout) {
+  // A hand-checked case: B=1, Hq=Hkv=1, Nq=Nkv=1, d=32 (D=64, 128-padded rows):
+  // k_i8 128*64 = 8192 at 0; k_scale 4 floats = 16 B at 8192; k_mean 64 floats = 256 B at
+  // 8448; vt_f8 8192 B at 8704; v_amax at 16896; v_over at 17152; counters at 17408;
+  // total 17664.
+  const Expected one = expected_layout(params(1, 1, 1, 1, 1, 32), false);
+  EXPECT_EQ(one.offset[3], 0u);
+  EXPECT_EQ(one.offset[4], 8192u);
+  EXPECT_EQ(one.offset[5], 8448u);
+  EXPECT_EQ(one.offset[6], 8704u);
+  EXPECT_EQ(one.offset[9], 17408u);
+  EXPECT_EQ(one.total, 17664u);
+  check_against_documented(params(1, 1, 1, 1, 1, 32));
+  check_against_documented(params(4, 32, 32, 8192, 8192, 128));
+  check_against_documented(params(1, 32, 8, 4097, 4097, 128));
+  check_against_documented(params(2, 3, 1, 1, 700, 64));
+  check_against_documented(params(1, 4, 2, 200, 333, 100));
+  check_against_documented(params(3, 2, 2, 129, 1, 65));
+  const std::uint64_t seed = qattn::testutil::fresh_seed();
+  SCOPED_TRACE(qattn::test::seed_trace(seed));
+  std::mt19937_64 rng(seed);
+  for (int i = 0; i < 200; ++i) {
+    const int hkv = 1 + int(rng() % 8);
+    check_against_documented(params(1 + int(rng() % 4), hkv * (1 + int(rng() % 4)), hkv,
+                                    1 + int(rng() % 20000), 1 + int(rng() % 20000),
+                                    1 + int(rng() % 128)));
+  }
+}
+
 TEST(WorkspaceLayout, FixedShapes) {
   check(params(4, 32, 32, 8192, 8192, 128));
   check(params(1, 32, 8, 4097, 4097, 128));  // GQA, tails
@@ -89,7 +177,7 @@ TEST(WorkspaceLayout, FixedShapes) {
 
 TEST(WorkspaceLayout, RandomShapes) {
   const std::uint64_t seed = qattn::testutil::fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
+  SCOPED_TRACE(qattn::test::seed_trace(seed));
   std::mt19937_64 rng(seed);
   for (int i = 0; i < 200; ++i) {
     const int hkv = 1 + int(rng() % 8);

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "numerics/formats.h"
+#include "test_seed.h"  // fresh_seed, seed_trace
 
 namespace qattn::test {
 
@@ -65,14 +66,6 @@ inline uint16_t to_bits16(float x, bool bf16) {
 }
 inline float from_bits16(uint16_t b, bool bf16) {
   return bf16 ? numerics::bf16_from_bits(b) : numerics::fp16_from_bits(b);
-}
-
-// A fresh seed (printed by the caller on failure), or QATTN_TEST_SEED's value, to run a
-// failure again with the seed it printed.
-inline uint64_t fresh_seed() {
-  if (const char* s = std::getenv("QATTN_TEST_SEED"); s != nullptr && *s != '\0')
-    return std::strtoull(s, nullptr, 10);
-  return std::random_device{}() * 0x9E3779B97F4A7C15ull + std::random_device{}();
 }
 
 }  // namespace qattn::test

@@ -14,6 +14,7 @@
 #include "qattn/qattn.h"
 #include "reference/attention_fp64.h"
 #include "reference/metrics.h"
+#include "tolerances.h"
 
 namespace qattn::test {
 

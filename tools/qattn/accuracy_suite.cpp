@@ -13,7 +13,9 @@
 #include <optional>
 #include <set>
 #include <stdexcept>
+#include <system_error>
 #include <thread>
+#include <unistd.h>
 
 #include "emulate/fp8_per_tensor.h"
 #include "emulate/sage2.h"
@@ -34,11 +36,6 @@ using emulate::QSmoothing;
 using numerics::Fp4Format;
 using numerics::Granularity;
 
-// Limits that keep a run on a CPU in minutes rather than hours, and head dims every
-// emulated scheme takes (MXFP4 blocks of 32; the SA2 workspace pads to 64/128).
-constexpr int kMaxSeqLen = 16384;
-constexpr int kMaxHeadDim = 256;
-constexpr int kHeadDimMultiple = 32;
 // Query rows of each head whose P values the P studies and facts look at (all when the
 // sequence is shorter): bounds their memory at long sequence lengths.
 constexpr int kPRows = 256;
@@ -412,7 +409,9 @@ long long distinct_over_heads(const Run& run) {
   return std::unique(all.begin(), all.end()) - all.begin();
 }
 
-// Runs the tasks on `threads` workers; rethrows the first exception.
+// Runs the tasks on `threads` workers; rethrows the first exception. A thread that
+// cannot be started ends the run with an error naming --threads, after the started ones
+// have finished (a std::thread left unjoined would abort the process).
 void run_parallel(std::vector<std::function<void()>>& tasks, int threads) {
   std::atomic<std::size_t> next{0};
   std::exception_ptr error;
@@ -428,9 +427,20 @@ void run_parallel(std::vector<std::function<void()>>& tasks, int threads) {
     }
   };
   std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
-  worker();
+  std::string start_error;
+  for (int t = 1; t < threads; ++t) {
+    try {
+      pool.emplace_back(worker);
+    } catch (const std::system_error& e) {
+      start_error = fmt::format("--threads {}: could not start thread {} ({})", threads, t + 1,
+                                e.what());
+      next = tasks.size();  // the started workers stop after their current task
+      break;
+    }
+  }
+  if (start_error.empty()) worker();
   for (std::thread& t : pool) t.join();
+  if (!start_error.empty()) throw std::runtime_error(start_error);
   if (error) std::rethrow_exception(error);
 }
 
@@ -469,10 +479,20 @@ std::string study_description(const std::string& s) {
   return s;
 }
 
+int max_threads() { return 4 * static_cast<int>(std::max(1u, std::thread::hardware_concurrency())); }
+
 void validate(const SuiteConfig& c) {
   auto fail = [](const std::string& m) { throw std::invalid_argument(m); };
-  if (c.batch < 1) fail(fmt::format("--batch must be >= 1, got {}", c.batch));
-  if (c.heads < 1) fail(fmt::format("--heads must be >= 1, got {}", c.heads));
+  if (c.batch < 1 || c.batch > kMaxHeadsTotal) {
+    fail(fmt::format("--batch must be in [1, {}], got {}", kMaxHeadsTotal, c.batch));
+  }
+  if (c.heads < 1 || c.heads > kMaxHeadsTotal) {
+    fail(fmt::format("--heads must be in [1, {}], got {}", kMaxHeadsTotal, c.heads));
+  }
+  if (static_cast<long long>(c.batch) * c.heads > kMaxHeadsTotal) {
+    fail(fmt::format("--batch x --heads must be at most {}, got {} x {}", kMaxHeadsTotal, c.batch,
+                     c.heads));
+  }
   if (c.seq_len < 1 || c.seq_len > kMaxSeqLen) {
     fail(fmt::format("--seq-len must be in [1, {}], got {}", kMaxSeqLen, c.seq_len));
   }
@@ -488,7 +508,67 @@ void validate(const SuiteConfig& c) {
   if (!std::isfinite(c.study_temperature) || c.study_temperature <= 0.0) {
     fail(fmt::format("--study-temperature must be > 0, got {}", c.study_temperature));
   }
-  if (c.threads < 0) fail(fmt::format("--threads must be >= 0, got {}", c.threads));
+  if (c.threads < 0 || c.threads > max_threads()) {
+    fail(fmt::format("--threads must be in [0, {}] (0: one per hardware thread; at most 4 per "
+                     "hardware thread), got {}",
+                     max_threads(), c.threads));
+  }
+}
+
+namespace {
+
+// The temperatures to generate: the study temperature first, then the sweep's (each
+// once); sweep_t[i] is config.temperatures[i]'s index among them.
+struct Temperatures {
+  std::vector<double> temps;
+  std::vector<int> sweep_t;
+};
+
+Temperatures temperatures_of(const SuiteConfig& config) {
+  Temperatures t{{config.study_temperature}, {}};
+  for (double x : config.temperatures) {
+    auto it = std::find(t.temps.begin(), t.temps.end(), x);
+    if (it == t.temps.end()) {
+      t.temps.push_back(x);
+      it = t.temps.end() - 1;
+    }
+    t.sweep_t.push_back(static_cast<int>(it - t.temps.begin()));
+  }
+  return t;
+}
+
+// Peak bytes of run_suite: the sizes of what it holds at once, per head (float inputs
+// q, k, v, dO per temperature; the FP64 reference O per temperature, and at the study
+// temperature P's rows and dQ, dK, dV; every run's outputs that a row reads, plus the
+// traced P values), and the generator's full tensors and one row's concatenated
+// metrics on top.
+double peak_bytes(const SuiteConfig& c, const Plan& plan, std::size_t ntemps) {
+  const double nd = static_cast<double>(c.seq_len) * c.head_dim;
+  const double pn = static_cast<double>(p_rows(c.seq_len)) * c.seq_len;
+  double per_head = ntemps * (4 * 4 * nd + 8 * nd) + 8 * pn + 3 * 8 * nd;
+  std::vector<std::set<Which>> reads(plan.runs.size());
+  for (const RowSpec& r : plan.rows) reads[r.run].insert(r.which);
+  for (const auto& w : reads)
+    for (Which x : w) per_head += 4 * (x == Which::P ? pn : nd);
+  per_head += 4 * 4 * pn;  // the four traced runs' P values (at most one per P element)
+  const double heads = static_cast<double>(c.batch) * c.heads;
+  return heads * (per_head + 4 * 4 * nd + 12 * std::max(nd, pn));
+}
+
+double physical_memory_bytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? static_cast<double>(pages) * page : 0.0;
+}
+
+}  // namespace
+
+double estimate_peak_bytes(const SuiteConfig& config) {
+  validate(config);
+  const Temperatures t = temperatures_of(config);
+  Plan plan;
+  Traced traced;
+  build_plan(plan, 0, t.sweep_t, t.temps, &traced);
+  return peak_bytes(config, plan, t.temps.size());
 }
 
 SuiteResult run_suite(const SuiteConfig& config) {
@@ -498,18 +578,25 @@ SuiteResult run_suite(const SuiteConfig& config) {
   result.config = config;
   count_format_facts(result.facts);
 
-  // Temperatures: the study temperature first, then the sweep's (each generated once).
-  std::vector<double> temps = {config.study_temperature};
-  std::vector<int> sweep_t;
-  for (double t : config.temperatures) {
-    auto it = std::find(temps.begin(), temps.end(), t);
-    if (it == temps.end()) {
-      temps.push_back(t);
-      it = temps.end() - 1;
-    }
-    sweep_t.push_back(static_cast<int>(it - temps.begin()));
-  }
+  const Temperatures tt = temperatures_of(config);
+  const std::vector<double>& temps = tt.temps;
+  const std::vector<int>& sweep_t = tt.sweep_t;
   const int study_t = 0;
+
+  Plan plan;
+  Traced traced;
+  build_plan(plan, study_t, sweep_t, temps, &traced);
+  // Refuse before allocating: a run past the machine's memory would end in bad_alloc
+  // (or the OOM killer) after minutes, naming no option.
+  const double need = peak_bytes(config, plan, temps.size()), have = physical_memory_bytes();
+  if (have > 0 && need > have) {
+    throw std::invalid_argument(fmt::format(
+        "--batch {} x --heads {} at --seq-len {}, --head-dim {} needs about {:.1f} GiB (every "
+        "head's inputs, FP64 references and outputs are held at once); this machine has {:.1f} "
+        "GiB: lower --batch, --heads or --seq-len",
+        config.batch, config.heads, config.seq_len, config.head_dim, need / (1 << 30),
+        have / (1 << 30)));
+  }
 
   const int nheads = config.batch * config.heads;
   const int n = config.seq_len, d = config.head_dim;
@@ -536,10 +623,6 @@ SuiteResult run_suite(const SuiteConfig& config) {
       }
     }
   }
-
-  Plan plan;
-  Traced traced;
-  build_plan(plan, study_t, sweep_t, temps, &traced);
 
   // Tasks: the references (with the backward at the study temperature, the costliest
   // first), then every run on every head.

@@ -9,6 +9,20 @@
 
 namespace qattn::cli {
 
+// Limits of a run, checked by validate() and named by the CLI's option checks.
+// seq_len: keeps a run on a CPU in minutes rather than hours. head_dim: a multiple of 32
+// (MXFP4 blocks) up to 256. batch and heads: every head's inputs, FP64 references and
+// outputs are held at once, so run_suite also refuses a run whose estimate exceeds the
+// machine's memory; the per-option cap keeps batch·heads·seq_len·head_dim (at most
+// 2^16·2^14·2^8 = 2^38) far from any overflow before that estimate is made.
+inline constexpr int kMaxSeqLen = 16384;
+inline constexpr int kMaxHeadDim = 256;
+inline constexpr int kHeadDimMultiple = 32;
+inline constexpr int kMaxHeadsTotal = 65536;  // batch, heads, and batch·heads
+// Worker threads: the tasks are CPU-bound, so past one per hardware thread more only
+// contend; up to 4x that is accepted (a container may report fewer than it runs on).
+int max_threads();
+
 struct SuiteConfig {
   int batch = 1;
   int heads = 2;
@@ -64,6 +78,11 @@ struct SuiteResult {
 
 // Throws std::invalid_argument naming the option on a bad configuration.
 void validate(const SuiteConfig& config);
+
+// Bytes run_suite holds at its peak for this configuration (an estimate from the sizes
+// of what it keeps: inputs, references and every run's outputs; 2 heads x 1024 tokens x
+// d 256: 198 MiB estimated, 201 MiB peak resident measured). Validates first.
+double estimate_peak_bytes(const SuiteConfig& config);
 
 // Runs every study; throws std::invalid_argument on a bad configuration.
 SuiteResult run_suite(const SuiteConfig& config);

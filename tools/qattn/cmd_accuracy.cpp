@@ -2,12 +2,16 @@
 #include <fmt/format.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <memory>
+#include <string>
+#include <system_error>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 
 #include "accuracy_suite.h"
+#include "cli_checks.h"
 #include "commands.h"
 #include "emulate/synthetic.h"
 
@@ -133,14 +137,47 @@ void print_tables(std::FILE* out, const SuiteResult& r) {
   fmt::print(out, "\n{:.1f} s on {} threads\n", r.seconds, r.threads_used);
 }
 
+// The JSON goes to FILE.tmp, renamed onto FILE once it is complete: a run that fails
+// (bad options, an error mid-run, an interrupt) leaves an existing FILE as it was.
+class JsonFile {
+ public:
+  explicit JsonFile(std::string path) : path_(std::move(path)), tmp_(path_ + ".tmp") {
+    file_.open(tmp_, std::ios::out | std::ios::trunc);
+    if (!file_) throw std::runtime_error("--json: cannot open '" + tmp_ + "' for writing");
+  }
+  ~JsonFile() {
+    if (!committed_) {
+      file_.close();
+      std::error_code ignored;
+      std::filesystem::remove(tmp_, ignored);
+    }
+  }
+  JsonFile(const JsonFile&) = delete;
+  JsonFile& operator=(const JsonFile&) = delete;
+  void commit(const std::string& text) {
+    file_ << text;
+    file_.close();
+    if (!file_) throw std::runtime_error("--json: failed writing '" + tmp_ + "'");
+    std::error_code ec;
+    std::filesystem::rename(tmp_, path_, ec);
+    if (ec) throw std::runtime_error("--json: cannot rename '" + tmp_ + "' to '" + path_ + "': " +
+                                     ec.message());
+    committed_ = true;
+  }
+
+ private:
+  std::string path_, tmp_;
+  std::ofstream file_;
+  bool committed_ = false;
+};
+
 int run_accuracy(const AccuracyArgs& args) {
   const bool json_to_stdout = args.json_path == "-";
-  // Open the JSON file before the run, so a bad path fails in a second, not a minute.
-  std::ofstream file;
-  if (!args.json_path.empty() && !json_to_stdout) {
-    file.open(args.json_path);
-    if (!file) throw std::runtime_error("--json: cannot open '" + args.json_path + "' for writing");
-  }
+  // Options first (and whether the run fits in memory), so nothing is written for a bad
+  // call; then the JSON's temporary file, so a bad path fails in a second, not a minute.
+  estimate_peak_bytes(args.config);
+  std::unique_ptr<JsonFile> file;
+  if (!args.json_path.empty() && !json_to_stdout) file = std::make_unique<JsonFile>(args.json_path);
   const SuiteResult result = run_suite(args.config);
   // With JSON on stdout the tables go to stderr, so stdout stays valid JSON.
   print_tables(json_to_stdout ? stderr : stdout, result);
@@ -150,8 +187,7 @@ int run_accuracy(const AccuracyArgs& args) {
     std::fputs(text.c_str(), stdout);
     return 0;
   }
-  file << text;
-  if (!file) throw std::runtime_error("--json: failed writing '" + args.json_path + "'");
+  file->commit(text);
   return 0;
 }
 
@@ -165,21 +201,26 @@ Runner add_accuracy(CLI::App& app) {
       "(no GPU needed); see docs/accuracy-report.md");
   SuiteConfig& c = args->config;
   sub->add_option("--seq-len", c.seq_len, "tokens per sequence (queries = keys)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(integer_in(1, kMaxSeqLen));
   sub->add_option("--head-dim", c.head_dim, "head dimension, a multiple of 32 up to 256")
-      ->capture_default_str();
-  sub->add_option("--heads", c.heads, "attention heads")->capture_default_str();
-  sub->add_option("--batch", c.batch, "batch size")->capture_default_str();
-  sub->add_option("--seed", c.seed, "generator seed")->capture_default_str();
-  sub->add_option("--temperatures", c.temperatures,
-                  "temperatures of the sweeps (comma-separated; logits are divided by T)")
-      ->delimiter(',')
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(integer_in(kHeadDimMultiple, kMaxHeadDim));
+  sub->add_option("--heads", c.heads, "attention heads")
+      ->capture_default_str()
+      ->check(integer_in(1, kMaxHeadsTotal));
+  sub->add_option("--batch", c.batch, "batch size")
+      ->capture_default_str()
+      ->check(integer_in(1, kMaxHeadsTotal));
+  sub->add_option("--seed", c.seed, "generator seed")->capture_default_str()->check(uint64_value());
+  add_positive_list(sub, "--temperatures", c.temperatures,
+                    "temperatures of the sweeps (comma-separated; logits are divided by T)");
   sub->add_option("--study-temperature", c.study_temperature,
                   "temperature of every study but the sweeps")
       ->capture_default_str();
   sub->add_option("--threads", c.threads, "worker threads (0: one per hardware thread)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(integer_in(0, max_threads()));
   sub->add_option("--json", args->json_path,
                   "also write the results as JSON to FILE ('-': stdout)");
   return [args] { return run_accuracy(*args); };

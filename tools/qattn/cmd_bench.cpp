@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <ctime>
 #include <fstream>
 #include <memory>
@@ -25,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "cli_checks.h"
 #include "commands.h"
 #include "device_info.h"
 #include "api/bench_hooks.h"
@@ -354,22 +356,18 @@ Runner add_bench(CLI::App& app) {
   auto* cmd =
       app.add_subcommand("bench", "Time the qattn forward on the GPU over a grid of shapes");
   auto o = std::make_shared<BenchOptions>();
+  constexpr int kMaxInt = std::numeric_limits<int>::max();  // the C ABI's int fields
   cmd->add_option("--batch", o->batch, "Batch size")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(integer_in(1, kMaxInt));
   cmd->add_option("--heads", o->heads, "Query heads")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(integer_in(1, kMaxInt));
   cmd->add_option("--heads-kv", o->heads_kv, "Key/value heads (default: --heads)")
-      ->check(CLI::PositiveNumber);
-  cmd->add_option("--seq-lens", o->seq_lens, "Sequence lengths (Nq = Nkv)")
-      ->capture_default_str()
-      ->delimiter(',')
-      ->check(CLI::PositiveNumber);
-  cmd->add_option("--head-dims", o->head_dims, "Head dims")
-      ->capture_default_str()
-      ->delimiter(',')
-      ->check(CLI::Range(1, 128));
+      ->check(integer_in(1, kMaxInt));
+  add_int_list(cmd, "--seq-lens", o->seq_lens, "Sequence lengths (Nq = Nkv), comma-separated", 1,
+               kMaxInt);
+  add_int_list(cmd, "--head-dims", o->head_dims, "Head dims, comma-separated", 1, 128);
   cmd->add_option("--causal", o->causal, "Causal mask: 0, 1 or both")
       ->capture_default_str()
       ->check(CLI::IsMember({"0", "1", "both"}));
@@ -381,13 +379,13 @@ Runner add_bench(CLI::App& app) {
       ->check(CLI::IsMember({"HND", "NHD"}));
   cmd->add_option("--warmup", o->warmup, "Warm-up calls per configuration")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(integer_in(0, kMaxInt));
   cmd->add_option("--iters", o->iters, "Timed calls per pass")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(integer_in(1, kMaxInt));
   cmd->add_option("--passes", o->passes, "Timed passes (the best median is reported)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(integer_in(1, kMaxInt));
   cmd->add_flag("!--no-kernel-only", o->kernel_only, "Skip the attention-kernel-only rows");
   cmd->add_option("--json", o->json_path, "Write the rows and the environment to this file");
   cmd->add_option("--commit", o->commit, "Commit id to record in the JSON");
