@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Forward attention speed on the GPU, side by side in one process (DESIGN §4):
+"""Forward attention speed on the GPU, side by side in one process (docs/design.md, Measuring):
 
   qattn         qattn.attention end-to-end (quantization + attention, Python call included)
   qattn_kernel  the attention kernel alone, on the workspace a full call filled

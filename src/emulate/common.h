@@ -15,7 +15,7 @@ inline constexpr float kLog2e = 1.4426950408889634f;
 inline constexpr double kLog2eDouble = 1.4426950408889634;
 
 // max that keeps a NaN (std::fmax drops it): a NaN score must reach O and the LSE
-// (DESIGN.md §2) instead of making its row look fully masked.
+// (docs/design.md, Numerics) instead of making its row look fully masked.
 inline float nan_max(float a, float b) {
   if (std::isnan(a) || std::isnan(b)) return std::numeric_limits<float>::quiet_NaN();
   return a > b ? a : b;

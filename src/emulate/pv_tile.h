@@ -86,7 +86,7 @@ inline void online_softmax_tile(RowState& st, std::vector<float>& x, const float
     mx = std::fmax(mx, x[j]);
     nan = nan || std::isnan(x[j]);
   }
-  // fmax drops NaN; a NaN score must reach O and the LSE (DESIGN.md §2), never 0.
+  // fmax drops NaN; a NaN score must reach O and the LSE (docs/design.md, Numerics), never 0.
   if (nan) mx = std::numeric_limits<float>::quiet_NaN();
   const bool empty = mx == kNegInf;  // the row has seen only masked keys so far
   const float alpha = empty ? 1.0f : std::exp2(st.m - mx);

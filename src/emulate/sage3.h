@@ -25,7 +25,7 @@
 //       PScaling::Direct:  φ(P̃), whose block scales E4M3(amax/6) lie in [0, 1/6].
 //  7. O_ij = FP4MM(P̂, V̂) (same block-scaled sum as step 4) in a fresh FP32
 //     accumulator, times s_p1 (two-level), then O ← O·exp2(m − m_new) + O_ij
-//     (line 11; two-level accumulation of DESIGN.md §2).
+//     (line 11; two-level accumulation of docs/design.md, Numerics).
 //  8. O ← O / l; LSE = (m + log2 l)·ln 2 + sm_scale·q·c (line 13). A row that sees
 //     no key gives O = 0 and LSE = −inf.
 //

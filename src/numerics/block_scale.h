@@ -1,6 +1,6 @@
 // Block scales of qattn's quantizers, shared by the host quantizers (quantize.h),
 // the CPU emulators and the GPU quantization kernels (QATTN_HD), so all of them
-// pick the same scale from the same amax. Rules from DESIGN.md §2 and
+// pick the same scale from the same amax. Rules from docs/design.md, Numerics and
 // docs/sage2-kernel-arithmetic.md.
 //
 // NaN policy: an amax of NaN (the block holds a NaN) gives a NaN scale, and every

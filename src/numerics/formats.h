@@ -2,7 +2,7 @@
 // operand formats FP16 and BF16. Host and device (QATTN_HD), no lookup tables.
 //
 // Encoding rounds to nearest, ties to even, and saturates finite overflow to the
-// largest finite value (DESIGN.md §2). It is computed with integer bit operations
+// largest finite value (docs/design.md, Numerics). It is computed with integer bit operations
 // and exact float scaling by powers of two, so it does not depend on the FP
 // environment (rounding mode, fast-math contraction) of the caller.
 //

@@ -19,7 +19,7 @@ inline constexpr int32_t kMaxAbsScore = 128 * 128 * 128;
 
 // INT32 → float without I2F: the bits of 1.5·2²³ + s are the float 1.5·2²³ + s, exact
 // for |s| < 2²², and one subtraction removes the offset. I2F shares the ALU pipe with the
-// max and the E4M3 packs; an IADD and an FADD go elsewhere (NOTES v12b).
+// max and the E4M3 packs; an IADD and an FADD go elsewhere (bench/NOTES.md, v12b).
 inline constexpr int32_t kMagicBits = 0x4B400000;  // bits of 1.5·2²³
 inline constexpr float kMagic = 12582912.f;        // 1.5·2²³
 

@@ -28,7 +28,7 @@
 // zero codes. NVFP4: blocks of 16 along a row, s = E4M3(amax/6), codes E2M1(x/s).
 // MXFP4: blocks of 32 along a row, s = 2^(floor(log2 amax) − 2) as E8M0.
 //
-// NaN/Inf (DESIGN.md §2): a NaN anywhere in a group makes its scale NaN and every
+// NaN/Inf (docs/design.md, Numerics): a NaN anywhere in a group makes its scale NaN and every
 // dequantized value of the group NaN (the integer and E2M1 codes have no NaN and
 // hold 0). An Inf makes the group's dequantized values NaN as well.
 //
@@ -174,7 +174,7 @@ Fp4Quantized quantize_p_direct(std::span<const float> p, int64_t rows, int64_t c
 IntQuantized quantize_p_per_token_int8(std::span<const float> p, int64_t rows, int64_t cols,
                                        std::span<const float> rowmax = {});
 
-// ---- smoothing (DESIGN.md §2) ---------------------------------------------------------
+// ---- smoothing (docs/design.md, Numerics) ---------------------------------------------------------
 
 enum class MeanEstimate {
   AllTokens,  // mean over every row

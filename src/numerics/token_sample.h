@@ -18,7 +18,7 @@ inline constexpr int64_t kSmoothSampleTokens = 256;
 // V's amax bound is this many times the sample's amax. A power of two (an exact product);
 // 4 keeps Gaussian tails from being flagged (2 flagged ~1 channel in 4000 at N = 2K, and
 // each costs the fix-up kernel µs); a scale up to 4x the exact one still maps the largest
-// |v| to >= 112 of E4M3's 448, a normal number with the full 3-bit mantissa (NOTES v17a).
+// |v| to >= 112 of E4M3's 448, a normal number with the full 3-bit mantissa (bench/NOTES.md, v17a).
 inline constexpr float kAmaxSampleMargin = 4.0f;
 
 // Row of the i-th sampled token (i < min(rows, kSmoothSampleTokens)): floor(i·rows/256)

@@ -1,6 +1,6 @@
 // Exact attention in FP64: the ground truth every scheme is measured against.
 //
-// Semantics follow torch.nn.functional.scaled_dot_product_attention (DESIGN.md §3):
+// Semantics follow torch.nn.functional.scaled_dot_product_attention (docs/design.md, API semantics):
 // q (B, Hq, Nq, d), k and v (B, Hkv, Nkv, d) with Hq a multiple of Hkv (query head h
 // reads KV head h / (Hq / Hkv)); sm_scale defaults to 1/sqrt(d); a causal mask is
 // bottom-right aligned (query i sees key j iff j <= i + Nkv - Nq). A query row that

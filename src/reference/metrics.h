@@ -1,4 +1,4 @@
-// Error metrics of an output against a reference (DESIGN.md §2), all in double:
+// Error metrics of an output against a reference (docs/design.md, Numerics), all in double:
 //   CosSim      = sum(o*r) / sqrt(sum(o^2) * sum(r^2))
 //   relative L1 = sum|o - r| / sum|r|
 //   RMSE        = sqrt(mean((o - r)^2))

@@ -48,7 +48,7 @@ using Tensor4d = BasicTensor4<double>;
 // query i sees key j iff j <= i + Nkv - Nq.
 enum class Mask { None, Causal };
 
-// Parameters every scheme shares (DESIGN.md §3).
+// Parameters every scheme shares (docs/design.md, API semantics).
 struct AttentionParams {
   Mask mask = Mask::None;
   std::optional<double> sm_scale;  // empty: 1/sqrt(d)

@@ -408,7 +408,7 @@ TEST(Sage2Layout, GivenMeanAndGlobalVScale) {
 // V scales without a pass over all of V: one per 128-token tile (PerBlock) or per
 // (tile, channel). The tile scale is the amax of the tile over every channel, so no
 // code saturates; and because E4M3 is a floating-point format, one scale per tile is
-// as accurate as one per channel on these inputs (NOTES v13f measures channel spreads).
+// as accurate as one per channel on these inputs (bench/NOTES.md v13f measures channel spreads).
 TEST(Sage2Layout, TileVScalesAndTheirAccuracy) {
   const Inputs in = make_inputs({1, 2, 2, 64, 300, 64, Mask::None}, 9);
   Sage2Options o;
@@ -435,7 +435,7 @@ TEST(Sage2Layout, TileVScalesAndTheirAccuracy) {
   }
 }
 
-// For dropping the V amax pass (NOTES v14i): V scaled per channel by exp(sigma·z_c)
+// For dropping the V amax pass (bench/NOTES.md, v14i): V scaled per channel by exp(sigma·z_c)
 // (channels up to ~400x apart at sigma = 3), some tokens x30 (in the 256-token sample
 // or not). One scale per channel (the kernel's), one per 128-token tile, and a two-level
 // scale (per channel from the sample of the K smoothing vector, times one per tile;
@@ -509,7 +509,7 @@ TEST(Sage2Layout, VScaleGranularityBarelyMattersForE4M3) {
       const double channel = cos_of(v, Granularity::PerChannel, nullptr);
       const double tile = cos_of(v, Granularity::PerBlock, nullptr);
       const double two_level = cos_of(v, Granularity::PerBlock, &sc);
-      // Four seeds of z gave differences within 3·10⁻⁴ either way (NOTES v14i).
+      // Four seeds of z gave differences within 3·10⁻⁴ either way (bench/NOTES.md, v14i).
       EXPECT_GE(std::min({channel, tile, two_level}), 0.999);
       EXPECT_NEAR(tile, channel, 4e-4);
       EXPECT_NEAR(two_level, channel, 4e-4);
@@ -517,7 +517,7 @@ TEST(Sage2Layout, VScaleGranularityBarelyMattersForE4M3) {
 }
 
 // The kernel's V amax is a bound from the token sample (4 × its amax, or the amax over
-// all tokens where that is larger; NOTES v17a): the scale is at most 4x the exact one,
+// all tokens where that is larger; bench/NOTES.md v17a): the scale is at most 4x the exact one,
 // so the largest code is >= 112 of 448 and E4M3's relative step is unchanged above its
 // subnormals.
 // Same inputs as above (channels up to ~400x apart, x30 tokens in or out of the sample).
@@ -554,7 +554,7 @@ TEST(Sage2Layout, SampledVAmaxBoundIsAsAccurateAsTheExactAmax) {
     }
 }
 
-// Row sums of the cast P (a ones column in the P·V MMA, the kernel's since NOTES v15c)
+// Row sums of the cast P (a ones column in the P·V MMA, the kernel's since bench/NOTES.md v15c)
 // against sums of the FP32 P: numerator and denominator then use the same weights. Over
 // head dims, masks, lengths and seeds, neither is measurably less accurate.
 TEST(Sage2Emulator, RowSumsOfCastPAreAsAccurateAsFloatSums) {

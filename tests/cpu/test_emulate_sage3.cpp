@@ -271,7 +271,7 @@ TEST(Sage3, DirectPHasAtMost280DistinctValuesTwoLevelMany) {
   EXPECT_GT(tset.size(), 10 * dset.size());
 }
 
-// DESIGN.md §2: a NaN input gives NaN in the affected outputs, never a silent number.
+// docs/design.md, Numerics: a NaN input gives NaN in the affected outputs, never a silent number.
 // A NaN in query row 5 poisons its 64-row Q block (the block mean of Q smoothing and
 // the FP4 block scale) and nothing else.
 TEST(Sage3, NanInQueryReachesItsOutputs) {

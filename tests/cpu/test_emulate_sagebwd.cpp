@@ -276,7 +276,7 @@ TEST(SageBwd, FreshRandomInputs) {
   expect_close_to_reference(c);
 }
 
-// DESIGN.md §2: a NaN input gives NaN in the affected outputs. A NaN in query row 5
+// docs/design.md, Numerics: a NaN input gives NaN in the affected outputs. A NaN in query row 5
 // poisons its per-block Q scale (rows 0-63) in the forward; dQ of the row is NaN too.
 TEST(SageBwd, NanInQueryReachesItsOutputs) {
   SyntheticSpec s = small_spec(8);

@@ -166,7 +166,7 @@ inline Sage2Result run_sage2(const Sage2Case& c, const InputHook& hook = {}) {
   const std::size_t ws_bytes = sage2::workspace_bytes(p, c.keep_q);
   DeviceBuffer<uint8_t> ws(ws_bytes);
   // A caller's workspace holds anything: the forward must zero what it counts on (V's
-  // overflow report, the work counters) itself; there is no memset (NOTES v17a).
+  // overflow report, the work counters) itself; there is no memset (bench/NOTES.md, v17a).
   cudaMemset(ws.ptr, 0xFF, ws_bytes);
   for (int launch = 0; launch < c.launches; ++launch) {
     if (launch > 0) {

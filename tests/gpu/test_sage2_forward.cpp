@@ -377,7 +377,7 @@ TEST(Sage2Forward, MatchesEmulationFixedCases) {
   check_against_emulation(c);
 }
 
-// V's per-channel amax is a bound from the 256-token sample (NOTES v17a): 4x the
+// V's per-channel amax is a bound from the 256-token sample (bench/NOTES.md, v17a): 4x the
 // sample's amax. Channels with a value above it (here a x32 token outside the sample)
 // are reported by the K/V kernel with their exact amax and redone by the fix-up kernel;
 // a x32 token inside the sample raises the bound instead.
@@ -419,7 +419,7 @@ TEST(Sage2Forward, VOutliersBeyondTheSampledBound) {
       // bit; O to a looser bound than Gaussian inputs: where ex2.approx and std::exp2 put a
       // P on either side of an E4M3 boundary, a value ~100x the channel's others carries the
       // one-code difference into O (seed 10451546965365878640 gave CosSim 0.999975 on
-      // main at 20f6ee5 too; NOTES v19e).
+      // main at 20f6ee5 too; bench/NOTES.md v19e).
       check_against_emulation(c, hook, nullptr, 0.9999);
       c.keep_q = false;
       const auto r = test::run_sage2(c, hook);
@@ -473,7 +473,7 @@ TEST(Sage2Forward, MatchesEmulationRandomCases) {
 }
 
 // The shapes of the attention kernel (launch.h: consumers at 232 or 240, and the
-// 512-thread CTA with the Q quantizer on four warps; NOTES v18h, v20f) run the same
+// 512-thread CTA with the Q quantizer on four warps; bench/NOTES.md v18h, v20f) run the same
 // arithmetic in differently compiled producers: each, forced, matches the emulation (Q
 // codes and scales bit for bit), and their O and LSE are the same bits. The fourth
 // shape (one exp in eight by a polynomial, d=128) matches the emulation too, and its O
@@ -571,7 +571,7 @@ TEST(Sage2Forward, OutputWithoutLseIsTheSame) {
 
 }  // namespace
 
-// ---- NaN in, NaN out (DESIGN.md §2) --------------------------------------------------------
+// ---- NaN in, NaN out (docs/design.md, Numerics) --------------------------------------------------------
 namespace {
 
 // A NaN in one Q element makes its per-thread Q group's scale NaN: the rows of that group
@@ -580,7 +580,7 @@ namespace {
 TEST(Sage2Forward, NaNInputsGiveNaNOutputs) {
   QATTN_SKIP_WITHOUT_GPU();
   // 'V': a NaN at a token outside the 256-token sample of V's amax bound (the fix-up
-  // kernel's path, NOTES v17a); 'v' at 256 tokens, all sampled.
+  // kernel's path, bench/NOTES.md v17a); 'v' at 256 tokens, all sampled.
   for (const char which : {'q', 'k', 'v', 'V'}) {
     SCOPED_TRACE(std::string("NaN in ") + which);
     Sage2Case c;

@@ -1,5 +1,5 @@
 // `qattn bench`: times qattn alone (no PyTorch) over a grid of shapes, following
-// DESIGN §4: random normal inputs, warm-up, CUDA events around every call, the
+// docs/design.md, Measuring: random normal inputs, warm-up, CUDA events around every call, the
 // median of many calls, input sets rotated when one set would sit in L2, and every
 // configuration timed in two passes to show the noise. Prints a table (stdout) and
 // optionally writes JSON in the same row format as bench/forward.py.
