@@ -13,11 +13,16 @@
 #include <string>
 
 #include "gpu_util.h"
+#include "tolerances.h"
 #include "qattn/qattn.hpp"
 #include "reference/attention_fp64.h"
 #include "reference/metrics.h"
 
 namespace {
+
+// The SA2-8b CosSim bound of the shared table (tests/tolerances/sage2_8b.json, with its
+// reason), as in the forward's own tests.
+double min_cos() { return qattn::test::tolerances("sage2_8b")["cos_min"]; }
 
 using namespace qattn;
 
@@ -78,7 +83,7 @@ TEST(ApiOnDevice, ValidCallMatchesReference) {
   const Status s = forward(fp, b.ws.ptr, bytes, nullptr);
   ASSERT_TRUE(s.ok()) << s.message();
   QATTN_CUDA_OK(cudaDeviceSynchronize());
-  EXPECT_GE(cos_against_reference(b), 0.999);
+  EXPECT_GE(cos_against_reference(b), min_cos());
 }
 
 // A context reset (cudaDeviceReset) clears the kernels' function attributes; the library
@@ -96,7 +101,7 @@ TEST(ApiOnDevice, ForwardRunsAgainAfterADeviceReset) {
       const Status s = forward(fp, b.ws.ptr, bytes, nullptr);
       ASSERT_TRUE(s.ok()) << s.message();
       QATTN_CUDA_OK(cudaDeviceSynchronize());
-      EXPECT_GE(cos_against_reference(b), 0.999);
+      EXPECT_GE(cos_against_reference(b), min_cos());
     }
     QATTN_CUDA_OK(cudaDeviceReset());
   }
@@ -200,7 +205,7 @@ TEST(ApiOnDevice, ManagedInputIsAccepted) {
   EXPECT_TRUE(s.ok()) << s.message();
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   if (s.ok()) {
-    EXPECT_GE(cos_against_reference(b), 0.999);
+    EXPECT_GE(cos_against_reference(b), min_cos());
   }
   cudaFree(managed_q);
 }
