@@ -7,13 +7,12 @@
 
 #include <cstdint>
 
-#include "cuda/sage2_fwd/fragment.cuh"
+#include "cuda/common/fragment.cuh"
 #include "cuda/sage2_fwd/softmax.cuh"
 
 namespace qattn::sage2 {
 
 inline constexpr float kLn2 = 0.6931471805599453f;
-inline constexpr float kE4m3MaxF = 448.f;
 
 template <typename T>
 __device__ __forceinline__ uint32_t pack2(float a, float b) {
@@ -38,7 +37,7 @@ inline constexpr int kOBoxBytes = 64 * 128;  // 64 rows × 64 channels × 2 byte
 // with its 16-byte chunks swizzled by row % 8 (the TMA 128B swizzle; conflict-free here).
 // row_in_wg = warp · 16 + g.
 template <typename TOut, int kO, typename Softmax>
-__device__ __forceinline__ void stage_output(const float (&o)[kO], const Softmax& sm, FragCoord fc,
+__device__ __forceinline__ void stage_output(const float (&o)[kO], const Softmax& sm, common::FragCoord fc,
                                              int row_in_wg, const float* v_scale_head,
                                              uint8_t* stage) {
   // Per-channel V scale (amax / 448) of the thread's columns 8j + 2t, 8j + 2t + 1, from
@@ -117,7 +116,7 @@ __device__ __forceinline__ void write_empty_block(const Params& p, int bh_q, int
 // Writes the natural-log LSE of a thread's two rows (block rows row_in_block, + 8),
 // corrected for the K smoothing by q·c (in shared memory).
 template <typename Params, typename Softmax>
-__device__ __forceinline__ void store_lse(const Params& p, const Softmax& sm, FragCoord fc,
+__device__ __forceinline__ void store_lse(const Params& p, const Softmax& sm, common::FragCoord fc,
                                           int64_t bh_q, int block_row0, int row_in_block,
                                           const float* q_dot_c) {
   if (p.lse == nullptr || fc.t != 0) return;
@@ -127,7 +126,7 @@ __device__ __forceinline__ void store_lse(const Params& p, const Softmax& sm, Fr
     if (row >= p.seqlen_q) continue;
     const float l = sm.l[r];
     p.lse[bh_q * p.seqlen_q + row] =
-        l > 0.f ? (sm.m[r] + log2f(l) - kLog2E4m3Max) * kLn2 + q_dot_c[row_in_block + 8 * r]
+        l > 0.f ? (sm.m[r] + log2f(l) - common::kLog2E4M3Max) * kLn2 + q_dot_c[row_in_block + 8 * r]
                 : -INFINITY;
   }
 }

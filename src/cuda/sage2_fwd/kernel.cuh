@@ -23,24 +23,15 @@
 #include "cuda/hopper/tma.cuh"
 #include "cuda/hopper/wgmma.cuh"
 #include "cuda/sage2_fwd/epilogue.cuh"
-#include "cuda/sage2_fwd/fragment.cuh"
-#include "cuda/sage2_fwd/mask.cuh"
+#include "cuda/common/fragment.cuh"
+#include "cuda/common/mask.cuh"
 #include "cuda/sage2_fwd/q_tile.cuh"
 #include "cuda/sage2_fwd/softmax.cuh"
-#include "cuda/sage2_fwd/work_order.h"
+#include "cuda/common/work_order.h"
 #include "numerics/int32_scores.h"
 #include "numerics/mma_groups.h"
 
 namespace qattn::sage2 {
-
-// Scheduling lever, measured side by side in bench/NOTES.md (bench/kernel_timing builds
-// with -D overrides): the softmax of tile j+1 overlapped with P·V of tile j inside a
-// warpgroup (on). Ping-pong turns between the consumer warpgroups were slower on the
-// H200 than letting the two interleave freely (NOTES v3/v4) and were removed.
-#ifndef QATTN_SAGE2_OVERLAP
-#define QATTN_SAGE2_OVERLAP 1
-#endif
-inline constexpr bool kOverlapSoftmax = QATTN_SAGE2_OVERLAP != 0;
 
 struct AttentionParams {
   const float* k_scale;  // (B, Hkv, nkv_pad / 128 * 4)
@@ -87,11 +78,7 @@ static_assert(kProducerRegsFor<232> == 40 && kProducerRegsFor<240> == 24 &&
 template <int D>
 struct KernelTraits {
   static constexpr int kBlockM = 128, kBlockN = groups::kKvTile;
-#ifdef QATTN_SAGE2_STAGES
-  static constexpr int kStages = QATTN_SAGE2_STAGES;
-#else
   static constexpr int kStages = D == 128 ? 3 : 4;
-#endif
   static constexpr int kConsumerThreads = 256;
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
   static constexpr int kQBytes = kBlockM * D, kKBytes = kBlockN * D, kVBytes = D * kBlockN;
@@ -107,16 +94,11 @@ struct KernelTraits {
 // Work item L has Q slot L % kQSlots (its INT8 Q tile, scales, side data and item) and
 // 16-bit buffer L % 2 (its Q as loaded; later, once quantized, the staging area of item
 // L - 1's O). The protocol is written for any kQSlots >= 2.
-#ifdef QATTN_SAGE2_Q_SLOTS  // override for the measurements of bench/NOTES.md
-template <int D>
-inline constexpr int kQSlots = QATTN_SAGE2_Q_SLOTS;
-#else
 // Two at d=128: three (the quantizer one more item ahead) measured 0-3% slower there
 // (NOTES v13e, v18d). Three at d=64: causal shapes gain 1-7% end-to-end, the others are
 // even (v18e).
 template <int D>
 inline constexpr int kQSlots = D == 64 ? 3 : 2;
-#endif
 inline constexpr int kQinBuffers = 2;
 
 // The small per-item data in shared memory, so no consumer waits on a global load at
@@ -194,11 +176,11 @@ struct WorkItem {
 // measured build's machine code in the consumers (only the producer's registers differ).
 __device__ __forceinline__ WorkItem decode_item(const AttentionParams& p, int item) {
   if (!p.causal) {
-    const ItemPlace at = item_place(item, p.num_m_blocks, 0, false, 1, 0);
+    const common::ItemPlace at = common::item_place(item, p.num_m_blocks, 0, false, 1, 0);
     return {at.m_block, at.head % p.heads_q, at.head / p.heads_q};
   }
-  const ItemPlace at =
-      item_place(item, p.num_m_blocks, p.heads_q * p.batch, true, p.causal_group, p.causal_tail);
+  const common::ItemPlace at =
+      common::item_place(item, p.num_m_blocks, p.heads_q * p.batch, true, p.causal_group, p.causal_tail);
   return {at.m_block, at.head % p.heads_q, at.head / p.heads_q};
 }
 // The Q loader's claim of this CTA's work item number `local` (one thread per CTA).
@@ -379,11 +361,6 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
                 q_tile_dot_c<D, T>(st.q_in[0], side.q_dot_c, st.side_in[0].k_mean, tid, p.sm_scale);
             }
           } else {
-#if QATTN_EXPERIMENT_NO_Q_QUANT  // knockout for bench/NOTES.md: wrong results, timing only
-            // Each slot is quantized once, so the MMAs still see real data (an all-zero
-            // tile draws less power and may run at a higher clock).
-            if (local < kQSlots<D>)
-#endif
               if constexpr (kQuantWarps == 4) {
                 // q·c after the codes, its pointers derived again: kept live across the
                 // quantization they spilled at 24 registers.
@@ -422,7 +399,7 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
         // V amax -> V scale (docs/sage2-kernel-arithmetic.md, step 4).
 #pragma unroll 1
         for (int ch = tid; ch < D; ch += kQuantThreads)
-          side.v_scale[ch] = st.side_in[buf].v_amax[ch] / kE4m3MaxF;
+          side.v_scale[ch] = st.side_in[buf].v_amax[ch] / common::kE4M3Max;
         // The INT8 tile is read by wgmma (async proxy) after the consumers' wait; the
         // buffer will be overwritten by TMA.
         hopper::fence_proxy_async();
@@ -456,7 +433,7 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
         const int kv_slice = kv_slice_of(p, w);
         bar.item_in[buf] =
             SlotItem{w.m_block, w.b * p.heads_q + w.hq, kv_slice,
-                     kv_tiles_for_block(p.seqlen_q, p.seqlen_kv, p.causal != 0, w.m_block)};
+                     common::kv_tiles_for_block(p.seqlen_q, p.seqlen_kv, p.causal != 0, w.m_block)};
         QInSide<D>& side = s.side_in[buf];
         if (local > 0) {
           hopper::mbarrier_arrive_expect_tx(&bar.q_full[buf], q_slot_bytes);
@@ -502,13 +479,9 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
                               hopper::policy_evict_last());
           hopper::bulk_load(s.k_scale[st], k_scale, sizeof(s.k_scale[st]), &bar.k_full[st]);
           hopper::mbarrier_wait(&bar.v_empty[st], phase ^ 1);
-#if QATTN_EXPERIMENT_NO_V_LOAD  // knockout for bench/NOTES.md (half the L2 traffic): wrong results
-          hopper::mbarrier_arrive_expect_tx(&bar.v_full[st], 0);
-#else
           hopper::mbarrier_arrive_expect_tx(&bar.v_full[st], Tr::kVBytes);
           hopper::tma_load_3d(s.v[st], &tm_vt, &bar.v_full[st], it * Tr::kBlockN, 0, kv_slice,
                               hopper::policy_evict_last());
-#endif
         }
       }
     }
@@ -524,8 +497,8 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
   SharedStorage<D>& cs = consumer_storage<D>(smem_raw, s);
   const int cw = warpgroup - 1;  // which 64 rows of the block
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-  const FragCoord fc{lane / 4, lane % 4};
-  const CausalMask mask{p.seqlen_q, p.seqlen_kv, p.causal != 0};
+  const common::FragCoord fc{lane / 4, lane % 4};
+  const common::CausalMask mask{p.seqlen_q, p.seqlen_kv, p.causal != 0};
   constexpr int kS = Tr::kBlockN / 2;  // score elements per thread
   constexpr int kO = D / 2;            // output elements per thread
   constexpr int kOAcc = kO + 4;        // and the ones columns: row sums
@@ -568,18 +541,6 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
   auto write_output = [&](const Item& w, const float(&o)[kO], const Softmax& sm) {
     const ItemSide<D>& side = cs.side[w.slot()];
     resolve_store();
-#if QATTN_EXPERIMENT_NO_EPILOGUE  // knockout for bench/NOTES.md: no output, timing only
-    {
-      // One value per thread keeps O (and so P·V and the softmax) live.
-      float sum = 0.f;
-#pragma unroll
-      for (int i = 0; i < kO; ++i) sum += o[i];
-      reinterpret_cast<float*>(cs.q_in[w.stage_buf()])[threadIdx.x] = sum * sm.l[0];
-      if (store_thread) hopper::mbarrier_arrive(&bar.qin_free[w.stage_buf()]);
-      hopper::mbarrier_arrive(&bar.q_empty[w.slot()]);
-      return;
-    }
-#endif
     uint8_t* stage = cs.q_in[w.stage_buf()] + cw * (D / 64) * kOBoxBytes;
     stage_output<T, kO>(o, sm, fc, warp * 16 + fc.g, side.v_scale, stage);
     store_lse(p, sm, fc, w.bh_q, w.m_block * Tr::kBlockM, row_in_block(0), side.q_dot_c);
@@ -668,13 +629,6 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
                           float(&alpha_out)[2]) {
     hopper::fence_operands(acc_s);
     if (lane < 4) hopper::mbarrier_arrive(&bar.k_empty[w.stage(it)]);
-#if QATTN_EXPERIMENT_NO_SOFTMAX  // knockout for bench/NOTES.md: wrong results, timing only
-#pragma unroll
-    for (int i = 0; i < kS; ++i) x[i] = score_to_float(acc_s[i]) * qk;
-    alpha_out[0] = alpha_out[1] = 1.f;
-    sm.l[0] = sm.l[1] = 1.f;
-    return;
-#endif
     const int kv0 = it * Tr::kBlockN;
     // The raw products go to the softmax (OnlineSoftmax::step); masked ones become
     // kMaskedScore in place.
@@ -759,7 +713,7 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
     resolve_store();
     if constexpr (has_next) wait_ahead(nw, nit);
     float x[kS], alpha_next[2];
-    if constexpr (kOverlapSoftmax && has_next) {
+    if constexpr (has_next) {
       // The softmax of the next tile runs while P·V(it) still computes; its P waits in x
       // until P·V(it) has finished reading a_p.
       hopper::wgmma_wait<1>();
@@ -777,7 +731,6 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
     sm_cur.add_row_sums(acc_o[kO], acc_o[kO + 2], alpha);  // the ones columns (rows g, g + 8)
 
     if constexpr (has_next) {
-      if constexpr (!kOverlapSoftmax) softmax_tile(nw, nit, qk_next, sm_next, x, alpha_next);
       pack_p_fragments(x, a_p);
       alpha[0] = alpha_next[0];
       alpha[1] = alpha_next[1];

@@ -8,28 +8,12 @@
 
 #include <cstdint>
 
+#include "cuda/common/e4m3.cuh"
+#include "cuda/common/exp2.cuh"
 #include "numerics/exp2_poly.h"
 #include "numerics/int32_scores.h"
 
 namespace qattn::sage2 {
-
-inline constexpr float kLog2E4m3Max = 8.807354922057604f;  // log2(448)
-
-__device__ __forceinline__ float exp2_approx(float x) {
-#if QATTN_EXPERIMENT_NO_EXP  // knockout for bench/NOTES.md: wrong results, timing only
-  return x * 0.001f;
-#endif
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// Two E4M3 values packed as in a register fragment: `lo` in the low byte.
-__device__ __forceinline__ uint16_t pack_e4m3x2(float lo, float hi) {
-  uint16_t r;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
-  return r;
-}
 
 using scores::kMaskedScore;
 using scores::score_to_float;
@@ -40,11 +24,7 @@ using scores::score_to_float;
 // d=128 too (v21b), and 1 pays only for mid-length non-causal items (v21f).
 template <int kCols, int kChains, int kPolyChunks>
 struct OnlineSoftmax {
-#ifdef QATTN_SAGE2_SOFTMAX_CHAINS  // override for the measurements of bench/NOTES.md
-  static constexpr int kPartials = QATTN_SAGE2_SOFTMAX_CHAINS;
-#else
   static constexpr int kPartials = kChains;
-#endif
   float m[2] = {-INFINITY, -INFINITY};  // running max of rows g, g + 8 (log2 units)
   float l[2] = {0.f, 0.f};              // row sums of the cast P (x448), full rows
 
@@ -82,8 +62,8 @@ struct OnlineSoftmax {
     for (int r = 0; r < 2; ++r) {
       // A row that has seen only masked keys keeps m = -inf; use 0 so no inf - inf.
       const bool empty = mx[r] == -INFINITY;
-      alpha[r] = empty ? 1.f : exp2_approx(m[r] - mx[r]);
-      neg_bias[r] = empty ? 0.f : kLog2E4m3Max - mx[r];
+      alpha[r] = empty ? 1.f : common::exp2_approx(m[r] - mx[r]);
+      neg_bias[r] = empty ? 0.f : common::kLog2E4M3Max - mx[r];
       m[r] = mx[r];
     }
     // The conversion's offset goes into the bias: (1.5·2²³ + s)·qk + (bias − 1.5·2²³·qk)
@@ -97,7 +77,7 @@ struct OnlineSoftmax {
       const float y = fmaf(__int_as_float(s[i] + scores::kMagicBits), qk, neg_bias[r]);
       // Column chunks 0 .. kPolyChunks-1 of each 8 on the FMA pipe (2: chunks 0, 1, 8, 9
       // of 16): measured per pattern (NOTES v15d).
-      p[i] = (i / 4) % 8 < kPolyChunks ? numerics::exp2_poly(y) : exp2_approx(y);
+      p[i] = (i / 4) % 8 < kPolyChunks ? numerics::exp2_poly(y) : common::exp2_approx(y);
     }
   }
 
@@ -123,10 +103,10 @@ __device__ __forceinline__ void pack_p_fragments(const float (&p)[kCols],
     for (int half = 0; half < 2; ++half) {  // chunks (4kk, 4kk+1) then (4kk+2, 4kk+3)
       const int e = c0 + half * 8;
       // row g: elements e+0, e+1 (chunk j), e+4, e+5 (chunk j+1); row g+8: e+2, e+3, e+6, e+7
-      a[kk][half * 2 + 0] = static_cast<uint32_t>(pack_e4m3x2(p[e + 0], p[e + 1])) |
-                            static_cast<uint32_t>(pack_e4m3x2(p[e + 4], p[e + 5])) << 16;
-      a[kk][half * 2 + 1] = static_cast<uint32_t>(pack_e4m3x2(p[e + 2], p[e + 3])) |
-                            static_cast<uint32_t>(pack_e4m3x2(p[e + 6], p[e + 7])) << 16;
+      a[kk][half * 2 + 0] = static_cast<uint32_t>(common::pack_e4m3x2(p[e + 0], p[e + 1])) |
+                            static_cast<uint32_t>(common::pack_e4m3x2(p[e + 4], p[e + 5])) << 16;
+      a[kk][half * 2 + 1] = static_cast<uint32_t>(common::pack_e4m3x2(p[e + 2], p[e + 3])) |
+                            static_cast<uint32_t>(common::pack_e4m3x2(p[e + 6], p[e + 7])) << 16;
     }
   }
 }
