@@ -29,7 +29,7 @@ __device__ __forceinline__ uint32_t pack2(float a, float b) {
 // by TMA stores of 64-channel × 64-row boxes: coalesced, asynchronous, and clipped to the
 // tensor (rows past Nq, channels past head_dim are never written). With STG from the
 // accumulator layout (4 bytes per thread, half-used sectors) the epilogue cost 8-25% of
-// the kernel (NOTES v12e).
+// the kernel (measured: bench/NOTES.md).
 inline constexpr int kOBoxBytes = 64 * 128;  // 64 rows × 64 channels × 2 bytes
 
 // Writes this thread's rows of O (o times the V scale, divided by the row sum) into the

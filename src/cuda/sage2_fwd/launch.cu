@@ -60,15 +60,15 @@ cudaError_t make_bhnd_map(CUtensorMap* map, const qattn_tensor& t, const qattn_f
 
 // The consumers' register split (kernel.cuh): at d=128, 240 registers per consumer thread
 // pay off on items of at least this many KV tiles on average, 232 are faster below it
-// (NOTES v18f-h: 2K non-causal +1.5-2%, 1K and causal 2K -3-5% at 240; again after v19c:
-// causal 2K -2%, 1K -4%). d=64 takes 240 at every length (v19g: causal 2K +1-5%).
+// (2K non-causal +1.5-2%, 1K and causal 2K -2-5% at 240). d=64 takes 240 at every
+// length (causal 2K +1-5%). Measured: bench/NOTES.md.
 constexpr double kWideSplitMinTiles = 16.0;
 // Below that at d=128: the Q quantizer on four warps (a 512-thread CTA), whose ends of
 // causal grids are quantizer-bound (measured: bench/NOTES.md).
 // d=128 without the causal mask, from kWideSplitMinTiles up to this many KV tiles per
-// item: one exp in eight on the FMA pipe (kConsumers240PolyExp). Side by side in two calls
-// it gained 3-4% kernel-only at N = 2K, 4K and the image DiT (36 tiles), was even at 8K
-// and lost 1-2% at 32K and causal 8K (NOTES v21b, v21f).
+// item: one exp in eight on the FMA pipe (kConsumers240PolyExp). Timed side by side it
+// gained 3-4% kernel-only at N = 2K, 4K and the image DiT (36 tiles), was even at 8K
+// and lost 1-2% at 32K and causal 8K (measured: bench/NOTES.md).
 constexpr double kPolyExpMaxTiles = 48.0;
 
 template <int D, typename T>
@@ -77,7 +77,6 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
   using Tr = KernelTraits<D>;
   const QuantizeOutputs q = outputs(w, ws);
   const uint64_t bkv = static_cast<uint64_t>(p.batch) * p.heads_kv;
-  const auto qk_swizzle = D == 128 ? hopper::TmaSwizzle::k128B : hopper::TmaSwizzle::k64B;
   CUtensorMap tm_q, tm_k, tm_vt, tm_o;
   // Q is read in 128-row boxes (one per item); O is written in 64-row boxes (one per
   // consumer warpgroup). A TMA store writes whole 16-byte chunks at the end of a row
@@ -92,11 +91,11 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
       e != cudaSuccess)
     return e;
   if (auto e = hopper::make_tensor_map_u8_3d(&tm_k, q.k_i8, D, w.nkv_pad, bkv, D, Tr::kBlockN,
-                                             qk_swizzle);
+                                             Tr::kQKSwizzle);
       e != cudaSuccess)
     return e;
   if (auto e = hopper::make_tensor_map_u8_3d(&tm_vt, q.vt_f8, w.nkv_pad, D, bkv, Tr::kBlockN, D,
-                                             hopper::TmaSwizzle::k128B);
+                                             Tr::kVSwizzle);
       e != cudaSuccess)
     return e;
 

@@ -2,7 +2,7 @@
 // of the producer warpgroup turn a work item's 16-bit Q tile (128 rows, TMA-loaded in
 // 64-channel boxes with 128-byte swizzle) into the INT8 tile the Q·Kᵀ wgmma reads (in
 // its swizzled layout), the Q scales and q·c, all in shared memory. This removes a
-// separate Q pass over global memory (NOTES v11).
+// separate Q pass over global memory.
 //
 // One thread per scale group of the per-thread granularity: rows r and r + 8 with
 // r = 64·(tid / 32) + 16·w + g, lane = 8·w + g — the rows a wgmma A-fragment thread
@@ -16,6 +16,7 @@
 #include "cuda/hopper/sync.cuh"
 #include "cuda/common/amax.cuh"
 #include "cuda/common/quant_math.cuh"
+#include "cuda/common/work_order.h"
 #include "qattn/qattn.h"
 
 namespace qattn::sage2 {
@@ -32,7 +33,7 @@ struct QDebugOut {
 
 template <int D>
 struct QTileLayout {
-  static constexpr int kRows = 128;
+  static constexpr int kRows = common::kItemRows;
   static constexpr int kInBytes = kRows * D * 2;
   // Byte offset of 16-bit chunk c (8 channels) of row r in the TMA tile: one 128-row box
   // per 64 channels, 128-byte rows, 16-byte chunks XOR-ed with r % 8.
@@ -103,7 +104,7 @@ __device__ __forceinline__ void q_tile_dot_c(const uint8_t* in, float* q_dot_c, 
 
 // The INT8 codes of a scale group with amax a: `rows(codes)` runs the caller's loop over
 // its rows, `codes(w0, w1)` turning two packed 16-bit pairs into four codes, low byte
-// first. One loop per case, so the common one has no branch per quad (NOTES v14c).
+// first. One loop per case, so the common one has no branch per quad.
 template <typename T, typename Rows>
 __device__ __forceinline__ void quantize_group_codes(float a, Rows&& rows) {
   const float inv = common::kInt8Max / a;
@@ -190,14 +191,16 @@ __device__ __forceinline__ void quantize_q_tile(const uint8_t* in, uint8_t* out,
 // tid / 2, so the group's two rows are lanes tid and tid ^ 1 (one shuffle), a 16-row
 // group is 16 lanes, and a 64-row block is two warps, which meet in `block_amax` (two
 // floats per warp, by item parity: the partner may still read the previous item's)
-// at named barrier 3 + block. Writes the codes and scales that quantize_q_tile writes,
+// at named barrier `amax_barrier` + block (`amax_threads`: the two warps). Writes the
+// codes and scales that quantize_q_tile writes,
 // bit for bit, the scale before the codes (kLowRegs' order); q·c is q_row_dot_c's, which
 // the caller runs after it with its pointers derived again (kept live across this
 // function they spilled at 24 registers).
 template <int D, typename T>
 __device__ __forceinline__ void quantize_q_row(const uint8_t* in, uint8_t* out, float* q_scale,
                                                int tid, qattn_qk_granularity granularity,
-                                               float scale_log2, float* block_amax, int parity) {
+                                               float scale_log2, float* block_amax, int parity,
+                                               uint32_t amax_barrier, uint32_t amax_threads) {
   using L = QTileLayout<D>;
   using T2 = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, __nv_bfloat162, __half2>;
   const int r = opaque(q_tile_row_pair(tid >> 1) + 8 * (tid & 1));
@@ -217,7 +220,7 @@ __device__ __forceinline__ void quantize_q_row(const uint8_t* in, uint8_t* out, 
       a = common::amax_nan(a, __shfl_xor_sync(0xffffffff, a, 16));
       const int warp = opaque(tid) / 32;
       if (tid % 32 == 0) block_amax[parity * 4 + warp] = a;
-      hopper::named_barrier_sync(3 + warp / 2, 64);
+      hopper::named_barrier_sync(amax_barrier + warp / 2, amax_threads);
       a = common::amax_nan(a, block_amax[parity * 4 + (warp ^ 1)]);
     }
   }

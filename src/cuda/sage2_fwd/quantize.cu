@@ -80,7 +80,7 @@ __device__ __forceinline__ void load_floats8(const float* src, float (&out)[8]) 
 // ---- 1. statistics, one launch: the K smoothing vector and V's amax bound ----------------
 // 1-D grid of 2·B·Hkv blocks of 256: one block per head averages K over the token sample,
 // one takes V's per-channel amax over the same sample (both latency-bound, ~2 loads deep).
-// V is then read once, by the K/V kernel (NOTES v17a: a full V amax pass took ~20 µs at
+// V is then read once, by the K/V kernel (a full V amax pass took ~20 µs at
 // N = 2K, a sixth of the quantization's time).
 
 // Shared memory that stages a block's loads (either role): the sample's 256 rows of
@@ -355,11 +355,7 @@ __device__ void quantize_v_part(const InputView<T>& v, const QuantizeParams& p,
     m2[w] = __vmaxu2(m2[w], __shfl_xor_sync(0xffffffff, m2[w], 8));
     m2[w] = __vmaxu2(m2[w], __shfl_xor_sync(0xffffffff, m2[w], 16));
   }
-#if QATTN_EXPERIMENT_NO_VCHECK  // knockout for bench/NOTES.md: no flags, timing only
-  if (false) {
-#else
   if (lane < 8) {
-#endif
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const float2 f = common::widen_pair<T>(m2[j / 2]);
@@ -394,7 +390,7 @@ __global__ void __launch_bounds__(kKvThreads, kKvMinBlocksPerSm)
   hopper::grid_dependency_wait();
   const int tiles = p.nkv_pad / groups::kKvTile;
   // Heads in reverse order: chosen when the statistics kernel read all of V, so that the
-  // V it read last was still in L2 here; since v17a it reads only the sample. The
+  // V it read last was still in L2 here; now it reads only the sample. The
   // attention kernel starts with the first heads, whose codes this order writes last.
   // Not re-measured.
   const int h = gridDim.y - 1 - blockIdx.y, b = gridDim.z - 1 - blockIdx.z;
@@ -412,14 +408,14 @@ __global__ void __launch_bounds__(kKvThreads, kKvMinBlocksPerSm)
 // ---- 4. fix-up: the V channels whose values exceed the sampled bound -----------------------
 // One block of 256 threads per (batch, KV head): a grid small enough that its CTAs,
 // resident early (PDL) while they wait for the K/V kernel, take few of its slots (a
-// block per 1,024 tokens cost 2% end-to-end at N = 2K, NOTES v17b). Nothing to do for
+// block per 1,024 tokens cost 2% end-to-end at N = 2K). Nothing to do for
 // almost every head: one load of v_over per thread and the block leaves. Otherwise each set channel
 // takes its exact amax (the K/V kernel merged it into v_over: only values above the bound can be
 // the largest) and its row of Vᵀ is rewritten with it: the codes the K/V kernel writes for that
 // amax. A thread takes a 16-token group and an 8-channel chunk at a time, so the loads stay 16-byte
 // rows as in the K/V kernel, whatever the number of flagged channels (a warp per channel with
-// strided loads took ~15 µs for a few channels; NOTES v17a). With every channel flagged (the worst
-// case) a call at N = 2K takes ~60 µs more (NOTES v17b).
+// strided loads took ~15 µs for a few channels). With every channel flagged (the worst
+// case) a call at N = 2K takes ~60 µs more (measured: bench/NOTES.md).
 constexpr int kFixupThreads = 256;
 
 template <typename T, int D, bool kFullDim>
@@ -504,10 +500,6 @@ cudaError_t launch_quantize_passes(const InputView<T>& k, const InputView<T>& v,
           dim3(kKvThreads), 0, stream, k, v, p, out);
       e != cudaSuccess)
     return e;
-#if QATTN_EXPERIMENT_NO_VFIXUP  // knockout for bench/NOTES.md: timing only
-  (void)v_fixup;
-  return cudaSuccess;
-#endif
   return hopper::early_launch(v_fixup, dim3(kv_grid.y * kv_grid.z), dim3(kFixupThreads), 0, stream,
                               v, p, out);
 }

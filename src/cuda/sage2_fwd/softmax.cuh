@@ -20,8 +20,9 @@ using scores::score_to_float;
 
 // kPolyChunks: the exps of that many column chunks in each 8 by numerics::exp2_poly
 // instead of MUFU. The kernel uses 0, and 1 in one d=128 shape (launch.h). 2 gained 4%
-// at d=128 N=2K in NOTES v15d and lost 10-16% at d=64; since v19d it loses 1-6% at
-// d=128 too (v21b), and 1 pays only for mid-length non-causal items (v21f).
+// at d=128 N=2K at first and lost 10-16% at d=64; with today's consumer loop it loses
+// 1-6% at d=128 too, and 1 pays only for mid-length non-causal items (measured:
+// bench/NOTES.md).
 template <int kCols, int kChains, int kPolyChunks>
 struct OnlineSoftmax {
   static constexpr int kPartials = kChains;
@@ -33,12 +34,12 @@ struct OnlineSoftmax {
   // to p and, per row, the factor by which the old O must be scaled. float(s) is
   // monotonic, so the max runs on the integers (IMNMX) and is converted once; the
   // per-element conversions then sit in the exp loop, where the FMA and ALU pipes idle
-  // behind MUFU, instead of on the max's dependency chain (NOTES v12b). Each element
+  // behind MUFU, instead of on the max's dependency chain. Each element
   // costs an IADD, an FFMA and an exp2.
   __device__ __forceinline__ void step(const int32_t (&s)[kCols], float qk, float (&p)[kCols],
                                        float (&alpha)[2]) {
     // The max runs as kPartials independent chains per row: only two consumer warps
-    // share a scheduler, so latency, not throughput, bounds a serial chain (NOTES v8).
+    // share a scheduler, so latency, not throughput, bounds a serial chain.
     int32_t mp[2][kPartials];
 #pragma unroll
     for (int r = 0; r < 2; ++r)
@@ -67,8 +68,8 @@ struct OnlineSoftmax {
       m[r] = mx[r];
     }
     // The conversion's offset goes into the bias: (1.5·2²³ + s)·qk + (bias − 1.5·2²³·qk)
-    // is one FFMA per element where float(s)·qk + bias took an FADD too (+1-3%, NOTES
-    // v15b). Rounding b moves the exponent by < 0.75·qk: under one unit of s.
+    // is one FFMA per element where float(s)·qk + bias took an FADD too (+1-3%;
+    // measured: bench/NOTES.md). Rounding b moves the exponent by < 0.75·qk: under one unit of s.
 #pragma unroll
     for (int r = 0; r < 2; ++r) neg_bias[r] = fmaf(-scores::kMagic, qk, neg_bias[r]);
 #pragma unroll
@@ -76,7 +77,7 @@ struct OnlineSoftmax {
       const int r = (i % 4) / 2;
       const float y = fmaf(__int_as_float(s[i] + scores::kMagicBits), qk, neg_bias[r]);
       // Column chunks 0 .. kPolyChunks-1 of each 8 on the FMA pipe (2: chunks 0, 1, 8, 9
-      // of 16): measured per pattern (NOTES v15d).
+      // of 16): measured per pattern (bench/NOTES.md).
       p[i] = (i / 4) % 8 < kPolyChunks ? numerics::exp2_poly(y) : common::exp2_approx(y);
     }
   }
