@@ -10,8 +10,8 @@
 
 namespace qattn::common {
 
-using numerics::kE4M3Max;             // 448
-using numerics::kLog2E4M3Max;         // log2(448)
+using numerics::kE4M3Max;      // 448
+using numerics::kLog2E4M3Max;  // log2(448)
 
 // Two E4M3 values packed as in a register fragment: `lo` in the low byte (RNE,
 // saturating to ±448).

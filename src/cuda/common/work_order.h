@@ -32,8 +32,8 @@ struct ItemPlace {
 // left out of the groups and come last, all heads together, longest first: the grid
 // ends on several rounds of short items however few heads the last group has (they read
 // only the first K/V tiles of each head). Measured: bench/NOTES.md.
-QATTN_HD ItemPlace item_place(int item, int num_m_blocks, int heads, bool causal,
-                              int causal_group, int tail_blocks) {
+QATTN_HD ItemPlace item_place(int item, int num_m_blocks, int heads, bool causal, int causal_group,
+                              int tail_blocks) {
   if (!causal) {
     const int r = item / num_m_blocks, m = item % num_m_blocks;
     return {m, r};

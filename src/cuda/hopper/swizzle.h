@@ -5,12 +5,14 @@
 
 #include <cstdint>
 
+#include "numerics/hd.h"
+
 namespace qattn::hopper {
 
 enum class Swizzle : uint64_t { k128B = 1, k64B = 2, k32B = 3 };
 
 // The span of the swizzle pattern: the row length of a K-major tile in bytes.
-constexpr uint32_t swizzle_bytes(Swizzle s) {
+QATTN_HD constexpr uint32_t swizzle_bytes(Swizzle s) {
   return s == Swizzle::k128B ? 128 : s == Swizzle::k64B ? 64 : 32;
 }
 

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "cuda/common/fragment.cuh"
+#include "cuda/common/work_order.h"
 #include "cuda/sage2_fwd/softmax.cuh"
 
 namespace qattn::sage2 {
@@ -95,7 +96,7 @@ __device__ __forceinline__ void store_output_tail(const Params& p, int bh_q, int
 template <typename Params>
 __device__ __forceinline__ void write_empty_block(const Params& p, int bh_q, int row0, int tid,
                                                   int threads) {
-  const int rows = min(128, p.seqlen_q - row0);
+  const int rows = min(common::kItemRows, p.seqlen_q - row0);
   const int b = bh_q / p.heads_q, hq = bh_q % p.heads_q;
   auto* base = static_cast<uint16_t*>(p.o) + b * p.o_stride_b + hq * p.o_stride_h +
                static_cast<int64_t>(row0) * p.o_stride_n;

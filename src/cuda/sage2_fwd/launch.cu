@@ -84,10 +84,11 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
   // at the last full chunk and the kernel writes the other columns itself
   // (AttentionParams::o_tma_cols).
   const int o_tma_cols = p.head_dim / 8 * 8;
-  if (auto e = make_bhnd_map(&tm_q, p.q, p, p.head_dim, p.heads_q, p.seqlen_q, 128);
+  if (auto e = make_bhnd_map(&tm_q, p.q, p, p.head_dim, p.heads_q, p.seqlen_q, Tr::kBlockM);
       e != cudaSuccess)
     return e;
-  if (auto e = make_bhnd_map(&tm_o, p.o, p, std::max(o_tma_cols, 8), p.heads_q, p.seqlen_q, 64);
+  if (auto e = make_bhnd_map(&tm_o, p.o, p, std::max(o_tma_cols, 8), p.heads_q, p.seqlen_q,
+                             groups::kQBlock);
       e != cudaSuccess)
     return e;
   if (auto e = hopper::make_tensor_map_u8_3d(&tm_k, q.k_i8, D, w.nkv_pad, bkv, D, Tr::kBlockN,

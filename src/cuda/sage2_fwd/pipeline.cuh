@@ -20,9 +20,7 @@ struct PipelineState {
   int count;
   __device__ __forceinline__ int index() const { return count % N; }
   // The parity of the phase that completes this use's "full" barrier.
-  __device__ __forceinline__ uint32_t phase() const {
-    return static_cast<uint32_t>(count / N) & 1;
-  }
+  __device__ __forceinline__ uint32_t phase() const { return static_cast<uint32_t>(count / N) & 1; }
   // The parity of the phase that frees the buffer for this use (its "empty" barrier):
   // the first pass over the ring waits on the phase before the first, which counts as
   // complete.

@@ -74,8 +74,8 @@ __device__ __forceinline__ void q_quantizer(const AttentionParams& p, uint8_t* s
         // q·c after the codes, its pointers derived again: kept live across the
         // quantization they spilled at 24 registers.
         quantize_q_row<D, T>(st.q_in[buf], st.q[slot], side.q_scale, tid, p.granularity,
-                             p.scale_log2, bar.block_amax, local & 1,
-                             NamedBarrier::kQuantBlockAmax, NamedBarrier::kQuantBlockAmaxThreads);
+                             p.scale_log2, bar.block_amax, local & 1, NamedBarrier::kQuantBlockAmax,
+                             NamedBarrier::kQuantBlockAmaxThreads);
         if (want_q_dot_c) {
           SharedStorage<D>& st2 = storage();
           const int slot2 = PipelineState<kQSlots<D>>{keep(local)}.index(),
@@ -104,8 +104,8 @@ __device__ __forceinline__ void q_quantizer(const AttentionParams& p, uint8_t* s
         copy_q_row_debug<D>(st.q[slot], side.q_scale, want_q_dot_c ? side.q_dot_c : nullptr, tid,
                             p.q_debug, row0, row0 / 2);
       else
-        copy_q_tile_debug<D>(st.q[slot], side.q_scale, want_q_dot_c ? side.q_dot_c : nullptr,
-                             tid, p.q_debug, row0, row0 / 2);
+        copy_q_tile_debug<D>(st.q[slot], side.q_scale, want_q_dot_c ? side.q_dot_c : nullptr, tid,
+                             p.q_debug, row0, row0 / 2);
     }
     // V amax -> V scale (docs/sage2-kernel-arithmetic.md, step 4).
 #pragma unroll 1

@@ -49,9 +49,9 @@ inline constexpr int kCtaThreads = kQuantWarps == 4 ? 512 : 384;
 template <int kQuantWarps>
 inline constexpr int kLaunchRegs = 65536 / kCtaThreads<kQuantWarps> / 8 * 8;  // 168 or 128
 template <int kConsumerRegs, int kQuantWarps = 2>
-inline constexpr int kProducerRegsFor =
-    (kLaunchRegs<kQuantWarps> * kCtaThreads<kQuantWarps> - kConsumerRegs * 256) /
-    (kCtaThreads<kQuantWarps> - 256);
+inline constexpr int kProducerRegsFor = (kLaunchRegs<kQuantWarps> * kCtaThreads<kQuantWarps> -
+                                         kConsumerRegs * 256) /
+                                        (kCtaThreads<kQuantWarps> - 256);
 static_assert(kProducerRegsFor<232> == 40 && kProducerRegsFor<240> == 24 &&
               kProducerRegsFor<232, 4> == 24);
 
@@ -82,7 +82,8 @@ struct KernelTraits {
   static constexpr hopper::Swizzle kQKSwizzle =
       D == 128 ? hopper::Swizzle::k128B : hopper::Swizzle::k64B;
   static constexpr hopper::Swizzle kVSwizzle = hopper::Swizzle::k128B;  // 128 tokens = 128 B
-  static_assert(hopper::swizzle_bytes(kQKSwizzle) == D && hopper::swizzle_bytes(kVSwizzle) == kBlockN);
+  static_assert(hopper::swizzle_bytes(kQKSwizzle) == D &&
+                hopper::swizzle_bytes(kVSwizzle) == kBlockN);
 };
 
 // Work item L has Q slot L % kQSlots (its INT8 Q tile, scales, side data and item) and
