@@ -6,7 +6,7 @@
 // stages, the Q loader thread claims the work items and loads each one's 16-bit Q tile
 // (producer.cuh), and two warps quantize it to INT8 in shared memory (q_quantizer.cuh,
 // q_tile.cuh). Warpgroups 1 and 2 are consumers, 64 query rows each: the main loop
-// below (`turn`: one P·V and the next Q·Kᵀ with its softmax, softmax.cuh) and the
+// below (`turn`: one P·V and the next Q·Kᵀ with its softmax; mma.cuh, softmax.cuh) and the
 // epilogue (epilogue.cuh); registers move to them with setmaxnreg. The four-warp shape
 // (kQuantWarps = 4) adds a fourth warpgroup for the two loaders, and all of warpgroup 0
 // quantizes. Every barrier and its arrival count: pipeline.cuh (Barriers, NamedBarrier);
@@ -31,6 +31,7 @@
 #include "cuda/hopper/tma.cuh"
 #include "cuda/hopper/wgmma.cuh"
 #include "cuda/sage2_fwd/epilogue.cuh"
+#include "cuda/sage2_fwd/mma.cuh"
 #include "cuda/sage2_fwd/pipeline.cuh"
 #include "cuda/sage2_fwd/producer.cuh"
 #include "cuda/sage2_fwd/q_quantizer.cuh"
@@ -293,29 +294,10 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
 
   // Callers wait on the stage's "full" barrier first.
   auto issue_qk = [&](const Item& w, int it) {
-    const uint64_t desc_q = hopper::make_smem_desc<Tr::kQKSwizzle>(cs.q[w.slot()] + cw * 64 * D);
-    const uint64_t desc_k = hopper::make_smem_desc<Tr::kQKSwizzle>(cs.k[w.stage(it)]);
-    hopper::wgmma_m64n128k32_s8_ss_init(acc_s, desc_q, desc_k);
-#pragma unroll
-    for (int kk = 1; kk < D / 32; ++kk)
-      hopper::wgmma_m64n128k32_s8_ss(acc_s, hopper::desc_advance(desc_q, kk * 32),
-                                     hopper::desc_advance(desc_k, kk * 32));
-    hopper::wgmma_commit();
+    qk_mma<D, Tr::kQKSwizzle>(acc_s, cs.q[w.slot()] + cw * 64 * D, cs.k[w.stage(it)]);
   };
   auto issue_pv = [&](int st, float(&acc_o)[kOAcc]) {
-    const uint64_t desc_v = hopper::make_smem_desc<Tr::kVSwizzle>(cs.v[st]);
-    if constexpr (D == 128) {
-      hopper::wgmma_m64n136k32_e4m3_rs_init(acc_o, a_p[0], desc_v);
-#pragma unroll
-      for (int kk = 1; kk < Tr::kBlockN / 32; ++kk)
-        hopper::wgmma_m64n136k32_e4m3_rs(acc_o, a_p[kk], hopper::desc_advance(desc_v, kk * 32));
-    } else {
-      hopper::wgmma_m64n72k32_e4m3_rs_init(acc_o, a_p[0], desc_v);
-#pragma unroll
-      for (int kk = 1; kk < Tr::kBlockN / 32; ++kk)
-        hopper::wgmma_m64n72k32_e4m3_rs(acc_o, a_p[kk], hopper::desc_advance(desc_v, kk * 32));
-    }
-    hopper::wgmma_commit();
+    pv_mma<D, Tr::kVSwizzle, Tr::kBlockN>(acc_o, a_p, cs.v[st]);
   };
   // Scores and online softmax of tile `it` of item w from acc_s (its Q·Kᵀ must be
   // complete); frees its K stage and leaves 448·P in x. qk (tile_scale) is computed by
