@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Side-by-side timing of kernel variants in one device call (the method of bench/NOTES.md:
-# machines differ by ~5%, so only numbers from the same call are compared). Each
+# Side-by-side timing of kernel variants in one run (the method of bench/NOTES.md:
+# machines differ by ~5%, so only numbers from the same run are compared). Each
 # argument is a kernel_timing binary built from one variant (nvcc bench/kernel_timing.cu
-# with that variant's libqattn.a or launch.cu object); the rounds interleave the
+# with that variant's libqattn.a, which holds its CUDA objects); the rounds interleave the
 # variants, and the table gives, per shape, the best of the rounds for each.
 #   run: bench/ab_timing.sh .devbin/kernel_timing_base .devbin/kernel_timing_new
 #   env: SHAPES="B H N d causal ..." (default below), ROUNDS (default 2)

@@ -42,6 +42,7 @@ namespace qattn::numerics {
 // ---- format constants --------------------------------------------------------
 
 inline constexpr float kE4M3Max = 448.0f;
+inline constexpr float kLog2E4M3Max = 8.807354922057604f;  // log2(kE4M3Max)
 inline constexpr float kE5M2Max = 57344.0f;
 inline constexpr float kE2M1Max = 6.0f;
 inline constexpr int kInt8Max = 127;

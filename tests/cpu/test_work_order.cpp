@@ -1,4 +1,4 @@
-// The attention kernel's work order (src/cuda/sage2_fwd/work_order.h): every item of a
+// The attention kernel's work order (src/cuda/common/work_order.h): every item of a
 // grid is visited exactly once; non-causal keeps a head's blocks together; causal takes
 // heads in groups, each group's blocks from longest to shortest, and then every head's
 // shortest blocks, longest first; the group size keeps a group's K/V within the L2
@@ -12,18 +12,18 @@
 #include <string>
 #include <vector>
 
-#include "cuda/sage2_fwd/work_order.h"
+#include "cuda/common/work_order.h"
 
 namespace {
 
-using qattn::sage2::causal_group_heads;
-using qattn::sage2::causal_tail_blocks;
-using qattn::sage2::kCausalTailRounds;
-using qattn::sage2::item_place;
-using qattn::sage2::ItemPlace;
-using qattn::sage2::kCausalGroupL2Bytes;
-using qattn::sage2::kv_tiles_for_block;
-using qattn::sage2::mean_kv_tiles_per_item;
+using qattn::common::causal_group_heads;
+using qattn::common::causal_tail_blocks;
+using qattn::common::kCausalTailRounds;
+using qattn::common::item_place;
+using qattn::common::ItemPlace;
+using qattn::common::kCausalGroupL2Bytes;
+using qattn::common::kv_tiles_for_block;
+using qattn::common::mean_kv_tiles_per_item;
 
 void check_order(int num_m_blocks, int heads, bool causal, int group, int tail) {
   SCOPED_TRACE("blocks=" + std::to_string(num_m_blocks) + " heads=" + std::to_string(heads) +

@@ -132,9 +132,9 @@ TEST(HopperPrimitives, TmaSwizzledS8WgmmaMatchesCpu) {
   db.upload(b);
   CUtensorMap ta, tb;
   QATTN_CUDA_OK(
-      hopper::make_tensor_map_u8_3d(&ta, da.ptr, kK, kM, 1, kK, kM, hopper::TmaSwizzle::k128B));
+      hopper::make_tensor_map_u8_3d(&ta, da.ptr, kK, kM, 1, kK, kM, hopper::Swizzle::k128B));
   QATTN_CUDA_OK(
-      hopper::make_tensor_map_u8_3d(&tb, db.ptr, kK, kN, 1, kK, kN, hopper::TmaSwizzle::k128B));
+      hopper::make_tensor_map_u8_3d(&tb, db.ptr, kK, kN, 1, kK, kN, hopper::Swizzle::k128B));
   s8_gemm_kernel<<<1, 128>>>(ta, tb, dout.ptr);
   QATTN_CUDA_OK(cudaDeviceSynchronize());
   const auto out = dout.download();
@@ -170,7 +170,7 @@ TEST(HopperPrimitives, RegisterE4m3WgmmaWithPermutedVtMatchesCpu) {
   dv.upload(vt);
   CUtensorMap tv;
   QATTN_CUDA_OK(
-      hopper::make_tensor_map_u8_3d(&tv, dv.ptr, kK, kN, 1, kK, kN, hopper::TmaSwizzle::k128B));
+      hopper::make_tensor_map_u8_3d(&tv, dv.ptr, kK, kN, 1, kK, kN, hopper::Swizzle::k128B));
   e4m3_gemm_kernel<<<1, 128>>>(tv, dp.ptr, dout.ptr);
   QATTN_CUDA_OK(cudaDeviceSynchronize());
   const auto out = dout.download();

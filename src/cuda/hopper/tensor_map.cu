@@ -25,7 +25,7 @@ EncodeTiledFn encode_fn() {
 }  // namespace
 
 cudaError_t make_tensor_map_u8_3d(CUtensorMap* map, const void* base, uint64_t dim0, uint64_t dim1,
-                                  uint64_t dim2, uint32_t box0, uint32_t box1, TmaSwizzle swizzle) {
+                                  uint64_t dim2, uint32_t box0, uint32_t box1, Swizzle swizzle) {
   EncodeTiledFn encode = encode_fn();
   if (encode == nullptr) return cudaErrorNotSupported;
   const cuuint64_t dims[3] = {dim0, dim1, dim2};
@@ -35,7 +35,9 @@ cudaError_t make_tensor_map_u8_3d(CUtensorMap* map, const void* base, uint64_t d
   const CUresult r =
       encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(base), dims, strides, box,
              elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-             swizzle == TmaSwizzle::k128B ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
+             swizzle == Swizzle::k128B  ? CU_TENSOR_MAP_SWIZZLE_128B
+             : swizzle == Swizzle::k64B ? CU_TENSOR_MAP_SWIZZLE_64B
+                                        : CU_TENSOR_MAP_SWIZZLE_32B,
              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }

@@ -6,15 +6,15 @@
 
 #include <cstdint>
 
-namespace qattn::hopper {
+#include "cuda/hopper/swizzle.h"
 
-enum class TmaSwizzle { k64B, k128B };
+namespace qattn::hopper {
 
 // A 3-D map over a contiguous uint8 tensor (dim0 innermost, dim0 * dim1 * dim2 bytes),
 // with box (box0, box1, 1). Returns cudaSuccess, or an error if the driver entry point
 // is missing or the encode fails.
 cudaError_t make_tensor_map_u8_3d(CUtensorMap* map, const void* base, uint64_t dim0, uint64_t dim1,
-                                  uint64_t dim2, uint32_t box0, uint32_t box1, TmaSwizzle swizzle);
+                                  uint64_t dim2, uint32_t box0, uint32_t box1, Swizzle swizzle);
 
 // A 4-D map over a strided 16-bit tensor (a caller's q, k, v or o: dims innermost first,
 // strides of dims 1..3 in elements, each a multiple of 8), with box (box0, box1, 1, 1)

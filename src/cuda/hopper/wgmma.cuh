@@ -11,15 +11,15 @@
 
 #include <cstdint>
 
+#include "cuda/hopper/swizzle.h"
+
 namespace qattn::hopper {
 
 // Shared-memory matrix descriptor for a K-major tile written by TMA with the given
 // swizzle: rows of `row_bytes` (= swizzle span), 8-row atoms `8 * row_bytes` apart.
-enum class Swizzle : uint64_t { k128B = 1, k64B = 2, k32B = 3 };
-
 template <Swizzle S>
 __device__ __forceinline__ uint64_t make_smem_desc(const void* smem_tile) {
-  constexpr uint64_t row_bytes = S == Swizzle::k128B ? 128 : S == Swizzle::k64B ? 64 : 32;
+  constexpr uint64_t row_bytes = swizzle_bytes(S);
   const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_tile));
   uint64_t desc = 0;
   desc |= static_cast<uint64_t>((addr & 0x3FFFF) >> 4);       // start address
@@ -66,9 +66,6 @@ __device__ __forceinline__ void fence_operands(T (&r)[N]) {
 #define QATTN_WGMMA_D64(C, d) \
   QATTN_WGMMA_D32(C, d), QATTN_WGMMA_D8(C, d, 32), QATTN_WGMMA_D8(C, d, 40), \
       QATTN_WGMMA_D8(C, d, 48), QATTN_WGMMA_D8(C, d, 56)
-#define QATTN_WGMMA_REGS32 \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, " \
-    "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define QATTN_WGMMA_REGS64 \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, " \
     "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, " \
@@ -106,26 +103,9 @@ __device__ __forceinline__ void wgmma_m64n128k32_s8_ss_init(int32_t (&d)[64], ui
                : "l"(desc_a), "l"(desc_b));
 }
 
-// D(64x64, s32) (+)= A(64x32, s8, smem) * B(64x32, s8, smem, K-major)
-__device__ __forceinline__ void wgmma_m64n64k32_s8_ss(int32_t (&d)[32], uint64_t desc_a,
-                                                      uint64_t desc_b) {
-  asm volatile("wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 " QATTN_WGMMA_REGS32
-               ", %32, %33, 1;\n"
-               : QATTN_WGMMA_D32("+r", d)
-               : "l"(desc_a), "l"(desc_b));
-}
-// The first k-step: D = A * B.
-__device__ __forceinline__ void wgmma_m64n64k32_s8_ss_init(int32_t (&d)[32], uint64_t desc_a,
-                                                           uint64_t desc_b) {
-  asm volatile("wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 " QATTN_WGMMA_REGS32
-               ", %32, %33, 0;\n"
-               : QATTN_WGMMA_D32("=r", d)
-               : "l"(desc_a), "l"(desc_b));
-}
-
 // D(64x136 / 64x72, f32) (+)= A(64x32, e4m3, registers) * B(136x32 / 72x32, e4m3, smem,
 // K-major): P·V where B is Vᵀ (128 / 64 channels) and 8 rows of E4M3 ones, whose columns
-// of D return P's row sums (NOTES v15c).
+// of D return P's row sums (no shuffle reduction of the row sums in the softmax).
 __device__ __forceinline__ void wgmma_m64n136k32_e4m3_rs(float (&d)[68], const uint32_t (&a)[4],
                                                          uint64_t desc_b) {
   asm volatile("wgmma.mma_async.sync.aligned.m64n136k32.f32.e4m3.e4m3 " QATTN_WGMMA_REGS68
@@ -159,7 +139,6 @@ __device__ __forceinline__ void wgmma_m64n72k32_e4m3_rs_init(float (&d)[36], con
 #undef QATTN_WGMMA_D8
 #undef QATTN_WGMMA_D32
 #undef QATTN_WGMMA_D64
-#undef QATTN_WGMMA_REGS32
 #undef QATTN_WGMMA_REGS64
 #undef QATTN_WGMMA_D4
 #undef QATTN_WGMMA_D36

@@ -7,13 +7,13 @@
 
 #include <cstdint>
 
-#include "cuda/sage2_fwd/fragment.cuh"
+#include "cuda/common/fragment.cuh"
+#include "cuda/common/work_order.h"
 #include "cuda/sage2_fwd/softmax.cuh"
 
 namespace qattn::sage2 {
 
 inline constexpr float kLn2 = 0.6931471805599453f;
-inline constexpr float kE4m3MaxF = 448.f;
 
 template <typename T>
 __device__ __forceinline__ uint32_t pack2(float a, float b) {
@@ -30,7 +30,7 @@ __device__ __forceinline__ uint32_t pack2(float a, float b) {
 // by TMA stores of 64-channel × 64-row boxes: coalesced, asynchronous, and clipped to the
 // tensor (rows past Nq, channels past head_dim are never written). With STG from the
 // accumulator layout (4 bytes per thread, half-used sectors) the epilogue cost 8-25% of
-// the kernel (NOTES v12e).
+// the kernel (measured: bench/NOTES.md).
 inline constexpr int kOBoxBytes = 64 * 128;  // 64 rows × 64 channels × 2 bytes
 
 // Writes this thread's rows of O (o times the V scale, divided by the row sum) into the
@@ -38,7 +38,7 @@ inline constexpr int kOBoxBytes = 64 * 128;  // 64 rows × 64 channels × 2 byte
 // with its 16-byte chunks swizzled by row % 8 (the TMA 128B swizzle; conflict-free here).
 // row_in_wg = warp · 16 + g.
 template <typename TOut, int kO, typename Softmax>
-__device__ __forceinline__ void stage_output(const float (&o)[kO], const Softmax& sm, FragCoord fc,
+__device__ __forceinline__ void stage_output(const float (&o)[kO], const Softmax& sm, common::FragCoord fc,
                                              int row_in_wg, const float* v_scale_head,
                                              uint8_t* stage) {
   // Per-channel V scale (amax / 448) of the thread's columns 8j + 2t, 8j + 2t + 1, from
@@ -96,7 +96,7 @@ __device__ __forceinline__ void store_output_tail(const Params& p, int bh_q, int
 template <typename Params>
 __device__ __forceinline__ void write_empty_block(const Params& p, int bh_q, int row0, int tid,
                                                   int threads) {
-  const int rows = min(128, p.seqlen_q - row0);
+  const int rows = min(common::kItemRows, p.seqlen_q - row0);
   const int b = bh_q / p.heads_q, hq = bh_q % p.heads_q;
   auto* base = static_cast<uint16_t*>(p.o) + b * p.o_stride_b + hq * p.o_stride_h +
                static_cast<int64_t>(row0) * p.o_stride_n;
@@ -117,7 +117,7 @@ __device__ __forceinline__ void write_empty_block(const Params& p, int bh_q, int
 // Writes the natural-log LSE of a thread's two rows (block rows row_in_block, + 8),
 // corrected for the K smoothing by q·c (in shared memory).
 template <typename Params, typename Softmax>
-__device__ __forceinline__ void store_lse(const Params& p, const Softmax& sm, FragCoord fc,
+__device__ __forceinline__ void store_lse(const Params& p, const Softmax& sm, common::FragCoord fc,
                                           int64_t bh_q, int block_row0, int row_in_block,
                                           const float* q_dot_c) {
   if (p.lse == nullptr || fc.t != 0) return;
@@ -127,7 +127,7 @@ __device__ __forceinline__ void store_lse(const Params& p, const Softmax& sm, Fr
     if (row >= p.seqlen_q) continue;
     const float l = sm.l[r];
     p.lse[bh_q * p.seqlen_q + row] =
-        l > 0.f ? (sm.m[r] + log2f(l) - kLog2E4m3Max) * kLn2 + q_dot_c[row_in_block + 8 * r]
+        l > 0.f ? (sm.m[r] + log2f(l) - common::kLog2E4M3Max) * kLn2 + q_dot_c[row_in_block + 8 * r]
                 : -INFINITY;
   }
 }

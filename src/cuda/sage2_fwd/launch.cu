@@ -7,7 +7,7 @@
 #include "cuda/sage2_fwd/kernel.cuh"
 #include "cuda/sage2_fwd/launch.h"
 #include "cuda/sage2_fwd/quantize.cuh"
-#include "cuda/sage2_fwd/work_order.h"
+#include "cuda/common/work_order.h"
 #include "cuda/sage2_fwd/workspace.h"
 
 namespace qattn::sage2 {
@@ -60,20 +60,15 @@ cudaError_t make_bhnd_map(CUtensorMap* map, const qattn_tensor& t, const qattn_f
 
 // The consumers' register split (kernel.cuh): at d=128, 240 registers per consumer thread
 // pay off on items of at least this many KV tiles on average, 232 are faster below it
-// (NOTES v18f-h: 2K non-causal +1.5-2%, 1K and causal 2K -3-5% at 240; again after v19c:
-// causal 2K -2%, 1K -4%). d=64 takes 240 at every length (v19g: causal 2K +1-5%).
+// (2K non-causal +1.5-2%, 1K and causal 2K -2-5% at 240). d=64 takes 240 at every
+// length (causal 2K +1-5%). Measured: bench/NOTES.md.
 constexpr double kWideSplitMinTiles = 16.0;
 // Below that at d=128: the Q quantizer on four warps (a 512-thread CTA), whose ends of
-// causal grids are quantizer-bound (NOTES v20f-g). QATTN_SAGE2_QUANT4=0 in a timing
-// build keeps the 232 split there.
-#ifndef QATTN_SAGE2_QUANT4
-#define QATTN_SAGE2_QUANT4 1
-#endif
-constexpr bool kShortItemsOnFourQuantWarps = QATTN_SAGE2_QUANT4 != 0;
+// causal grids are quantizer-bound (measured: bench/NOTES.md).
 // d=128 without the causal mask, from kWideSplitMinTiles up to this many KV tiles per
-// item: one exp in eight on the FMA pipe (kConsumers240PolyExp). Side by side in two calls
-// it gained 3-4% kernel-only at N = 2K, 4K and the image DiT (36 tiles), was even at 8K
-// and lost 1-2% at 32K and causal 8K (NOTES v21b, v21f).
+// item: one exp in eight on the FMA pipe (kConsumers240PolyExp). Timed side by side it
+// gained 3-4% kernel-only at N = 2K, 4K and the image DiT (36 tiles), was even at 8K
+// and lost 1-2% at 32K and causal 8K (measured: bench/NOTES.md).
 constexpr double kPolyExpMaxTiles = 48.0;
 
 template <int D, typename T>
@@ -82,7 +77,6 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
   using Tr = KernelTraits<D>;
   const QuantizeOutputs q = outputs(w, ws);
   const uint64_t bkv = static_cast<uint64_t>(p.batch) * p.heads_kv;
-  const auto qk_swizzle = D == 128 ? hopper::TmaSwizzle::k128B : hopper::TmaSwizzle::k64B;
   CUtensorMap tm_q, tm_k, tm_vt, tm_o;
   // Q is read in 128-row boxes (one per item); O is written in 64-row boxes (one per
   // consumer warpgroup). A TMA store writes whole 16-byte chunks at the end of a row
@@ -90,18 +84,19 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
   // at the last full chunk and the kernel writes the other columns itself
   // (AttentionParams::o_tma_cols).
   const int o_tma_cols = p.head_dim / 8 * 8;
-  if (auto e = make_bhnd_map(&tm_q, p.q, p, p.head_dim, p.heads_q, p.seqlen_q, 128);
+  if (auto e = make_bhnd_map(&tm_q, p.q, p, p.head_dim, p.heads_q, p.seqlen_q, Tr::kBlockM);
       e != cudaSuccess)
     return e;
-  if (auto e = make_bhnd_map(&tm_o, p.o, p, std::max(o_tma_cols, 8), p.heads_q, p.seqlen_q, 64);
+  if (auto e = make_bhnd_map(&tm_o, p.o, p, std::max(o_tma_cols, 8), p.heads_q, p.seqlen_q,
+                             groups::kQBlock);
       e != cudaSuccess)
     return e;
   if (auto e = hopper::make_tensor_map_u8_3d(&tm_k, q.k_i8, D, w.nkv_pad, bkv, D, Tr::kBlockN,
-                                             qk_swizzle);
+                                             Tr::kQKSwizzle);
       e != cudaSuccess)
     return e;
   if (auto e = hopper::make_tensor_map_u8_3d(&tm_vt, q.vt_f8, w.nkv_pad, D, bkv, Tr::kBlockN, D,
-                                             hopper::TmaSwizzle::k128B);
+                                             Tr::kVSwizzle);
       e != cudaSuccess)
     return e;
 
@@ -134,13 +129,12 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
     split = RegisterSplit::kConsumers240;  // d=64 has no poly shape (kernel.cuh)
   if (split == RegisterSplit::kAuto) {
     const double tiles =
-        mean_kv_tiles_per_item(p.seqlen_q, p.seqlen_kv, p.causal != 0, ap.num_m_blocks);
+        common::mean_kv_tiles_per_item(p.seqlen_q, p.seqlen_kv, p.causal != 0, ap.num_m_blocks);
     const bool long_items = D == 64 || tiles >= kWideSplitMinTiles;
     const bool poly = D == 128 && p.causal == 0 && tiles < kPolyExpMaxTiles;
-    split = long_items && poly            ? RegisterSplit::kConsumers240PolyExp
-            : long_items                  ? RegisterSplit::kConsumers240
-            : kShortItemsOnFourQuantWarps ? RegisterSplit::kQuantizer4Warps
-                                          : RegisterSplit::kConsumers232;
+    split = long_items && poly ? RegisterSplit::kConsumers240PolyExp
+            : long_items       ? RegisterSplit::kConsumers240
+                               : RegisterSplit::kQuantizer4Warps;
   }
   const bool four_warps = split == RegisterSplit::kQuantizer4Warps;
   auto kernel = sage2_fwd_kernel<D, T, 232>;
@@ -163,12 +157,12 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
       e != cudaSuccess)
     return e;
   ap.batch = p.batch;
-  ap.causal_group = causal_group_heads(w.nkv_pad, D, p.heads_q, p.heads_kv, p.batch);
+  ap.causal_group = common::causal_group_heads(w.nkv_pad, D, p.heads_q, p.heads_kv, p.batch);
   // Persistent grid: one CTA per SM (384 threads at 168 registers, or 512 at 128, fill
   // an SM).
   const int64_t items = static_cast<int64_t>(ap.num_m_blocks) * p.heads_q * p.batch;
   const int grid = static_cast<int>(std::min<int64_t>(items, num_sms));
-  ap.causal_tail = causal_tail_blocks(ap.num_m_blocks, p.heads_q * p.batch, grid);
+  ap.causal_tail = common::causal_tail_blocks(ap.num_m_blocks, p.heads_q * p.batch, grid);
   // May start while the K/V quantization kernel ends (kernel.cuh: the wait).
   return hopper::early_launch(kernel, dim3(grid), dim3(threads), smem, stream, tm_q, tm_k,
                               tm_vt, tm_o, ap);

@@ -2,7 +2,7 @@
 // of the producer warpgroup turn a work item's 16-bit Q tile (128 rows, TMA-loaded in
 // 64-channel boxes with 128-byte swizzle) into the INT8 tile the Q·Kᵀ wgmma reads (in
 // its swizzled layout), the Q scales and q·c, all in shared memory. This removes a
-// separate Q pass over global memory (NOTES v11).
+// separate Q pass over global memory.
 //
 // One thread per scale group of the per-thread granularity: rows r and r + 8 with
 // r = 64·(tid / 32) + 16·w + g, lane = 8·w + g — the rows a wgmma A-fragment thread
@@ -14,7 +14,9 @@
 #include <type_traits>
 
 #include "cuda/hopper/sync.cuh"
-#include "cuda/sage2_fwd/quant_math.cuh"
+#include "cuda/common/amax.cuh"
+#include "cuda/common/quant_math.cuh"
+#include "cuda/common/work_order.h"
 #include "qattn/qattn.h"
 
 namespace qattn::sage2 {
@@ -31,7 +33,7 @@ struct QDebugOut {
 
 template <int D>
 struct QTileLayout {
-  static constexpr int kRows = 128;
+  static constexpr int kRows = common::kItemRows;
   static constexpr int kInBytes = kRows * D * 2;
   // Byte offset of 16-bit chunk c (8 channels) of row r in the TMA tile: one 128-row box
   // per 64 channels, 128-byte rows, 16-byte chunks XOR-ed with r % 8.
@@ -68,17 +70,17 @@ __device__ __forceinline__ float chunk_dot_c(const uint4& raw, const float* c8) 
   const T* e = reinterpret_cast<const T*>(&raw);
   const float2* c2 = reinterpret_cast<const float2*>(c8);
   float2 cc = c2[0];
-  float part = to_float(e[0]) * cc.x;
-  part = fmaf(to_float(e[1]), cc.y, part);
+  float part = common::to_float(e[0]) * cc.x;
+  part = fmaf(common::to_float(e[1]), cc.y, part);
   cc = c2[1];
-  part = fmaf(to_float(e[2]), cc.x, part);
-  part = fmaf(to_float(e[3]), cc.y, part);
+  part = fmaf(common::to_float(e[2]), cc.x, part);
+  part = fmaf(common::to_float(e[3]), cc.y, part);
   cc = c2[2];
-  part = fmaf(to_float(e[4]), cc.x, part);
-  part = fmaf(to_float(e[5]), cc.y, part);
+  part = fmaf(common::to_float(e[4]), cc.x, part);
+  part = fmaf(common::to_float(e[5]), cc.y, part);
   cc = c2[3];
-  part = fmaf(to_float(e[6]), cc.x, part);
-  return fmaf(to_float(e[7]), cc.y, part);
+  part = fmaf(common::to_float(e[6]), cc.x, part);
+  return fmaf(common::to_float(e[7]), cc.y, part);
 }
 
 // sm_scale · q·c of thread tid's two rows (r, r + 8) of the 16-bit tile, for the LSE:
@@ -100,34 +102,12 @@ __device__ __forceinline__ void q_tile_dot_c(const uint8_t* in, float* q_dot_c, 
   }
 }
 
-// |x| max over a row's 16-byte chunks, on packed 16-bit pairs (exact: max commutes with
-// the widening): m starts at `absmax_zero`, `absmax_chunk` folds one chunk (8 values)
-// into it, `absmax_float` gives the float amax of m (NaN propagates).
-template <typename T2>
-__device__ __forceinline__ T2 absmax_zero() {
-  const uint32_t zero = 0u;
-  return *reinterpret_cast<const T2*>(&zero);
-}
-template <typename T2>
-__device__ __forceinline__ void absmax_chunk(T2 (&m)[2], const uint4& raw) {
-  auto pair = [](uint32_t w) { return *reinterpret_cast<const T2*>(&w); };
-  m[0] = __hmax2_nan(m[0], __habs2(pair(raw.x)));
-  m[1] = __hmax2_nan(m[1], __habs2(pair(raw.y)));
-  m[0] = __hmax2_nan(m[0], __habs2(pair(raw.z)));
-  m[1] = __hmax2_nan(m[1], __habs2(pair(raw.w)));
-}
-template <typename T2>
-__device__ __forceinline__ float absmax_float(const T2 (&m)[2]) {
-  const T2 mm = __hmax2_nan(m[0], m[1]);
-  return amax_nan(amax_nan(0.f, __low2float(mm)), __high2float(mm));
-}
-
 // The INT8 codes of a scale group with amax a: `rows(codes)` runs the caller's loop over
 // its rows, `codes(w0, w1)` turning two packed 16-bit pairs into four codes, low byte
-// first. One loop per case, so the common one has no branch per quad (NOTES v14c).
+// first. One loop per case, so the common one has no branch per quad.
 template <typename T, typename Rows>
 __device__ __forceinline__ void quantize_group_codes(float a, Rows&& rows) {
-  const float inv = kInt8Max / a;
+  const float inv = common::kInt8Max / a;
   // All zeros for amax 0 or NaN (quantize_int8x4's rule) and for amax inf, where every
   // x·inv is 0 or NaN and __float2int_rn gives 0.
   const bool zero = !(a > 0.f) || a == INFINITY;
@@ -135,13 +115,13 @@ __device__ __forceinline__ void quantize_group_codes(float a, Rows&& rows) {
   // quantize_int8x4's path, where F2I saturates, so the codes stay identical.
   const bool tiny = !zero && inv == INFINITY;
   auto quad = [&](uint32_t w0, uint32_t w1) {
-    const float2 f0 = widen_pair<T>(w0), f1 = widen_pair<T>(w1);
-    return quantize_int8x4_rn(f0.x, f0.y, f1.x, f1.y, inv);
+    const float2 f0 = common::widen_pair<T>(w0), f1 = common::widen_pair<T>(w1);
+    return common::quantize_int8x4_rn(f0.x, f0.y, f1.x, f1.y, inv);
   };
   auto tiny_quad = [&](uint32_t w0, uint32_t w1) {
-    const float2 f0 = widen_pair<T>(w0), f1 = widen_pair<T>(w1);
+    const float2 f0 = common::widen_pair<T>(w0), f1 = common::widen_pair<T>(w1);
     const float x[4] = {f0.x, f0.y, f1.x, f1.y};
-    return quantize_int8x4(x, inv, false);
+    return common::quantize_int8x4(x, inv, false);
   };
   if (zero)
     rows([](uint32_t, uint32_t) { return 0u; });
@@ -170,25 +150,25 @@ __device__ __forceinline__ void quantize_q_tile(const uint8_t* in, uint8_t* out,
 
   // amax over both rows.
   T2 m[2];
-  m[0] = m[1] = absmax_zero<T2>();
+  m[0] = m[1] = common::absmax_zero<T2>();
 #pragma unroll 1
   for (int chunk = 0; chunk < D / 8; ++chunk) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) absmax_chunk(m, load(r0 + 8 * h, chunk));
+    for (int h = 0; h < 2; ++h) common::absmax_chunk(m, load(r0 + 8 * h, chunk));
   }
-  float a = absmax_float(m);
+  float a = common::absmax_float(m);
 
   if (!kLowRegs && c != nullptr) q_tile_dot_c<D, T>(in, q_dot_c, c, tid, sm_scale);
   // Scale group: both rows (per thread), 16 rows (per warp: the 8 lanes of w), 64 rows.
   if (granularity != QATTN_QK_PER_THREAD) {
 #pragma unroll
-    for (int off = 1; off < 8; off <<= 1) a = amax_nan(a, __shfl_xor_sync(0xffffffff, a, off));
+    for (int off = 1; off < 8; off <<= 1) a = common::amax_nan(a, __shfl_xor_sync(0xffffffff, a, off));
     if (granularity == QATTN_QK_PER_BLOCK) {
-      a = amax_nan(a, __shfl_xor_sync(0xffffffff, a, 8));
-      a = amax_nan(a, __shfl_xor_sync(0xffffffff, a, 16));
+      a = common::amax_nan(a, __shfl_xor_sync(0xffffffff, a, 8));
+      a = common::amax_nan(a, __shfl_xor_sync(0xffffffff, a, 16));
     }
   }
-  if constexpr (kLowRegs) q_scale[tid] = (a / kInt8Max) * scale_log2;  // a dies with inv
+  if constexpr (kLowRegs) q_scale[tid] = (a / common::kInt8Max) * scale_log2;  // a dies with inv
   quantize_group_codes<T>(a, [&](auto codes) {
 #pragma unroll 1
     for (int i = 0; i < 2 * (D / 16); ++i) {
@@ -202,7 +182,7 @@ __device__ __forceinline__ void quantize_q_tile(const uint8_t* in, uint8_t* out,
   if constexpr (kLowRegs) {
     if (c != nullptr) q_tile_dot_c<D, T>(in, q_dot_c, c, tid, sm_scale);
   } else {
-    q_scale[tid] = (a / kInt8Max) * scale_log2;
+    q_scale[tid] = (a / common::kInt8Max) * scale_log2;
   }
 }
 
@@ -211,14 +191,16 @@ __device__ __forceinline__ void quantize_q_tile(const uint8_t* in, uint8_t* out,
 // tid / 2, so the group's two rows are lanes tid and tid ^ 1 (one shuffle), a 16-row
 // group is 16 lanes, and a 64-row block is two warps, which meet in `block_amax` (two
 // floats per warp, by item parity: the partner may still read the previous item's)
-// at named barrier 3 + block. Writes the codes and scales that quantize_q_tile writes,
+// at named barrier `amax_barrier` + block (`amax_threads`: the two warps). Writes the
+// codes and scales that quantize_q_tile writes,
 // bit for bit, the scale before the codes (kLowRegs' order); q·c is q_row_dot_c's, which
 // the caller runs after it with its pointers derived again (kept live across this
 // function they spilled at 24 registers).
 template <int D, typename T>
 __device__ __forceinline__ void quantize_q_row(const uint8_t* in, uint8_t* out, float* q_scale,
                                                int tid, qattn_qk_granularity granularity,
-                                               float scale_log2, float* block_amax, int parity) {
+                                               float scale_log2, float* block_amax, int parity,
+                                               uint32_t amax_barrier, uint32_t amax_threads) {
   using L = QTileLayout<D>;
   using T2 = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, __nv_bfloat162, __half2>;
   const int r = opaque(q_tile_row_pair(tid >> 1) + 8 * (tid & 1));
@@ -226,23 +208,23 @@ __device__ __forceinline__ void quantize_q_row(const uint8_t* in, uint8_t* out, 
     return *reinterpret_cast<const uint4*>(in + L::in_offset(r, chunk));
   };
   T2 m[2];
-  m[0] = m[1] = absmax_zero<T2>();
+  m[0] = m[1] = common::absmax_zero<T2>();
 #pragma unroll 1
-  for (int chunk = 0; chunk < D / 8; ++chunk) absmax_chunk(m, load(chunk));
-  float a = absmax_float(m);
-  a = amax_nan(a, __shfl_xor_sync(0xffffffff, a, 1));  // the group's other row
+  for (int chunk = 0; chunk < D / 8; ++chunk) common::absmax_chunk(m, load(chunk));
+  float a = common::absmax_float(m);
+  a = common::amax_nan(a, __shfl_xor_sync(0xffffffff, a, 1));  // the group's other row
   if (granularity != QATTN_QK_PER_THREAD) {
 #pragma unroll
-    for (int off = 2; off < 16; off <<= 1) a = amax_nan(a, __shfl_xor_sync(0xffffffff, a, off));
+    for (int off = 2; off < 16; off <<= 1) a = common::amax_nan(a, __shfl_xor_sync(0xffffffff, a, off));
     if (granularity == QATTN_QK_PER_BLOCK) {
-      a = amax_nan(a, __shfl_xor_sync(0xffffffff, a, 16));
+      a = common::amax_nan(a, __shfl_xor_sync(0xffffffff, a, 16));
       const int warp = opaque(tid) / 32;
       if (tid % 32 == 0) block_amax[parity * 4 + warp] = a;
-      hopper::named_barrier_sync(3 + warp / 2, 64);
-      a = amax_nan(a, block_amax[parity * 4 + (warp ^ 1)]);
+      hopper::named_barrier_sync(amax_barrier + warp / 2, amax_threads);
+      a = common::amax_nan(a, block_amax[parity * 4 + (warp ^ 1)]);
     }
   }
-  if ((tid & 1) == 0) q_scale[tid >> 1] = (a / kInt8Max) * scale_log2;
+  if ((tid & 1) == 0) q_scale[tid >> 1] = (a / common::kInt8Max) * scale_log2;
   quantize_group_codes<T>(a, [&](auto codes) {
 #pragma unroll 1
     for (int chunk = 0; chunk < D / 16; ++chunk) {

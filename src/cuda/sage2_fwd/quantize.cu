@@ -1,9 +1,9 @@
-#include <cuda_fp8.h>
-
 #include "cuda/hopper/early_launch.h"
 #include "cuda/hopper/per_device.h"
 #include "cuda/hopper/sync.cuh"
-#include "cuda/sage2_fwd/quant_math.cuh"
+#include "cuda/common/amax.cuh"
+#include "cuda/common/e4m3.cuh"
+#include "cuda/common/quant_math.cuh"
 #include "cuda/sage2_fwd/quantize.cuh"
 #include "numerics/mma_groups.h"
 #include "numerics/token_sample.h"
@@ -14,7 +14,6 @@ namespace {
 constexpr int kThreads = 256;
 // The token sample of the K mean and of V's amax bound, shared with the emulator.
 constexpr int kSmoothingSample = static_cast<int>(numerics::kSmoothSampleTokens);
-constexpr float kE4m3Max = 448.f;
 
 // Asynchronous 16-byte global -> shared copy; bytes past `src_bytes` (0..16) are zero-filled.
 __device__ __forceinline__ void cp_async_16(uint4* dst, const void* src, int src_bytes) {
@@ -50,14 +49,8 @@ __device__ __forceinline__ void copy_chunk(uint4* dst, const T* base, int64_t st
 // Element j of a chunk as a float (j is a constant after unrolling: one instruction).
 template <typename T>
 __device__ __forceinline__ float element(const uint4& chunk, int j) {
-  const float2 f = widen_pair<T>(reinterpret_cast<const uint32_t*>(&chunk)[j / 2]);
+  const float2 f = common::widen_pair<T>(reinterpret_cast<const uint32_t*>(&chunk)[j / 2]);
   return j % 2 == 0 ? f.x : f.y;
-}
-
-// Two E4M3 codes (RNE, saturating to ±448), `lo` in the low byte: the cvt.rn.satfinite
-// that __nv_cvt_float_to_fp8 issues for one value, here for a pair.
-__device__ __forceinline__ uint32_t quantize_e4m3x2(float lo, float hi) {
-  return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
 }
 
 // Row j (the j-th of a chunk's 8 channels) of a permuted 16-token group of Vᵀ: byte k is
@@ -70,7 +63,7 @@ __device__ __forceinline__ uint4 vt_group_row(Chunk chunk, int j, float inv) {
 #pragma unroll
   for (int m = 0; m < 8; ++m)
     row[m / 2] |=
-        quantize_e4m3x2(element<T>(chunk(groups::v_token_at_position(2 * m)), j) * inv,
+        common::quantize_e4m3x2(element<T>(chunk(groups::v_token_at_position(2 * m)), j) * inv,
                         element<T>(chunk(groups::v_token_at_position(2 * m + 1)), j) * inv)
         << (16 * (m % 2));
   return make_uint4(row[0], row[1], row[2], row[3]);
@@ -87,7 +80,7 @@ __device__ __forceinline__ void load_floats8(const float* src, float (&out)[8]) 
 // ---- 1. statistics, one launch: the K smoothing vector and V's amax bound ----------------
 // 1-D grid of 2·B·Hkv blocks of 256: one block per head averages K over the token sample,
 // one takes V's per-channel amax over the same sample (both latency-bound, ~2 loads deep).
-// V is then read once, by the K/V kernel (NOTES v17a: a full V amax pass took ~20 µs at
+// V is then read once, by the K/V kernel (a full V amax pass took ~20 µs at
 // N = 2K, a sixth of the quantization's time).
 
 // Shared memory that stages a block's loads (either role): the sample's 256 rows of
@@ -139,7 +132,7 @@ __device__ void k_mean_block(const InputView<T>& k, const QuantizeParams& p, uin
   const int ch = threadIdx.x % D, part = threadIdx.x / D;
   float sum = 0.f;
   reduce_sample<T, D, kFullDim>(k.data + b * k.stride_b + h * k.stride_h, k.stride_n, p, stage,
-                                [&](T x) { sum += to_float(x); });
+                                [&](T x) { sum += common::to_float(x); });
   partial[part][ch] = sum;
   __syncthreads();
   if (part == 0) {
@@ -165,13 +158,13 @@ __device__ void v_bound_block(const InputView<T>& v, const QuantizeParams& p,
   if (threadIdx.x < D) out.v_over[bh * D + threadIdx.x] = 0u;
   uint32_t m = 0;  // |x| bits: an integer max orders them like amax_nan (NaN highest)
   reduce_sample<T, D, kFullDim>(v.data + b * v.stride_b + h * v.stride_h, v.stride_n, p, stage,
-                                [&](T x) { m = max(m, abs_bits(to_float(x))); });
+                                [&](T x) { m = max(m, common::abs_bits(common::to_float(x))); });
   partial[part][ch] = m;
   __syncthreads();
   if (part == 0) {
 #pragma unroll
     for (int i = 1; i < kParts; ++i) m = max(m, partial[i][ch]);
-    const float bound = numerics::sampled_amax_bound_of(nan_canonical(m), p.seqlen_kv);
+    const float bound = numerics::sampled_amax_bound_of(common::nan_canonical(m), p.seqlen_kv);
     out.v_amax[bh * D + ch] = ch < p.head_dim ? bound : 0.f;
   }
 }
@@ -266,7 +259,7 @@ __device__ void quantize_k_tile(const InputView<T>& k, const QuantizeParams& p,
     for (int i = 0; i < kItems; ++i) {
       const uint4 x = slot[i][lane];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) a8[j] = max(a8[j], abs_bits(smoothed(x, i, j, full)));
+      for (int j = 0; j < 8; ++j) a8[j] = max(a8[j], common::abs_bits(smoothed(x, i, j, full)));
     }
     uint32_t m = 0;
 #pragma unroll
@@ -277,14 +270,14 @@ __device__ void quantize_k_tile(const InputView<T>& k, const QuantizeParams& p,
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1)
     abits = max(abits, __shfl_xor_sync(0xffffffff, abits, off));
-  float a = nan_canonical(abits);
+  float a = common::nan_canonical(abits);
   if (p.granularity != QATTN_QK_PER_THREAD) {  // per-warp and per-block: one scale per tile
     if (lane == 0) warp_amax[g] = a;
     __syncthreads();
 #pragma unroll
-    for (int w = 0; w < kKvWarps; ++w) a = amax_nan(a, warp_amax[w]);
+    for (int w = 0; w < kKvWarps; ++w) a = common::amax_nan(a, warp_amax[w]);
   }
-  const float inv = kInt8Max / a;
+  const float inv = common::kInt8Max / a;
   // All zeros for amax 0, NaN or inf (where every ks·inv is 0 or NaN, and F2I gave 0).
   const bool zero = !(a > 0.f) || a == INFINITY;
   // amax below 127 / FLT_MAX makes inv infinite: quantize_int8x4's saturating path.
@@ -298,10 +291,10 @@ __device__ void quantize_k_tile(const InputView<T>& k, const QuantizeParams& p,
       for (int j = 0; j < 8; ++j) ks[j] = smoothed(x, i, j, full);
       uint2 codes;
       if constexpr (rn) {
-        codes = make_uint2(quantize_int8x4_rn(ks[0], ks[1], ks[2], ks[3], inv),
-                           quantize_int8x4_rn(ks[4], ks[5], ks[6], ks[7], inv));
+        codes = make_uint2(common::quantize_int8x4_rn(ks[0], ks[1], ks[2], ks[3], inv),
+                           common::quantize_int8x4_rn(ks[4], ks[5], ks[6], ks[7], inv));
       } else {
-        codes = make_uint2(quantize_int8x4(ks, inv, zero), quantize_int8x4(ks + 4, inv, zero));
+        codes = make_uint2(common::quantize_int8x4(ks, inv, zero), common::quantize_int8x4(ks + 4, inv, zero));
       }
       *reinterpret_cast<uint2*>(out.k_i8 + (bh * p.nkv_pad + token(i)) * D + ch0) = codes;
     }
@@ -314,7 +307,7 @@ __device__ void quantize_k_tile(const InputView<T>& k, const QuantizeParams& p,
     store_codes(std::false_type{}, std::true_type{});
   if (lane == 0)
     out.k_scale[bh * (p.nkv_pad / groups::kKvTile * groups::kKThreadGroupsPerTile) +
-                tile * groups::kKThreadGroupsPerTile + g] = a / kInt8Max;
+                tile * groups::kKThreadGroupsPerTile + g] = a / common::kInt8Max;
 }
 
 // V, with its per-channel scale (from the amax bound): warp `part` (0..D/32-1) of a tile
@@ -343,7 +336,7 @@ __device__ void quantize_v_part(const InputView<T>& v, const QuantizeParams& p,
   float amax[8], inv[8];
   load_floats8(out.v_amax + bh * D + ch0, amax);
 #pragma unroll
-  for (int j = 0; j < 8; ++j) inv[j] = kE4m3Max / amax[j];
+  for (int j = 0; j < 8; ++j) inv[j] = common::kE4M3Max / amax[j];
   cp_async_wait_all();
 
   // |x| of 16-bit values as unsigned 16-bit integers orders them like |x| (NaN highest),
@@ -362,16 +355,12 @@ __device__ void quantize_v_part(const InputView<T>& v, const QuantizeParams& p,
     m2[w] = __vmaxu2(m2[w], __shfl_xor_sync(0xffffffff, m2[w], 8));
     m2[w] = __vmaxu2(m2[w], __shfl_xor_sync(0xffffffff, m2[w], 16));
   }
-#if QATTN_EXPERIMENT_NO_VCHECK  // knockout for bench/NOTES.md: no flags, timing only
-  if (false) {
-#else
   if (lane < 8) {
-#endif
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const float2 f = widen_pair<T>(m2[j / 2]);
-      const uint32_t x = __float_as_uint(nan_canonical(abs_bits(j % 2 == 0 ? f.x : f.y)));
-      if (x > __float_as_uint(nan_canonical(abs_bits(amax[j]))))
+      const float2 f = common::widen_pair<T>(m2[j / 2]);
+      const uint32_t x = __float_as_uint(common::nan_canonical(common::abs_bits(j % 2 == 0 ? f.x : f.y)));
+      if (x > __float_as_uint(common::nan_canonical(common::abs_bits(amax[j]))))
         atomicMax(&out.v_over[bh * D + ch0 + j], x);
     }
   }
@@ -401,7 +390,7 @@ __global__ void __launch_bounds__(kKvThreads, kKvMinBlocksPerSm)
   hopper::grid_dependency_wait();
   const int tiles = p.nkv_pad / groups::kKvTile;
   // Heads in reverse order: chosen when the statistics kernel read all of V, so that the
-  // V it read last was still in L2 here; since v17a it reads only the sample. The
+  // V it read last was still in L2 here; now it reads only the sample. The
   // attention kernel starts with the first heads, whose codes this order writes last.
   // Not re-measured.
   const int h = gridDim.y - 1 - blockIdx.y, b = gridDim.z - 1 - blockIdx.z;
@@ -419,14 +408,14 @@ __global__ void __launch_bounds__(kKvThreads, kKvMinBlocksPerSm)
 // ---- 4. fix-up: the V channels whose values exceed the sampled bound -----------------------
 // One block of 256 threads per (batch, KV head): a grid small enough that its CTAs,
 // resident early (PDL) while they wait for the K/V kernel, take few of its slots (a
-// block per 1,024 tokens cost 2% end-to-end at N = 2K, NOTES v17b). Nothing to do for
+// block per 1,024 tokens cost 2% end-to-end at N = 2K). Nothing to do for
 // almost every head: one load of v_over per thread and the block leaves. Otherwise each set channel
 // takes its exact amax (the K/V kernel merged it into v_over: only values above the bound can be
 // the largest) and its row of Vᵀ is rewritten with it: the codes the K/V kernel writes for that
 // amax. A thread takes a 16-token group and an 8-channel chunk at a time, so the loads stay 16-byte
 // rows as in the K/V kernel, whatever the number of flagged channels (a warp per channel with
-// strided loads took ~15 µs for a few channels; NOTES v17a). With every channel flagged (the worst
-// case) a call at N = 2K takes ~60 µs more (NOTES v17b).
+// strided loads took ~15 µs for a few channels). With every channel flagged (the worst
+// case) a call at N = 2K takes ~60 µs more (measured: bench/NOTES.md).
 constexpr int kFixupThreads = 256;
 
 template <typename T, int D, bool kFullDim>
@@ -467,7 +456,7 @@ __global__ void __launch_bounds__(kFixupThreads)
     for (int j = 0; j < 8; ++j) {
       const float a = amax[c0 + j];
       if (a == 0.f) continue;
-      const uint4 row = vt_group_row<T>([&](int t) { return x[t]; }, j, kE4m3Max / a);
+      const uint4 row = vt_group_row<T>([&](int t) { return x[t]; }, j, common::kE4M3Max / a);
       *reinterpret_cast<uint4*>(out.vt_f8 + (bh * D + c0 + j) * p.nkv_pad + g0) =
           a > 0.f ? row : make_uint4(0, 0, 0, 0);
     }
@@ -511,10 +500,6 @@ cudaError_t launch_quantize_passes(const InputView<T>& k, const InputView<T>& v,
           dim3(kKvThreads), 0, stream, k, v, p, out);
       e != cudaSuccess)
     return e;
-#if QATTN_EXPERIMENT_NO_VFIXUP  // knockout for bench/NOTES.md: timing only
-  (void)v_fixup;
-  return cudaSuccess;
-#endif
   return hopper::early_launch(v_fixup, dim3(kv_grid.y * kv_grid.z), dim3(kFixupThreads), 0, stream,
                               v, p, out);
 }

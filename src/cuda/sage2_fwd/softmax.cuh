@@ -8,43 +8,24 @@
 
 #include <cstdint>
 
+#include "cuda/common/e4m3.cuh"
+#include "cuda/common/exp2.cuh"
 #include "numerics/exp2_poly.h"
 #include "numerics/int32_scores.h"
 
 namespace qattn::sage2 {
-
-inline constexpr float kLog2E4m3Max = 8.807354922057604f;  // log2(448)
-
-__device__ __forceinline__ float exp2_approx(float x) {
-#if QATTN_EXPERIMENT_NO_EXP  // knockout for bench/NOTES.md: wrong results, timing only
-  return x * 0.001f;
-#endif
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// Two E4M3 values packed as in a register fragment: `lo` in the low byte.
-__device__ __forceinline__ uint16_t pack_e4m3x2(float lo, float hi) {
-  uint16_t r;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
-  return r;
-}
 
 using scores::kMaskedScore;
 using scores::score_to_float;
 
 // kPolyChunks: the exps of that many column chunks in each 8 by numerics::exp2_poly
 // instead of MUFU. The kernel uses 0, and 1 in one d=128 shape (launch.h). 2 gained 4%
-// at d=128 N=2K in NOTES v15d and lost 10-16% at d=64; since v19d it loses 1-6% at
-// d=128 too (v21b), and 1 pays only for mid-length non-causal items (v21f).
+// at d=128 N=2K at first and lost 10-16% at d=64; with today's consumer loop it loses
+// 1-6% at d=128 too, and 1 pays only for mid-length non-causal items (measured:
+// bench/NOTES.md).
 template <int kCols, int kChains, int kPolyChunks>
 struct OnlineSoftmax {
-#ifdef QATTN_SAGE2_SOFTMAX_CHAINS  // override for the measurements of bench/NOTES.md
-  static constexpr int kPartials = QATTN_SAGE2_SOFTMAX_CHAINS;
-#else
   static constexpr int kPartials = kChains;
-#endif
   float m[2] = {-INFINITY, -INFINITY};  // running max of rows g, g + 8 (log2 units)
   float l[2] = {0.f, 0.f};              // row sums of the cast P (x448), full rows
 
@@ -53,12 +34,12 @@ struct OnlineSoftmax {
   // to p and, per row, the factor by which the old O must be scaled. float(s) is
   // monotonic, so the max runs on the integers (IMNMX) and is converted once; the
   // per-element conversions then sit in the exp loop, where the FMA and ALU pipes idle
-  // behind MUFU, instead of on the max's dependency chain (NOTES v12b). Each element
+  // behind MUFU, instead of on the max's dependency chain. Each element
   // costs an IADD, an FFMA and an exp2.
   __device__ __forceinline__ void step(const int32_t (&s)[kCols], float qk, float (&p)[kCols],
                                        float (&alpha)[2]) {
     // The max runs as kPartials independent chains per row: only two consumer warps
-    // share a scheduler, so latency, not throughput, bounds a serial chain (NOTES v8).
+    // share a scheduler, so latency, not throughput, bounds a serial chain.
     int32_t mp[2][kPartials];
 #pragma unroll
     for (int r = 0; r < 2; ++r)
@@ -82,13 +63,13 @@ struct OnlineSoftmax {
     for (int r = 0; r < 2; ++r) {
       // A row that has seen only masked keys keeps m = -inf; use 0 so no inf - inf.
       const bool empty = mx[r] == -INFINITY;
-      alpha[r] = empty ? 1.f : exp2_approx(m[r] - mx[r]);
-      neg_bias[r] = empty ? 0.f : kLog2E4m3Max - mx[r];
+      alpha[r] = empty ? 1.f : common::exp2_approx(m[r] - mx[r]);
+      neg_bias[r] = empty ? 0.f : common::kLog2E4M3Max - mx[r];
       m[r] = mx[r];
     }
     // The conversion's offset goes into the bias: (1.5·2²³ + s)·qk + (bias − 1.5·2²³·qk)
-    // is one FFMA per element where float(s)·qk + bias took an FADD too (+1-3%, NOTES
-    // v15b). Rounding b moves the exponent by < 0.75·qk: under one unit of s.
+    // is one FFMA per element where float(s)·qk + bias took an FADD too (+1-3%;
+    // measured: bench/NOTES.md). Rounding b moves the exponent by < 0.75·qk: under one unit of s.
 #pragma unroll
     for (int r = 0; r < 2; ++r) neg_bias[r] = fmaf(-scores::kMagic, qk, neg_bias[r]);
 #pragma unroll
@@ -96,8 +77,8 @@ struct OnlineSoftmax {
       const int r = (i % 4) / 2;
       const float y = fmaf(__int_as_float(s[i] + scores::kMagicBits), qk, neg_bias[r]);
       // Column chunks 0 .. kPolyChunks-1 of each 8 on the FMA pipe (2: chunks 0, 1, 8, 9
-      // of 16): measured per pattern (NOTES v15d).
-      p[i] = (i / 4) % 8 < kPolyChunks ? numerics::exp2_poly(y) : exp2_approx(y);
+      // of 16): measured per pattern (bench/NOTES.md).
+      p[i] = (i / 4) % 8 < kPolyChunks ? numerics::exp2_poly(y) : common::exp2_approx(y);
     }
   }
 
@@ -123,10 +104,10 @@ __device__ __forceinline__ void pack_p_fragments(const float (&p)[kCols],
     for (int half = 0; half < 2; ++half) {  // chunks (4kk, 4kk+1) then (4kk+2, 4kk+3)
       const int e = c0 + half * 8;
       // row g: elements e+0, e+1 (chunk j), e+4, e+5 (chunk j+1); row g+8: e+2, e+3, e+6, e+7
-      a[kk][half * 2 + 0] = static_cast<uint32_t>(pack_e4m3x2(p[e + 0], p[e + 1])) |
-                            static_cast<uint32_t>(pack_e4m3x2(p[e + 4], p[e + 5])) << 16;
-      a[kk][half * 2 + 1] = static_cast<uint32_t>(pack_e4m3x2(p[e + 2], p[e + 3])) |
-                            static_cast<uint32_t>(pack_e4m3x2(p[e + 6], p[e + 7])) << 16;
+      a[kk][half * 2 + 0] = static_cast<uint32_t>(common::pack_e4m3x2(p[e + 0], p[e + 1])) |
+                            static_cast<uint32_t>(common::pack_e4m3x2(p[e + 4], p[e + 5])) << 16;
+      a[kk][half * 2 + 1] = static_cast<uint32_t>(common::pack_e4m3x2(p[e + 2], p[e + 3])) |
+                            static_cast<uint32_t>(common::pack_e4m3x2(p[e + 6], p[e + 7])) << 16;
     }
   }
 }

@@ -5,13 +5,14 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "cuda/common/work_order.h"
 #include "numerics/mma_groups.h"
 #include "qattn/qattn.h"
 
 namespace qattn::sage2 {
 
 inline constexpr std::size_t kWorkspaceAlign = 256;
-inline constexpr int kQTile = 128;  // query rows per CTA (two 64-row warpgroups)
+inline constexpr int kQTile = common::kItemRows;  // query rows per work item (a CTA's block)
 
 struct WorkspaceLayout {
   int head_dim_padded = 0;  // 64 or 128

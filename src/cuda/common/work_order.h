@@ -1,8 +1,8 @@
-// The attention kernel's work items: the order in which its persistent CTAs take them
-// (decode_item, kernel.cuh), the size of the causal head groups (launch.cu), and how
-// many KV tiles each visits (the launch's register split depends on their mean). Plain
-// C++ usable on both sides, so the CPU tests can check the order visits every item
-// exactly once and the tile counts.
+// The work items of a persistent attention grid: (128-row query block, query head)
+// pairs, the order in which the CTAs take them (item_place), the size of the causal
+// head groups, and how many KV tiles each item visits (a launch may choose its kernel
+// shape by their mean). Plain C++ usable on both sides, so the CPU tests can check that
+// the order visits every item exactly once, and the tile counts.
 #pragma once
 
 #include <algorithm>
@@ -12,7 +12,10 @@
 #include "numerics/int32_scores.h"
 #include "numerics/mma_groups.h"
 
-namespace qattn::sage2 {
+namespace qattn::common {
+
+// Query rows of one work item (a CTA's query block); the workspace pads Nq to it.
+inline constexpr int kItemRows = 128;
 
 // Where item number `item` is: its 128-row query block and its query head, numbered
 // b · Hq + hq over all `heads` = B · Hq.
@@ -22,15 +25,15 @@ struct ItemPlace {
 
 // Non-causal: the query blocks of one head are consecutive items, so the items in
 // flight share that head's K/V in L2 (with query blocks slowest, a causal grid thrashed
-// L2 and ran 6% slower at N = 8K, NOTES v6). Causal: the heads go in groups of
-// `causal_group` whose K/V fit in L2 together, and within a group every head's longest
-// block (the last one) comes first, then every head's next longest (kernel-only causal
-// 2K +9% over longest-first within each head, NOTES v16g). The `tail_blocks` shortest
-// blocks of every head are left out of the groups and come last, all heads together,
-// longest first: the grid ends on several rounds of short items however few heads the
-// last group has (they read only the first K/V tiles of each head). NOTES v20b.
-QATTN_HD ItemPlace item_place(int item, int num_m_blocks, int heads, bool causal,
-                              int causal_group, int tail_blocks) {
+// L2 and ran 6% slower at N = 8K). Causal: the heads go in groups of `causal_group`
+// whose K/V fit in L2 together, and within a group every head's longest block (the last
+// one) comes first, then every head's next longest (kernel-only causal 2K +9% over
+// longest-first within each head). The `tail_blocks` shortest blocks of every head are
+// left out of the groups and come last, all heads together, longest first: the grid
+// ends on several rounds of short items however few heads the last group has (they read
+// only the first K/V tiles of each head). Measured: bench/NOTES.md.
+QATTN_HD ItemPlace item_place(int item, int num_m_blocks, int heads, bool causal, int causal_group,
+                              int tail_blocks) {
   if (!causal) {
     const int r = item / num_m_blocks, m = item % num_m_blocks;
     return {m, r};
@@ -48,13 +51,11 @@ QATTN_HD ItemPlace item_place(int item, int num_m_blocks, int heads, bool causal
   return {num_m_blocks - 1 - i / in_group, r};
 }
 
-// Rounds of the grid that the causal order's tail of short blocks should fill: the Q
-// loader claims up to two items ahead of the one running (kernel.cuh), so the last
-// claims must be short for the CTAs to end together.
-#ifndef QATTN_SAGE2_TAIL_ROUNDS
-#define QATTN_SAGE2_TAIL_ROUNDS 3
-#endif
-inline constexpr int kCausalTailRounds = QATTN_SAGE2_TAIL_ROUNDS;
+// Rounds of the grid that the causal order's tail of short blocks should fill: the SA2
+// forward's Q loader claims up to two items ahead of the one running
+// (sage2_fwd/scheduler.cuh), so the last claims must be short for the CTAs to end
+// together.
+inline constexpr int kCausalTailRounds = 3;
 
 // The number of shortest blocks per head in the causal order's tail: enough for
 // kCausalTailRounds items per CTA, at most a quarter of a head's blocks.
@@ -64,16 +65,16 @@ inline int causal_tail_blocks(int num_m_blocks, int heads, int grid) {
   return std::min(want, num_m_blocks / 4);
 }
 
-// Number of KV tiles a 128-row query block must visit: up to the last key its last row
-// sees (all of them unless causal, bottom-right aligned; none when that row sees no key).
+// Number of KV tiles a query block must visit: up to the last key its last row sees
+// (all of them unless causal, bottom-right aligned; none when that row sees no key).
 QATTN_HD int kv_tiles_for_block(int seqlen_q, int seqlen_kv, bool causal, int m_block) {
-  const int last_row = std::min((m_block + 1) * 128, seqlen_q) - 1;
+  const int last_row = std::min((m_block + 1) * kItemRows, seqlen_q) - 1;
   const int last_key = scores::last_visible_key(seqlen_q, seqlen_kv, causal, last_row);
   return last_key < 0 ? 0 : last_key / groups::kKvTile + 1;
 }
 
-// The mean of kv_tiles_for_block over a grid's query blocks: the launch chooses the
-// attention kernel's register split by it (launch.cu).
+// The mean of kv_tiles_for_block over a grid's query blocks: the SA2 launch chooses the
+// attention kernel's register split by it (sage2_fwd/launch.cu).
 inline double mean_kv_tiles_per_item(int seqlen_q, int seqlen_kv, bool causal, int num_m_blocks) {
   // Without the mask every block sees every key: no loop on the call's host path.
   if (!causal) return num_m_blocks > 0 ? kv_tiles_for_block(seqlen_q, seqlen_kv, false, 0) : 0.0;
@@ -84,8 +85,8 @@ inline double mean_kv_tiles_per_item(int seqlen_q, int seqlen_kv, bool causal, i
 }
 
 // L2 that a causal group's K/V may take (the H200 has 50 MB; the rest holds Q and O).
-// Measured (NOTES v16g): 12 and 48 MB were slower at some N, and all heads in one group
-// thrashed L2 from N = 4K.
+// 12 and 48 MB were slower at some N, and all heads in one group thrashed L2 from
+// N = 4K (measured: bench/NOTES.md).
 inline constexpr std::size_t kCausalGroupL2Bytes = std::size_t{24} << 20;
 
 // Query heads per causal group: as many as read INT8 K and E4M3 Vᵀ (nkv_pad · D bytes
@@ -99,4 +100,4 @@ inline int causal_group_heads(std::size_t nkv_pad, int head_dim_padded, int head
                                    static_cast<std::size_t>(heads_q) * batch));
 }
 
-}  // namespace qattn::sage2
+}  // namespace qattn::common

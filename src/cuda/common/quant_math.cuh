@@ -1,5 +1,7 @@
-// Element arithmetic shared by the quantization kernels and the attention kernel's
-// in-kernel Q quantization (docs/sage2-kernel-arithmetic.md, steps 1-4).
+// Element arithmetic of 8-bit quantization on the GPU: 16-bit loads widened to float,
+// INT8 codes by round-to-nearest-even. Shared by the quantization kernels and the
+// attention kernel's in-kernel Q quantization (docs/sage2-kernel-arithmetic.md, steps
+// 1-4) and by any later family that quantizes to INT8.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -8,10 +10,11 @@
 #include <cstdint>
 #include <type_traits>
 
-namespace qattn::sage2 {
+#include "numerics/formats.h"
 
-inline constexpr float kInt8Max = 127.f;
-inline constexpr uint32_t kNaNBits = 0x7fffffff;
+namespace qattn::common {
+
+inline constexpr float kInt8Max = static_cast<float>(numerics::kInt8Max);
 
 template <typename T>
 __device__ __forceinline__ float to_float(T x) {
@@ -19,12 +22,6 @@ __device__ __forceinline__ float to_float(T x) {
     return __bfloat162float(x);
   else
     return __half2float(x);
-}
-
-// NaN-propagating max of |x|: a NaN input must make its group's scale NaN.
-__device__ __forceinline__ float amax_nan(float a, float x) {
-  const float ax = fabsf(x);
-  return (ax != ax || a != a) ? __uint_as_float(kNaNBits) : fmaxf(a, ax);
 }
 
 // Both elements of a packed 16-bit pair as floats. bf16 widens by a shift and a mask:
@@ -38,17 +35,9 @@ __device__ __forceinline__ float2 widen_pair(uint32_t w) {
     return __half22float2(*reinterpret_cast<const __half2*>(&w));
 }
 
-// |x| as integer bits: compared as unsigned they order like |x|, with NaN above inf, so
-// their max is amax_nan's (after nan_canonical) in one integer instruction.
-__device__ __forceinline__ uint32_t abs_bits(float x) { return __float_as_uint(x) & kNaNBits; }
-// amax_nan returns this NaN whatever the input's payload.
-__device__ __forceinline__ float nan_canonical(uint32_t abs) {
-  return __uint_as_float(abs > 0x7f800000u ? kNaNBits : abs);
-}
-
 // t rounded to nearest even, in the low byte (two's complement), for |t| < 2^22: the
 // FADD of 1.5·2^23 has an ULP of 1. Without F2I, which shares the 16/clk/SM pipe with
-// the attention kernel's exp2 (NOTES v11) and needs a clamp.
+// the attention kernel's exp2 and needs a clamp.
 __device__ __forceinline__ uint32_t int8_byte_rn(float t) {
   return __float_as_uint(t + 12582912.f);
 }
@@ -78,4 +67,4 @@ __device__ __forceinline__ uint32_t quantize_int8x4(const float* x, float inv, b
   return w;
 }
 
-}  // namespace qattn::sage2
+}  // namespace qattn::common

@@ -1,9 +1,9 @@
-// Where a thread's accumulator elements sit (see hopper/wgmma.cuh): element i of an
-// m64nN accumulator is row (i % 4 < 2 ? g : g + 8) of the warp's 16 rows, column
+// Where a thread's wgmma accumulator elements sit (see hopper/wgmma.cuh): element i of
+// an m64nN accumulator is row (i % 4 < 2 ? g : g + 8) of the warp's 16 rows, column
 // 8 * (i / 4) + 2 * t + (i % 2).
 #pragma once
 
-namespace qattn::sage2 {
+namespace qattn::common {
 
 struct FragCoord {
   int g, t;  // lane / 4, lane % 4
@@ -11,4 +11,4 @@ struct FragCoord {
   __device__ __forceinline__ int col(int i) const { return 8 * (i / 4) + 2 * t + (i % 2); }
 };
 
-}  // namespace qattn::sage2
+}  // namespace qattn::common

@@ -1,0 +1,60 @@
+// The SA2-8b forward's scheduler: which work item each persistent CTA takes next.
+//
+// Work items are (128-row query block, query head, batch). The grid is persistent (one
+// CTA per SM), so the producer loads the next item's Q and K/V while the consumers still
+// finish the current one. CTA i starts with item i and then takes the next unclaimed
+// item from a global counter (next_item): a static round-robin gave the CTAs of a causal
+// grid sums of block lengths up to 18% apart at N=2K. The order of the items:
+// common/work_order.h. One thread per CTA claims (the Q loader, producer.cuh); it
+// publishes each claim, decoded, as a SlotItem for the other roles.
+#pragma once
+
+#include "cuda/common/work_order.h"
+#include "cuda/sage2_fwd/traits.cuh"
+
+namespace qattn::sage2 {
+
+// gridDim.x, read where it is used: the producer warpgroup's 40 (or 24) registers cannot keep
+// loop invariants live (the compiler would hoist and spill them).
+__device__ __forceinline__ int grid_size() {
+  int n;
+  asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(n));
+  return n;
+}
+
+struct WorkItem {
+  int m_block, hq, b;
+};
+// Two calls, so that the non-causal path never computes B·Hq: this form compiles to the
+// measured build's machine code in the consumers (only the producer's registers differ).
+__device__ __forceinline__ WorkItem decode_item(const AttentionParams& p, int item) {
+  if (!p.causal) {
+    const common::ItemPlace at = common::item_place(item, p.num_m_blocks, 0, false, 1, 0);
+    return {at.m_block, at.head % p.heads_q, at.head / p.heads_q};
+  }
+  const common::ItemPlace at = common::item_place(item, p.num_m_blocks, p.heads_q * p.batch, true,
+                                                  p.causal_group, p.causal_tail);
+  return {at.m_block, at.head % p.heads_q, at.head / p.heads_q};
+}
+// The claim of this CTA's work item number `local` (one thread per CTA).
+__device__ __forceinline__ int next_item(const AttentionParams& p, int local) {
+  return local == 0 ? static_cast<int>(blockIdx.x) : grid_size() + atomicAdd(&p.item_counter[0], 1);
+}
+
+// Called by each CTA's claiming thread after its last claim: the last CTA to get here
+// puts the counters back to zero for the next launch (every claim of the grid is done by
+// then).
+__device__ __forceinline__ void release_item_counter(const AttentionParams& p) {
+  __threadfence();  // this CTA's last claim comes before its count
+  if (atomicAdd(&p.item_counter[1], 1) == grid_size() - 1) {
+    p.item_counter[0] = 0;
+    p.item_counter[1] = 0;
+  }
+}
+
+// b · Hkv + the KV head that query head hq reads (GQA: Hq / Hkv query heads per KV head).
+__device__ __forceinline__ int kv_slice_of(const AttentionParams& p, const WorkItem& w) {
+  return w.b * p.heads_kv + w.hq / (p.heads_q / p.heads_kv);
+}
+
+}  // namespace qattn::sage2
