@@ -3,6 +3,8 @@
 // the per-scheme option structs are the SageAttention2-8b kernel's choices.
 #pragma once
 
+#include "numerics/formats.h"
+
 #include "numerics/quantize.h"
 
 namespace qattn::emulate {
@@ -75,9 +77,9 @@ enum class RowSum {
 };
 
 // log2 of the factor P̃ is multiplied by before its cast, folded into the exponent
-// (docs/sage2-kernel-arithmetic.md step 6). Literals, so the kernel and the emulator
-// use the very same float.
-inline constexpr float kLog2E4M3Max = 8.807354922057604f;   // log2(448)
+// (docs/sage2-kernel-arithmetic.md step 6). E4M3's is the kernel's (numerics/formats.h),
+// so both use the very same float; the others exist only in the emulator.
+using numerics::kLog2E4M3Max;
 inline constexpr float kLog2E5M2Max = 15.807354922057604f;  // log2(57344) = log2(448) + 7
 inline constexpr float kLog2Int8Max = 6.988684686772166f;   // log2(127)
 
