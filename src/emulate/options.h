@@ -4,7 +4,6 @@
 #pragma once
 
 #include "numerics/formats.h"
-
 #include "numerics/quantize.h"
 
 namespace qattn::emulate {
