@@ -15,19 +15,9 @@ import warnings
 
 import pytest
 
-torch = pytest.importorskip("torch")
-qattn = pytest.importorskip("qattn")
+from gpu import require_sm90
 
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device", allow_module_level=True)
-if not qattn.built_with_cuda():
-    pytest.skip("qattn was built without CUDA", allow_module_level=True)
-if torch.cuda.get_device_capability() != (9, 0):
-    pytest.skip(
-        f"needs an sm_90 GPU, found {torch.cuda.get_device_name()} "
-        f"(sm_{''.join(map(str, torch.cuda.get_device_capability()))})",
-        allow_module_level=True,
-    )
+torch, qattn = require_sm90()
 
 from qattn import QattnBackwardNotImplemented, QattnError  # noqa: E402
 
