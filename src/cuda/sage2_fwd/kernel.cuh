@@ -145,41 +145,7 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
       }
       release_item_counter(p);
     }
-    if (threadIdx.x == kKvLoader) {
-      hopper::tma_prefetch_descriptor(&tm_k);
-      hopper::tma_prefetch_descriptor(&tm_vt);
-      hopper::grid_dependency_wait();  // K, V and the K scales are outputs
-      PipelineState<Tr::kStages> kv{0};  // KV tiles loaded so far: the ring's stage and phase
-      for (int local = 0;; ++local) {
-        const PipelineState<kQinBuffers> in{local};
-        const int buf = in.index();
-        hopper::mbarrier_wait(&bar.q_full[buf], in.phase());
-        const SlotItem w = bar.item_in[buf];
-        // Read: the buffer's q_full may complete its next phase (item local + 2) only
-        // after this, or this loader could miss a phase and wait on the wrong one.
-        hopper::mbarrier_arrive(&bar.qin_free[buf]);
-        if (w.m_block < 0) break;
-        const int kv_slice = w.kv_slice, n_tiles = w.n_tiles;
-#pragma unroll 1  // rolled: this warpgroup runs at 40 (or 24) registers
-        for (int it = 0; it < n_tiles; ++it, kv.advance()) {
-          // Addressed per tile: a 64-bit pointer kept live across the loop spills at 24.
-          const float* k_scale =
-              p.k_scale + (static_cast<int64_t>(kv_slice) * (p.nkv_pad / groups::kKvTile) + it) *
-                              groups::kKThreadGroupsPerTile;
-          const int st = kv.index();
-          hopper::mbarrier_wait(&bar.k_empty[st], kv.empty_phase());
-          hopper::mbarrier_arrive_expect_tx(&bar.k_full[st], Tr::kKBytes + sizeof(s.k_scale[st]));
-          // K/V are re-read by every query block of the head: keep them in L2.
-          hopper::tma_load_3d(s.k[st], &tm_k, &bar.k_full[st], 0, it * Tr::kBlockN, kv_slice,
-                              hopper::policy_evict_last());
-          hopper::bulk_load(s.k_scale[st], k_scale, sizeof(s.k_scale[st]), &bar.k_full[st]);
-          hopper::mbarrier_wait(&bar.v_empty[st], kv.empty_phase());
-          hopper::mbarrier_arrive_expect_tx(&bar.v_full[st], Tr::kVBytes);
-          hopper::tma_load_3d(s.v[st], &tm_vt, &bar.v_full[st], it * Tr::kBlockN, 0, kv_slice,
-                              hopper::policy_evict_last());
-        }
-      }
-    }
+    if (threadIdx.x == kKvLoader) kv_loader<D>(p, s.k, s.k_scale, s.v, bar, &tm_k, &tm_vt);
     return;
   }
 
