@@ -12,10 +12,9 @@
 // quantizes. Every barrier and its arrival count: pipeline.cuh (Barriers, NamedBarrier);
 // ring positions: PipelineState. docs/sage2-kernel-pipeline.md draws the protocol.
 //
-// The loaders' and the consumers' loops are written in the kernel's body, not in
-// functions of their own: moved into (inlined) functions, the compiler scheduled the
-// 24-40-register producer and the consumer loop differently (other machine code for
-// the same source), and this kernel's machine code is the measured one.
+// The consumers' loop is written in the kernel's body, not in a function of its own:
+// moved into an (inlined) function, it compiled to another consumer loop (other machine
+// code for the same source), and this kernel's machine code is the measured one.
 #pragma once
 
 #include <cuda.h>
@@ -103,83 +102,10 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
     if (threadIdx.x >= kQuantFirst && threadIdx.x < kQuantFirst + kQuantThreads)
 #pragma nv_diag_default 186
       q_quantizer<D, T, kQuantWarps, kProducerRegs>(p, smem_raw, align_pad, s, bar, want_q_dot_c);
-    // Two loader threads with separate loops, so each fits the warpgroup's registers:
-    // kQLoader loads every item's Q tile and side data, kKvLoader the K/V ring.
-    // The Q loader also claims the items: it writes each one to its buffer before it
-    // arrives on q_full, which the quantizer and the K/V loader wait on (the consumers
-    // read the quantizer's copy in the Q slot, through q_ready).
-    if (threadIdx.x == kQLoader) {
-      hopper::grid_dependency_wait();  // claims read the work counter; side data are outputs
-      for (int local = 0;; ++local) {
-        const PipelineState<kQinBuffers> in{local};
-        const int buf = in.index();
-        // Buffer `buf` is free once item local - 2's tile in it is quantized, the K/V
-        // loader has read that item (so q_full cannot run a phase ahead of it), and item
-        // local - 3's O staged there is stored. The Q slot is not waited for: the load
-        // is off the quantizer's path (measured: bench/NOTES.md).
-        if (local >= kQinBuffers) hopper::mbarrier_wait(&bar.qin_free[buf], in.prev_phase());
-        const int item = next_item(p, local);
-        if (item >= num_items) {
-          bar.item_in[buf] = SlotItem{-1, 0, 0, 0};
-          hopper::mbarrier_arrive(&bar.q_full[buf]);
-          break;
-        }
-        const WorkItem w = decode_item(p, item);
-        const int kv_slice = kv_slice_of(p, w);
-        bar.item_in[buf] =
-            SlotItem{w.m_block, w.b * p.heads_q + w.hq, kv_slice,
-                     common::kv_tiles_for_block(p.seqlen_q, p.seqlen_kv, p.causal != 0, w.m_block)};
-        QInSide<D>& side = s.side_in[buf];
-        if (local > 0) {
-          hopper::mbarrier_arrive_expect_tx(&bar.q_full[buf], q_slot_bytes);
-          load_q_tile<D>(s, &tm_q, buf, w, &bar.q_full[buf]);
-        } else {  // its Q came on q0_tile before the wait: here only the side data
-          hopper::mbarrier_arrive_expect_tx(&bar.q_full[buf],
-                                            q_slot_bytes - QTileLayout<D>::kInBytes);
-        }
-        hopper::bulk_load(side.v_amax, p.v_amax + static_cast<int64_t>(kv_slice) * D,
-                          sizeof(side.v_amax), &bar.q_full[buf]);
-        if (want_q_dot_c)
-          hopper::bulk_load(side.k_mean, p.k_mean + static_cast<int64_t>(kv_slice) * D,
-                            sizeof(side.k_mean), &bar.q_full[buf]);
-      }
-      release_item_counter(p);
-    }
-    if (threadIdx.x == kKvLoader) {
-      hopper::tma_prefetch_descriptor(&tm_k);
-      hopper::tma_prefetch_descriptor(&tm_vt);
-      hopper::grid_dependency_wait();  // K, V and the K scales are outputs
-      PipelineState<Tr::kStages> kv{0};  // KV tiles loaded so far: the ring's stage and phase
-      for (int local = 0;; ++local) {
-        const PipelineState<kQinBuffers> in{local};
-        const int buf = in.index();
-        hopper::mbarrier_wait(&bar.q_full[buf], in.phase());
-        const SlotItem w = bar.item_in[buf];
-        // Read: the buffer's q_full may complete its next phase (item local + 2) only
-        // after this, or this loader could miss a phase and wait on the wrong one.
-        hopper::mbarrier_arrive(&bar.qin_free[buf]);
-        if (w.m_block < 0) break;
-        const int kv_slice = w.kv_slice, n_tiles = w.n_tiles;
-#pragma unroll 1  // rolled: this warpgroup runs at 40 (or 24) registers
-        for (int it = 0; it < n_tiles; ++it, kv.advance()) {
-          // Addressed per tile: a 64-bit pointer kept live across the loop spills at 24.
-          const float* k_scale =
-              p.k_scale + (static_cast<int64_t>(kv_slice) * (p.nkv_pad / groups::kKvTile) + it) *
-                              groups::kKThreadGroupsPerTile;
-          const int st = kv.index();
-          hopper::mbarrier_wait(&bar.k_empty[st], kv.empty_phase());
-          hopper::mbarrier_arrive_expect_tx(&bar.k_full[st], Tr::kKBytes + sizeof(s.k_scale[st]));
-          // K/V are re-read by every query block of the head: keep them in L2.
-          hopper::tma_load_3d(s.k[st], &tm_k, &bar.k_full[st], 0, it * Tr::kBlockN, kv_slice,
-                              hopper::policy_evict_last());
-          hopper::bulk_load(s.k_scale[st], k_scale, sizeof(s.k_scale[st]), &bar.k_full[st]);
-          hopper::mbarrier_wait(&bar.v_empty[st], kv.empty_phase());
-          hopper::mbarrier_arrive_expect_tx(&bar.v_full[st], Tr::kVBytes);
-          hopper::tma_load_3d(s.v[st], &tm_vt, &bar.v_full[st], it * Tr::kBlockN, 0, kv_slice,
-                              hopper::policy_evict_last());
-        }
-      }
-    }
+    // Two loader threads with separate loops, so each fits the warpgroup's registers.
+    if (threadIdx.x == kQLoader)
+      q_loader<D>(p, s, s.side_in, bar, &tm_q, num_items, want_q_dot_c, q_slot_bytes);
+    if (threadIdx.x == kKvLoader) kv_loader<D>(p, s.k, s.k_scale, s.v, bar, &tm_k, &tm_vt);
     return;
   }
 

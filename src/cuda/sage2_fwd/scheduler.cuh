@@ -25,15 +25,14 @@ __device__ __forceinline__ int grid_size() {
 struct WorkItem {
   int m_block, hq, b;
 };
-// Two calls, so that the non-causal path never computes B·Hq: this form compiles to the
-// measured build's machine code in the consumers (only the producer's registers differ).
+// The non-causal path never computes B·Hq. The head's % and / are written once, after
+// the choice: written in each path, the Q loader (its own function) kept both copies,
+// one more integer division per claim.
 __device__ __forceinline__ WorkItem decode_item(const AttentionParams& p, int item) {
-  if (!p.causal) {
-    const common::ItemPlace at = common::item_place(item, p.num_m_blocks, 0, false, 1, 0);
-    return {at.m_block, at.head % p.heads_q, at.head / p.heads_q};
-  }
-  const common::ItemPlace at = common::item_place(item, p.num_m_blocks, p.heads_q * p.batch, true,
-                                                  p.causal_group, p.causal_tail);
+  const common::ItemPlace at = !p.causal
+                                   ? common::item_place(item, p.num_m_blocks, 0, false, 1, 0)
+                                   : common::item_place(item, p.num_m_blocks, p.heads_q * p.batch,
+                                                        true, p.causal_group, p.causal_tail);
   return {at.m_block, at.head % p.heads_q, at.head / p.heads_q};
 }
 // The claim of this CTA's work item number `local` (one thread per CTA).
