@@ -161,6 +161,63 @@ qattn_status qattn_fwd_workspace_size(const qattn_fwd_params* p, size_t* bytes);
 qattn_status qattn_fwd(const qattn_fwd_params* p, void* workspace, size_t workspace_bytes,
                        void* stream);
 
+/* ---- Backward (training): SageBwd ------------------------------------------------
+ *
+ * The gradients of sum(O ∘ dO) for O = attention(q, k, v), as SageAttention3's SageBwd
+ * computes them: S = Q·Kᵀ (K smoothed), dV = Pᵀ·dO, dQ = dS·K and dK = dSᵀ·Q in 8-bit
+ * with per-block scales (Q and dO per 64 rows, K per 128 tokens, P and dS per 64 × 128
+ * tile), dP = dO·Vᵀ in the inputs' 16-bit format. o and lse are the forward's output
+ * and natural-log LSE for the same q, k, v (qattn_fwd with lse set). Order of use as for
+ * the forward: qattn_bwd_params_init -> fill -> qattn_bwd_workspace_size -> qattn_bwd.
+ * The memory rules of qattn_tensor hold for every tensor; dq, dk and dv are outputs
+ * (no two elements share an address; they overlap no input, no other output and not
+ * the workspace). */
+
+/* The 8-bit format of the backward's quantized products. */
+typedef enum qattn_bwd_format {
+  QATTN_BWD_INT8 = 0, /* default: scale amax/127 (SageBwd) */
+  QATTN_BWD_E4M3 = 1  /* scale amax/448, E4M3 values (the paper's FP8 comparison) */
+} qattn_bwd_format;
+/* Precision of dP = dO·Vᵀ. */
+typedef enum qattn_bwd_dov {
+  QATTN_BWD_DOV_16BIT = 0,    /* default: the inputs' FP16/BF16, FP32 accumulation */
+  QATTN_BWD_DOV_QUANTIZED = 1 /* the 8-bit format above, per block (the paper's ablation) */
+} qattn_bwd_dov;
+
+/* The parameters of a backward call. The stability rule of qattn_fwd_params holds
+ * here too (struct_size first, fields only appended, a reserved field ends it). */
+typedef struct qattn_bwd_params {
+  size_t struct_size;         /* sizeof(qattn_bwd_params); set by qattn_bwd_params_init */
+  qattn_tensor q, k, v;       /* the forward's inputs */
+  qattn_tensor o, dout;       /* the forward's output and its gradient (B, Hq, Nq, d) */
+  const float* lse;           /* (B, Hq, Nq) FP32 natural-log LSE of the forward,
+                                 contiguous, 4-byte aligned; required */
+  qattn_tensor dq, dk, dv;    /* outputs: dq like q, dk and dv like k (summed over the
+                                 query heads of each KV head) */
+  int32_t dtype;              /* a qattn_dtype, of every tensor above */
+  int32_t batch, heads_q, heads_kv, seqlen_q, seqlen_kv, head_dim; /* as for the forward */
+  int32_t causal;             /* 0 or 1; bottom-right aligned, as in the forward */
+  float sm_scale;             /* as for the forward: 0 means 1/sqrt(head_dim) */
+  int32_t format;             /* a qattn_bwd_format; default QATTN_BWD_INT8 */
+  int32_t dov;                /* a qattn_bwd_dov; default QATTN_BWD_DOV_16BIT */
+  int32_t deterministic;      /* 0 (default): dQ is accumulated with FP32 atomics, so its
+                                 low bits may differ run to run; 1: no atomics, every
+                                 output bitwise equal run to run (slower) */
+  int32_t reserved0;          /* must be 0 */
+} qattn_bwd_params;
+
+#define QATTN_BWD_PARAMS_MIN_SIZE (offsetof(qattn_bwd_params, reserved0) + sizeof(int32_t))
+
+/* Fills p with defaults: struct_size = sizeof(qattn_bwd_params), everything else
+ * zero/NULL, dtype bf16, format INT8, dov 16-bit, not deterministic, sm_scale 0. */
+void qattn_bwd_params_init(qattn_bwd_params* p);
+/* Bytes of device workspace qattn_bwd needs (validates the parameters, no device). */
+qattn_status qattn_bwd_workspace_size(const qattn_bwd_params* p, size_t* bytes);
+/* Enqueues the backward on `stream` (asynchronous, capturable, never synchronizes);
+ * workspace as for qattn_fwd. Needs a device of compute capability 9.0. */
+qattn_status qattn_bwd(const qattn_bwd_params* p, void* workspace, size_t workspace_bytes,
+                       void* stream);
+
 /* Message of the last failed call on this thread ("" if none has failed). */
 const char* qattn_last_error_message(void);
 const char* qattn_status_string(qattn_status s);
