@@ -1,0 +1,80 @@
+// Warp-level tensor-core primitives (sm_80 and later): ldmatrix, mma.sync for INT8 and
+// 16-bit operands, and cp.async. Fragment maps, with g = lane / 4 and t = lane % 4:
+//   m16n8k32 s8 A (16 × 32, row-major):  a0 (g, 4t..4t+3)  a1 (g+8, 4t..)
+//                                        a2 (g, 16+4t..)   a3 (g+8, 16+4t..)
+//   m16n8k32 s8 B (32 × 8, stored [n][k]): b0 (k 4t..4t+3, n g)  b1 (k 16+4t.., n g)
+//   m16n8k16 f16 A/B: the same bytes (two 16-bit elements where INT8 has four)
+//   C (16 × 8, s32 or f32): c0 c1 (g, 2t, 2t+1)  c2 c3 (g+8, 2t, 2t+1)
+// So one ldmatrix.x4 of 16 rows × 32 bytes fills an A fragment, and one of 16 [n] rows
+// × 32 bytes fills the B fragments of two n-blocks, for either operand width.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace qattn::common {
+
+__device__ __forceinline__ uint32_t shared_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Four 8 × 16-byte matrices; lane l gives the row address of matrix l / 8.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// The shared-memory row address lane `lane` passes to ldmatrix_x4 for an A fragment
+// (16 rows × 32 bytes at `base`, rows `stride` bytes apart): matrices (rows 0-7, bytes
+// 0-15), (8-15, 0-15), (0-7, 16-31), (8-15, 16-31).
+__device__ __forceinline__ uint32_t ldsm_a_addr(uint32_t base, int stride, int lane) {
+  return base + ((lane & 7) + ((lane >> 3) & 1) * 8) * stride + (lane >> 4) * 16;
+}
+// ... and for the B fragments of two n-blocks (16 [n] rows × 32 bytes): matrices
+// (n 0-7, bytes 0-15) = b0 of the first, (0-7, 16-31) = its b1, then the second's.
+__device__ __forceinline__ uint32_t ldsm_b_addr(uint32_t base, int stride, int lane) {
+  return base + ((lane & 7) + (lane >> 4) * 8) * stride + ((lane >> 3) & 1) * 16;
+}
+
+__device__ __forceinline__ void mma_s8(int (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                       uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <typename T>
+__device__ __forceinline__ void mma_16bit(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                          uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// 16 bytes global -> shared, asynchronous (L2 only: every tile is read once per CTA).
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+}  // namespace qattn::common

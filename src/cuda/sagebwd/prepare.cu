@@ -1,0 +1,345 @@
+// Preprocessing and finishing passes of the SageBwd backward (prepare.cuh). Memory
+// bound; each reads its inputs once or twice (the second read hits L2).
+#include "cuda/sagebwd/prepare.cuh"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "cuda/common/quant_math.cuh"
+#include "cuda/sagebwd/permute.cuh"
+#include "numerics/block_scale.h"
+#include "numerics/formats.h"
+
+namespace qattn::sagebwd {
+namespace {
+
+constexpr int kThreads = 256;
+
+template <typename T>
+__device__ __forceinline__ const T* row_ptr(const Strided& t, int b, int h, int n) {
+  return static_cast<const T*>(t.data) + b * t.sb + h * t.sh + static_cast<int64_t>(n) * t.sn;
+}
+
+// Elements c0..c0+7 of a row as floats; 0 past d (never read past d).
+template <typename T>
+__device__ __forceinline__ void load8(const T* row, int c0, int d, float (&x)[8]) {
+  if (c0 + 8 <= d) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(row + c0);
+    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = common::widen_pair<T>(w[i]);
+      x[2 * i] = f.x;
+      x[2 * i + 1] = f.y;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] = c0 + i < d ? common::to_float(row[c0 + i]) : 0.0f;
+  }
+}
+
+// The raw 16 bytes of elements c0..c0+7, zeros past d.
+template <typename T>
+__device__ __forceinline__ uint4 load8_raw(const T* row, int c0, int d) {
+  if (c0 + 8 <= d) return *reinterpret_cast<const uint4*>(row + c0);
+  uint4 out = make_uint4(0, 0, 0, 0);
+  T* e = reinterpret_cast<T*>(&out);
+  for (int i = 0; i < 8; ++i)
+    if (c0 + i < d) e[i] = row[c0 + i];
+  return out;
+}
+
+__device__ __forceinline__ float block_max(float v, float* red) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  const int warp = threadIdx.x / 32;
+  __syncthreads();  // red may still be read from an earlier call
+  if ((threadIdx.x & 31) == 0) red[warp] = v;
+  __syncthreads();
+  float m = red[0];
+#pragma unroll
+  for (int w = 1; w < kThreads / 32; ++w) m = fmaxf(m, red[w]);
+  return m;
+}
+
+__device__ __forceinline__ uint2 pack8(const float (&x)[8], float inv) {
+  uint2 r;
+  r.x = 0;
+  r.y = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    r.x |= (static_cast<uint32_t>(static_cast<uint8_t>(numerics::int8_quantize(x[i], inv)))) << (8 * i);
+    r.y |= (static_cast<uint32_t>(static_cast<uint8_t>(numerics::int8_quantize(x[4 + i], inv))))
+           << (8 * i);
+  }
+  return r;
+}
+
+// ---- K side ------------------------------------------------------------------------
+
+template <typename T, int D>
+__global__ void __launch_bounds__(D) k_colsum_kernel(Args a) {
+  const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z, col = threadIdx.x;
+  const int j0 = tile * kKvTileRows, rows = min(kKvTileRows, a.nkv - j0);
+  float s = 0.0f;
+  if (col < a.d) {
+    const T* base = row_ptr<T>(a.k, b, h, j0) + col;
+#pragma unroll 8
+    for (int r = 0; r < rows; ++r) s += common::to_float(base[static_cast<int64_t>(r) * a.k.sn]);
+  }
+  const int tiles = a.nkv_pad / kKvTileRows;
+  a.k_colsum[((static_cast<int64_t>(b) * a.heads_kv + h) * tiles + tile) * D + col] = s;
+}
+
+template <int D>
+__global__ void __launch_bounds__(D) k_mean_kernel(Args a) {
+  const int bh = blockIdx.x, col = threadIdx.x;
+  const int tiles = a.nkv_pad / kKvTileRows;
+  const float* p = a.k_colsum + static_cast<int64_t>(bh) * tiles * D + col;
+  float s = 0.0f;
+  for (int t = 0; t < tiles; ++t) s += p[t * D];  // fixed order: deterministic
+  a.k_mean[static_cast<int64_t>(bh) * D + col] = s / static_cast<float>(a.nkv);
+}
+
+template <typename T, int D, bool kQuantDov>
+__global__ void __launch_bounds__(kThreads) k_prepare_kernel(Args a) {
+  constexpr int kTpr = D / 8, kRpp = kThreads / kTpr, kPasses = kKvTileRows / kRpp;
+  constexpr int kBt = D + 4;  // byte tile row stride
+  __shared__ uint8_t bt[kKvTileRows * kBt];
+  __shared__ float red[kThreads / 32];
+  const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int j0 = tile * kKvTileRows, tiles = a.nkv_pad / kKvTileRows;
+  const int64_t bh = static_cast<int64_t>(b) * a.heads_kv + h;
+  const int c0 = (threadIdx.x % kTpr) * 8, r_in = threadIdx.x / kTpr;
+  const float* c = a.k_mean + bh * D;
+  float cm[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) cm[i] = c[c0 + i];
+
+  float amax_k = 0.0f, amax_v = 0.0f;
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    const int r = r_in + p * kRpp, n = j0 + r;
+    uint4 vraw = make_uint4(0, 0, 0, 0);
+    if (n < a.nkv) {
+      float x[8];
+      load8(row_ptr<T>(a.k, b, h, n), c0, a.d, x);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) amax_k = fmaxf(amax_k, fabsf(x[i] - cm[i]));
+      const T* vrow = row_ptr<T>(a.v, b, h, n);
+      vraw = load8_raw(vrow, c0, a.d);
+      if constexpr (kQuantDov) {
+        float y[8];
+        load8(vrow, c0, a.d, y);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) amax_v = fmaxf(amax_v, fabsf(y[i]));
+      }
+    }
+    *reinterpret_cast<uint4*>(static_cast<T*>(a.v_16) + (bh * a.nkv_pad + n) * D + c0) = vraw;
+  }
+  amax_k = block_max(amax_k, red);
+  if constexpr (kQuantDov) amax_v = block_max(amax_v, red);
+  const float inv_k = numerics::linear_multiplier(amax_k, common::kInt8Max);
+  const float inv_v = numerics::linear_multiplier(amax_v, common::kInt8Max);
+  if (threadIdx.x == 0) {
+    a.k_scale[bh * tiles + tile] = numerics::linear_scale(amax_k, common::kInt8Max);
+    if constexpr (kQuantDov) a.v_scale[bh * tiles + tile] = numerics::linear_scale(amax_v, common::kInt8Max);
+  }
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    const int r = r_in + p * kRpp, n = j0 + r;
+    float x[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    if (n < a.nkv) {
+      load8(row_ptr<T>(a.k, b, h, n), c0, a.d, x);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) x[i] = c0 + i < a.d ? x[i] - cm[i] : 0.0f;
+    }
+    const uint2 q = pack8(x, inv_k);
+    *reinterpret_cast<uint2*>(a.k_i8 + (bh * a.nkv_pad + n) * D + c0) = q;
+    *reinterpret_cast<uint2*>(bt + r * kBt + c0) = q;
+    if constexpr (kQuantDov) {
+      float y[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      if (n < a.nkv) load8(row_ptr<T>(a.v, b, h, n), c0, a.d, y);
+      *reinterpret_cast<uint2*>(a.v_i8 + (bh * a.nkv_pad + n) * D + c0) = pack8(y, inv_v);
+    }
+  }
+  __syncthreads();
+  // Kᵀ: row `col` holds the tile's 128 tokens in order.
+  for (int chunk = threadIdx.x; chunk < D * (kKvTileRows / 16); chunk += kThreads) {
+    const int col = chunk / (kKvTileRows / 16), g = chunk % (kKvTileRows / 16);
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      w[i] = 0;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) w[i] |= static_cast<uint32_t>(bt[(16 * g + 4 * i + k) * kBt + col]) << (8 * k);
+    }
+    *reinterpret_cast<uint4*>(a.kt_i8 + (bh * D + col) * a.nkv_pad + j0 + 16 * g) =
+        make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+// ---- Q side ------------------------------------------------------------------------
+
+template <typename T, int D, bool kQuantDov>
+__global__ void __launch_bounds__(kThreads) q_prepare_kernel(Args a) {
+  constexpr int kTpr = D / 8, kRpp = kThreads / kTpr, kPasses = kQBlockRows / kRpp;
+  constexpr int kBt = D + 4;
+  __shared__ uint8_t bt_q[kQBlockRows * kBt];
+  __shared__ uint8_t bt_do[kQBlockRows * kBt];
+  __shared__ float red[kThreads / 32];
+  const int blk = blockIdx.x, h = blockIdx.y, b = blockIdx.z, hk = h / a.group;
+  const int r0 = blk * kQBlockRows, blocks = a.nq_pad / kQBlockRows;
+  const int64_t bh = static_cast<int64_t>(b) * a.heads_q + h;
+  const int c0 = (threadIdx.x % kTpr) * 8, r_in = threadIdx.x / kTpr;
+  const float* c = a.k_mean + (static_cast<int64_t>(b) * a.heads_kv + hk) * D;
+  float cm[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) cm[i] = c[c0 + i];
+
+  float amax_q = 0.0f, amax_do = 0.0f;
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    const int r = r_in + p * kRpp, n = r0 + r;
+    float qc = 0.0f, dsum = 0.0f;
+    uint4 doraw = make_uint4(0, 0, 0, 0);
+    if (n < a.nq) {
+      float x[8], g[8], o[8];
+      load8(row_ptr<T>(a.q, b, h, n), c0, a.d, x);
+      const T* dorow = row_ptr<T>(a.dout, b, h, n);
+      load8(dorow, c0, a.d, g);
+      load8(row_ptr<T>(a.o, b, h, n), c0, a.d, o);
+      doraw = load8_raw(dorow, c0, a.d);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        amax_q = fmaxf(amax_q, fabsf(x[i]));
+        amax_do = fmaxf(amax_do, fabsf(g[i]));
+        qc = fmaf(x[i], cm[i], qc);
+        dsum = fmaf(g[i], o[i], dsum);
+      }
+    }
+#pragma unroll
+    for (int off = 1; off < kTpr; off <<= 1) {
+      qc += __shfl_xor_sync(0xffffffffu, qc, off);
+      dsum += __shfl_xor_sync(0xffffffffu, dsum, off);
+    }
+    if (threadIdx.x % kTpr == 0) {
+      float l2 = INFINITY;  // padding rows: P = exp2(x - inf) = 0
+      if (n < a.nq) l2 = (a.lse[bh * a.nq + n] - a.sm_scale * qc) * static_cast<float>(M_LOG2E);
+      a.lse2[bh * a.nq_pad + n] = l2;
+      a.delta[bh * a.nq_pad + n] = dsum;
+      a.ds_rowsum[bh * a.nq_pad + n] = 0.0f;
+    }
+    *reinterpret_cast<uint4*>(static_cast<T*>(a.do_16) + (bh * a.nq_pad + n) * D + c0) = doraw;
+    float4* acc = reinterpret_cast<float4*>(a.dq_acc + (bh * a.nq_pad + n) * D + c0);
+    acc[0] = make_float4(0, 0, 0, 0);
+    acc[1] = make_float4(0, 0, 0, 0);
+  }
+  amax_q = block_max(amax_q, red);
+  amax_do = block_max(amax_do, red);
+  const float inv_q = numerics::linear_multiplier(amax_q, common::kInt8Max);
+  const float inv_do = numerics::linear_multiplier(amax_do, common::kInt8Max);
+  if (threadIdx.x == 0) {
+    a.q_scale[bh * blocks + blk] = numerics::linear_scale(amax_q, common::kInt8Max);
+    a.do_scale[bh * blocks + blk] = numerics::linear_scale(amax_do, common::kInt8Max);
+  }
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    const int r = r_in + p * kRpp, n = r0 + r;
+    float x[8] = {0, 0, 0, 0, 0, 0, 0, 0}, g[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    if (n < a.nq) {
+      load8(row_ptr<T>(a.q, b, h, n), c0, a.d, x);
+      load8(row_ptr<T>(a.dout, b, h, n), c0, a.d, g);
+    }
+    const uint2 qq = pack8(x, inv_q), qd = pack8(g, inv_do);
+    *reinterpret_cast<uint2*>(a.q_i8 + (bh * a.nq_pad + n) * D + c0) = qq;
+    *reinterpret_cast<uint2*>(bt_q + r * kBt + c0) = qq;
+    *reinterpret_cast<uint2*>(bt_do + r * kBt + c0) = qd;
+    if constexpr (kQuantDov) *reinterpret_cast<uint2*>(a.do_i8 + (bh * a.nq_pad + n) * D + c0) = qd;
+  }
+  __syncthreads();
+  // Qᵀ and dOᵀ, rows permuted in groups of 16 (permute.cuh).
+  for (int chunk = threadIdx.x; chunk < 2 * D * (kQBlockRows / 16); chunk += kThreads) {
+    const int which = chunk / (D * (kQBlockRows / 16)), rest = chunk % (D * (kQBlockRows / 16));
+    const int col = rest / (kQBlockRows / 16), g = rest % (kQBlockRows / 16);
+    const uint8_t* src = which == 0 ? bt_q : bt_do;
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      w[i] = 0;
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        w[i] |= static_cast<uint32_t>(src[(16 * g + k_slot_row(4 * i + k)) * kBt + col]) << (8 * k);
+    }
+    int8_t* dst = which == 0 ? a.qt_i8 : a.dot_i8;
+    *reinterpret_cast<uint4*>(dst + (bh * D + col) * a.nq_pad + r0 + 16 * g) =
+        make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+// ---- dQ ----------------------------------------------------------------------------
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) dq_finalize_kernel(Args a) {
+  constexpr int kTpr = D / 8, kRpp = kThreads / kTpr, kPasses = kQBlockRows / kRpp;
+  const int blk = blockIdx.x, h = blockIdx.y, b = blockIdx.z, hk = h / a.group;
+  const int64_t bh = static_cast<int64_t>(b) * a.heads_q + h;
+  const int c0 = (threadIdx.x % kTpr) * 8, r_in = threadIdx.x / kTpr;
+  const float* c = a.k_mean + (static_cast<int64_t>(b) * a.heads_kv + hk) * D + c0;
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    const int n = blk * kQBlockRows + r_in + p * kRpp;
+    if (n >= a.nq) continue;
+    const float rs = a.ds_rowsum[bh * a.nq_pad + n];
+    const float* acc = a.dq_acc + (bh * a.nq_pad + n) * D + c0;
+    T* out = static_cast<T*>(a.dq.data) + b * a.dq.sb + h * a.dq.sh + static_cast<int64_t>(n) * a.dq.sn;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      if (c0 + i >= a.d) break;
+      // dQ = sm_scale·(Σ ψ(dS)ψ(K)·s + rowsum(dS)·c); the first sum already carries sm_scale.
+      const float v = acc[i] + a.sm_scale * (rs * c[i]);
+      if constexpr (std::is_same_v<T, __nv_bfloat16>)
+        out[c0 + i] = __float2bfloat16_rn(v);
+      else
+        out[c0 + i] = __float2half_rn(v);
+    }
+  }
+}
+
+}  // namespace
+
+template <typename T, int D>
+cudaError_t launch_prepare(const Args& a, bool quant_dov, cudaStream_t stream) {
+  const int tiles = a.nkv_pad / kKvTileRows, blocks = a.nq_pad / kQBlockRows;
+  k_colsum_kernel<T, D><<<dim3(tiles, a.heads_kv, a.batch), D, 0, stream>>>(a);
+  k_mean_kernel<D><<<a.batch * a.heads_kv, D, 0, stream>>>(a);
+  if (quant_dov) {
+    k_prepare_kernel<T, D, true><<<dim3(tiles, a.heads_kv, a.batch), kThreads, 0, stream>>>(a);
+    q_prepare_kernel<T, D, true><<<dim3(blocks, a.heads_q, a.batch), kThreads, 0, stream>>>(a);
+  } else {
+    k_prepare_kernel<T, D, false><<<dim3(tiles, a.heads_kv, a.batch), kThreads, 0, stream>>>(a);
+    q_prepare_kernel<T, D, false><<<dim3(blocks, a.heads_q, a.batch), kThreads, 0, stream>>>(a);
+  }
+  return cudaGetLastError();
+}
+
+template <typename T, int D>
+cudaError_t launch_dq_finalize(const Args& a, cudaStream_t stream) {
+  dq_finalize_kernel<T, D><<<dim3(a.nq_pad / kQBlockRows, a.heads_q, a.batch), kThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+#define QATTN_SAGEBWD_PREPARE(T, D)                                                   \
+  template cudaError_t launch_prepare<T, D>(const Args&, bool, cudaStream_t); \
+  template cudaError_t launch_dq_finalize<T, D>(const Args&, cudaStream_t);
+QATTN_SAGEBWD_PREPARE(__half, 64)
+QATTN_SAGEBWD_PREPARE(__half, 128)
+QATTN_SAGEBWD_PREPARE(__nv_bfloat16, 64)
+QATTN_SAGEBWD_PREPARE(__nv_bfloat16, 128)
+#undef QATTN_SAGEBWD_PREPARE
+
+}  // namespace qattn::sagebwd

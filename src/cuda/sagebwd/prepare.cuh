@@ -1,0 +1,20 @@
+// The SageBwd backward's passes around the main kernels (prepare.cu):
+//   k_colsum -> k_mean -> k_prepare (smoothed K, Kᵀ, V per KV tile)
+//   -> q_prepare (Q, Qᵀ, dO, dOᵀ per Q block; lse2, delta; zeroes the dQ accumulators)
+//   ... dkdv / dq kernels ...  -> dq_finalize (dQ + the K-smoothing term, to 16-bit).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "cuda/sagebwd/args.h"
+
+namespace qattn::sagebwd {
+
+// Each enqueues its kernel for the 16-bit type T (__half or __nv_bfloat16) and padded
+// head dim D (64 or 128); returns cudaGetLastError().
+template <typename T, int D>
+cudaError_t launch_prepare(const Args& a, bool quant_dov, cudaStream_t stream);
+template <typename T, int D>
+cudaError_t launch_dq_finalize(const Args& a, cudaStream_t stream);
+
+}  // namespace qattn::sagebwd

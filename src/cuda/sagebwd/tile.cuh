@@ -1,0 +1,278 @@
+// One (Q block × KV tile) step of the SageBwd backward, shared by the dK/dV kernel and
+// the deterministic dQ kernel. Eight warps; warp w owns KV rows 16w..16w+15 of the tile
+// and computes the transposed products, KV rows × 64 Q columns:
+//   Sᵀ  = K̂_j·Q̂_iᵀ (INT8)      -> P = exp2(Sᵀ·s_q·s_k·sm_scale·log2 e − lse2)
+//   dPᵀ = V_j·dO_iᵀ (16-bit, or INT8 with the quantized dO·Vᵀ)
+//   dS  = P ∘ (dP − delta)
+// then the tile's P and dS maxima (one barrier), and P̂ᵀ, dŜᵀ as INT8 A fragments
+// (permute.cuh). The emulator's steps 1-4 (src/emulate/sagebwd.h) in the same order.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "cuda/common/mma_sync.cuh"
+#include "cuda/common/quant_math.cuh"
+#include "cuda/sagebwd/args.h"
+#include "cuda/sagebwd/permute.cuh"
+#include "numerics/block_scale.h"
+#include "numerics/formats.h"
+
+namespace qattn::sagebwd {
+
+inline constexpr int kWarps = 8;
+inline constexpr int kThreads = kWarps * 32;
+inline constexpr int kNBlocksQ = kQBlockRows / 8;  // 8 n-blocks of Q columns
+
+// Shared-memory row strides in bytes: 16 bytes of padding keep ldmatrix's eight row
+// addresses in distinct banks.
+template <int D>
+struct Strides {
+  static constexpr int kI8 = D + 16;                 // int8 rows of D
+  static constexpr int k16 = 2 * D + 16;             // 16-bit rows of D
+  static constexpr int kKvT = kKvTileRows + 16;      // rows of 128 tokens (Kᵀ, dŜ)
+  static constexpr int kQT = kQBlockRows + 16;       // rows of 64 query rows (Qᵀ, dOᵀ)
+};
+
+// Per-thread results of a tile step.
+struct TileFrags {
+  uint32_t p[2][4];   // P̂ᵀ as A fragments of the two 32-wide k steps over Q
+  uint32_t ds[2][4];  // dŜᵀ likewise
+  float s_p, s_ds;    // the tile's scales (amax / 127)
+};
+
+__device__ __forceinline__ uint32_t pack4_i8(float a, float b, float c, float d, float inv) {
+  auto q = [inv](float x) {
+    return static_cast<uint32_t>(static_cast<uint8_t>(numerics::int8_quantize(x, inv)));
+  };
+  return q(a) | (q(b) << 8) | (q(c) << 16) | (q(d) << 24);
+}
+
+// The accumulator of eight n-blocks (KV rows × 64 Q columns) as two k steps of A.
+__device__ __forceinline__ void to_a_frags(const float (&x)[kNBlocksQ][4], float inv,
+                                           uint32_t (&a)[2][4]) {
+#pragma unroll
+  for (int kk = 0; kk < 2; ++kk) {
+    const int n = 4 * kk;
+    a[kk][0] = pack4_i8(x[n][0], x[n][1], x[n + 1][0], x[n + 1][1], inv);
+    a[kk][1] = pack4_i8(x[n][2], x[n][3], x[n + 1][2], x[n + 1][3], inv);
+    a[kk][2] = pack4_i8(x[n + 2][0], x[n + 2][1], x[n + 3][0], x[n + 3][1], inv);
+    a[kk][3] = pack4_i8(x[n + 2][2], x[n + 2][3], x[n + 3][2], x[n + 3][3], inv);
+  }
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// C[16 × 64] += A(rows at a_base, stride a_stride) · B(64 [n] rows at b_base)ᵀ over
+// kSteps·32 bytes of k; INT8.
+template <int kSteps>
+__device__ __forceinline__ void mma_rows_x64_s8(int (&c)[kNBlocksQ][4], uint32_t a_base,
+                                                int a_stride, uint32_t b_base, int b_stride,
+                                                int lane) {
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk) {
+    uint32_t a[4];
+    common::ldmatrix_x4(a, common::ldsm_a_addr(a_base + 32 * kk, a_stride, lane));
+#pragma unroll
+    for (int np = 0; np < kNBlocksQ / 2; ++np) {
+      uint32_t b[4];
+      common::ldmatrix_x4(b, common::ldsm_b_addr(b_base + 16 * np * b_stride + 32 * kk, b_stride, lane));
+      common::mma_s8(c[2 * np], a, b[0], b[1]);
+      common::mma_s8(c[2 * np + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// C[16 × 8·kNb] += A · B(8·kNb [n] rows)ᵀ over kSteps·16 elements of k; 16-bit.
+template <typename T, int kSteps, int kNb>
+__device__ __forceinline__ void mma_rows_16(float (&c)[kNb][4], uint32_t a_base, int a_stride,
+                                            uint32_t b_base, int b_stride, int lane) {
+#pragma unroll 2  // a full unroll hoists more B fragments than the registers hold
+  for (int kk = 0; kk < kSteps; ++kk) {
+    uint32_t a[4];
+    common::ldmatrix_x4(a, common::ldsm_a_addr(a_base + 32 * kk, a_stride, lane));
+#pragma unroll
+    for (int np = 0; np < kNb / 2; ++np) {
+      uint32_t b[4];
+      common::ldmatrix_x4(b, common::ldsm_b_addr(b_base + 16 * np * b_stride + 32 * kk, b_stride, lane));
+      common::mma_16bit<T>(c[2 * np], a, b[0], b[1]);
+      common::mma_16bit<T>(c[2 * np + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// Where a tile's operands are in shared memory (byte addresses) and its scalars.
+struct TileOperands {
+  uint32_t k8, v, q8, dov;   // K̂_j, V_j (16-bit or INT8), Q̂_i, dO_i (16-bit or INT8) rows
+  const float* lse2;         // 64 values of block i
+  const float* delta;
+  float s_qk;                // s_q(i)·s_k(j)
+  float s_dov;               // s_dO(i)·s_V(j) (quantized dO·Vᵀ only)
+  int q0, j0;                // first query row / token of the tile
+};
+
+// Steps 1-4 for warp `warp`; `red` holds 2·kWarps floats. With kRowSums, row_part
+// [kWarps][64] receives each warp's column sums of dS (for rowsum(dS)). Ends after a
+// __syncthreads, so both are complete on return.
+template <typename T, int D, bool kQuantDov, bool kRowSums>
+__device__ __forceinline__ void tile_step(const Args& a, const TileOperands& op, int warp,
+                                          int lane, float* red, float* row_part, TileFrags& f) {
+  using S = Strides<D>;
+  const int g = lane >> 2, t = lane & 3;
+  // Sᵀ = K̂ Q̂ᵀ -> P.
+  float p[kNBlocksQ][4];
+  {
+    int acc[kNBlocksQ][4] = {};
+    mma_rows_x64_s8<D / 32>(acc, op.k8 + 16 * warp * S::kI8, S::kI8, op.q8, S::kI8, lane);
+    const float sc = op.s_qk;
+#pragma unroll
+    for (int n = 0; n < kNBlocksQ; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int j = op.j0 + 16 * warp + g + (e >> 1) * 8;  // token
+        const int qc = 8 * n + 2 * t + (e & 1);              // column in the block
+        const int i = op.q0 + qc;
+        const bool vis = j < a.nkv && (!a.causal || j <= i + a.nkv - a.nq);
+        const float x = static_cast<float>(acc[n][e]) * sc * a.scale_log2;
+        p[n][e] = vis ? exp2f(x - op.lse2[qc]) : 0.0f;
+      }
+    }
+  }
+  // dPᵀ = V dOᵀ -> dS = P ∘ (dP − delta).
+  float ds[kNBlocksQ][4];
+  float amax_p = 0.0f, amax_ds = 0.0f;
+  {
+    float dp[kNBlocksQ][4] = {};
+    if constexpr (kQuantDov) {
+      int acc[kNBlocksQ][4] = {};
+      mma_rows_x64_s8<D / 32>(acc, op.v + 16 * warp * S::kI8, S::kI8, op.dov, S::kI8, lane);
+#pragma unroll
+      for (int n = 0; n < kNBlocksQ; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dp[n][e] = static_cast<float>(acc[n][e]) * op.s_dov;
+    } else {
+      mma_rows_16<T, D / 16, kNBlocksQ>(dp, op.v + 16 * warp * S::k16, S::k16, op.dov, S::k16, lane);
+    }
+#pragma unroll
+    for (int n = 0; n < kNBlocksQ; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int qc = 8 * n + 2 * t + (e & 1);
+        ds[n][e] = p[n][e] * (dp[n][e] - op.delta[qc]);
+        amax_p = fmaxf(amax_p, p[n][e]);
+        amax_ds = fmaxf(amax_ds, fabsf(ds[n][e]));
+      }
+    }
+  }
+  if constexpr (kRowSums) {
+    // Column sums of dS over the warp's 16 rows, straight to shared memory (lanes 0-3
+    // hold columns 8n + 2t + {0,1} after the butterfly).
+#pragma unroll
+    for (int n = 0; n < kNBlocksQ; ++n) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float v = ds[n][e] + ds[n][e + 2];
+        v += __shfl_xor_sync(0xffffffffu, v, 4);
+        v += __shfl_xor_sync(0xffffffffu, v, 8);
+        v += __shfl_xor_sync(0xffffffffu, v, 16);
+        if (g == 0) row_part[warp * kQBlockRows + 8 * n + 2 * t + e] = v;
+      }
+    }
+  }
+  amax_p = warp_max(amax_p);
+  amax_ds = warp_max(amax_ds);
+  if (lane == 0) {
+    red[2 * warp] = amax_p;
+    red[2 * warp + 1] = amax_ds;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    amax_p = fmaxf(amax_p, red[2 * w]);
+    amax_ds = fmaxf(amax_ds, red[2 * w + 1]);
+  }
+  f.s_p = numerics::linear_scale(amax_p, common::kInt8Max);
+  f.s_ds = numerics::linear_scale(amax_ds, common::kInt8Max);
+  to_a_frags(p, numerics::linear_multiplier(amax_p, common::kInt8Max), f.p);
+  to_a_frags(ds, numerics::linear_multiplier(amax_ds, common::kInt8Max), f.ds);
+}
+
+// C[16 KV rows × D] += A(the warp's P̂ᵀ or dŜᵀ) · B(D rows of 64 permuted Q rows)ᵀ, scaled:
+// out += scale · (INT32 product), 16 columns at a time.
+template <int D>
+__device__ __forceinline__ void accumulate_kv_rows(float (&out)[D / 8][4], const uint32_t (&af)[2][4],
+                                                   uint32_t bt_base, float scale, int lane) {
+  using S = Strides<D>;
+#pragma unroll
+  for (int nc = 0; nc < D / 16; ++nc) {
+    int tmp[2][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      uint32_t b[4];
+      common::ldmatrix_x4(b, common::ldsm_b_addr(bt_base + 16 * nc * S::kQT + 32 * kk, S::kQT, lane));
+      common::mma_s8(tmp[0], af[kk], b[0], b[1]);
+      common::mma_s8(tmp[1], af[kk], b[2], b[3]);
+    }
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) out[2 * nc + m][e] = fmaf(static_cast<float>(tmp[m][e]), scale, out[2 * nc + m][e]);
+  }
+}
+
+// dŜ (64 Q rows × 128 tokens, bytes) from the warps' dŜᵀ fragments.
+template <int D>
+__device__ __forceinline__ void store_ds_rows(uint8_t* sds, const uint32_t (&af)[2][4], int warp,
+                                              int lane) {
+  using S = Strides<D>;
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int kk = 0; kk < 2; ++kk) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      // a[r]: row g (+8 for r odd), slots 16·(r/2) + 4t + u <-> Q column 32kk + π(·).
+      const int tok = 16 * warp + g + (r & 1) * 8;
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int qc = 32 * kk + k_slot_row(16 * (r >> 1) + 4 * t + u);
+        sds[qc * S::kKvT + tok] = static_cast<uint8_t>(af[kk][r] >> (8 * u));
+      }
+    }
+  }
+}
+
+// The warp's part of dQ_i (64 × D): rows 16·(warp % 4).., columns (warp / 4)·D/2..;
+// dŜ·K̂ over the 128 tokens (INT32), 16 columns at a time, handed to
+// emit(n, e, value·scale) for n-block n (of D/16) and accumulator element e.
+template <int D, typename Emit>
+__device__ __forceinline__ void dq_product(uint32_t sds, uint32_t skt, float scale, int warp,
+                                           int lane, Emit&& emit) {
+  using S = Strides<D>;
+  constexpr int kNb = D / 16;  // n-blocks of 8 columns in half of D
+  const uint32_t a_base = sds + 16 * (warp % 4) * S::kKvT;
+  const uint32_t b_base = skt + (warp / 4) * (D / 2) * S::kKvT;
+#pragma unroll
+  for (int nc = 0; nc < kNb / 2; ++nc) {
+    int tmp[2][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < kKvTileRows / 32; ++kk) {
+      uint32_t af[4], b[4];
+      common::ldmatrix_x4(af, common::ldsm_a_addr(a_base + 32 * kk, S::kKvT, lane));
+      common::ldmatrix_x4(b, common::ldsm_b_addr(b_base + 16 * nc * S::kKvT + 32 * kk, S::kKvT, lane));
+      common::mma_s8(tmp[0], af, b[0], b[1]);
+      common::mma_s8(tmp[1], af, b[2], b[3]);
+    }
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) emit(2 * nc + m, e, static_cast<float>(tmp[m][e]) * scale);
+  }
+}
+
+}  // namespace qattn::sagebwd
