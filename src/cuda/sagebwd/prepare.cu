@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(D) k_mean_kernel(Args a) {
 template <typename T, int D, bool kQuantDov>
 __global__ void __launch_bounds__(kThreads) k_prepare_kernel(Args a) {
   constexpr int kTpr = D / 8, kRpp = kThreads / kTpr, kPasses = kKvTileRows / kRpp;
-  constexpr int kBt = D + 4;  // byte tile row stride
+  constexpr int kBt = D + 8;  // byte tile row stride (8-byte aligned rows)
   __shared__ uint8_t bt[kKvTileRows * kBt];
   __shared__ float red[kThreads / 32];
   const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
@@ -188,7 +188,7 @@ __global__ void __launch_bounds__(kThreads) k_prepare_kernel(Args a) {
 template <typename T, int D, bool kQuantDov>
 __global__ void __launch_bounds__(kThreads) q_prepare_kernel(Args a) {
   constexpr int kTpr = D / 8, kRpp = kThreads / kTpr, kPasses = kQBlockRows / kRpp;
-  constexpr int kBt = D + 4;
+  constexpr int kBt = D + 8;
   __shared__ uint8_t bt_q[kQBlockRows * kBt];
   __shared__ uint8_t bt_do[kQBlockRows * kBt];
   __shared__ float red[kThreads / 32];
