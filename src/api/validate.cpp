@@ -344,9 +344,10 @@ qattn_status check_shape_mask_scale(const char* fn, const Params& p) {
   return QATTN_OK;
 }
 
-qattn_status check_reserved(const char* fn, int32_t value, const char* init_name) {
+qattn_status check_reserved(const char* fn, const char* name, int32_t value,
+                            const char* init_name) {
   if (value != 0)
-    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": reserved0 = ", value, "; allowed: 0 (",
+    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": ", name, " = ", value, "; allowed: 0 (",
                 init_name, " sets it)");
   return QATTN_OK;
 }
@@ -374,7 +375,7 @@ qattn_status validate_forward(const char* fn, const qattn_fwd_params& p) {
     return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": scheme = ", p.scheme,
                 "; allowed: QATTN_SCHEME_SAGE2_8B (0)");
   if (auto s = check_shape_mask_scale(fn, p); s) return s;
-  if (auto s = check_reserved(fn, p.reserved0, "qattn_fwd_params_init"); s) return s;
+  if (auto s = check_reserved(fn, "reserved0", p.reserved0, "qattn_fwd_params_init"); s) return s;
   if (p.scheme == QATTN_SCHEME_SAGE2_8B) {
     const int32_t gran = p.sage2.granularity;
     if (gran != QATTN_QK_PER_THREAD && gran != QATTN_QK_PER_WARP && gran != QATTN_QK_PER_BLOCK)
@@ -449,7 +450,8 @@ qattn_status validate_backward(const char* fn, const qattn_bwd_params& p) {
     return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": dov = ", p.dov,
                 "; allowed: QATTN_BWD_DOV_16BIT (0) or QATTN_BWD_DOV_QUANTIZED (1)");
   if (auto s = check_flag(fn, "deterministic", p.deterministic); s) return s;
-  if (auto s = check_reserved(fn, p.reserved0, "qattn_bwd_params_init"); s) return s;
+  if (auto s = check_reserved(fn, "reserved0", p.reserved0, "qattn_bwd_params_init"); s) return s;
+  if (auto s = check_reserved(fn, "reserved1", p.reserved1, "qattn_bwd_params_init"); s) return s;
 
   // ---- a kernel family for it (on some device: the device is checked at launch) ----
   qattn_status support = QATTN_OK;
