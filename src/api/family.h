@@ -1,9 +1,10 @@
 // A kernel family: one set of kernels (e.g. the SageAttention2-8b forward for Hopper,
-// the SageBwd backward for Hopper) and the declaration of what it runs. src/api dispatches every call through the
-// registry (registry.h) of these declarations and names no family's internals; a
-// family's own file (src/families/) fills one in. The declaration is host C++ that
-// every build compiles, so a CPU-only build validates and sizes the workspace with
-// the same rules; only `launch` needs the CUDA kernels (nullptr without them).
+// the SageBwd backward for Hopper) and the declaration of what it runs. src/api
+// dispatches every call through the registry (registry.h) of these declarations and
+// names no family's internals; a family's own file (src/families/) fills one in. The
+// declaration is host C++ that every build compiles, so a CPU-only build validates and
+// sizes the workspace with the same rules; only `launch` needs the CUDA kernels
+// (nullptr without them).
 #pragma once
 
 #include <cstddef>

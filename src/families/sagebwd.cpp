@@ -55,7 +55,9 @@ std::string check_limits(const qattn_bwd_params& p) {
   return {};
 }
 
-std::size_t workspace_bytes(const qattn_bwd_params& p) { return sagebwd::workspace_layout(p).total; }
+std::size_t workspace_bytes(const qattn_bwd_params& p) {
+  return sagebwd::workspace_layout(p).total;
+}
 
 #if QATTN_HAVE_CUDA
 constexpr auto kLaunch = &sagebwd::launch_backward;

@@ -127,10 +127,10 @@ constexpr std::array<TensorField, 8> kTensors{{{"q", &qattn_bwd_params::q, false
                                                {"dv", &qattn_bwd_params::dv, true, false}}};
 
 std::size_t span_bytes(const qattn_bwd_params& p, const TensorField& f) {
-  return f.q_side ? qattn::api::view_span_bytes(p.*f.member, p.batch, p.heads_q, p.seqlen_q,
-                                                p.head_dim)
-                  : qattn::api::view_span_bytes(p.*f.member, p.batch, p.heads_kv, p.seqlen_kv,
-                                                p.head_dim);
+  return f.q_side
+             ? qattn::api::view_span_bytes(p.*f.member, p.batch, p.heads_q, p.seqlen_q, p.head_dim)
+             : qattn::api::view_span_bytes(p.*f.member, p.batch, p.heads_kv, p.seqlen_kv,
+                                           p.head_dim);
 }
 
 // ---- the valid baseline ------------------------------------------------------------
@@ -184,11 +184,11 @@ TEST(BwdValidation, ParamsInitGivesDefaults) {
 
 TEST(BwdValidation, NullArguments) {
   std::size_t bytes = 0;
-  EXPECT_REJECTS(outcome(qattn_bwd_workspace_size(nullptr, &bytes)),
-                 QATTN_ERROR_INVALID_ARGUMENT, "params is NULL");
+  EXPECT_REJECTS(outcome(qattn_bwd_workspace_size(nullptr, &bytes)), QATTN_ERROR_INVALID_ARGUMENT,
+                 "params is NULL");
   const qattn_bwd_params p = valid_params();
-  EXPECT_REJECTS(outcome(qattn_bwd_workspace_size(&p, nullptr)),
-                 QATTN_ERROR_INVALID_ARGUMENT, "bytes is NULL");
+  EXPECT_REJECTS(outcome(qattn_bwd_workspace_size(&p, nullptr)), QATTN_ERROR_INVALID_ARGUMENT,
+                 "bytes is NULL");
   EXPECT_REJECTS(outcome(qattn_bwd(nullptr, workspace(), 1 << 30, nullptr)),
                  QATTN_ERROR_INVALID_ARGUMENT, "qattn_bwd: params is NULL");
 }
@@ -204,8 +204,8 @@ TEST(BwdValidation, StructSizeIsChecked) {
                  "qattn_bwd_params_init", "sizeof(qattn_bwd_params)");
   p.struct_size = QATTN_BWD_PARAMS_MIN_SIZE - 1;
   EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "struct_size");
-  EXPECT_REJECTS(bwd(p, workspace(), want), QATTN_ERROR_INVALID_ARGUMENT, "qattn_bwd:",
-                 "struct_size");
+  EXPECT_REJECTS(bwd(p, workspace(), want), QATTN_ERROR_INVALID_ARGUMENT,
+                 "qattn_bwd:", "struct_size");
 
   struct Newer {
     qattn_bwd_params base;
@@ -296,8 +296,7 @@ TEST(BwdValidation, Shapes) {
   p = valid_params();
   p.heads_q = 12;
   p.heads_kv = 8;
-  EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "heads_q = 12", "heads_kv = 8",
-                 "GQA");
+  EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "heads_q = 12", "heads_kv = 8", "GQA");
   // Head dims beyond the family: unsupported, named by the family.
   for (int d : {129, 256}) {
     p = valid_params();
@@ -309,7 +308,8 @@ TEST(BwdValidation, Shapes) {
   for (int d : {1, 8, 36, 64, 72, 100, 128}) {
     Shape s;
     s.head_dim = d;
-    EXPECT_EQ(size_of(valid_params(s)).status, QATTN_OK) << d << ": " << size_of(valid_params(s)).message;
+    EXPECT_EQ(size_of(valid_params(s)).status, QATTN_OK)
+        << d << ": " << size_of(valid_params(s)).message;
   }
   for (int hkv : {1, 8}) {
     Shape s;
@@ -355,8 +355,8 @@ TEST(BwdValidation, E4M3IsDeclinedByTheFamily) {
   EXPECT_REJECTS(size_of(p), QATTN_ERROR_UNSUPPORTED,
                  "qattn_bwd_workspace_size: no kernel family runs this call", "considered 1",
                  "sagebwd_sm90: format QATTN_BWD_E4M3 is not implemented by this family");
-  EXPECT_REJECTS(bwd(p, workspace(), std::size_t{1} << 30), QATTN_ERROR_UNSUPPORTED, "qattn_bwd:",
-                 "QATTN_BWD_E4M3");
+  EXPECT_REJECTS(bwd(p, workspace(), std::size_t{1} << 30), QATTN_ERROR_UNSUPPORTED,
+                 "qattn_bwd:", "QATTN_BWD_E4M3");
 }
 
 // ---- tensors -----------------------------------------------------------------------
@@ -379,8 +379,7 @@ TEST(BwdValidation, TensorPointersAndStrides) {
                                    std::pair{&qattn_tensor::stride_n, "stride_n"}}) {
         p = valid_params();
         (p.*f.member).*stride = bad;
-        EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, n + "." + sname,
-                       "multiple of 8");
+        EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, n + "." + sname, "multiple of 8");
       }
     }
     p = valid_params();
@@ -438,9 +437,10 @@ TEST(BwdValidation, OutputsOverlapNothing) {
     }
   }
   // The gradients overlap each other: named later one first.
-  for (auto [a, b, msg] : {std::tuple{&qattn_bwd_params::dq, &qattn_bwd_params::dk, "dk overlaps dq"},
-                           std::tuple{&qattn_bwd_params::dq, &qattn_bwd_params::dv, "dv overlaps dq"},
-                           std::tuple{&qattn_bwd_params::dk, &qattn_bwd_params::dv, "dv overlaps dk"}}) {
+  for (auto [a, b, msg] :
+       {std::tuple{&qattn_bwd_params::dq, &qattn_bwd_params::dk, "dk overlaps dq"},
+        std::tuple{&qattn_bwd_params::dq, &qattn_bwd_params::dv, "dv overlaps dq"},
+        std::tuple{&qattn_bwd_params::dk, &qattn_bwd_params::dv, "dv overlaps dk"}}) {
     qattn_bwd_params p = valid_params();
     (p.*b).data = (p.*a).data;
     EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, msg);
@@ -615,11 +615,11 @@ std::size_t ws_1k(const qattn_bwd_params&) { return 1024; }
 std::size_t ws_4k(const qattn_bwd_params&) { return 4096; }
 
 constexpr uint32_t kBoth = 3u;
-constexpr BackwardFamily kE4m3Only{"fake_e4m3", kSm80, 1, 256, kBoth, kBoth,
+constexpr BackwardFamily kE4m3Only{"fake_e4m3",          kSm80, 1,     256,     kBoth,  kBoth,
                                    1u << QATTN_BWD_E4M3, kBoth, kBoth, nullptr, &ws_1k, nullptr};
-constexpr BackwardFamily kAtomicOnly{"fake_atomic", kSm80, 1, 256, kBoth, kBoth, kBoth,
-                                     1u << QATTN_BWD_DOV_16BIT, 1u << 0, nullptr, &ws_1k,
-                                     nullptr};
+constexpr BackwardFamily kAtomicOnly{"fake_atomic", kSm80,   1,      256,
+                                     kBoth,         kBoth,   kBoth,  1u << QATTN_BWD_DOV_16BIT,
+                                     1u << 0,       nullptr, &ws_1k, nullptr};
 constexpr BackwardFamily kFp16Unmasked{"fake_fp16",
                                        kSm80,
                                        1,
@@ -632,8 +632,8 @@ constexpr BackwardFamily kFp16Unmasked{"fake_fp16",
                                        nullptr,
                                        &ws_1k,
                                        nullptr};
-constexpr BackwardFamily kShortKv{"fake_short_kv", kSm90And100, 64, 64, kBoth, kBoth, kBoth,
-                                  kBoth, kBoth, &short_kv, &ws_4k, nullptr};
+constexpr BackwardFamily kShortKv{"fake_short_kv", kSm90And100, 64,    64,        kBoth,  kBoth,
+                                  kBoth,           kBoth,       kBoth, &short_kv, &ws_4k, nullptr};
 
 TEST(BwdRegistry, EveryDeclineReasonIsNamed) {
   const std::array<const BackwardFamily*, 4> families{&kE4m3Only, &kAtomicOnly, &kFp16Unmasked,
@@ -659,8 +659,8 @@ TEST(BwdRegistry, EveryDeclineReasonIsNamed) {
   const Arch sm90{9, 0};
   EXPECT_EQ(qattn::api::select_family("f", p, &sm90, &s, families), nullptr);
   m = qattn_last_error_message();
-  for (const char* w : {"fake_atomic: dov QATTN_BWD_DOV_QUANTIZED", "fake_fp16: has no causal kernel",
-                        "fake_short_kv: seqlen_kv above 256"})
+  for (const char* w : {"fake_atomic: dov QATTN_BWD_DOV_QUANTIZED",
+                        "fake_fp16: has no causal kernel", "fake_short_kv: seqlen_kv above 256"})
     EXPECT_TRUE(contains(m, w)) << "no '" << w << "' in: " << m;
 
   // The first family that accepts wins.
