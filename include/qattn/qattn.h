@@ -204,9 +204,13 @@ typedef struct qattn_bwd_params {
                                  low bits may differ run to run; 1: no atomics, every
                                  output bitwise equal run to run (slower) */
   int32_t reserved0;          /* must be 0 */
+  int32_t reserved1;          /* must be 0: with it the struct (8-byte aligned) ends without
+                                 tail padding, as the stability rule asks */
 } qattn_bwd_params;
 
-#define QATTN_BWD_PARAMS_MIN_SIZE (offsetof(qattn_bwd_params, reserved0) + sizeof(int32_t))
+/* The smallest struct_size accepted (328 bytes on LP64); it stays this value as fields
+ * are appended. */
+#define QATTN_BWD_PARAMS_MIN_SIZE (offsetof(qattn_bwd_params, reserved1) + sizeof(int32_t))
 
 /* Fills p with defaults: struct_size = sizeof(qattn_bwd_params), everything else
  * zero/NULL, dtype bf16, format INT8, dov 16-bit, not deterministic, sm_scale 0. */

@@ -1,6 +1,8 @@
 // The extern "C" functions of qattn.h (and bench_hooks.h): read the caller's struct,
-// validate everything, pick the kernel family for the device, then launch. Nothing here throws across the ABI: the only allocation that can throw is
-// the error message itself, and a failure there becomes QATTN_ERROR_INTERNAL.
+// validate everything, pick the kernel family for the device, then launch — the same
+// sequence for the forward and the backward. Nothing here throws across the ABI: the
+// only allocation that can throw is the error message itself, and a failure there
+// becomes QATTN_ERROR_INTERNAL.
 #include <cstring>
 #include <exception>
 
@@ -35,27 +37,62 @@ qattn_status guarded(F&& body) noexcept {
   }
 }
 
-qattn_status forward(const char* fn, const qattn_fwd_params* caller, void* workspace,
-                     size_t workspace_bytes, void* stream, ForwardPart part) {
+qattn_status validate(const char* fn, const qattn_fwd_params& p) {
+  return qattn::api::validate_forward(fn, p);
+}
+qattn_status validate(const char* fn, const qattn_bwd_params& p) {
+  return qattn::api::validate_backward(fn, p);
+}
+
+// One call of either direction: read the caller's struct, validate it and the
+// workspace, find the device and the family that runs the call there, check the
+// pointers, launch. `launch(family, params, workspace)` enqueues and returns a
+// cudaError_t; nothing is launched before every check has passed.
+template <typename Params, typename Launch>
+qattn_status run(const char* fn, const Params* caller, void* workspace, size_t workspace_bytes,
+                 Launch&& launch) {
   return guarded([&] {
     namespace api = qattn::api;
-    qattn_fwd_params p;
+    Params p;
     if (auto s = api::read_params(fn, caller, &p); s != QATTN_OK) return s;
-    if (auto s = api::validate_forward(fn, p); s != QATTN_OK) return s;
+    if (auto s = validate(fn, p); s != QATTN_OK) return s;
     if (auto s = api::validate_workspace(fn, p, workspace, workspace_bytes); s != QATTN_OK)
       return s;
     int device = 0;
     api::Arch arch;
     if (auto s = api::current_device(fn, &device, &arch); s != QATTN_OK) return s;
     qattn_status s = QATTN_OK;
-    const api::ForwardFamily* family = api::select_family(fn, p, &arch, &s);
+    const auto* family = api::select_family(fn, p, &arch, &s);
     if (family == nullptr) return s;
     if (family->launch == nullptr)  // a family declared without its kernels in this build
       return api::fail(QATTN_ERROR_NO_DEVICE, fn, ": ", family->name,
                        " has no kernels in this build of qattn");
-    if (s = api::check_pointers(fn, p, workspace, device); s != QATTN_OK) return s;
-    return api::launch_status(
-        fn, *family, family->launch(api::resolve_defaults(p), workspace, stream, part));
+    if (s = api::check_pointers(fn, api::buffer_spans(p, workspace), device); s != QATTN_OK)
+      return s;
+    return api::launch_status(fn, family->name,
+                              launch(*family, api::resolve_defaults(p), workspace));
+  });
+}
+
+qattn_status forward(const char* fn, const qattn_fwd_params* caller, void* workspace,
+                     size_t workspace_bytes, void* stream, ForwardPart part) {
+  return run(fn, caller, workspace, workspace_bytes,
+             [&](const qattn::api::ForwardFamily& f, const qattn_fwd_params& p, void* ws) {
+               return f.launch(p, ws, stream, part);
+             });
+}
+
+// The workspace size of either direction: validates the parameters, no device.
+template <typename Params>
+qattn_status workspace_size(const char* fn, const Params* caller, size_t* bytes) {
+  return guarded([&] {
+    if (bytes == nullptr)
+      return qattn::api::fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": bytes is NULL");
+    Params full;
+    if (auto s = qattn::api::read_params(fn, caller, &full); s != QATTN_OK) return s;
+    if (auto s = validate(fn, full); s != QATTN_OK) return s;
+    *bytes = qattn::api::workspace_bytes_for(full);
+    return QATTN_OK;
   });
 }
 
@@ -75,16 +112,7 @@ void qattn_fwd_params_init(qattn_fwd_params* p) {
 }
 
 qattn_status qattn_fwd_workspace_size(const qattn_fwd_params* p, size_t* bytes) {
-  return guarded([&] {
-    constexpr const char* fn = "qattn_fwd_workspace_size";
-    if (bytes == nullptr)
-      return qattn::api::fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": bytes is NULL");
-    qattn_fwd_params full;
-    if (auto s = qattn::api::read_params(fn, p, &full); s != QATTN_OK) return s;
-    if (auto s = qattn::api::validate_forward(fn, full); s != QATTN_OK) return s;
-    *bytes = qattn::api::forward_workspace_bytes(full);
-    return QATTN_OK;
-  });
+  return workspace_size("qattn_fwd_workspace_size", p, bytes);
 }
 
 qattn_status qattn_fwd(const qattn_fwd_params* p, void* workspace, size_t workspace_bytes,
@@ -96,6 +124,30 @@ qattn_status qattn_fwd_attention_only(const qattn_fwd_params* p, void* workspace
                                       size_t workspace_bytes, void* stream) {
   return forward("qattn_fwd_attention_only", p, workspace, workspace_bytes, stream,
                  ForwardPart::kAttentionOnly);
+}
+
+void qattn_bwd_params_init(qattn_bwd_params* p) {
+  if (p == nullptr) return;
+  std::memset(p, 0, sizeof(*p));
+  p->struct_size = sizeof(*p);
+  p->dtype = QATTN_DTYPE_BF16;
+  p->causal = 0;
+  p->sm_scale = 0.f;
+  p->format = QATTN_BWD_INT8;
+  p->dov = QATTN_BWD_DOV_16BIT;
+  p->deterministic = 0;
+}
+
+qattn_status qattn_bwd_workspace_size(const qattn_bwd_params* p, size_t* bytes) {
+  return workspace_size("qattn_bwd_workspace_size", p, bytes);
+}
+
+qattn_status qattn_bwd(const qattn_bwd_params* p, void* workspace, size_t workspace_bytes,
+                       void* stream) {
+  return run("qattn_bwd", p, workspace, workspace_bytes,
+             [&](const qattn::api::BackwardFamily& f, const qattn_bwd_params& rp, void* ws) {
+               return f.launch(rp, ws, stream);
+             });
 }
 
 const char* qattn_last_error_message(void) { return qattn::api::last_error(); }

@@ -130,10 +130,9 @@ qattn_status current_device(const char* fn, int* device, Arch* arch) {
   return QATTN_OK;
 }
 
-qattn_status check_pointers(const char* fn, const qattn_fwd_params& p, const void* workspace,
-                            int device) {
+qattn_status check_pointers(const char* fn, std::span<const BufferSpan> buffers, int device) {
   RelaxedCaptureMode relaxed;
-  for (const BufferSpan& b : buffer_spans(p, workspace)) {
+  for (const BufferSpan& b : buffers) {
     if (b.data == nullptr) continue;  // no lse
     if (auto s = check_pointer(fn, b.name, b.data, device); s != QATTN_OK) return s;
     if (auto s = check_span(fn, b); s != QATTN_OK) return s;
@@ -141,9 +140,9 @@ qattn_status check_pointers(const char* fn, const qattn_fwd_params& p, const voi
   return QATTN_OK;
 }
 
-qattn_status launch_status(const char* fn, const ForwardFamily& family, int e) {
+qattn_status launch_status(const char* fn, const char* family, int e) {
   if (e != cudaSuccess)
-    return fail(QATTN_ERROR_CUDA, fn, ": enqueueing the ", family.name, " kernels failed: ",
+    return fail(QATTN_ERROR_CUDA, fn, ": enqueueing the ", family, " kernels failed: ",
                 cudaGetErrorName(static_cast<cudaError_t>(e)), ": ",
                 cudaGetErrorString(static_cast<cudaError_t>(e)));
   return QATTN_OK;
@@ -170,11 +169,11 @@ qattn_status current_device(const char* fn, int*, Arch*) {
               "without nvcc); rebuild with CUDA to run on a GPU");
 }
 
-qattn_status check_pointers(const char* fn, const qattn_fwd_params&, const void*, int) {
+qattn_status check_pointers(const char* fn, std::span<const BufferSpan>, int) {
   return current_device(fn, nullptr, nullptr);
 }
 
-qattn_status launch_status(const char* fn, const ForwardFamily&, int) {
+qattn_status launch_status(const char* fn, const char*, int) {
   return current_device(fn, nullptr, nullptr);
 }
 

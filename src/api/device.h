@@ -5,7 +5,10 @@
 // (QATTN_HAVE_CUDA=0) every entry reports QATTN_ERROR_NO_DEVICE.
 #pragma once
 
+#include <span>
+
 #include "api/family.h"
+#include "api/validate.h"
 #include "qattn/qattn.h"
 
 namespace qattn::api {
@@ -13,15 +16,15 @@ namespace qattn::api {
 // The current device and its compute capability.
 qattn_status current_device(const char* fn, int* device, Arch* arch);
 
-// Checks that the buffers are device memory of `device` and, where the driver can
-// tell, that each buffer's span (buffer_spans) fits in its allocation. The queries are
+// Checks that the buffers (buffer_spans of the call; an absent one has data NULL and is
+// skipped) are device memory of `device` and, where the driver can tell, that each
+// buffer's span fits in its allocation. The queries are
 // host-side reads of allocation attributes; they run during stream capture too (in any
 // capture mode: the calling thread is switched to the relaxed mode around them).
-qattn_status check_pointers(const char* fn, const qattn_fwd_params& p, const void* workspace,
-                            int device);
+qattn_status check_pointers(const char* fn, std::span<const BufferSpan> buffers, int device);
 
-// The status of a family's launch (a cudaError_t; 0 = success).
-qattn_status launch_status(const char* fn, const ForwardFamily& family, int cuda_error);
+// The status of a family's launch (a cudaError_t; 0 = success); `family` is its name.
+qattn_status launch_status(const char* fn, const char* family, int cuda_error);
 
 // 1 when `device` (< 0: the current one) has an architecture some family runs on.
 bool device_supported(int device);

@@ -1,9 +1,10 @@
-// A kernel family: one set of kernels (e.g. the SageAttention2-8b forward for Hopper)
-// and the declaration of what it runs. src/api dispatches every call through the
-// registry (registry.h) of these declarations and names no family's internals; a
-// family's own file (src/families/) fills one in. The declaration is host C++ that
-// every build compiles, so a CPU-only build validates and sizes the workspace with
-// the same rules; only `launch` needs the CUDA kernels (nullptr without them).
+// A kernel family: one set of kernels (e.g. the SageAttention2-8b forward for Hopper,
+// the SageBwd backward for Hopper) and the declaration of what it runs. src/api
+// dispatches every call through the registry (registry.h) of these declarations and
+// names no family's internals; a family's own file (src/families/) fills one in. The
+// declaration is host C++ that every build compiles, so a CPU-only build validates and
+// sizes the workspace with the same rules; only `launch` needs the CUDA kernels
+// (nullptr without them).
 #pragma once
 
 #include <cstddef>
@@ -21,8 +22,7 @@ struct Arch {
   bool operator==(const Arch&) const = default;
 };
 
-// The masks a call may ask for (qattn_fwd_params::causal), as bits of
-// ForwardFamily::masks.
+// The masks a call may ask for (the params' causal), as bits of a family's masks.
 enum MaskBit : uint32_t { kMaskNone = 1u << 0, kMaskCausal = 1u << 1 };
 
 // Which kernels of a forward to run: all, or (bench hooks) the attention kernel alone
@@ -48,7 +48,28 @@ struct ForwardFamily {
   int (*launch)(const qattn_fwd_params& p, void* workspace, void* stream, ForwardPart part);
 };
 
+// A backward family (qattn_bwd). Its table has the forward's fields (name, archs, head
+// dims, dtypes, masks, same meaning) plus the backward's own choices, each a bit set
+// indexed by the field's value: formats (1 << QATTN_BWD_*), dovs (1 << QATTN_BWD_DOV_*),
+// determinism (bit 0: atomics allowed, bit 1: deterministic).
+struct BackwardFamily {
+  const char* name;  // in messages: "sagebwd_sm90"
+  std::span<const Arch> archs;
+  int32_t min_head_dim, max_head_dim;
+  uint32_t dtypes;       // bit (1 << QATTN_DTYPE_*)
+  uint32_t masks;        // MaskBit
+  uint32_t formats;      // bit (1 << QATTN_BWD_INT8 / QATTN_BWD_E4M3)
+  uint32_t dovs;         // bit (1 << QATTN_BWD_DOV_16BIT / QATTN_BWD_DOV_QUANTIZED)
+  uint32_t determinism;  // bit (1 << deterministic), deterministic in {0, 1}
+  std::string (*check_limits)(const qattn_bwd_params& p);
+  std::size_t (*workspace_bytes)(const qattn_bwd_params& p);  // a multiple of 256
+  // Enqueues the call with defaults resolved (sm_scale > 0); returns a cudaError_t and
+  // never synchronizes. nullptr in a CPU-only build.
+  int (*launch)(const qattn_bwd_params& p, void* workspace, void* stream);
+};
+
 // Every family of this build, in the order the registry tries them (src/families/).
 std::span<const ForwardFamily* const> forward_families();
+std::span<const BackwardFamily* const> backward_families();
 
 }  // namespace qattn::api

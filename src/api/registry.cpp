@@ -11,18 +11,66 @@ const char* dtype_name(int32_t d) {
   return d == QATTN_DTYPE_FP16 ? "fp16" : d == QATTN_DTYPE_BF16 ? "bf16" : "?";
 }
 
+const char* format_name(int32_t f) {
+  return f == QATTN_BWD_INT8 ? "QATTN_BWD_INT8" : f == QATTN_BWD_E4M3 ? "QATTN_BWD_E4M3" : "?";
+}
+
+const char* dov_name(int32_t d) {
+  return d == QATTN_BWD_DOV_16BIT       ? "QATTN_BWD_DOV_16BIT"
+         : d == QATTN_BWD_DOV_QUANTIZED ? "QATTN_BWD_DOV_QUANTIZED"
+                                        : "?";
+}
+
 std::string arch_list(std::span<const Arch> archs) {
   std::string s;
   for (const Arch& a : archs) s += cat(s.empty() ? "" : ", ", "sm_", a.major, a.minor);
   return s.empty() ? "none" : s;
 }
 
-}  // namespace
+// A value's bit in one of a family's bit sets (values outside 0..31 match nothing).
+bool has_bit(uint32_t set, int32_t value) {
+  return value >= 0 && value < 32 && (set & (1u << value)) != 0;
+}
 
-std::string decline_reason(const ForwardFamily& f, const qattn_fwd_params& p, const Arch* arch) {
+// ---- what differs between the forward and the backward -----------------------------
+
+// The reasons of the fields only one direction has; checked before the common table.
+std::string own_reason(const ForwardFamily& f, const qattn_fwd_params& p) {
   if (p.scheme != f.scheme) return cat("implements scheme ", f.scheme, ", not ", p.scheme);
-  if (p.dtype < 0 || p.dtype >= 32 || (f.dtypes & (1u << p.dtype)) == 0)
-    return cat("does not read ", dtype_name(p.dtype), " inputs");
+  return {};
+}
+
+std::string own_reason(const BackwardFamily& f, const qattn_bwd_params& p) {
+  if (!has_bit(f.formats, p.format))
+    return cat("format ", format_name(p.format), " is not implemented by this family");
+  if (!has_bit(f.dovs, p.dov))
+    return cat("dov ", dov_name(p.dov), " (the precision of dO·Vᵀ) is not implemented by this "
+               "family");
+  if (!has_bit(f.determinism, p.deterministic))
+    return p.deterministic != 0 ? "has no deterministic kernel (deterministic = 1)"
+                                : "has no atomic kernel (deterministic = 0)";
+  return {};
+}
+
+// The call, in the unsupported message.
+std::string describe(const qattn_fwd_params& p) {
+  return cat("scheme ", p.scheme, ", ", dtype_name(p.dtype), ", head_dim ", p.head_dim,
+             p.causal != 0 ? ", causal" : ", no mask");
+}
+
+std::string describe(const qattn_bwd_params& p) {
+  return cat("backward, format ", format_name(p.format), ", dov ", dov_name(p.dov), ", ",
+             dtype_name(p.dtype), ", head_dim ", p.head_dim,
+             p.causal != 0 ? ", causal" : ", no mask",
+             p.deterministic != 0 ? ", deterministic" : "");
+}
+
+// ---- the shared logic --------------------------------------------------------------
+
+template <typename Family, typename Params>
+std::string reason(const Family& f, const Params& p, const Arch* arch) {
+  if (std::string why = own_reason(f, p); !why.empty()) return why;
+  if (!has_bit(f.dtypes, p.dtype)) return cat("does not read ", dtype_name(p.dtype), " inputs");
   const uint32_t mask = p.causal != 0 ? kMaskCausal : kMaskNone;
   if ((f.masks & mask) == 0) return cat("has no ", p.causal != 0 ? "causal" : "unmasked", " kernel");
   if (p.head_dim < f.min_head_dim || p.head_dim > f.max_head_dim)
@@ -35,12 +83,12 @@ std::string decline_reason(const ForwardFamily& f, const qattn_fwd_params& p, co
   return {};
 }
 
-const ForwardFamily* select_family(const char* fn, const qattn_fwd_params& p, const Arch* arch,
-                                   qattn_status* status,
-                                   std::span<const ForwardFamily* const> families) {
+template <typename Family, typename Params>
+const Family* select(const char* fn, const Params& p, const Arch* arch, qattn_status* status,
+                     std::span<const Family* const> families) {
   std::string reasons;
-  for (const ForwardFamily* f : families) {
-    std::string why = decline_reason(*f, p, arch);
+  for (const Family* f : families) {
+    std::string why = reason(*f, p, arch);
     if (why.empty()) {
       *status = QATTN_OK;
       return f;
@@ -49,26 +97,61 @@ const ForwardFamily* select_family(const char* fn, const qattn_fwd_params& p, co
   }
   const std::string device =
       arch != nullptr ? cat("; device sm_", arch->major, arch->minor) : std::string(" (any device)");
-  *status = fail(QATTN_ERROR_UNSUPPORTED, fn, ": no kernel family runs this call (scheme ",
-                 p.scheme, ", ", dtype_name(p.dtype), ", head_dim ", p.head_dim,
-                 p.causal != 0 ? ", causal" : ", no mask", device, "); considered ",
-                 families.size(), families.empty() ? "" : reasons.c_str());
+  *status = fail(QATTN_ERROR_UNSUPPORTED, fn, ": no kernel family runs this call (", describe(p),
+                 device, "); considered ", families.size(), reasons);
   return nullptr;
+}
+
+template <typename Family, typename Params>
+std::size_t largest_workspace(const Params& p, std::span<const Family* const> families) {
+  std::size_t bytes = 0;
+  for (const Family* f : families)
+    if (reason(*f, p, nullptr).empty()) bytes = std::max(bytes, f->workspace_bytes(p));
+  return bytes;
+}
+
+template <typename Family>
+bool runs_on(const Arch& arch, std::span<const Family* const> families) {
+  for (const Family* f : families)
+    if (f->launch != nullptr && std::find(f->archs.begin(), f->archs.end(), arch) != f->archs.end())
+      return true;
+  return false;
+}
+
+}  // namespace
+
+std::string decline_reason(const ForwardFamily& f, const qattn_fwd_params& p, const Arch* arch) {
+  return reason(f, p, arch);
+}
+std::string decline_reason(const BackwardFamily& f, const qattn_bwd_params& p, const Arch* arch) {
+  return reason(f, p, arch);
+}
+
+const ForwardFamily* select_family(const char* fn, const qattn_fwd_params& p, const Arch* arch,
+                                   qattn_status* status,
+                                   std::span<const ForwardFamily* const> families) {
+  return select(fn, p, arch, status, families);
+}
+const BackwardFamily* select_family(const char* fn, const qattn_bwd_params& p, const Arch* arch,
+                                    qattn_status* status,
+                                    std::span<const BackwardFamily* const> families) {
+  return select(fn, p, arch, status, families);
 }
 
 std::size_t workspace_bytes_for(const qattn_fwd_params& p,
                                 std::span<const ForwardFamily* const> families) {
-  std::size_t bytes = 0;
-  for (const ForwardFamily* f : families)
-    if (decline_reason(*f, p, nullptr).empty()) bytes = std::max(bytes, f->workspace_bytes(p));
-  return bytes;
+  return largest_workspace(p, families);
+}
+std::size_t workspace_bytes_for(const qattn_bwd_params& p,
+                                std::span<const BackwardFamily* const> families) {
+  return largest_workspace(p, families);
 }
 
 bool arch_supported(const Arch& arch, std::span<const ForwardFamily* const> families) {
-  for (const ForwardFamily* f : families)
-    if (f->launch != nullptr && std::find(f->archs.begin(), f->archs.end(), arch) != f->archs.end())
-      return true;
-  return false;
+  return runs_on(arch, families);
+}
+bool backward_arch_supported(const Arch& arch, std::span<const BackwardFamily* const> families) {
+  return runs_on(arch, families);
 }
 
 }  // namespace qattn::api

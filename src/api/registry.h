@@ -1,7 +1,10 @@
-// The one dispatch point: which kernel family runs a call. A family is chosen by
-// (scheme, architecture, head dim, input format, mask) and its further limits; the
-// first family in forward_families() that accepts the call runs it. When none does,
-// the message names every family considered and why each declined.
+// The one dispatch point: which kernel family runs a call. A family is chosen by its
+// declaration's table (forward: scheme; backward: format, dP precision, determinism;
+// both: architecture, head dim, input format, mask) and its further limits; the first
+// family of the list (forward_families(), backward_families()) that accepts the call
+// runs it. When none does, the message names every family considered and why each
+// declined. The forward and the backward share this logic (registry.cpp); only the
+// table fields of their own differ.
 #pragma once
 
 #include <cstddef>
@@ -17,14 +20,21 @@ namespace qattn::api {
 // not known (sizing the workspace, or a CPU-only build), so the architecture is not
 // checked.
 std::string decline_reason(const ForwardFamily& f, const qattn_fwd_params& p, const Arch* arch);
+std::string decline_reason(const BackwardFamily& f, const qattn_bwd_params& p, const Arch* arch);
 
 // The family that runs validated parameters `p` on `arch` (nullptr: any architecture).
 // On failure returns nullptr and records QATTN_ERROR_UNSUPPORTED with a message that
-// starts with `fn` and lists each of `families` with its reason.
+// starts with `fn` and lists each of `families` with its reason:
+//   "<fn>: no kernel family runs this call (<the call>; device sm_90); considered N;
+//    <family>: <reason>; ..."
 const ForwardFamily* select_family(const char* fn, const qattn_fwd_params& p, const Arch* arch,
                                    qattn_status* status,
                                    std::span<const ForwardFamily* const> families =
                                        forward_families());
+const BackwardFamily* select_family(const char* fn, const qattn_bwd_params& p, const Arch* arch,
+                                    qattn_status* status,
+                                    std::span<const BackwardFamily* const> families =
+                                        backward_families());
 
 // Workspace bytes for validated parameters: the largest need among the families that
 // accept the call on some architecture (so the size holds on any supported device);
@@ -32,9 +42,16 @@ const ForwardFamily* select_family(const char* fn, const qattn_fwd_params& p, co
 std::size_t workspace_bytes_for(const qattn_fwd_params& p,
                                 std::span<const ForwardFamily* const> families =
                                     forward_families());
+std::size_t workspace_bytes_for(const qattn_bwd_params& p,
+                                std::span<const BackwardFamily* const> families =
+                                    backward_families());
 
-// True when some family runs on `arch` (for qattn_device_supported).
+// True when some family with kernels in this build runs on `arch` (for
+// qattn_device_supported, which speaks of the forward).
 bool arch_supported(const Arch& arch,
                     std::span<const ForwardFamily* const> families = forward_families());
+bool backward_arch_supported(const Arch& arch,
+                             std::span<const BackwardFamily* const> families =
+                                 backward_families());
 
 }  // namespace qattn::api

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -37,27 +38,60 @@ Span span_of(const qattn_tensor& t, int64_t batch, int64_t heads, int64_t seqlen
   return {addr, addr + view_span_bytes(t, batch, heads, seqlen, d)};
 }
 
-std::size_t lse_bytes(const qattn_fwd_params& p) {
+template <typename Params>
+std::size_t lse_bytes(const Params& p) {
   return static_cast<std::size_t>(int64_t{p.batch} * p.heads_q * p.seqlen_q) * sizeof(float);
 }
 
-struct Spans {
-  Span q, k, v, o, lse;
-  bool has_lse = false;
+Span lse_span(const float* lse, std::size_t bytes) {
+  const auto addr = reinterpret_cast<uintptr_t>(lse);
+  return {addr, addr + bytes};
+}
+
+// A buffer of a call for the overlap checks: its name and byte range; `present` is
+// false for an absent optional buffer (the forward's lse).
+struct Named {
+  const char* name;
+  Span span;
+  bool present = true;
 };
 
-Spans spans_of(const qattn_fwd_params& p) {
-  Spans s;
-  s.q = span_of(p.q, p.batch, p.heads_q, p.seqlen_q, p.head_dim);
-  s.k = span_of(p.k, p.batch, p.heads_kv, p.seqlen_kv, p.head_dim);
-  s.v = span_of(p.v, p.batch, p.heads_kv, p.seqlen_kv, p.head_dim);
-  s.o = span_of(p.o, p.batch, p.heads_q, p.seqlen_q, p.head_dim);
-  if (p.lse != nullptr) {
-    const auto addr = reinterpret_cast<uintptr_t>(p.lse);
-    s.lse = {addr, addr + lse_bytes(p)};
-    s.has_lse = true;
-  }
-  return s;
+// The forward's buffers, in the order the checks name them.
+struct ForwardBuffers {
+  std::array<Named, 3> inputs;   // q, k, v
+  std::array<Named, 2> outputs;  // o, lse
+};
+
+ForwardBuffers buffers_of(const qattn_fwd_params& p) {
+  ForwardBuffers b{
+      {{{"q", span_of(p.q, p.batch, p.heads_q, p.seqlen_q, p.head_dim)},
+        {"k", span_of(p.k, p.batch, p.heads_kv, p.seqlen_kv, p.head_dim)},
+        {"v", span_of(p.v, p.batch, p.heads_kv, p.seqlen_kv, p.head_dim)}}},
+      {{{"o", span_of(p.o, p.batch, p.heads_q, p.seqlen_q, p.head_dim)},
+        {"lse", {}, false}}}};
+  if (p.lse != nullptr) b.outputs[1] = {"lse", lse_span(p.lse, lse_bytes(p))};
+  return b;
+}
+
+// The backward's buffers: everything it reads (which may overlap each other), then
+// what it writes.
+struct BackwardBuffers {
+  std::array<Named, 6> inputs;   // q, k, v, o, dout, lse
+  std::array<Named, 3> outputs;  // dq, dk, dv
+};
+
+BackwardBuffers buffers_of(const qattn_bwd_params& p) {
+  const int64_t b = p.batch, hq = p.heads_q, hkv = p.heads_kv, nq = p.seqlen_q,
+                nkv = p.seqlen_kv, d = p.head_dim;
+  return {{{{"q", span_of(p.q, b, hq, nq, d)},
+            {"k", span_of(p.k, b, hkv, nkv, d)},
+            {"v", span_of(p.v, b, hkv, nkv, d)},
+            {"o", span_of(p.o, b, hq, nq, d)},
+            {"dout", span_of(p.dout, b, hq, nq, d)},
+            {"lse", lse_span(p.lse, lse_bytes(p))}}},
+          {{{"dq", span_of(p.dq, b, hq, nq, d)},
+            {"dk", span_of(p.dk, b, hkv, nkv, d)},
+            {"dv", span_of(p.dv, b, hkv, nkv, d)}}}};
 }
 
 // Every element of an output has its own address. Rows are head_dim contiguous
@@ -159,20 +193,79 @@ qattn_status check_tensor(const char* fn, const char* name, const qattn_tensor& 
   return QATTN_OK;
 }
 
-qattn_status check_overlaps(const char* fn, const Spans& s) {
-  const std::array<std::pair<const char*, const Span*>, 3> inputs{
-      {{"q", &s.q}, {"k", &s.k}, {"v", &s.v}}};
-  for (const auto& [name, span] : inputs) {
-    if (s.o.overlaps(*span))
-      return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": o overlaps ", name,
-                  " in memory; allowed: an output buffer separate from the inputs");
-    if (s.has_lse && s.lse.overlaps(*span))
-      return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": lse overlaps ", name,
-                  " in memory; allowed: a separate (B, Hq, Nq) float buffer");
+// Every output stands alone: it overlaps no input and no other output (inputs may
+// overlap each other: they are only read). `allowed(name)` is the text after
+// "allowed: " for that output.
+template <std::size_t I, std::size_t O, typename Allowed>
+qattn_status check_overlaps(const char* fn, const std::array<Named, I>& inputs,
+                            const std::array<Named, O>& outputs, Allowed allowed) {
+  for (const Named& in : inputs) {
+    if (!in.present) continue;
+    for (const Named& out : outputs)
+      if (out.present && out.span.overlaps(in.span))
+        return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": ", out.name, " overlaps ", in.name,
+                    " in memory; allowed: ", allowed(out.name));
   }
-  if (s.has_lse && s.lse.overlaps(s.o))
+  for (std::size_t i = 0; i < O; ++i)
+    for (std::size_t j = 0; j < i; ++j)
+      if (outputs[i].present && outputs[j].present && outputs[i].span.overlaps(outputs[j].span))
+        return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": ", outputs[i].name, " overlaps ",
+                    outputs[j].name, " in memory; allowed: ", allowed(outputs[i].name));
+  return QATTN_OK;
+}
+
+// The workspace: present, 256-byte aligned, at least `need` bytes, and (those bytes)
+// apart from every buffer of the call. `sizer` names the function that sizes it.
+template <std::size_t N>
+qattn_status check_workspace(const char* fn, const char* sizer, std::size_t need,
+                             const void* workspace, std::size_t workspace_bytes,
+                             const std::array<Named, N>& buffers) {
+  if (workspace == nullptr)
+    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": workspace is NULL; allowed: device memory of ",
+                need, " bytes (", sizer, ")");
+  const auto addr = reinterpret_cast<uintptr_t>(workspace);
+  if (addr % kWorkspaceAlign != 0)
+    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": workspace = ", workspace,
+                " is not 256-byte aligned");
+  if (workspace_bytes < need)
+    return fail(QATTN_ERROR_WORKSPACE_TOO_SMALL, fn, ": workspace_bytes = ", workspace_bytes,
+                "; these parameters need at least ", need, " bytes (", sizer, ")");
+  if (addr > UINTPTR_MAX - need)
     return fail(QATTN_ERROR_INVALID_ARGUMENT, fn,
-                ": lse overlaps o in memory; allowed: a separate (B, Hq, Nq) float buffer");
+                ": workspace runs past the end of the address space");
+  const Span ws{addr, addr + need};
+  for (const Named& b : buffers)
+    if (b.present && ws.overlaps(b.span))
+      return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": workspace overlaps ", b.name,
+                  " in memory; allowed: a buffer of its own");
+  return QATTN_OK;
+}
+
+template <std::size_t A, std::size_t B>
+std::array<Named, A + B> join(const std::array<Named, A>& a, const std::array<Named, B>& b) {
+  std::array<Named, A + B> r{};
+  std::copy(a.begin(), a.end(), r.begin());
+  std::copy(b.begin(), b.end(), r.begin() + A);
+  return r;
+}
+
+// The LSE: 4-byte aligned floats, (B, Hq, Nq) of them inside the address space.
+// `required`: the backward reads it; the forward's is optional.
+template <typename Params>
+qattn_status check_lse(const char* fn, const Params& p, const float* lse, bool required) {
+  if (lse == nullptr) {
+    if (!required) return QATTN_OK;
+    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn,
+                ": lse is NULL; allowed: the forward's (B, Hq, Nq) FP32 LSE (qattn_fwd with lse "
+                "set), required by the backward");
+  }
+  const auto addr = reinterpret_cast<uintptr_t>(lse);
+  if (addr % kLseAlign != 0)
+    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": lse = ", static_cast<const void*>(lse),
+                " is not 4-byte aligned; allowed: ", required ? "" : "NULL or ", "a float array");
+  const uintptr_t bytes = lse_bytes(p);
+  if (addr > UINTPTR_MAX - bytes)
+    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": lse runs past the end of the address space");
   return QATTN_OK;
 }
 
@@ -184,36 +277,46 @@ qattn_status check_int(const char* fn, const char* name, int value, int lo, int 
   return QATTN_OK;
 }
 
-}  // namespace
-
-qattn_status read_params(const char* fn, const qattn_fwd_params* p, qattn_fwd_params* out) {
-  if (p == nullptr) return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": params is NULL");
-  const std::size_t size = p->struct_size;
-  if (size < QATTN_FWD_PARAMS_MIN_SIZE)
-    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": params->struct_size = ", size,
-                "; allowed: sizeof(qattn_fwd_params) of the caller's qattn.h, at least ",
-                QATTN_FWD_PARAMS_MIN_SIZE, " (set by qattn_fwd_params_init)");
-  if (size > sizeof(qattn_fwd_params))
-    return fail(QATTN_ERROR_UNSUPPORTED, fn, ": params->struct_size = ", size,
-                " is larger than this library's qattn_fwd_params (", sizeof(qattn_fwd_params),
-                " bytes, qattn ", QATTN_VERSION_MAJOR, ".", QATTN_VERSION_MINOR, ".",
-                QATTN_VERSION_PATCH,
-                "): the program was compiled against a newer qattn.h; link a library at least "
-                "as new as its header");
-  qattn_fwd_params_init(out);
-  std::memcpy(out, p, size);  // fields only ever appended: the caller's prefix is ours
-  out->struct_size = sizeof(qattn_fwd_params);
+// A 0/1 flag.
+qattn_status check_flag(const char* fn, const char* name, int32_t value) {
+  if (value != 0 && value != 1)
+    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": ", name, " = ", value, "; allowed: 0 or 1");
   return QATTN_OK;
 }
 
-qattn_status validate_forward(const char* fn, const qattn_fwd_params& p) {
-  // ---- scalars ----
-  if (p.dtype != QATTN_DTYPE_FP16 && p.dtype != QATTN_DTYPE_BF16)
-    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": dtype = ", p.dtype,
+// qattn.h's stability rule for a struct that starts with its size: the caller's prefix
+// is copied over the defaults `init` gives.
+template <typename Params>
+qattn_status read_struct(const char* fn, const Params* p, Params* out, const char* type,
+                         std::size_t min_size, const char* init_name, void (*init)(Params*)) {
+  if (p == nullptr) return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": params is NULL");
+  const std::size_t size = p->struct_size;
+  if (size < min_size)
+    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": params->struct_size = ", size,
+                "; allowed: sizeof(", type, ") of the caller's qattn.h, at least ", min_size,
+                " (set by ", init_name, ")");
+  if (size > sizeof(Params))
+    return fail(QATTN_ERROR_UNSUPPORTED, fn, ": params->struct_size = ", size,
+                " is larger than this library's ", type, " (", sizeof(Params), " bytes, qattn ",
+                QATTN_VERSION_MAJOR, ".", QATTN_VERSION_MINOR, ".", QATTN_VERSION_PATCH,
+                "): the program was compiled against a newer qattn.h; link a library at least "
+                "as new as its header");
+  init(out);
+  std::memcpy(out, p, size);  // fields only ever appended: the caller's prefix is ours
+  out->struct_size = sizeof(Params);
+  return QATTN_OK;
+}
+
+qattn_status check_dtype(const char* fn, int32_t dtype) {
+  if (dtype != QATTN_DTYPE_FP16 && dtype != QATTN_DTYPE_BF16)
+    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": dtype = ", dtype,
                 "; allowed: QATTN_DTYPE_FP16 (0) or QATTN_DTYPE_BF16 (1)");
-  if (p.scheme != QATTN_SCHEME_SAGE2_8B)
-    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": scheme = ", p.scheme,
-                "; allowed: QATTN_SCHEME_SAGE2_8B (0)");
+  return QATTN_OK;
+}
+
+// The fields both directions share, with the same rules: shape, mask, scale.
+template <typename Params>
+qattn_status check_shape_mask_scale(const char* fn, const Params& p) {
   if (auto s = check_int(fn, "batch", p.batch, 1, kMaxGridDim, " (a grid dimension)"); s) return s;
   if (auto s = check_int(fn, "heads_q", p.heads_q, 1, kMaxGridDim, " (a grid dimension)"); s)
     return s;
@@ -227,8 +330,7 @@ qattn_status validate_forward(const char* fn, const qattn_fwd_params& p) {
   if (p.head_dim < 1)
     return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": head_dim = ", p.head_dim,
                 "; allowed: 1.. (the kernel families say which sizes they run)");
-  if (p.causal != 0 && p.causal != 1)
-    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": causal = ", p.causal, "; allowed: 0 or 1");
+  if (auto s = check_flag(fn, "causal", p.causal); s) return s;
   // 0 selects the default; a negative scale is not "the default" (the reference would
   // honour its sign), and above kMaxSmScale the FP32 scores overflow (qattn.h derives
   // the bound from the largest |q·k| of FP16-range inputs).
@@ -239,9 +341,41 @@ qattn_status validate_forward(const char* fn, const qattn_fwd_params& p) {
                                            : " would overflow the FP32 scores",
                 "; allowed: 0 (selects 1/sqrt(head_dim)) or a positive number up to ", kMaxSmScale,
                 " (QATTN_MAX_SM_SCALE)");
-  if (p.reserved0 != 0)
-    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": reserved0 = ", p.reserved0,
-                "; allowed: 0 (qattn_fwd_params_init sets it)");
+  return QATTN_OK;
+}
+
+qattn_status check_reserved(const char* fn, const char* name, int32_t value,
+                            const char* init_name) {
+  if (value != 0)
+    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": ", name, " = ", value, "; allowed: 0 (",
+                init_name, " sets it)");
+  return QATTN_OK;
+}
+
+template <typename Params>
+Params with_default_scale(const Params& p) {
+  Params r = p;
+  if (r.sm_scale == 0.f) r.sm_scale = 1.f / std::sqrt(static_cast<float>(r.head_dim));
+  return r;
+}
+
+}  // namespace
+
+// ---- the forward -----------------------------------------------------------------------
+
+qattn_status read_params(const char* fn, const qattn_fwd_params* p, qattn_fwd_params* out) {
+  return read_struct(fn, p, out, "qattn_fwd_params", QATTN_FWD_PARAMS_MIN_SIZE,
+                     "qattn_fwd_params_init", &qattn_fwd_params_init);
+}
+
+qattn_status validate_forward(const char* fn, const qattn_fwd_params& p) {
+  // ---- scalars ----
+  if (auto s = check_dtype(fn, p.dtype); s) return s;
+  if (p.scheme != QATTN_SCHEME_SAGE2_8B)
+    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": scheme = ", p.scheme,
+                "; allowed: QATTN_SCHEME_SAGE2_8B (0)");
+  if (auto s = check_shape_mask_scale(fn, p); s) return s;
+  if (auto s = check_reserved(fn, "reserved0", p.reserved0, "qattn_fwd_params_init"); s) return s;
   if (p.scheme == QATTN_SCHEME_SAGE2_8B) {
     const int32_t gran = p.sage2.granularity;
     if (gran != QATTN_QK_PER_THREAD && gran != QATTN_QK_PER_WARP && gran != QATTN_QK_PER_BLOCK)
@@ -262,48 +396,21 @@ qattn_status validate_forward(const char* fn, const qattn_fwd_params& p) {
   if (auto st = check_tensor(fn, "v", p.v, p.batch, p.heads_kv, p.seqlen_kv, d, false); st)
     return st;
   if (auto st = check_tensor(fn, "o", p.o, p.batch, p.heads_q, p.seqlen_q, d, true); st) return st;
-  if (p.lse != nullptr) {
-    const auto addr = reinterpret_cast<uintptr_t>(p.lse);
-    if (addr % kLseAlign != 0)
-      return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": lse = ", static_cast<const void*>(p.lse),
-                  " is not 4-byte aligned; allowed: NULL or a float array");
-    const uintptr_t bytes = lse_bytes(p);
-    if (addr > UINTPTR_MAX - bytes)
-      return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": lse runs past the end of the address space");
-  }
-  return check_overlaps(fn, spans_of(p));
+  if (auto st = check_lse(fn, p, p.lse, /*required=*/false); st) return st;
+  const ForwardBuffers b = buffers_of(p);
+  return check_overlaps(fn, b.inputs, b.outputs, [](const char* out) {
+    return std::string_view(out) == "lse" ? "a separate (B, Hq, Nq) float buffer"
+                                          : "an output buffer separate from the inputs";
+  });
 }
 
 std::size_t forward_workspace_bytes(const qattn_fwd_params& p) { return workspace_bytes_for(p); }
 
 qattn_status validate_workspace(const char* fn, const qattn_fwd_params& p, const void* workspace,
                                 std::size_t workspace_bytes) {
-  const std::size_t need = forward_workspace_bytes(p);
-  if (workspace == nullptr)
-    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": workspace is NULL; allowed: device memory of ",
-                need, " bytes (qattn_fwd_workspace_size)");
-  const auto addr = reinterpret_cast<uintptr_t>(workspace);
-  if (addr % kWorkspaceAlign != 0)
-    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": workspace = ", workspace,
-                " is not 256-byte aligned");
-  if (workspace_bytes < need)
-    return fail(QATTN_ERROR_WORKSPACE_TOO_SMALL, fn, ": workspace_bytes = ", workspace_bytes,
-                "; these parameters need at least ", need, " bytes (qattn_fwd_workspace_size)");
-  if (addr > UINTPTR_MAX - need)
-    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn,
-                ": workspace runs past the end of the address space");
-  const Span ws{addr, addr + need};
-  const Spans s = spans_of(p);
-  const std::array<std::pair<const char*, const Span*>, 4> tensors{
-      {{"q", &s.q}, {"k", &s.k}, {"v", &s.v}, {"o", &s.o}}};
-  for (const auto& [name, span] : tensors)
-    if (ws.overlaps(*span))
-      return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": workspace overlaps ", name,
-                  " in memory; allowed: a buffer of its own");
-  if (s.has_lse && ws.overlaps(s.lse))
-    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn,
-                ": workspace overlaps lse in memory; allowed: a buffer of its own");
-  return QATTN_OK;
+  const ForwardBuffers b = buffers_of(p);
+  return check_workspace(fn, "qattn_fwd_workspace_size", forward_workspace_bytes(p), workspace,
+                         workspace_bytes, join(b.inputs, b.outputs));
 }
 
 std::size_t view_span_bytes(const qattn_tensor& t, int64_t batch, int64_t heads, int64_t seqlen,
@@ -323,10 +430,86 @@ std::array<BufferSpan, 6> buffer_spans(const qattn_fwd_params& p, const void* wo
            {"workspace", workspace, forward_workspace_bytes(p)}}};
 }
 
-qattn_fwd_params resolve_defaults(const qattn_fwd_params& p) {
-  qattn_fwd_params r = p;
-  if (r.sm_scale == 0.f) r.sm_scale = 1.f / std::sqrt(static_cast<float>(r.head_dim));
-  return r;
+qattn_fwd_params resolve_defaults(const qattn_fwd_params& p) { return with_default_scale(p); }
+
+// ---- the backward ----------------------------------------------------------------------
+
+qattn_status read_params(const char* fn, const qattn_bwd_params* p, qattn_bwd_params* out) {
+  return read_struct(fn, p, out, "qattn_bwd_params", QATTN_BWD_PARAMS_MIN_SIZE,
+                     "qattn_bwd_params_init", &qattn_bwd_params_init);
 }
+
+qattn_status validate_backward(const char* fn, const qattn_bwd_params& p) {
+  // ---- scalars ----
+  if (auto s = check_dtype(fn, p.dtype); s) return s;
+  if (auto s = check_shape_mask_scale(fn, p); s) return s;
+  if (p.format != QATTN_BWD_INT8 && p.format != QATTN_BWD_E4M3)
+    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": format = ", p.format,
+                "; allowed: QATTN_BWD_INT8 (0) or QATTN_BWD_E4M3 (1)");
+  if (p.dov != QATTN_BWD_DOV_16BIT && p.dov != QATTN_BWD_DOV_QUANTIZED)
+    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": dov = ", p.dov,
+                "; allowed: QATTN_BWD_DOV_16BIT (0) or QATTN_BWD_DOV_QUANTIZED (1)");
+  if (auto s = check_flag(fn, "deterministic", p.deterministic); s) return s;
+  if (auto s = check_reserved(fn, "reserved0", p.reserved0, "qattn_bwd_params_init"); s) return s;
+  if (auto s = check_reserved(fn, "reserved1", p.reserved1, "qattn_bwd_params_init"); s) return s;
+
+  // ---- a kernel family for it (on some device: the device is checked at launch) ----
+  qattn_status support = QATTN_OK;
+  if (select_family(fn, p, nullptr, &support) == nullptr) return support;
+
+  // ---- tensors: the inputs, the LSE, then the outputs (each alias-free) ----
+  const int64_t b = p.batch, hq = p.heads_q, hkv = p.heads_kv, nq = p.seqlen_q,
+                nkv = p.seqlen_kv, d = p.head_dim;
+  struct View {
+    const char* name;
+    const qattn_tensor* t;
+    int64_t heads, seqlen;
+    bool writes;
+  };
+  const std::array<View, 8> views{{{"q", &p.q, hq, nq, false},
+                                   {"k", &p.k, hkv, nkv, false},
+                                   {"v", &p.v, hkv, nkv, false},
+                                   {"o", &p.o, hq, nq, false},
+                                   {"dout", &p.dout, hq, nq, false},
+                                   {"dq", &p.dq, hq, nq, true},
+                                   {"dk", &p.dk, hkv, nkv, true},
+                                   {"dv", &p.dv, hkv, nkv, true}}};
+  for (const View& v : views) {
+    if (v.writes)  // the LSE is an input: checked with them, before the outputs
+      if (auto st = check_lse(fn, p, p.lse, /*required=*/true); st) return st;
+    if (auto st = check_tensor(fn, v.name, *v.t, b, v.heads, v.seqlen, d, v.writes); st) return st;
+  }
+  const BackwardBuffers buf = buffers_of(p);
+  return check_overlaps(fn, buf.inputs, buf.outputs, [](const char*) {
+    return "an output buffer of its own, apart from every input (q, k, v, o, dout, lse) and "
+           "the other gradients";
+  });
+}
+
+std::size_t backward_workspace_bytes(const qattn_bwd_params& p) { return workspace_bytes_for(p); }
+
+qattn_status validate_workspace(const char* fn, const qattn_bwd_params& p, const void* workspace,
+                                std::size_t workspace_bytes) {
+  const BackwardBuffers b = buffers_of(p);
+  return check_workspace(fn, "qattn_bwd_workspace_size", backward_workspace_bytes(p), workspace,
+                         workspace_bytes, join(b.inputs, b.outputs));
+}
+
+std::array<BufferSpan, 10> buffer_spans(const qattn_bwd_params& p, const void* workspace) {
+  const int64_t b = p.batch, hq = p.heads_q, hkv = p.heads_kv, nq = p.seqlen_q,
+                nkv = p.seqlen_kv, d = p.head_dim;
+  return {{{"q.data", p.q.data, view_span_bytes(p.q, b, hq, nq, d)},
+           {"k.data", p.k.data, view_span_bytes(p.k, b, hkv, nkv, d)},
+           {"v.data", p.v.data, view_span_bytes(p.v, b, hkv, nkv, d)},
+           {"o.data", p.o.data, view_span_bytes(p.o, b, hq, nq, d)},
+           {"dout.data", p.dout.data, view_span_bytes(p.dout, b, hq, nq, d)},
+           {"lse", p.lse, lse_bytes(p)},
+           {"dq.data", p.dq.data, view_span_bytes(p.dq, b, hq, nq, d)},
+           {"dk.data", p.dk.data, view_span_bytes(p.dk, b, hkv, nkv, d)},
+           {"dv.data", p.dv.data, view_span_bytes(p.dv, b, hkv, nkv, d)},
+           {"workspace", workspace, backward_workspace_bytes(p)}}};
+}
+
+qattn_bwd_params resolve_defaults(const qattn_bwd_params& p) { return with_default_scale(p); }
 
 }  // namespace qattn::api

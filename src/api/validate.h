@@ -1,4 +1,4 @@
-// Parameter validation of the forward call: host arithmetic on the parameter values
+// Parameter validation of the forward and backward calls: host arithmetic on the parameter values
 // and pointer addresses only — nothing here reads device memory or calls CUDA, so it
 // runs (and is tested) on a machine without a GPU. The rules every call obeys live
 // here (the kernels assume them, e.g. 16-byte vector loads of q, k, v); what one
@@ -51,6 +51,17 @@ qattn_status validate_workspace(const char* fn, const qattn_fwd_params& p, const
 // 1/sqrt(head_dim)).
 qattn_fwd_params resolve_defaults(const qattn_fwd_params& p);
 
+// ---- the backward: the same rules, on qattn_bwd_params ------------------------------
+// q, k, v, o, dout and lse are inputs (they may overlap each other); dq, dk and dv are
+// outputs: each alias-free, overlapping no input, no other output and not the
+// workspace. lse is required.
+qattn_status read_params(const char* fn, const qattn_bwd_params* p, qattn_bwd_params* out);
+qattn_status validate_backward(const char* fn, const qattn_bwd_params& p);
+std::size_t backward_workspace_bytes(const qattn_bwd_params& p);
+qattn_status validate_workspace(const char* fn, const qattn_bwd_params& p, const void* workspace,
+                                std::size_t workspace_bytes);
+qattn_bwd_params resolve_defaults(const qattn_bwd_params& p);
+
 // ---- the memory a call touches --------------------------------------------------------
 // Bytes from t.data to one past the last element of a (B, H, N, d) view of a 16-bit
 // type: (largest element offset + 1) * 2, where the stride of an extent-1 dimension is
@@ -68,5 +79,7 @@ struct BufferSpan {
 // The buffers of a call with validated parameters: q, k, v, o, lse, workspace (the
 // bytes the call uses, forward_workspace_bytes, not the size the caller passed).
 std::array<BufferSpan, 6> buffer_spans(const qattn_fwd_params& p, const void* workspace);
+// The backward's: q, k, v, o, dout, lse, dq, dk, dv, workspace.
+std::array<BufferSpan, 10> buffer_spans(const qattn_bwd_params& p, const void* workspace);
 
 }  // namespace qattn::api

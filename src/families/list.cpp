@@ -4,11 +4,17 @@
 
 #include "api/family.h"
 #include "families/sage2_fwd.h"
+#include "families/sagebwd.h"
 
 namespace qattn::api {
 
 std::span<const ForwardFamily* const> forward_families() {
   static const std::array<const ForwardFamily*, 1> kAll{&families::sage2_fwd_sm90()};
+  return kAll;
+}
+
+std::span<const BackwardFamily* const> backward_families() {
+  static const std::array<const BackwardFamily*, 1> kAll{&families::sagebwd_sm90()};
   return kAll;
 }
 

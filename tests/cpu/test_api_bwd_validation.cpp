@@ -1,0 +1,691 @@
+// The backward C ABI (qattn_bwd_*) without a GPU: every bad input returns the right
+// status and a message naming the parameter and the allowed values; a valid call sizes
+// the workspace as the SageBwd layout does; the registry picks or declines the
+// backward family on fake architectures with the forward's message format.
+//
+// The tensors are fake device addresses (far apart, never mapped in this process):
+// had validation dereferenced one, the test would crash instead of failing.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <string_view>
+#include <tuple>
+
+#include "api/family.h"
+#include "api/registry.h"
+#include "api/validate.h"
+#include "cuda/sagebwd/workspace.h"
+#include "qattn/qattn.h"
+#include "qattn/qattn.hpp"
+#include "test_seed.h"
+
+namespace {
+
+using qattn::api::Arch;
+using qattn::api::BackwardFamily;
+
+void* fake(int slot, std::uintptr_t offset = 0) {
+  return reinterpret_cast<void*>((static_cast<std::uintptr_t>(slot) << 40) + offset);
+}
+
+struct Shape {
+  int batch = 2, heads_q = 8, heads_kv = 2, seqlen_q = 300, seqlen_kv = 500, head_dim = 64;
+};
+
+// Slots 1..9 hold q, k, v, o, dout, lse, dq, dk, dv; slot 10 the workspace.
+qattn_bwd_params valid_params(const Shape& s = {}, qattn::Layout layout = qattn::Layout::kHND) {
+  qattn_bwd_params p;
+  qattn_bwd_params_init(&p);
+  p.batch = s.batch;
+  p.heads_q = s.heads_q;
+  p.heads_kv = s.heads_kv;
+  p.seqlen_q = s.seqlen_q;
+  p.seqlen_kv = s.seqlen_kv;
+  p.head_dim = s.head_dim;
+  const int64_t row = (s.head_dim + 7) / 8 * 8;
+  auto q_like = [&](int slot) {
+    return qattn::make_tensor(fake(slot), layout, s.heads_q, s.seqlen_q, row);
+  };
+  auto k_like = [&](int slot) {
+    return qattn::make_tensor(fake(slot), layout, s.heads_kv, s.seqlen_kv, row);
+  };
+  p.q = q_like(1);
+  p.k = k_like(2);
+  p.v = k_like(3);
+  p.o = q_like(4);
+  p.dout = q_like(5);
+  p.lse = static_cast<const float*>(fake(6));
+  p.dq = q_like(7);
+  p.dk = k_like(8);
+  p.dv = k_like(9);
+  return p;
+}
+
+void* workspace() { return fake(10); }
+
+struct Outcome {
+  qattn_status status;
+  std::string message;
+};
+
+Outcome size_of(const qattn_bwd_params& p) {
+  std::size_t bytes = 0;
+  const qattn_status s = qattn_bwd_workspace_size(&p, &bytes);
+  return {s, s == QATTN_OK ? "" : qattn_last_error_message()};
+}
+
+std::size_t need(const qattn_bwd_params& p) {
+  std::size_t bytes = 0;
+  EXPECT_EQ(qattn_bwd_workspace_size(&p, &bytes), QATTN_OK) << qattn_last_error_message();
+  return bytes;
+}
+
+// The outcome of a call already made (its status is computed before the message is
+// read).
+Outcome outcome(qattn_status s) { return {s, s == QATTN_OK ? "" : qattn_last_error_message()}; }
+
+Outcome bwd(const qattn_bwd_params& p, void* ws, std::size_t bytes) {
+  const qattn_status s = qattn_bwd(&p, ws, bytes, nullptr);
+  return {s, s == QATTN_OK ? "" : qattn_last_error_message()};
+}
+
+bool contains(const std::string& s, const std::string& word) {
+  return s.find(word) != std::string::npos;
+}
+
+// Asserts the status and that the message names every one of `words`.
+#define EXPECT_REJECTS(outcome, code, ...)                                        \
+  do {                                                                            \
+    const Outcome o_ = (outcome);                                                 \
+    EXPECT_EQ(o_.status, code) << o_.message;                                     \
+    for (const std::string& w_ : std::initializer_list<std::string>{__VA_ARGS__}) \
+      EXPECT_NE(o_.message.find(w_), std::string::npos)                           \
+          << "message does not name '" << w_ << "': " << o_.message;              \
+  } while (0)
+
+// The eight tensor views: name, member, whether the call writes it, and whether it has
+// q's shape (else k's).
+struct TensorField {
+  const char* name;
+  qattn_tensor qattn_bwd_params::*member;
+  bool output;
+  bool q_side;
+};
+constexpr std::array<TensorField, 8> kTensors{{{"q", &qattn_bwd_params::q, false, true},
+                                               {"k", &qattn_bwd_params::k, false, false},
+                                               {"v", &qattn_bwd_params::v, false, false},
+                                               {"o", &qattn_bwd_params::o, false, true},
+                                               {"dout", &qattn_bwd_params::dout, false, true},
+                                               {"dq", &qattn_bwd_params::dq, true, true},
+                                               {"dk", &qattn_bwd_params::dk, true, false},
+                                               {"dv", &qattn_bwd_params::dv, true, false}}};
+
+std::size_t span_bytes(const qattn_bwd_params& p, const TensorField& f) {
+  return f.q_side
+             ? qattn::api::view_span_bytes(p.*f.member, p.batch, p.heads_q, p.seqlen_q, p.head_dim)
+             : qattn::api::view_span_bytes(p.*f.member, p.batch, p.heads_kv, p.seqlen_kv,
+                                           p.head_dim);
+}
+
+// ---- the valid baseline ------------------------------------------------------------
+
+// The size is the SageBwd layout's total (cuda/sagebwd/workspace.h) and depends on the
+// shape and dov only, never on the layout, the mask or the determinism flag.
+TEST(BwdValidation, ValidParamsGiveTheLayoutsWorkspaceSize) {
+  for (auto layout : {qattn::Layout::kHND, qattn::Layout::kNHD}) {
+    for (int dov : {QATTN_BWD_DOV_16BIT, QATTN_BWD_DOV_QUANTIZED}) {
+      for (int det : {0, 1}) {
+        for (int causal : {0, 1}) {
+          qattn_bwd_params p = valid_params({}, layout);
+          p.dov = dov;
+          p.deterministic = det;
+          p.causal = causal;
+          p.dtype = causal ? QATTN_DTYPE_FP16 : QATTN_DTYPE_BF16;
+          const Outcome o = size_of(p);
+          ASSERT_EQ(o.status, QATTN_OK) << o.message;
+          EXPECT_EQ(need(p), qattn::sagebwd::workspace_layout(p).total);
+          EXPECT_EQ(need(p) % 256, 0u);
+        }
+      }
+    }
+  }
+  qattn_bwd_params p16 = valid_params(), p8 = valid_params();
+  p8.dov = QATTN_BWD_DOV_QUANTIZED;
+  EXPECT_GT(need(p8), need(p16));  // dO and V in 8 bits too
+}
+
+TEST(BwdValidation, ParamsInitGivesDefaults) {
+  qattn_bwd_params p;
+  std::memset(&p, 0x5A, sizeof(p));
+  qattn_bwd_params_init(&p);
+  EXPECT_EQ(p.struct_size, sizeof(qattn_bwd_params));
+  for (const TensorField& f : kTensors) {
+    EXPECT_EQ((p.*f.member).data, nullptr) << f.name;
+    EXPECT_EQ((p.*f.member).stride_n, 0) << f.name;
+  }
+  EXPECT_EQ(p.lse, nullptr);
+  EXPECT_EQ(p.dtype, QATTN_DTYPE_BF16);
+  EXPECT_EQ(p.format, QATTN_BWD_INT8);
+  EXPECT_EQ(p.dov, QATTN_BWD_DOV_16BIT);
+  EXPECT_EQ(p.deterministic, 0);
+  EXPECT_EQ(p.causal, 0);
+  EXPECT_EQ(p.sm_scale, 0.f);
+  EXPECT_EQ(p.reserved0, 0);
+  EXPECT_EQ(p.reserved1, 0);
+  qattn_bwd_params_init(nullptr);  // no crash
+  EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "qattn_bwd_workspace_size", "batch");
+}
+
+TEST(BwdValidation, NullArguments) {
+  std::size_t bytes = 0;
+  EXPECT_REJECTS(outcome(qattn_bwd_workspace_size(nullptr, &bytes)), QATTN_ERROR_INVALID_ARGUMENT,
+                 "params is NULL");
+  const qattn_bwd_params p = valid_params();
+  EXPECT_REJECTS(outcome(qattn_bwd_workspace_size(&p, nullptr)), QATTN_ERROR_INVALID_ARGUMENT,
+                 "bytes is NULL");
+  EXPECT_REJECTS(outcome(qattn_bwd(nullptr, workspace(), 1 << 30, nullptr)),
+                 QATTN_ERROR_INVALID_ARGUMENT, "qattn_bwd: params is NULL");
+}
+
+// ---- struct_size: qattn.h's growth rule --------------------------------------------
+
+TEST(BwdValidation, StructSizeIsChecked) {
+  const qattn_bwd_params base = valid_params();
+  const std::size_t want = need(base);
+  qattn_bwd_params p = base;
+  p.struct_size = 0;
+  EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "struct_size = 0",
+                 "qattn_bwd_params_init", "sizeof(qattn_bwd_params)");
+  p.struct_size = QATTN_BWD_PARAMS_MIN_SIZE - 1;
+  EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "struct_size");
+  EXPECT_REJECTS(bwd(p, workspace(), want), QATTN_ERROR_INVALID_ARGUMENT,
+                 "qattn_bwd:", "struct_size");
+
+  struct Newer {
+    qattn_bwd_params base;
+    int64_t field_from_the_future;
+  } newer{};
+  newer.base = base;
+  newer.base.struct_size = sizeof(Newer);
+  newer.field_from_the_future = 1;
+  std::size_t bytes = 0;
+  EXPECT_EQ(qattn_bwd_workspace_size(&newer.base, &bytes), QATTN_ERROR_UNSUPPORTED);
+  EXPECT_TRUE(contains(qattn_last_error_message(), "newer qattn.h")) << qattn_last_error_message();
+  EXPECT_TRUE(contains(qattn_last_error_message(), "qattn_bwd_params"));
+  EXPECT_EQ(qattn_bwd(&newer.base, workspace(), want, nullptr), QATTN_ERROR_UNSUPPORTED);
+
+  // read_params copies the caller's prefix and keeps the defaults after it.
+  qattn_bwd_params full;
+  std::memset(&full, 0x5A, sizeof(full));
+  ASSERT_EQ(qattn::api::read_params("t", &base, &full), QATTN_OK);
+  EXPECT_EQ(std::memcmp(&full, &base, sizeof(base)), 0);
+  EXPECT_EQ(need(base), want);
+}
+
+TEST(BwdValidation, LayoutKeepsItsPromises) {
+  EXPECT_EQ(offsetof(qattn_bwd_params, struct_size), 0u);
+  // No tail padding: a field appended later cannot land inside an older struct_size.
+  EXPECT_EQ(QATTN_BWD_PARAMS_MIN_SIZE, sizeof(qattn_bwd_params));
+  for (std::size_t f : {sizeof(qattn_bwd_params{}.format), sizeof(qattn_bwd_params{}.dov),
+                        sizeof(qattn_bwd_params{}.deterministic)})
+    EXPECT_EQ(f, 4u);
+}
+
+// ---- scalars -----------------------------------------------------------------------
+
+TEST(BwdValidation, EnumsAndFlags) {
+  for (int bad : {2, -1, 255}) {
+    qattn_bwd_params p = valid_params();
+    p.dtype = bad;
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "dtype = " + std::to_string(bad),
+                   "QATTN_DTYPE_FP16 (0)", "QATTN_DTYPE_BF16 (1)");
+    p = valid_params();
+    p.format = bad;
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "format = " + std::to_string(bad),
+                   "QATTN_BWD_INT8 (0)", "QATTN_BWD_E4M3 (1)");
+    p = valid_params();
+    p.dov = bad;
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "dov = " + std::to_string(bad),
+                   "QATTN_BWD_DOV_16BIT (0)", "QATTN_BWD_DOV_QUANTIZED (1)");
+    p = valid_params();
+    p.deterministic = bad;
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT,
+                   "deterministic = " + std::to_string(bad), "0 or 1");
+    p = valid_params();
+    p.causal = bad;
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "causal = " + std::to_string(bad),
+                   "0 or 1");
+    p = valid_params();
+    p.reserved0 = bad;
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "reserved0 = ", "allowed: 0",
+                   "qattn_bwd_params_init");
+    p = valid_params();
+    p.reserved1 = bad;
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "reserved1 = ", "allowed: 0",
+                   "qattn_bwd_params_init");
+  }
+}
+
+TEST(BwdValidation, Shapes) {
+  for (int bad : {0, -1, std::numeric_limits<int>::min()}) {
+    for (auto [field, name] : {std::pair{&qattn_bwd_params::batch, "batch"},
+                               std::pair{&qattn_bwd_params::heads_q, "heads_q"},
+                               std::pair{&qattn_bwd_params::heads_kv, "heads_kv"},
+                               std::pair{&qattn_bwd_params::seqlen_q, "seqlen_q"},
+                               std::pair{&qattn_bwd_params::seqlen_kv, "seqlen_kv"},
+                               std::pair{&qattn_bwd_params::head_dim, "head_dim"}}) {
+      qattn_bwd_params p = valid_params();
+      p.*field = bad;
+      SCOPED_TRACE(std::string(name) + " = " + std::to_string(bad));
+      EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, std::string(name) + " = ",
+                     "allowed");
+    }
+  }
+  qattn_bwd_params p = valid_params();
+  p.batch = 65536;
+  EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "batch", "65535");
+  p = valid_params();
+  p.seqlen_kv = std::numeric_limits<int>::max();
+  EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "seqlen_kv", "1073741824");
+  p = valid_params();
+  p.heads_q = 12;
+  p.heads_kv = 8;
+  EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "heads_q = 12", "heads_kv = 8", "GQA");
+  // Head dims beyond the family: unsupported, named by the family.
+  for (int d : {129, 256}) {
+    p = valid_params();
+    p.head_dim = d;
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_UNSUPPORTED, "no kernel family runs this call",
+                   "sagebwd_sm90: head_dim = " + std::to_string(d), "1..128", "(any device)");
+  }
+  // Any d <= 128 once its rows are padded to 8 elements; MQA and MHA alike.
+  for (int d : {1, 8, 36, 64, 72, 100, 128}) {
+    Shape s;
+    s.head_dim = d;
+    EXPECT_EQ(size_of(valid_params(s)).status, QATTN_OK)
+        << d << ": " << size_of(valid_params(s)).message;
+  }
+  for (int hkv : {1, 8}) {
+    Shape s;
+    s.heads_kv = hkv;
+    EXPECT_EQ(size_of(valid_params(s)).status, QATTN_OK) << size_of(valid_params(s)).message;
+  }
+}
+
+TEST(BwdValidation, SmScaleFollowsTheForwardsRules) {
+  for (float bad : {std::nanf(""), std::numeric_limits<float>::infinity(),
+                    -std::numeric_limits<float>::infinity()}) {
+    qattn_bwd_params p = valid_params();
+    p.sm_scale = bad;
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "sm_scale", "not finite");
+  }
+  for (float bad : {-1.f, -std::numeric_limits<float>::denorm_min()}) {
+    qattn_bwd_params p = valid_params();
+    p.sm_scale = bad;
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "sm_scale", "negative", "0 (selects");
+  }
+  for (float bad : {1e37f, std::nextafter(QATTN_MAX_SM_SCALE, 1e38f)}) {
+    qattn_bwd_params p = valid_params();
+    p.sm_scale = bad;
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "sm_scale", "overflow",
+                   "QATTN_MAX_SM_SCALE");
+  }
+  for (float ok : {0.f, -0.f, 0.125f, 1e-30f, QATTN_MAX_SM_SCALE}) {
+    qattn_bwd_params p = valid_params();
+    p.sm_scale = ok;
+    EXPECT_EQ(size_of(p).status, QATTN_OK) << ok << ": " << size_of(p).message;
+  }
+  qattn_bwd_params p = valid_params();
+  EXPECT_FLOAT_EQ(qattn::api::resolve_defaults(p).sm_scale, 1.f / std::sqrt(64.f));
+  p.sm_scale = 0.3f;
+  EXPECT_EQ(qattn::api::resolve_defaults(p).sm_scale, 0.3f);
+}
+
+// The first version of the GPU family runs INT8 only: E4M3 is valid, but declined by
+// name.
+TEST(BwdValidation, E4M3IsDeclinedByTheFamily) {
+  qattn_bwd_params p = valid_params();
+  p.format = QATTN_BWD_E4M3;
+  EXPECT_REJECTS(size_of(p), QATTN_ERROR_UNSUPPORTED,
+                 "qattn_bwd_workspace_size: no kernel family runs this call", "considered 1",
+                 "sagebwd_sm90: format QATTN_BWD_E4M3 is not implemented by this family");
+  EXPECT_REJECTS(bwd(p, workspace(), std::size_t{1} << 30), QATTN_ERROR_UNSUPPORTED,
+                 "qattn_bwd:", "QATTN_BWD_E4M3");
+}
+
+// ---- tensors -----------------------------------------------------------------------
+
+TEST(BwdValidation, TensorPointersAndStrides) {
+  for (const TensorField& f : kTensors) {
+    SCOPED_TRACE(f.name);
+    const std::string n = f.name;
+    qattn_bwd_params p = valid_params();
+    (p.*f.member).data = nullptr;
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, n + ".data is NULL");
+    for (std::uintptr_t off : {2u, 8u}) {
+      p = valid_params();
+      (p.*f.member).data = static_cast<char*>((p.*f.member).data) + off;
+      EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, n + ".data", "16-byte aligned");
+    }
+    for (int64_t bad : {0, -64, 4, 36}) {
+      for (auto [stride, sname] : {std::pair{&qattn_tensor::stride_b, "stride_b"},
+                                   std::pair{&qattn_tensor::stride_h, "stride_h"},
+                                   std::pair{&qattn_tensor::stride_n, "stride_n"}}) {
+        p = valid_params();
+        (p.*f.member).*stride = bad;
+        EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, n + "." + sname, "multiple of 8");
+      }
+    }
+    p = valid_params();
+    (p.*f.member).stride_b = int64_t{1} << 40;  // 2^41 bytes: past the TMA limit
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, n + ".stride_b", "2^40");
+    p = valid_params();
+    (p.*f.member).data = reinterpret_cast<void*>(~std::uintptr_t{0} & ~std::uintptr_t{15});
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, n, "address space");
+  }
+}
+
+TEST(BwdValidation, LseIsRequiredAndAligned) {
+  qattn_bwd_params p = valid_params();
+  p.lse = nullptr;
+  EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "lse is NULL", "required");
+  p.lse = reinterpret_cast<const float*>(static_cast<char*>(fake(6)) + 2);
+  EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "lse", "4-byte aligned");
+  p.lse = reinterpret_cast<const float*>(static_cast<char*>(fake(6)) + 4);
+  EXPECT_EQ(size_of(p).status, QATTN_OK) << size_of(p).message;
+  p.lse = reinterpret_cast<const float*>(~std::uintptr_t{0} & ~std::uintptr_t{3});
+  EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "lse runs past the end");
+}
+
+// An output whose rows meet is refused; an input may do it (it is only read).
+TEST(BwdValidation, OutputsMayNotAliasThemselves) {
+  for (const TensorField& f : kTensors) {
+    SCOPED_TRACE(f.name);
+    qattn_bwd_params p = valid_params();
+    (p.*f.member).stride_n = 8;  // rows 8 elements apart, 64 long
+    if (f.output)
+      EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, std::string(f.name) + ".stride_n",
+                     "share addresses", "alias itself");
+    else
+      EXPECT_EQ(size_of(p).status, QATTN_OK) << size_of(p).message;
+  }
+}
+
+TEST(BwdValidation, OutputsOverlapNothing) {
+  const std::array<const char*, 6> inputs{"q", "k", "v", "o", "dout", "lse"};
+  for (const TensorField& out : kTensors) {
+    if (!out.output) continue;
+    for (const char* in : inputs) {
+      SCOPED_TRACE(std::string(out.name) + " vs " + in);
+      qattn_bwd_params p = valid_params();
+      const void* at = std::string_view(in) == "lse" ? static_cast<const void*>(p.lse) : nullptr;
+      for (const TensorField& f : kTensors)
+        if (std::string_view(f.name) == in) at = (p.*f.member).data;
+      // The input starts inside the output's last 16 bytes.
+      (p.*out.member).data = static_cast<char*>(const_cast<void*>(at)) - span_bytes(p, out) + 16;
+      EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT,
+                     std::string(out.name) + " overlaps " + in, "allowed: an output buffer");
+      // Touching (the output ends where the input starts) is fine.
+      (p.*out.member).data = static_cast<char*>(const_cast<void*>(at)) - span_bytes(p, out);
+      EXPECT_EQ(size_of(p).status, QATTN_OK) << size_of(p).message;
+    }
+  }
+  // The gradients overlap each other: named later one first.
+  for (auto [a, b, msg] :
+       {std::tuple{&qattn_bwd_params::dq, &qattn_bwd_params::dk, "dk overlaps dq"},
+        std::tuple{&qattn_bwd_params::dq, &qattn_bwd_params::dv, "dv overlaps dq"},
+        std::tuple{&qattn_bwd_params::dk, &qattn_bwd_params::dv, "dv overlaps dk"}}) {
+    qattn_bwd_params p = valid_params();
+    (p.*b).data = (p.*a).data;
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, msg);
+  }
+  // Inputs may share memory: k == v, dout == o, lse inside q's buffer.
+  qattn_bwd_params p = valid_params();
+  p.v.data = p.k.data;
+  p.dout.data = p.o.data;
+  p.lse = static_cast<const float*>(p.q.data);
+  EXPECT_EQ(size_of(p).status, QATTN_OK) << size_of(p).message;
+}
+
+// ---- workspace and the call --------------------------------------------------------
+
+TEST(BwdValidation, Workspace) {
+  const qattn_bwd_params p = valid_params();
+  const std::size_t n = need(p);
+  EXPECT_REJECTS(bwd(p, nullptr, n), QATTN_ERROR_INVALID_ARGUMENT, "qattn_bwd: workspace is NULL",
+                 std::to_string(n), "qattn_bwd_workspace_size");
+  EXPECT_REJECTS(bwd(p, fake(10, 128), n), QATTN_ERROR_INVALID_ARGUMENT, "workspace",
+                 "256-byte aligned");
+  EXPECT_REJECTS(bwd(p, workspace(), n - 1), QATTN_ERROR_WORKSPACE_TOO_SMALL, "workspace_bytes",
+                 std::to_string(n));
+  EXPECT_REJECTS(bwd(p, workspace(), 0), QATTN_ERROR_WORKSPACE_TOO_SMALL, "workspace_bytes");
+  for (const TensorField& f : kTensors) {
+    SCOPED_TRACE(f.name);
+    // The workspace ends 256 bytes into the tensor.
+    const std::uintptr_t at = reinterpret_cast<std::uintptr_t>((p.*f.member).data);
+    void* ws = reinterpret_cast<void*>((at - n + 256) / 256 * 256);
+    EXPECT_REJECTS(bwd(p, ws, n), QATTN_ERROR_INVALID_ARGUMENT,
+                   std::string("workspace overlaps ") + f.name, "a buffer of its own");
+  }
+  EXPECT_REJECTS(bwd(p, const_cast<float*>(p.lse), n), QATTN_ERROR_INVALID_ARGUMENT,
+                 "workspace overlaps lse");
+  // Parameter errors come before workspace errors.
+  qattn_bwd_params bad = p;
+  bad.deterministic = 3;
+  EXPECT_REJECTS(bwd(bad, nullptr, 0), QATTN_ERROR_INVALID_ARGUMENT, "deterministic");
+}
+
+// A valid call stops at the device: a CPU-only build has no kernels; a CUDA build
+// without a GPU has no device, and one with a GPU refuses the fake addresses.
+TEST(BwdValidation, ValidCallStopsAtTheDevice) {
+  const qattn_bwd_params p = valid_params();
+  const Outcome o = bwd(p, workspace(), need(p));
+  ASSERT_NE(o.status, QATTN_OK);
+  if (!QATTN_HAVE_CUDA) {
+    EXPECT_REJECTS(o, QATTN_ERROR_NO_DEVICE, "qattn_bwd", "no CUDA kernels");
+  } else if (o.status != QATTN_ERROR_NO_DEVICE) {
+    EXPECT_REJECTS(o, QATTN_ERROR_INVALID_ARGUMENT, "is not memory CUDA knows");
+  }
+}
+
+// Fresh random shapes, layouts and options: every valid one sizes as the layout says,
+// and one randomly chosen output placed over a randomly chosen buffer is refused by
+// name.
+TEST(BwdValidation, RandomCallsSizeAsTheLayoutAndRefuseOverlaps) {
+  const std::uint32_t seed = qattn::test::fresh_seed32();
+  SCOPED_TRACE(qattn::test::seed_trace(seed));
+  std::mt19937 rng(seed);
+  auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  for (int i = 0; i < 300; ++i) {
+    Shape s;
+    s.batch = pick(1, 4);
+    s.heads_kv = pick(1, 4);
+    s.heads_q = s.heads_kv * pick(1, 4);
+    s.seqlen_q = pick(1, 3000);
+    s.seqlen_kv = pick(1, 3000);
+    s.head_dim = pick(1, 128);
+    qattn_bwd_params p =
+        valid_params(s, pick(0, 1) != 0 ? qattn::Layout::kHND : qattn::Layout::kNHD);
+    p.causal = pick(0, 1);
+    p.dov = pick(0, 1);
+    p.deterministic = pick(0, 1);
+    p.dtype = pick(0, 1);
+    SCOPED_TRACE("iteration " + std::to_string(i));
+    ASSERT_EQ(size_of(p).status, QATTN_OK) << size_of(p).message;
+    const std::size_t n = need(p);
+    EXPECT_EQ(n, qattn::sagebwd::workspace_layout(p).total);
+    EXPECT_EQ(bwd(p, workspace(), n - pick(1, 256)).status, QATTN_ERROR_WORKSPACE_TOO_SMALL);
+
+    const TensorField& out = kTensors[static_cast<std::size_t>(pick(5, 7))];
+    const TensorField& other = kTensors[static_cast<std::size_t>(pick(0, 7))];
+    if (&out == &other) continue;
+    // Place the output (16-byte aligned) so it ends 1 to 16 bytes into the other buffer.
+    const std::uintptr_t at = reinterpret_cast<std::uintptr_t>((p.*other.member).data);
+    (p.*out.member).data = reinterpret_cast<void*>((at + 16 - span_bytes(p, out)) / 16 * 16);
+    const std::string want = other.output && &other < &out
+                                 ? std::string(out.name) + " overlaps " + other.name
+                             : other.output ? std::string(other.name) + " overlaps " + out.name
+                                            : std::string(out.name) + " overlaps " + other.name;
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, want);
+  }
+}
+
+// ---- the registry with this build's backward family, on fake devices ---------------
+
+TEST(BwdRegistry, HopperRunsSageBwd) {
+  qattn_status s = QATTN_ERROR_INTERNAL;
+  const Arch hopper{9, 0};
+  const BackwardFamily* f = qattn::api::select_family("t", valid_params(), &hopper, &s);
+  ASSERT_NE(f, nullptr) << qattn_last_error_message();
+  EXPECT_EQ(s, QATTN_OK);
+  EXPECT_STREQ(f->name, "sagebwd_sm90");
+  EXPECT_EQ(f->launch != nullptr, QATTN_HAVE_CUDA != 0);
+  EXPECT_EQ(qattn::api::backward_arch_supported(hopper), QATTN_HAVE_CUDA != 0);
+  EXPECT_FALSE(qattn::api::backward_arch_supported({8, 0}));
+}
+
+TEST(BwdRegistry, NonHopperIsDeclinedNamingTheFamily) {
+  for (Arch arch : {Arch{8, 0}, Arch{8, 9}, Arch{9, 1}, Arch{10, 0}, Arch{12, 0}}) {
+    const std::string cc = std::to_string(arch.major) + "." + std::to_string(arch.minor);
+    SCOPED_TRACE(cc);
+    qattn_status s = QATTN_OK;
+    qattn_bwd_params p = valid_params();
+    p.causal = 1;
+    p.deterministic = 1;
+    EXPECT_EQ(qattn::api::select_family("qattn_bwd", p, &arch, &s), nullptr);
+    EXPECT_EQ(s, QATTN_ERROR_UNSUPPORTED);
+    const std::string m = qattn_last_error_message();
+    for (const std::string& w :
+         {std::string("qattn_bwd: no kernel family runs this call (backward, format "
+                      "QATTN_BWD_INT8, dov QATTN_BWD_DOV_16BIT, bf16, head_dim 64, causal, "
+                      "deterministic; device sm_") +
+              std::to_string(arch.major) + std::to_string(arch.minor) + ")",
+          std::string("; considered 1; sagebwd_sm90: the device has compute capability ") + cc +
+              "; its kernels run on sm_90"})
+      EXPECT_TRUE(contains(m, w)) << "no '" << w << "' in: " << m;
+  }
+}
+
+TEST(BwdRegistry, LimitsBoundTheWorkspaceAndTheGrids) {
+  const BackwardFamily& f = *qattn::api::backward_families()[0];
+  qattn_bwd_params p = valid_params();
+  EXPECT_EQ(qattn::api::decline_reason(f, p, nullptr), "");
+  // Every extent at its largest: the workspace sum does not fit.
+  p.batch = p.heads_q = p.heads_kv = 65535;
+  p.seqlen_q = p.seqlen_kv = 1 << 30;
+  EXPECT_TRUE(contains(qattn::api::decline_reason(f, p, nullptr), "workspace size"))
+      << qattn::api::decline_reason(f, p, nullptr);
+  EXPECT_REJECTS(size_of(p), QATTN_ERROR_UNSUPPORTED, "sagebwd_sm90: batch * heads * seqlen");
+  // 65535 * 256 * ceil(32768 / 128) = 2^32 - 2^16 dK/dV CTAs: beyond an int.
+  p = valid_params();
+  p.batch = 65535;
+  p.heads_q = p.heads_kv = 256;
+  p.seqlen_q = 1;
+  p.seqlen_kv = 32768;
+  EXPECT_TRUE(contains(qattn::api::decline_reason(f, p, nullptr),
+                       "batch * heads_kv * ceil(seqlen_kv / 128) = 4294901760"))
+      << qattn::api::decline_reason(f, p, nullptr);
+  p.seqlen_kv = 16384;  // half of it fits: 2^31 - 2^15
+  EXPECT_EQ(qattn::api::decline_reason(f, p, nullptr), "");
+  // The same for the dQ side: ceil(16384 / 64) Q blocks per head.
+  p.seqlen_kv = 1;
+  p.seqlen_q = 16384;
+  EXPECT_TRUE(contains(qattn::api::decline_reason(f, p, nullptr),
+                       "batch * heads_q * ceil(seqlen_q / 64) = 4294901760"))
+      << qattn::api::decline_reason(f, p, nullptr);
+  p.seqlen_q = 8192;
+  EXPECT_EQ(qattn::api::decline_reason(f, p, nullptr), "");
+}
+
+// ---- the registry's logic, on backward families made up here -----------------------
+
+constexpr std::array<Arch, 1> kSm80{{{8, 0}}};
+constexpr std::array<Arch, 2> kSm90And100{{{9, 0}, {10, 0}}};
+
+std::string short_kv(const qattn_bwd_params& p) {
+  return p.seqlen_kv > 256 ? "seqlen_kv above 256" : "";
+}
+std::size_t ws_1k(const qattn_bwd_params&) { return 1024; }
+std::size_t ws_4k(const qattn_bwd_params&) { return 4096; }
+
+constexpr uint32_t kBoth = 3u;
+constexpr BackwardFamily kE4m3Only{"fake_e4m3",          kSm80, 1,     256,     kBoth,  kBoth,
+                                   1u << QATTN_BWD_E4M3, kBoth, kBoth, nullptr, &ws_1k, nullptr};
+constexpr BackwardFamily kAtomicOnly{"fake_atomic", kSm80,   1,      256,
+                                     kBoth,         kBoth,   kBoth,  1u << QATTN_BWD_DOV_16BIT,
+                                     1u << 0,       nullptr, &ws_1k, nullptr};
+constexpr BackwardFamily kFp16Unmasked{"fake_fp16",
+                                       kSm80,
+                                       1,
+                                       256,
+                                       1u << QATTN_DTYPE_FP16,
+                                       qattn::api::kMaskNone,
+                                       kBoth,
+                                       kBoth,
+                                       kBoth,
+                                       nullptr,
+                                       &ws_1k,
+                                       nullptr};
+constexpr BackwardFamily kShortKv{"fake_short_kv", kSm90And100, 64,    64,        kBoth,  kBoth,
+                                  kBoth,           kBoth,       kBoth, &short_kv, &ws_4k, nullptr};
+
+TEST(BwdRegistry, EveryDeclineReasonIsNamed) {
+  const std::array<const BackwardFamily*, 4> families{&kE4m3Only, &kAtomicOnly, &kFp16Unmasked,
+                                                      &kShortKv};
+  qattn_bwd_params p = valid_params();  // bf16, d = 64, seqlen_kv = 500, INT8
+  p.causal = 1;
+  p.deterministic = 1;
+  const Arch sm80{8, 0};
+  qattn_status s = QATTN_OK;
+  EXPECT_EQ(qattn::api::select_family("f", p, &sm80, &s, families), nullptr);
+  EXPECT_EQ(s, QATTN_ERROR_UNSUPPORTED);
+  std::string m = qattn_last_error_message();
+  for (const char* w :
+       {"f: no kernel family runs this call (backward", "considered 4",
+        "fake_e4m3: format QATTN_BWD_INT8 is not implemented by this family",
+        "fake_atomic: has no deterministic kernel (deterministic = 1)",
+        "fake_fp16: does not read bf16 inputs",
+        "fake_short_kv: the device has compute capability 8.0; its kernels run on sm_90, sm_100"})
+    EXPECT_TRUE(contains(m, w)) << "no '" << w << "' in: " << m;
+
+  p.dov = QATTN_BWD_DOV_QUANTIZED;
+  p.dtype = QATTN_DTYPE_FP16;
+  const Arch sm90{9, 0};
+  EXPECT_EQ(qattn::api::select_family("f", p, &sm90, &s, families), nullptr);
+  m = qattn_last_error_message();
+  for (const char* w : {"fake_atomic: dov QATTN_BWD_DOV_QUANTIZED",
+                        "fake_fp16: has no causal kernel", "fake_short_kv: seqlen_kv above 256"})
+    EXPECT_TRUE(contains(m, w)) << "no '" << w << "' in: " << m;
+
+  // The first family that accepts wins.
+  p.causal = 0;
+  EXPECT_EQ(qattn::api::select_family("f", p, &sm80, &s, families), &kFp16Unmasked);
+  EXPECT_EQ(s, QATTN_OK);
+  p.seqlen_kv = 128;
+  EXPECT_EQ(qattn::api::select_family("f", p, &sm90, &s, families), &kShortKv);
+  p.deterministic = 0;
+  p.dov = QATTN_BWD_DOV_16BIT;
+  EXPECT_EQ(qattn::api::select_family("f", p, &sm80, &s, families), &kAtomicOnly);
+  EXPECT_EQ(qattn::api::select_family("f", p, &sm90, &s, {}), nullptr);
+  EXPECT_TRUE(contains(qattn_last_error_message(), "considered 0")) << qattn_last_error_message();
+}
+
+TEST(BwdRegistry, WorkspaceIsTheLargestOverAcceptingFamilies) {
+  const std::array<const BackwardFamily*, 2> families{&kFp16Unmasked, &kShortKv};
+  qattn_bwd_params p = valid_params();
+  p.dtype = QATTN_DTYPE_FP16;
+  p.seqlen_kv = 128;
+  EXPECT_EQ(qattn::api::workspace_bytes_for(p, families), 4096u);  // both accept
+  p.seqlen_kv = 500;
+  EXPECT_EQ(qattn::api::workspace_bytes_for(p, families), 1024u);  // only the fp16 one
+  p.causal = 1;
+  EXPECT_EQ(qattn::api::workspace_bytes_for(p, families), 0u);  // none
+}
+
+}  // namespace
