@@ -591,7 +591,9 @@ TEST(SageBwdBackward, DeterministicModeIsBitwiseStable) {
 
 // Causal with Nq > Nkv: the first Nq − Nkv query rows see no key, so their dQ rows are
 // zero and must be written as zeros (not left poisoned); NHD rows with gaps, d = 72
-// (rows end inside a 16-byte chunk), a KV length that ends one token into a tile.
+// (zero-padded to 128 inside the kernel: the padding columns must not reach the outputs),
+// a KV length that ends one token into a tile. A second run on the same workspace must
+// start from zero, not from the first run's sums.
 TEST(SageBwdBackward, PoisonedOutputsAreAllWrittenAndGuardsStay) {
   QATTN_SKIP_WITHOUT_GPU();
   BwdCase c;
