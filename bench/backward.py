@@ -48,7 +48,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 try:
@@ -248,7 +248,7 @@ def measure_method(method: str, s: Shape, args, l2_bytes: int, ref: dict) -> Lis
 
             medians, iters = fwdbench.time_fn(bwd, **timing)
             row("bwd", medians, iters, base_note, cos_g)
-            del outs
+            outs = None  # frees the retained graphs
 
             def fwdbwd(i):
                 t = sets[i % n_sets]
@@ -262,7 +262,7 @@ def measure_method(method: str, s: Shape, args, l2_bytes: int, ref: dict) -> Lis
             if p not in done:
                 row(p, note=f"unavailable: {first_line(e)}")
     finally:
-        del sets
+        sets = None  # frees the inputs (and graphs) before the next method
         torch.cuda.empty_cache()
     return rows
 
