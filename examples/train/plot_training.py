@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import List, Optional
 
 PHASES = ("pretrain", "finetune")
-COLORS = {"bf16_sdpa": "C0", "qattn_sagebwd": "C3", "qattn_dov_int8": "C1"}
+COLORS = {"bf16_sdpa": "C0", "qattn_sagebwd": "C3", "qattn_dov_int8": "C1", "bf16_sdpa_seed1": "C7"}
 
 
 def moving_average(xs: List[float], k: int) -> List[float]:

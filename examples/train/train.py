@@ -16,6 +16,8 @@ Runs, in this order:
   finetune  qattn_sagebwd   the same, with qattn
   pretrain  qattn_dov_int8  qattn with dO·Vᵀ in INT8 too (the paper's ablation); last, so
                             that the backward option it sets touches no other run
+and, on request (--runs ... pretrain:bf16_sdpa_seed1), BF16 from another seed: the
+run-to-run spread against which a qattn-minus-BF16 difference is read.
 Every run of a phase takes the same number of steps (the same token budget): --steps,
 or else as many as the phase's first run does in --budget-seconds, measured on its
 steps 3-13 (the learning-rate warm-up, which does not depend on the total). The
@@ -66,6 +68,10 @@ sys.path.insert(0, str(ROOT / "python"))
 QATTN_BACKWARD = {"qattn_sagebwd": {}, "qattn_dov_int8": {"dov": "quantized"}}
 PLAN = [("pretrain", "bf16_sdpa"), ("pretrain", "qattn_sagebwd"), ("finetune", "bf16_sdpa"),
         ("finetune", "qattn_sagebwd"), ("pretrain", "qattn_dov_int8")]
+# Not run by default: BF16 again from another seed (other initial weights and batches),
+# the run-to-run spread that a qattn-minus-BF16 difference is to be read against.
+EXTRA = [("pretrain", "bf16_sdpa_seed1")]
+SEED_OFFSET = {"bf16_sdpa_seed1": 1}
 CALIBRATE = (3, 13)  # steps whose time sets the phase's step count
 TIME_CAP = 3.0  # a run stops after this many times the budget (recorded as truncated)
 
@@ -79,7 +85,7 @@ class AttentionUnavailable(RuntimeError):
 
 def attention_for(kind: str, args):
     """The attention function of a run, and a label saying what ran."""
-    if kind == "bf16_sdpa":
+    if kind.startswith("bf16_sdpa"):
         return F.scaled_dot_product_attention, "torch SDPA, bf16 (default backend)"
     if args.substitute_sdpa:
         return F.scaled_dot_product_attention, f"torch SDPA substituted for {kind} (--substitute-sdpa: a code check, not a result)"
@@ -160,7 +166,7 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def train_run(name, phase, model, data, val, steps, budget_s, capped, args, device):
+def train_run(name, phase, model, data, val, steps, budget_s, capped, seed, args, device):
     """Trains `model` in place. steps None: calibrate on this run (see the docstring);
     capped: stop at TIME_CAP x budget_s. Returns the run's entry and the step count."""
     attention, label = attention_for(name, args)
@@ -170,7 +176,7 @@ def train_run(name, phase, model, data, val, steps, budget_s, capped, args, devi
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                              {"params": other, "weight_decay": 0.0}],
                             lr=lr, betas=(0.9, 0.95), fused=device.type == "cuda")
-    batches = Batches(data, args.batch, args.ctx, args.seed + (0 if phase == "pretrain" else 1), device)
+    batches = Batches(data, args.batch, args.ctx, seed + (0 if phase == "pretrain" else 1), device)
     windows = val_windows(val, args.ctx, args.eval_windows, device)
     entry = {"name": name, "phase": phase, "attention": label, "steps": [], "loss": [],
              "tokens_per_s": None, "val_steps": [], "val_loss": []}
@@ -302,7 +308,8 @@ def main() -> int:
     ap.add_argument("--commit", default="")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--runs", nargs="+", default=[f"{p}:{n}" for p, n in PLAN],
-                    help="a subset of " + " ".join(f"{p}:{n}" for p, n in PLAN) + " (finetune needs pretrain:bf16_sdpa)")
+                    help="a subset of " + " ".join(f"{p}:{n}" for p, n in PLAN + EXTRA)
+                    + " (finetune needs pretrain:bf16_sdpa; the last is not run by default)")
     ap.add_argument("--budget-seconds", type=float, default=100, help="pretraining: seconds of the first run")
     ap.add_argument("--finetune-budget-seconds", type=float, default=None, help="default: half of --budget-seconds")
     ap.add_argument("--steps", type=int, default=None, help="pretraining steps (instead of the budget)")
@@ -324,11 +331,13 @@ def main() -> int:
     args = ap.parse_args()
     plan = [tuple(r.split(":", 1)) for r in args.runs]
     for r in plan:
-        if r not in PLAN:
-            ap.error(f"--runs: {':'.join(r)} is not one of {' '.join(f'{p}:{n}' for p, n in PLAN)}")
-    plan = [r for r in PLAN if r in plan]  # the order above
+        if r not in PLAN + EXTRA:
+            ap.error(f"--runs: {':'.join(r)} is not one of {' '.join(f'{p}:{n}' for p, n in PLAN + EXTRA)}")
+    plan = [r for r in PLAN[:2] + EXTRA + PLAN[2:] if r in plan]  # the order above
     if any(p == "finetune" for p, _ in plan) and ("pretrain", "bf16_sdpa") not in plan:
         ap.error("--runs: fine-tuning starts from pretrain:bf16_sdpa's weights; include that run")
+    if args.dim % args.heads or (args.dim // args.heads) % 2:
+        ap.error(f"--dim {args.dim} / --heads {args.heads}: the head dim must be a whole, even number (rotary pairs)")
     finetune_budget = args.finetune_budget_seconds or args.budget_seconds / 2
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -358,15 +367,19 @@ def main() -> int:
     for phase, name in plan:
         budget = args.budget_seconds if phase == "pretrain" else finetune_budget
         c = corpora[phase]
-        model = Transformer(cfg)
-        model.load_state_dict(initial if phase == "pretrain" else pretrained)
-        model.to(device)
+        seed = args.seed + SEED_OFFSET.get(name, 0)
         print(f"{phase} {name}: ", flush=True)
+        model = None
         try:
             if phase == "finetune" and pretrained is None:
                 raise RuntimeError("no pretrained weights: pretrain bf16_sdpa failed")
+            torch.manual_seed(seed)
+            model = Transformer(cfg)  # with another seed: its own initial weights
+            if seed == args.seed:
+                model.load_state_dict(initial if phase == "pretrain" else pretrained)
+            model.to(device)
             capped = (args.steps if phase == "pretrain" else args.finetune_steps) is None
-            entry, used = train_run(name, phase, model, c.train, c.val, steps[phase], budget, capped, args, device)
+            entry, used = train_run(name, phase, model, c.train, c.val, steps[phase], budget, capped, seed, args, device)
             steps[phase] = steps[phase] or used
         except Exception as e:  # qattn unavailable or failing: recorded, the other runs go on
             msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
@@ -393,7 +406,40 @@ def main() -> int:
         print(f"{r['phase']:<10}{r['name']:<16}{len(r['steps']):>7}{r['tokens_per_s'] or 0:>10}"
               f"{sum(tail) / len(tail):9.4f}{r['val_loss'][-1]:9.4f}{own}")
     print("(loss: mean of the last 20 steps; val: held-out, evaluated with torch SDPA; val own: with the run's attention)")
+    summary = compare_to_bf16(runs)
+    for phase, rows in summary.items():
+        for name, d in rows.items():
+            print(f"{phase} {name}: held-out loss at step {d['step']} {d['val_loss']:.4f} vs bf16_sdpa's "
+                  f"{d['bf16_val_loss']:.4f}: {d['delta']:+.4f} nats/byte ({d['delta_percent']:+.2f}%); "
+                  f"speed {d['speed_ratio'] or float('nan'):.3f}x bf16_sdpa's tokens/s")
+    if summary:
+        data = json.loads(json_path.read_text())
+        data["summary"] = summary
+        json_path.write_text(json.dumps(data, indent=1) + "\n")
     return 0
+
+
+def compare_to_bf16(runs) -> dict:
+    """Per phase, each qattn run's last held-out loss (SDPA-evaluated) against the BF16
+    run's at the same step, and its speed ratio."""
+    out = {}
+    for phase in ("pretrain", "finetune"):
+        base = next((r for r in runs if r["phase"] == phase and r["name"] == "bf16_sdpa" and r.get("val_loss")), None)
+        if base is None:
+            continue
+        for r in runs:
+            if r["phase"] != phase or r is base or not r.get("val_loss"):
+                continue
+            common = sorted(set(r["val_steps"]) & set(base["val_steps"]))
+            if not common:
+                continue
+            step = common[-1]
+            a, b = r["val_loss"][r["val_steps"].index(step)], base["val_loss"][base["val_steps"].index(step)]
+            speed = (r["tokens_per_s"] / base["tokens_per_s"]) if r.get("tokens_per_s") and base.get("tokens_per_s") else None
+            out.setdefault(phase, {})[r["name"]] = {
+                "step": step, "val_loss": a, "bf16_val_loss": b, "delta": round(a - b, 5),
+                "delta_percent": round(100 * (a - b) / b, 3), "speed_ratio": round(speed, 4) if speed else None}
+    return out
 
 
 if __name__ == "__main__":
