@@ -194,8 +194,8 @@ def _direct_call_ok(q, k, v) -> bool:
     """True for a plain eager call that needs nothing of the dispatcher: the op's
     dispatch (torch.library) costs tens of microseconds of host time per call, about
     the GPU time of a short sequence. Traced calls (torch.compile), tensor subclasses,
-    active dispatch or function modes, and calls that record autograd (so that backward
-    raises) go through the op."""
+    active dispatch or function modes go through the op; calls that record autograd
+    take the training op (see _forward)."""
     if _dispatch_modes is None or _function_modes is None:
         return False
     if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
