@@ -5,6 +5,11 @@
     o = qattn.attention(q, k, v, is_causal=True, layout="NHD")       # qattn's own options (layout, LSE, alignment)
     o = qattn.sageattn(q, k, v, tensor_layout="NHD")                 # drop-in for SageAttention's sageattn
 
+Training: with inputs that require grad, both functions run qattn's training forward
+and SageBwd, its INT8 backward, through autograd (torch.compile included); see
+qattn.sdpa's docstring for an example, and qattn.set_backward_options for the
+backward's format, dO·Vᵀ precision and deterministic mode.
+
 qattn.scaled_dot_product_attention runs what qattn does not support on PyTorch's SDPA,
 with a warning once per reason; qattn.set_fallback("raise") (or QATTN_FALLBACK=raise in
 the environment) makes that an error.
@@ -47,14 +52,22 @@ try:
 except ImportError:  # pragma: no cover - the torch layer needs torch
     pass
 else:
-    from .ops import attention, attention_kernel_only, sageattn  # noqa: F401
+    from .ops import (  # noqa: F401
+        attention,
+        attention_kernel_only,
+        get_backward_options,
+        sageattn,
+        set_backward_options,
+    )
     from .sdpa import get_fallback, scaled_dot_product_attention, set_fallback  # noqa: F401
 
     __all__ += [
         "attention",
         "attention_kernel_only",
+        "get_backward_options",
         "get_fallback",
         "sageattn",
         "scaled_dot_product_attention",
+        "set_backward_options",
         "set_fallback",
     ]

@@ -28,7 +28,8 @@ class QattnError(RuntimeError):
 
 
 class QattnBackwardNotImplemented(NotImplementedError):
-    """Raised by backward through qattn.attention: there is no training support yet."""
+    """Kept for code that catches it: qattn.attention had no backward pass before
+    SageBwd. qattn no longer raises it."""
 
 
 def invalid(message: str) -> QattnError:

@@ -4,12 +4,21 @@ The op calls the C ABI through qattn._C with raw pointers, strides and the curre
 CUDA stream; its workspace is a uint8 tensor from PyTorch's caching allocator on that
 stream, so a call never synchronizes and can be captured in a CUDA graph. A fake
 (meta) implementation lets torch.compile(fullgraph=True) trace through it.
+
+Training: where autograd records the call (grad mode on and an input that requires
+grad), qattn.attention runs "qattn::attention_train", the training forward (the same
+kernel with the LSE written and per-block Q/K quantization groups, SageBwd's), whose
+autograd formula is the custom op "qattn::attention_backward" (the SageBwd INT8
+backward through the C ABI). Both have fake implementations, so torch.compile traces
+forward and backward. Inference keeps the direct call of "qattn::attention".
 """
 
 # No `from __future__ import annotations`: torch.library reads the real annotations.
 import contextlib
 import math
+import os
 import struct
+import threading
 import warnings
 from typing import Callable, Optional, Tuple
 
@@ -17,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _C
-from .errors import QattnBackwardNotImplemented, check, invalid
+from .errors import QattnError, check, invalid
 
 _LAYOUTS = ("HND", "NHD")
 _DTYPES = {torch.float16: _C.DTYPE_FP16, torch.bfloat16: _C.DTYPE_BF16}
@@ -185,8 +194,8 @@ def _direct_call_ok(q, k, v) -> bool:
     """True for a plain eager call that needs nothing of the dispatcher: the op's
     dispatch (torch.library) costs tens of microseconds of host time per call, about
     the GPU time of a short sequence. Traced calls (torch.compile), tensor subclasses,
-    active dispatch or function modes, and calls that record autograd (so that backward
-    raises) go through the op."""
+    active dispatch or function modes go through the op; calls that record autograd
+    take the training op (see _forward)."""
     if _dispatch_modes is None or _function_modes is None:
         return False
     if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
@@ -224,22 +233,331 @@ def _attention_fake(q, k, v, is_causal, scale, layout, return_lse, granularity):
     return o, lse
 
 
-def _backward(ctx, grad_o, grad_lse):
-    raise QattnBackwardNotImplemented(
-        "qattn.attention has no backward pass yet: training support arrives with the SageBwd "
-        "INT8 backward. For training, use torch.nn.functional.scaled_dot_product_attention, "
-        "or run qattn under torch.no_grad() / torch.inference_mode()."
+def _attention_setup(ctx, inputs, output):
+    q, k, v, is_causal, scale, layout, return_lse, granularity = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.options = (is_causal, scale, layout, return_lse, granularity)
+
+
+def _attention_backward(ctx, grad_o, grad_lse):
+    """Autograd of the inference op, for callers of torch.ops.qattn.attention itself
+    (qattn.attention takes qattn::attention_train when autograd records). The backward
+    needs the per-block forward's O and LSE; a call that did not produce them runs that
+    forward again first."""
+    q, k, v, o, lse = ctx.saved_tensors
+    is_causal, scale, layout, return_lse, granularity = ctx.options
+    if not (return_lse and granularity == "per_block"):
+        o, lse = torch.ops.qattn.attention(q, k, v, is_causal, scale, layout, True, "per_block")
+    grads = _call_backward(grad_o, q, k, v, o, lse, grad_lse if return_lse else None,
+                           is_causal, scale, layout)
+    return (*grads, None, None, None, None, None)
+
+
+_attention_op.register_autograd(_attention_backward, setup_context=_attention_setup)
+
+
+@torch.library.custom_op("qattn::attention_train", mutates_args=())
+def _attention_train_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    is_causal: bool,
+    scale: Optional[float],
+    layout: str,
+    lse_grad: bool,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The training forward: O and the (B, Hq, Nq) LSE with per-block Q/K groups.
+    lse_grad says whether the caller sees the LSE (then its gradient is honoured)."""
+    return _run(q, k, v, is_causal, scale, layout, True, "per_block")
+
+
+@_attention_train_op.register_fake
+def _attention_train_fake(q, k, v, is_causal, scale, layout, lse_grad):
+    return _attention_fake(q, k, v, is_causal, scale, layout, True, "per_block")
+
+
+def _train_setup(ctx, inputs, output):
+    q, k, v, is_causal, scale, layout, lse_grad = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.options = (is_causal, scale, layout, lse_grad)
+
+
+def _train_backward(ctx, grad_o, grad_lse):
+    q, k, v, o, lse = ctx.saved_tensors
+    is_causal, scale, layout, lse_grad = ctx.options
+    # An LSE the caller never saw gets a gradient of zeros from autograd: skipping it
+    # saves the two extra calls its term costs (see _backward_cuda).
+    grads = _call_backward(grad_o, q, k, v, o, lse, grad_lse if lse_grad else None,
+                           is_causal, scale, layout)
+    return (*grads, None, None, None, None)
+
+
+_attention_train_op.register_autograd(_train_backward, setup_context=_train_setup)
+
+
+# ---- backward options --------------------------------------------------------------
+
+_BWD_FORMATS = {"int8": _C.BWD_INT8, "e4m3": _C.BWD_E4M3}
+_BWD_DOVS = {"16bit": _C.BWD_DOV_16BIT, "quantized": _C.BWD_DOV_QUANTIZED}
+_DETERMINISTIC_ENV = "QATTN_BWD_DETERMINISTIC"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+# deterministic None: the environment variable decides, read at each backward.
+_bwd_options = {"format": "int8", "dov": "16bit", "deterministic": None}
+_bwd_lock = threading.Lock()
+
+
+def _env_deterministic() -> bool:
+    value = os.environ.get(_DETERMINISTIC_ENV, "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(
+        f"{_DETERMINISTIC_ENV} = {os.environ[_DETERMINISTIC_ENV]!r}; allowed: "
+        f"{', '.join(repr(x) for x in _TRUE + _FALSE[1:])} or unset"
     )
 
 
-_attention_op.register_autograd(_backward, setup_context=lambda ctx, inputs, output: None)
+_KEEP = object()  # an argument of set_backward_options that was not given
+
+
+def set_backward_options(format: str = _KEEP, dov: str = _KEEP, deterministic=_KEEP) -> dict:
+    """Options of qattn's SageBwd backward, for every later backward in this process
+    (read when a backward runs; under torch.compile, when the backward graph is traced).
+    Arguments not given keep their current value. Returns the previous options, so that
+    a caller can restore them with set_backward_options(**previous).
+
+    format: "int8" (default; SageBwd) or "e4m3" (the paper's FP8 comparison) for the
+      four 8-bit products S = Q·Kᵀ, dV = P̂ᵀ·dO, dQ = dS·K, dK = dSᵀ·Q.
+    dov: "16bit" (default; dP = dO·Vᵀ in the inputs' FP16/BF16) or "quantized" (dP in
+      the 8-bit format too, the paper's ablation).
+    deterministic: False: dQ is accumulated with FP32 atomics (its low bits may differ
+      run to run); True: bitwise-equal results run to run (slower); None (the
+      default): the environment variable QATTN_BWD_DETERMINISTIC decides
+      (1/true/yes/on or 0/false/no/off; unset is off), read at each backward.
+
+    A backward the library declines with these options (e.g. a format its GPU kernel
+    does not run) follows the fallback mode (qattn.set_fallback)."""
+    if format is not _KEEP and format not in _BWD_FORMATS:
+        raise ValueError(f"format = {format!r}; allowed: 'int8' (the default) or 'e4m3'")
+    if dov is not _KEEP and dov not in _BWD_DOVS:
+        raise ValueError(f"dov = {dov!r}; allowed: '16bit' (the default) or 'quantized'")
+    if deterministic is not _KEEP and deterministic is not None and type(deterministic) is not bool:
+        raise ValueError(
+            f"deterministic = {deterministic!r}; allowed: True, False or None (from "
+            f"{_DETERMINISTIC_ENV})"
+        )
+    with _bwd_lock:
+        previous = dict(_bwd_options)
+        for name, value in (("format", format), ("dov", dov), ("deterministic", deterministic)):
+            if value is not _KEEP:
+                _bwd_options[name] = value
+    return previous
+
+
+def get_backward_options() -> dict:
+    """The backward options in force now: {"format", "dov", "deterministic"}, with
+    deterministic read from QATTN_BWD_DETERMINISTIC where it is None (not set)."""
+    with _bwd_lock:
+        options = dict(_bwd_options)
+    if options["deterministic"] is None:
+        options["deterministic"] = _env_deterministic()
+    return options
+
+
+def _call_backward(grad_o, q, k, v, o, lse, grad_lse, is_causal, scale, layout):
+    options = get_backward_options()
+    return torch.ops.qattn.attention_backward(
+        grad_o, q, k, v, o, lse, grad_lse, is_causal, scale, layout,
+        options["format"], options["dov"], options["deterministic"],
+    )
+
+
+# ---- the backward op ---------------------------------------------------------------
+
+
+@torch.library.custom_op("qattn::attention_backward", mutates_args=())
+def _attention_backward_op(
+    grad_o: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    grad_lse: Optional[torch.Tensor],
+    is_causal: bool,
+    scale: Optional[float],
+    layout: str,
+    format: str,
+    dov: str,
+    deterministic: bool,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of qattn::attention_train: dq like q, dk and dv like k (summed over
+    each KV head's query heads), each contiguous in `layout`. is_causal is bottom-right
+    aligned, as in the forward. On CUDA the SageBwd kernel; off CUDA (and where the
+    library declines, under the fallback mode) the exact attention gradients in FP32."""
+    _check_backward(grad_o, q, k, v, o, lse, grad_lse, layout, scale, format, dov)
+    if q.device.type != "cuda":
+        return _backward_math(grad_o, q, k, v, grad_lse, is_causal, scale, layout)
+    same = q.device.index == torch.cuda.current_device()
+    with contextlib.nullcontext() if same else torch.cuda.device(q.device):
+        return _backward_cuda(grad_o, q, k, v, o, lse, grad_lse, is_causal, scale, layout,
+                              format, dov, deterministic)
+
+
+@_attention_backward_op.register_fake
+def _attention_backward_fake(grad_o, q, k, v, o, lse, grad_lse, is_causal, scale, layout,
+                             format, dov, deterministic):
+    _check_backward(grad_o, q, k, v, o, lse, grad_lse, layout, scale, format, dov)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _check_backward(grad_o, q, k, v, o, lse, grad_lse, layout, scale, format, dov):
+    _check_inputs(q, k, v, layout, scale, "per_block")
+    b, hq, nq, _ = _bhnd(q, layout)
+    for name, t in (("grad_o", grad_o), ("o", o)):
+        if tuple(t.shape) != tuple(q.shape) or t.dtype != q.dtype or t.device != q.device:
+            raise invalid(f"{name} is {tuple(t.shape)} {t.dtype} on {t.device}; allowed: q's "
+                          f"shape {tuple(q.shape)}, dtype and device")
+    for name, t in (("lse", lse), ("grad_lse", grad_lse)):
+        if t is not None and (tuple(t.shape) != (b, hq, nq) or t.dtype != torch.float32
+                              or t.device != q.device):
+            raise invalid(f"{name} is {tuple(t.shape)} {t.dtype} on {t.device}; allowed: "
+                          f"({b}, {hq}, {nq}) torch.float32 on q's device")
+    if format not in _BWD_FORMATS:
+        raise invalid(f"format = {format!r}; allowed: {', '.join(map(repr, _BWD_FORMATS))}")
+    if dov not in _BWD_DOVS:
+        raise invalid(f"dov = {dov!r}; allowed: {', '.join(map(repr, _BWD_DOVS))}")
+
+
+def _backward_cuda(grad_o, q, k, v, o, lse, grad_lse, is_causal, scale, layout, format, dov,
+                   deterministic):
+    try:
+        dq, dk, dv = _bwd_run(grad_o, q, k, v, o, lse, is_causal, scale, layout, format, dov,
+                              deterministic)
+        if grad_lse is not None:
+            # The LSE's own gradient g: d lse_i / d S_ij = P_ij, so dS gains g_i·P_ij,
+            # dQ gains scale·g_i·Σ_j P_ij·k_j = scale·g ∘ attention(q, k, k), and dK gains
+            # scale·Σ_i P_ij·g_i·q_i, the dV of a backward with dO = g ∘ q. The C ABI
+            # takes no such term, so it costs one forward and one backward more.
+            sm = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+            g = grad_lse[..., None] if layout == "HND" else grad_lse.transpose(1, 2)[..., None]
+            pk, _ = _run(q, k, k, is_causal, scale, layout, False, "per_block")
+            dq = (dq.float() + sm * g * pk.float()).to(q.dtype)
+            gq = (g * q.float()).to(q.dtype)
+            _, _, pq = _bwd_run(gq, q, k, v, o, lse, is_causal, scale, layout, format, dov,
+                                deterministic)
+            dk = (dk.float() + sm * pq.float()).to(k.dtype)
+        return dq, dk, dv
+    except QattnError as error:
+        if error.status not in (_C.ERROR_INVALID_ARGUMENT, _C.ERROR_UNSUPPORTED):
+            raise
+        from . import sdpa  # the fallback mode lives there (sdpa imports this module)
+
+        sdpa.backward_declined(f"library {error.status_name}",
+                               f"the qattn library declined the backward ({error})")
+        return _backward_math(grad_o, q, k, v, grad_lse, is_causal, scale, layout)
+
+
+def _bwd_run(grad_o, q, k, v, o, lse, is_causal, scale, layout, format, dov, deterministic):
+    b, hq, nq, d = _bhnd(q, layout)
+    _, hkv, nkv, _ = _bhnd(k, layout)
+    # As in the forward: zero columns up to a multiple of 8 change no score and no
+    # output, and their gradients (dQ = dS·K, dK = dSᵀ·Q, dV = Pᵀ·dO on zero columns)
+    # are cut off below.
+    d_pad = -(-d // _ROW_MULTIPLE) * _ROW_MULTIPLE
+    qq, kk, vv, oo, gg = (_usable(t, layout, d_pad) for t in (q, k, v, o, grad_o))
+    lse = lse.contiguous()
+    dq, dk, dv = qq.new_empty(qq.shape), kk.new_empty(kk.shape), vv.new_empty(vv.shape)
+    args = (
+        _tensor_arg(qq, layout), _tensor_arg(kk, layout), _tensor_arg(vv, layout),
+        _tensor_arg(oo, layout), _tensor_arg(gg, layout), lse.data_ptr(),
+        _tensor_arg(dq, layout), _tensor_arg(dk, layout), _tensor_arg(dv, layout),
+        _DTYPES[q.dtype], (b, hq, hkv, nq, nkv, d_pad), 1 if is_causal else 0,
+        float(scale) if scale is not None else 1.0 / math.sqrt(d),  # the caller's d
+        _BWD_FORMATS[format], _BWD_DOVS[dov], bool(deterministic),
+    )
+    status, ws_bytes = _C.bwd_workspace_size(*args)
+    check(status)
+    workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=q.device)
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    check(_C.bwd(*args, workspace.data_ptr(), ws_bytes, stream))
+    if d != d_pad:
+        dq, dk, dv = (t[..., :d].contiguous() for t in (dq, dk, dv))
+    return dq, dk, dv
+
+
+_MATH_CHUNK = 1 << 25  # FP32 elements of one score block (128 MiB) in _backward_math
+
+
+def _backward_math(grad_o, q, k, v, grad_lse, is_causal, scale, layout):
+    """The exact gradients of softmax(scale·Q·Kᵀ)·V (and of the LSE), in FP32 from the
+    same inputs: the fallback where the library declines, and the path off CUDA. An op
+    implementation runs below autograd, so this is PyTorch's SDPA math written out
+    (tests compare it with autograd through F.scaled_dot_product_attention), over
+    blocks of query rows to bound the memory. Causal is bottom-right aligned; a row
+    that sees no key has output 0, hence gradient 0."""
+    if layout == "NHD":
+        q, k, v, grad_o = (t.transpose(1, 2) for t in (q, k, v, grad_o))
+    b, hq, nq, d = q.shape
+    hkv, nkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    sm = float(scale) if scale is not None else 1.0 / math.sqrt(d)
+    qf = q.float().reshape(b, hkv, g, nq, d)
+    dof = grad_o.float().reshape(b, hkv, g, nq, d)
+    kf, vf = k.float()[:, :, None], v.float()[:, :, None]  # broadcast over the group
+    glse = None if grad_lse is None else grad_lse.float().reshape(b, hkv, g, nq)
+    dq = torch.empty_like(qf)
+    dk = torch.zeros(b, hkv, nkv, d, dtype=torch.float32, device=q.device)
+    dv = torch.zeros_like(dk)
+    rows = max(1, _MATH_CHUNK // max(1, b * hq * nkv))
+    for i0 in range(0, nq, rows):
+        i1 = min(nq, i0 + rows)
+        s = torch.matmul(qf[..., i0:i1, :], kf.transpose(-1, -2)) * sm
+        if is_causal:
+            i = torch.arange(i0, i1, device=q.device)[:, None]
+            j = torch.arange(nkv, device=q.device)[None, :]
+            s = s.masked_fill(j > i + (nkv - nq), -math.inf)
+        m = s.amax(-1, keepdim=True)
+        p = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
+        l = p.sum(-1, keepdim=True)
+        p = p / torch.where(l > 0, l, torch.ones_like(l))
+        do = dof[..., i0:i1, :]
+        dv += torch.matmul(p.transpose(-1, -2), do).sum(2)
+        delta = (do * torch.matmul(p, vf)).sum(-1, keepdim=True)
+        if glse is not None:
+            delta = delta - glse[..., i0:i1, None]
+        ds = p * (torch.matmul(do, vf.transpose(-1, -2)) - delta)
+        dq[..., i0:i1, :] = torch.matmul(ds, kf) * sm
+        dk += torch.matmul(ds.transpose(-1, -2), qf[..., i0:i1, :]).sum(2) * sm
+    dq = dq.reshape(b, hq, nq, d).to(q.dtype)
+    dk, dv = dk.to(k.dtype), dv.to(v.dtype)
+    if layout == "NHD":
+        return tuple(t.transpose(1, 2).contiguous() for t in (dq, dk, dv))
+    return dq, dk, dv
 
 
 # ---- public functions --------------------------------------------------------------
 
 
+def _records_autograd(q, k, v) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)
+    )
+
+
 def _forward(q, k, v, is_causal, scale, layout, return_lse, granularity):
-    """One forward with the C ABI's own causal rule (bottom-right aligned)."""
+    """One forward with the C ABI's own causal rule (bottom-right aligned). Where
+    autograd records the call, the training forward (per-block groups, LSE written);
+    granularity applies to inference only."""
+    if _records_autograd(q, k, v):
+        if granularity not in _GRANULARITIES:
+            raise invalid(f"granularity = {granularity!r}; allowed: {', '.join(_GRANULARITIES)}")
+        o, lse = torch.ops.qattn.attention_train(q, k, v, is_causal, scale, layout, return_lse)
+        return o, lse
     if _direct_call_ok(q, k, v):
         return _run(q, k, v, is_causal, scale, layout, return_lse, granularity)
     return torch.ops.qattn.attention(q, k, v, is_causal, scale, layout, return_lse, granularity)
@@ -307,6 +625,14 @@ def attention(
     natural-log log-sum-exp of the scaled scores, (B, Hq, Nq) float32.
     granularity: quantization groups of Q and K, "per_thread" (default), "per_warp" or
     "per_block". Raises QattnError with a message naming the bad parameter.
+
+    Training: where grad mode is on and q, k or v requires grad, the call runs the
+    training forward (the same kernel with per-block Q/K groups, SageBwd's, whatever
+    granularity says, and the LSE written) and backward gives dq, dk, dv from SageBwd,
+    the INT8 backward (dk, dv summed over each KV head's query heads). With
+    return_lse=True the LSE's gradient is honoured too, at the cost of one more forward
+    and backward call. Options: qattn.set_backward_options; a backward the library
+    declines follows qattn.set_fallback's mode.
     """
     if causal_alignment not in _ALIGNMENTS:
         raise invalid(f"causal_alignment = {causal_alignment!r}; allowed: 'top_left' or 'bottom_right'")

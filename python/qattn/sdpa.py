@@ -5,10 +5,32 @@ call and on PyTorch's SDPA where it does not.
 What runs on qattn: query (B, Hq, Nq, d), key and value (B, Hkv, Nkv, d) of one shape;
 float16 or bfloat16 on a CUDA GPU of compute capability 9.0; d <= 128; no attn_mask;
 dropout_p 0; scale None or positive; Hq == Hkv, Hkv == 1 (SDPA broadcasts it), or
-enable_gqa with Hq a multiple of Hkv; no input that needs a gradient (qattn has no
-backward pass yet). Everything else goes to PyTorch's SDPA: with a QattnFallbackWarning
-once per reason (the default, "warn"), or as a QattnUnsupportedError ("raise"); see
-set_fallback. Meta tensors take qattn's op, whose fake implementation gives the shapes.
+enable_gqa with Hq a multiple of Hkv. Everything else goes to PyTorch's SDPA: with a
+QattnFallbackWarning once per reason (the default, "warn"), or as a
+QattnUnsupportedError ("raise"); see set_fallback. Meta tensors take qattn's op, whose
+fake implementation gives the shapes.
+
+Training: where an input requires grad (and grad mode is on), the forward is qattn's
+training forward and the gradients come from SageBwd, qattn's INT8 backward (four of
+the five backward products in INT8 with per-block scales, dO·Vᵀ in 16-bit):
+
+    q, k, v = (torch.randn(B, H, N, d, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+    o = qattn.scaled_dot_product_attention(q, k, v, is_causal=True)
+    o.float().square().sum().backward()          # q.grad, k.grad, v.grad
+    qattn.set_backward_options(deterministic=True)  # bitwise-repeatable gradients
+
+qattn.attention trains the same way (both layouts, GQA, either causal alignment, and
+the LSE with its gradient when return_lse=True). torch.compile(fullgraph=True) traces
+forward and backward. qattn.set_backward_options also picks the 8-bit format ("int8",
+"e4m3") and dO·Vᵀ's precision ("16bit", "quantized"); QATTN_BWD_DETERMINISTIC=1 in the
+environment turns on the deterministic mode until set_backward_options sets it. A
+backward the library declines (e.g. an option or head dim its GPU kernel does not
+run) follows the fallback mode: "warn" computes the exact gradients in FP32 from the
+same inputs (PyTorch's SDPA math) with a QattnFallbackWarning once per reason, "raise"
+raises QattnUnsupportedError. With no grad (torch.no_grad(), inference_mode, or no
+input that requires grad) the call is the inference kernel, unchanged, and no LSE is
+computed.
 
 The results are SageAttention2-8b's, not SDPA's bits: the bounds of the scheme are in
 docs/design.md ("Numerics") and tests/tolerances/sage2_8b.json.
@@ -97,8 +119,6 @@ def _decline(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> Opt
             f"scale = {scale!r}; qattn takes a positive scale whose product with log2(e) is "
             "finite in FP32"
         )
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return "autograd", "an input requires grad and qattn has no backward pass yet"
     if any(t.is_nested or t.layout != torch.strided for t in (q, k, v)):
         return "layout", "an input is nested or not strided; qattn takes strided tensors"
     dev = q.device
@@ -163,18 +183,38 @@ def _refuse(key: str, why: str) -> None:
     )
 
 
-def _warn_once(key: str, why: str) -> None:
+def _warn_once(key: str, why: str, message: Optional[str] = None, stacklevel: int = 4) -> None:
     with _lock:
         if key in _warned:
             return
         _warned.add(key)
     warnings.warn(
-        f"qattn.scaled_dot_product_attention: {why}; running "
-        "torch.nn.functional.scaled_dot_product_attention instead (warned once per reason; "
-        "qattn.set_fallback('raise') makes this an error)",
+        message or (
+            f"qattn.scaled_dot_product_attention: {why}; running "
+            "torch.nn.functional.scaled_dot_product_attention instead (warned once per reason; "
+            "qattn.set_fallback('raise') makes this an error)"
+        ),
         QattnFallbackWarning,
-        stacklevel=4,
+        stacklevel=stacklevel,
     )
+
+
+def backward_declined(key: str, why: str) -> None:
+    """The fallback mode for a backward the library declines (qattn/ops.py): "raise"
+    raises QattnUnsupportedError; "warn" warns once per reason and returns, and the
+    caller computes the exact gradients in FP32 (PyTorch's SDPA math)."""
+    key = f"backward {key}"
+    if _mode == "raise":
+        raise QattnUnsupportedError(
+            key,
+            f"qattn's backward cannot run this call: {why} (qattn.set_fallback('warn') "
+            "computes the exact gradients with PyTorch's SDPA math instead)",
+        )
+    _warn_once(key, why, (
+        f"qattn backward: {why}; computing the exact gradients in FP32 with PyTorch's SDPA "
+        "math from the same inputs instead (warned once per reason; "
+        "qattn.set_fallback('raise') makes this an error)"
+    ), stacklevel=2)
 
 
 def scaled_dot_product_attention(
