@@ -30,6 +30,15 @@ for tool in memcheck racecheck; do
     status+=("compute-sanitizer $tool: ERRORS (see log)")
   fi
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Hazard|Invalid" "$logs/sanitizer-$tool.log" | head -5
+  if [[ -x "$bin/gpu_test_sagebwd_backward" ]]; then
+    if timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 9 "$bin/gpu_test_sagebwd_backward" \
+        --gtest_filter='SageBwdBackward.SmallBf16Hnd' >"$logs/sanitizer-bwd-$tool.log" 2>&1; then
+      status+=("compute-sanitizer $tool (backward): clean")
+    else
+      status+=("compute-sanitizer $tool (backward): ERRORS (see log)")
+    fi
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Hazard|Invalid" "$logs/sanitizer-bwd-$tool.log" | head -5
+  fi
 done
 
 if python/build_on_device.sh >"$logs/python-build.log" 2>&1; then

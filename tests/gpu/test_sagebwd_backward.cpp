@@ -35,13 +35,14 @@ using test::Layout;
 
 int round8(int d) { return (d + 7) / 8 * 8; }
 
-// The K smoothing of the kernel: the training forward is the SA2 kernel, whose smoothing
-// vector is the mean over its 256-token sample (emulate/options.h, SampledMean), and the
-// backward recomputes S with the same c, so that P = exp(S − LSE) is the forward's P.
-// The emulator sums the sample in double and the kernel in FP32: c differs in its last
-// bits, which moves a K code only where a value sits within ~1e-7 of a rounding
-// boundary (one in ~10^5 codes), inside the "to rounding" bound below.
-constexpr emulate::KSmoothing kKernelKSmoothing = emulate::KSmoothing::SampledMean;
+// The K smoothing of the kernel: the backward smooths K with the mean over all its
+// tokens (emulate/options.h, Mean), whatever the forward used: the saved LSE is the
+// unsmoothed scores' (the forward adds sm_scale·q·c back), so the backward converts it
+// to its own smoothed domain with its own c. The emulator sums in double and the kernel
+// in FP32: c differs in its last bits, which moves a K code only where a value sits
+// within ~1e-7 of a rounding boundary (one in ~10^5 codes), inside the "to rounding"
+// bound below.
+constexpr emulate::KSmoothing kKernelKSmoothing = emulate::KSmoothing::Mean;
 // The name the backward's kernel family carries in messages (registry: "considered N;
 // <family>: <why>").
 constexpr const char* kBwdFamily = "sagebwd";

@@ -3,8 +3,7 @@
 // dkdv_kernel: one CTA per (KV tile j, KV head, batch) accumulates dK_j and dV_j in
 // registers over every query head of its group and every Q block that sees the tile,
 // then writes them once: no atomics on dK/dV, GQA sums included. With kAtomicDq it also
-// adds each tile's dQ_i part into the FP32 accumulator (and rowsum(dS) for the
-// K-smoothing term) with atomics.
+// adds each tile's dQ_i part into the FP32 accumulator with atomics.
 // dq_kernel (the deterministic mode): one CTA per (Q block i, query head, batch) walks
 // the KV tiles in order and keeps dQ_i in registers; it recomputes the tile step, so
 // the deterministic backward costs two more products per tile.
@@ -30,7 +29,7 @@ struct Smem {
       kQBlockRows * S::kI8 + D * S::kQT + kQBlockRows * kV + D * S::kQT + 2 * kQBlockRows * 4;
   static constexpr int kQSideDq = kQBlockRows * S::kI8 + kQBlockRows * kV + 2 * kQBlockRows * 4;
   static constexpr int kDs = kQBlockRows * S::kKvT;
-  static constexpr int kRed = (2 * kWarps + kWarps * kQBlockRows) * 4;
+  static constexpr int kRed = 2 * kWarps * 4;
   static constexpr int kDkdvBytes = kKSide + 2 * kQSideFull + kDs + kRed;
   static constexpr int kDqBytes = 2 * kKSide + kQSideDq + kDs + kRed;
 };
@@ -119,7 +118,6 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Args a) {
   const uint32_t s_ds = s_q0 + 2 * L::kQSideFull;
   uint8_t* ds_bytes = smem + L::kKSide + 2 * L::kQSideFull;
   float* red = reinterpret_cast<float*>(ds_bytes + L::kDs);
-  float* row_part = red + 2 * kWarps;  // [kWarps][64]
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
   const int tile = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
@@ -167,7 +165,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Args a) {
     op.q0 = blk * kQBlockRows;
     op.j0 = j0;
     TileFrags f;
-    tile_step<T, D, kQuantDov, kAtomicDq>(a, op, warp, lane, red, row_part, f);
+    tile_step<T, D, kQuantDov>(a, op, warp, lane, red, f);
 
     accumulate_kv_rows<D>(dv, f.p, st + Q::kDot, f.s_p * s_do, lane);
     accumulate_kv_rows<D>(dk, f.ds, st + Q::kQt, a.sm_scale * (f.s_ds * s_q), lane);
@@ -175,12 +173,6 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Args a) {
     if constexpr (kAtomicDq) {
       store_ds_rows<D>(ds_bytes, f.ds, warp, lane);
       __syncthreads();
-      if (threadIdx.x < kQBlockRows) {
-        float s = 0.0f;
-#pragma unroll
-        for (int k = 0; k < kWarps; ++k) s += row_part[k * kQBlockRows + threadIdx.x];
-        atomicAdd(a.ds_rowsum + bhq * a.nq_pad + op.q0 + threadIdx.x, s);
-      }
       float* dq = a.dq_acc + (bhq * a.nq_pad + op.q0 + 16 * (warp % 4)) * D + (warp / 4) * (D / 2);
       dq_product<D>(s_ds, s_kt, a.sm_scale * (f.s_ds * s_k), warp, lane, [&](int n, int e, float x) {
         atomicAdd(dq + (g + (e >> 1) * 8) * D + 8 * n + 2 * t + (e & 1), x);
@@ -220,7 +212,6 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const Args a) {
   const uint32_t s_ds = s_q + L::kQSideDq;
   uint8_t* ds_bytes = smem + 2 * L::kKSide + L::kQSideDq;
   float* red = reinterpret_cast<float*>(ds_bytes + L::kDs);
-  float* row_part = red + 2 * kWarps;
   const float* q_f = reinterpret_cast<const float*>(smem + 2 * L::kKSide);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
@@ -241,7 +232,6 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const Args a) {
   common::cp_async_commit();
 
   float dq[D / 16][4] = {};
-  float rowsum = 0.0f;  // thread < 64: column threadIdx.x of the block
   for (int j = 0; j < active; ++j) {
     common::cp_async_wait<0>();
     __syncthreads();
@@ -261,17 +251,12 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const Args a) {
     op.q0 = q0;
     op.j0 = j * kKvTileRows;
     TileFrags f;
-    tile_step<T, D, kQuantDov, true>(a, op, warp, lane, red, row_part, f);
+    tile_step<T, D, kQuantDov>(a, op, warp, lane, red, f);
     store_ds_rows<D>(ds_bytes, f.ds, warp, lane);
     __syncthreads();
-    if (threadIdx.x < kQBlockRows) {
-#pragma unroll
-      for (int k = 0; k < kWarps; ++k) rowsum += row_part[k * kQBlockRows + threadIdx.x];
-    }
     dq_product<D>(s_ds, st + kKvTileRows * S::kI8, a.sm_scale * (f.s_ds * s_k), warp, lane,
                   [&](int n, int e, float x) { dq[n][e] += x; });
   }
-  if (threadIdx.x < kQBlockRows) a.ds_rowsum[bhq * a.nq_pad + q0 + threadIdx.x] = rowsum;
   float* out = a.dq_acc + (bhq * a.nq_pad + q0 + 16 * (warp % 4)) * D + (warp / 4) * (D / 2);
 #pragma unroll
   for (int n = 0; n < D / 16; ++n)

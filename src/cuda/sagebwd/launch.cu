@@ -61,7 +61,6 @@ Args make_args(const qattn_bwd_params& p, void* workspace) {
   a.lse2 = f(w.lse2);
   a.delta = f(w.delta);
   a.dq_acc = f(w.dq_acc);
-  a.ds_rowsum = f(w.ds_rowsum);
   a.k_scale = f(w.k_scale);
   a.v_scale = f(w.v_scale);
   a.k_colsum = f(w.k_colsum);

@@ -232,7 +232,6 @@ __global__ void __launch_bounds__(kThreads) q_prepare_kernel(Args a) {
       if (n < a.nq) l2 = (a.lse[bh * a.nq + n] - a.sm_scale * qc) * static_cast<float>(M_LOG2E);
       a.lse2[bh * a.nq_pad + n] = l2;
       a.delta[bh * a.nq_pad + n] = dsum;
-      a.ds_rowsum[bh * a.nq_pad + n] = 0.0f;
     }
     *reinterpret_cast<uint4*>(static_cast<T*>(a.do_16) + (bh * a.nq_pad + n) * D + c0) = doraw;
     float4* acc = reinterpret_cast<float4*>(a.dq_acc + (bh * a.nq_pad + n) * D + c0);
@@ -286,22 +285,19 @@ __global__ void __launch_bounds__(kThreads) q_prepare_kernel(Args a) {
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) dq_finalize_kernel(Args a) {
   constexpr int kTpr = D / 8, kRpp = kThreads / kTpr, kPasses = kQBlockRows / kRpp;
-  const int blk = blockIdx.x, h = blockIdx.y, b = blockIdx.z, hk = h / a.group;
+  const int blk = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int64_t bh = static_cast<int64_t>(b) * a.heads_q + h;
   const int c0 = (threadIdx.x % kTpr) * 8, r_in = threadIdx.x / kTpr;
-  const float* c = a.k_mean + (static_cast<int64_t>(b) * a.heads_kv + hk) * D + c0;
 #pragma unroll
   for (int p = 0; p < kPasses; ++p) {
     const int n = blk * kQBlockRows + r_in + p * kRpp;
     if (n >= a.nq) continue;
-    const float rs = a.ds_rowsum[bh * a.nq_pad + n];
     const float* acc = a.dq_acc + (bh * a.nq_pad + n) * D + c0;
     T* out = static_cast<T*>(a.dq.data) + b * a.dq.sb + h * a.dq.sh + static_cast<int64_t>(n) * a.dq.sn;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       if (c0 + i >= a.d) break;
-      // dQ = sm_scale·(Σ ψ(dS)ψ(K)·s + rowsum(dS)·c); the first sum already carries sm_scale.
-      const float v = acc[i] + a.sm_scale * (rs * c[i]);
+      const float v = acc[i];  // already sm_scale·Σ ψ(dS)ψ(K)·s
       if constexpr (std::is_same_v<T, __nv_bfloat16>)
         out[c0 + i] = __float2bfloat16_rn(v);
       else

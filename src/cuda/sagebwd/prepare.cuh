@@ -1,7 +1,7 @@
 // The SageBwd backward's passes around the main kernels (prepare.cu):
 //   k_colsum -> k_mean -> k_prepare (smoothed K, Kᵀ, V per KV tile)
 //   -> q_prepare (Q, Qᵀ, dO, dOᵀ per Q block; lse2, delta; zeroes the dQ accumulators)
-//   ... dkdv / dq kernels ...  -> dq_finalize (dQ + the K-smoothing term, to 16-bit).
+//   ... dkdv / dq kernels ...  -> dq_finalize (the FP32 dQ to 16-bit).
 #pragma once
 
 #include <cuda_runtime.h>

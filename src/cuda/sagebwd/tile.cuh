@@ -117,12 +117,10 @@ struct TileOperands {
   int q0, j0;                // first query row / token of the tile
 };
 
-// Steps 1-4 for warp `warp`; `red` holds 2·kWarps floats. With kRowSums, row_part
-// [kWarps][64] receives each warp's column sums of dS (for rowsum(dS)). Ends after a
-// __syncthreads, so both are complete on return.
-template <typename T, int D, bool kQuantDov, bool kRowSums>
+// Steps 1-4 for warp `warp`; `red` holds 2·kWarps floats. Ends after a __syncthreads.
+template <typename T, int D, bool kQuantDov>
 __device__ __forceinline__ void tile_step(const Args& a, const TileOperands& op, int warp,
-                                          int lane, float* red, float* row_part, TileFrags& f) {
+                                          int lane, float* red, TileFrags& f) {
   using S = Strides<D>;
   const int g = lane >> 2, t = lane & 3;
   // Sᵀ = K̂ Q̂ᵀ -> P.
@@ -167,21 +165,6 @@ __device__ __forceinline__ void tile_step(const Args& a, const TileOperands& op,
         ds[n][e] = p[n][e] * (dp[n][e] - op.delta[qc]);
         amax_p = fmaxf(amax_p, p[n][e]);
         amax_ds = fmaxf(amax_ds, fabsf(ds[n][e]));
-      }
-    }
-  }
-  if constexpr (kRowSums) {
-    // Column sums of dS over the warp's 16 rows, straight to shared memory (lanes 0-3
-    // hold columns 8n + 2t + {0,1} after the butterfly).
-#pragma unroll
-    for (int n = 0; n < kNBlocksQ; ++n) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float v = ds[n][e] + ds[n][e + 2];
-        v += __shfl_xor_sync(0xffffffffu, v, 4);
-        v += __shfl_xor_sync(0xffffffffu, v, 8);
-        v += __shfl_xor_sync(0xffffffffu, v, 16);
-        if (g == 0) row_part[warp * kQBlockRows + 8 * n + 2 * t + e] = v;
       }
     }
   }

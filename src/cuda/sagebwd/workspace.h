@@ -16,7 +16,6 @@
 //                                         padding rows (their P is 0)
 //   delta     float (B, Hq, Nq_pad)       D = rowsum(dO ∘ O)
 //   dq_acc    float (B, Hq, Nq_pad, D)    dQ accumulator (FP32 atomics)
-//   ds_rowsum float (B, Hq, Nq_pad)       rowsum(dS), for the K-smoothing term of dQ
 //   k_i8      int8  (B, Hkv, Nkv_pad, D)  smoothed K, per KV tile
 //   kt_i8     int8  (B, Hkv, D, Nkv_pad)  its transpose (dQ = dS·K reduces over tokens)
 //   v_16      16-bit (B, Hkv, Nkv_pad, D) V in the inputs' format
@@ -42,7 +41,7 @@ struct WorkspaceLayout {
   int head_dim_padded = 0;  // 64 or 128
   int nq_pad = 0, nkv_pad = 0;
   std::size_t q_i8 = 0, qt_i8 = 0, do_16 = 0, do_i8 = 0, dot_i8 = 0, q_scale = 0, do_scale = 0,
-              lse2 = 0, delta = 0, dq_acc = 0, ds_rowsum = 0, k_i8 = 0, kt_i8 = 0, v_16 = 0,
+              lse2 = 0, delta = 0, dq_acc = 0, k_i8 = 0, kt_i8 = 0, v_16 = 0,
               v_i8 = 0, k_scale = 0, v_scale = 0, k_colsum = 0, k_mean = 0, total = 0;
 };
 
@@ -74,7 +73,6 @@ inline WorkspaceLayout workspace_layout(const qattn_bwd_params& p) {
   w.lse2 = take(rq * sizeof(float));
   w.delta = take(rq * sizeof(float));
   w.dq_acc = take(rq * D * sizeof(float));
-  w.ds_rowsum = take(rq * sizeof(float));
   w.k_i8 = take(rk * D);
   w.kt_i8 = take(rk * D);
   w.v_16 = take(rk * D * 2);
