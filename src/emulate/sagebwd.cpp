@@ -303,20 +303,23 @@ void backward_head(const float* q, const float* k, const float* v, const float* 
       const Rows8 ds8 = quant8(std::span<const float>(ds.data(), tsz), rows, kKvTile, opt.format,
                                Granularity::PerTensor, Operand::K);
 
-      // Step 5: dQ_i += sm_scale·ψ(dS) ψ(K_j) (smoothed K; see the header for why the
-      // rowsum(dS)·c term is left out).
+      // Step 5: dQ_i += sm_scale·ψ(dS) ψ(K_j) (smoothed K), plus sm_scale·rowsum(dS)·c
+      // with dq_mean_term (the header says why it is off by default).
       for (int r = 0; r < rows; ++r) {
         const int i = r0 + r;
         std::fill(acc.begin(), acc.begin() + d, 0.0);
+        float rowsum = 0.0f;
         for (int jj = 0; jj < cols; ++jj) {
           const float sv = ds8.val[static_cast<std::size_t>(r) * kKvTile + jj];
+          rowsum += ds[static_cast<std::size_t>(r) * kKvTile + jj];
           if (sv == 0.0f) continue;
           const float* kj = h.k8.row(j0 + jj);
           for (int c = 0; c < d; ++c) acc[c] += static_cast<double>(sv) * kj[c];
         }
         const float sc = ds8.row_scale[0] * h.k8.row_scale[j0];
         for (int c = 0; c < d; ++c) {
-          dq_acc[i * d + c] += sh.sm_scale * (static_cast<float>(acc[c]) * sc);
+          const float term = opt.dq_mean_term ? rowsum * h.c[c] : 0.0f;
+          dq_acc[i * d + c] += sh.sm_scale * (static_cast<float>(acc[c]) * sc + term);
         }
       }
       // Step 6: dK_j += sm_scale·ψ(dS)ᵀ ψ(Q_i).

@@ -28,9 +28,11 @@
 //  5. dQ_i += sm_scale·ψ(dS_ij) ψ(K_j) with the smoothed K (line 10). dS·K =
 //     dS·(K − c) + (dS·1)c, and dS·1 = rowsum(P ∘ (dP − D)) = dO·O − D = 0 exactly, so
 //     the second term carries only the error of D (from the quantized forward's O),
-//     amplified by |c|; it is left out. Measured on the report's generator (1K, d=128,
-//     5 seeds, bench/results/sagebwd-forward-choice.txt): dQ CosSim 0.9955 -> 0.9979
-//     with the SA2 forward, and higher with the per-token forward too.
+//     amplified by |c|; qattn leaves it out (the GPU kernel's contract). Measured on the
+//     report's generator (1K, d=128, 5 seeds, bench/results/sagebwd-forward-choice.txt):
+//     dQ CosSim 0.9955 -> 0.9979 with the SA2 forward, higher with the per-token forward
+//     too. SageBwdOptions::dq_mean_term = true keeps it, as the paper's Algorithm 3 does
+//     (the accuracy report's paper rows).
 //  6. dK_j += sm_scale·ψ(dS_ij)ᵀ ψ(Q_i) (line 11).
 // dK and dV of a KV head are summed over the query heads that share it (GQA).
 #pragma once
@@ -59,6 +61,7 @@ struct SageBwdOptions {
   Bwd8Format format = Bwd8Format::Int8;
   DoVFormat dov = DoVFormat::Fp16;
   KSmoothing k_smoothing = KSmoothing::Mean;  // None, Mean or SampledMean
+  bool dq_mean_term = false;  // add sm_scale·rowsum(dS)·c to dQ (paper; step 5 above)
 };
 
 struct EmulatedGrads {

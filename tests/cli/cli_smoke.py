@@ -30,6 +30,7 @@ REQUIRED = {
     "qk_granularity_int4": {"per_tensor", "per_block", "per_thread", "per_token"},
     "sagebwd_dov": {"fp16", "int8"},
     "sagebwd_format": {"int8", "fp8"},
+    "sagebwd_dq_term": {"paper", "qattn", "qattn_fp8"},
     "schemes": {"sa2_8b", "sa2_4b", "sa3_nvfp4", "fp8_per_tensor", "sagebwd"},
 }
 TEMPERATURES = [1.0, 0.5]
@@ -108,6 +109,8 @@ README_COS = {
     ("qk_granularity_int4", "per_token", "o"): 0.98558,
     ("sagebwd_dov", "fp16", "dq"): 0.99733, ("sagebwd_dov", "int8", "dq"): 0.99729,
     ("sagebwd_format", "int8", "dq"): 0.99733, ("sagebwd_format", "fp8", "dq"): 0.99623,
+    ("sagebwd_dq_term", "paper", "dq"): 0.99733, ("sagebwd_dq_term", "qattn", "dq"): 0.99799,
+    ("sagebwd_dq_term", "qattn_fp8", "dq"): 0.99837,
     ("schemes", "sa2_8b", "o"): 0.99927, ("schemes", "sa2_4b", "o"): 0.97814,
     ("schemes", "sa3_nvfp4", "o"): 0.98160, ("schemes", "fp8_per_tensor", "o"): 0.99654,
     ("schemes", "sagebwd", "o"): 0.99971, ("schemes", "sagebwd", "dq"): 0.99733,
@@ -128,6 +131,7 @@ FAILING_CLAIMS = {
     "E4M3 above INT8 for P and V (SageAttention2 Table 7)",
     "E4M3 above INT8 for P (V in FP16), T = 0.125",
     "E4M3 above INT8 for P (V in FP16), T = 0.0625",
+    "INT8 above FP8 SageBwd on dQ without the rowsum(dS)·c term",
 }
 HOLDING_CLAIMS = {
     "NVFP4 above MXFP4 (SageAttention3 Table 1a)",
@@ -141,6 +145,7 @@ HOLDING_CLAIMS = {
     "per-thread above per-block for INT4 (SageAttention2 Table 6)",
     "16-bit dO·Vᵀ above INT8 on dQ (SageAttention3 Table 1c)",
     "INT8 above FP8 SageBwd on dQ (SageAttention3 Table 7)",
+    "dQ without the rowsum(dS)·c term above the paper's (qattn)",
     "E4M3 above INT8 for P (V in FP16), T = 1",
     "E4M3 above INT8 for P (V in FP16), T = 0.5",
     "E4M3 above INT8 for P (V in FP16), T = 0.25",

@@ -154,11 +154,14 @@ RunFn sa2(emulate::Sage2Options o) {
   };
 }
 
-RunFn sagebwd(emulate::Bwd8Format f, emulate::DoVFormat dov) {
+// paper_dq: the paper's dQ with the K-smoothing term sm_scale·rowsum(dS)·c (the
+// SageAttention3 reproduction rows); false: qattn's kernel, which leaves it out.
+RunFn sagebwd(emulate::Bwd8Format f, emulate::DoVFormat dov, bool paper_dq = true) {
   return [=](const HeadIn& in) {
     emulate::SageBwdOptions o;
     o.format = f;
     o.dov = dov;
+    o.dq_mean_term = paper_dq;
     const auto fwd = emulate::sagebwd_forward(in.q, in.k, in.v, {}, o);
     auto g = emulate::sagebwd_backward(in.q, in.k, in.v, fwd.o, fwd.lse, in.dout, {}, o);
     HeadOut out;
@@ -324,6 +327,14 @@ void build_plan(Plan& plan, int study_t, const std::vector<int>& sweep_t,
     plan.row("sagebwd_format", "int8", w, bwd);
     plan.row("sagebwd_format", "fp8", w, bwd_fp8);
   }
+  // qattn's dQ (no rowsum(dS)·c term, emulate/sagebwd.h step 5) against the paper's.
+  const int bwd_qattn = plan.run("bwd/int8/fp16/qattn", study_t,
+                                 sagebwd(Bwd8Format::Int8, DoVFormat::Fp16, false));
+  const int bwd_qattn_fp8 = plan.run("bwd/fp8/fp16/qattn", study_t,
+                                     sagebwd(Bwd8Format::E4M3, DoVFormat::Fp16, false));
+  plan.row("sagebwd_dq_term", "paper", Which::DQ, bwd);
+  plan.row("sagebwd_dq_term", "qattn", Which::DQ, bwd_qattn);
+  plan.row("sagebwd_dq_term", "qattn_fp8", Which::DQ, bwd_qattn_fp8);
 
   // From diffuse to peaked attention.
   for (int t : sweep_t) {
@@ -382,6 +393,10 @@ constexpr CheckSpec kChecks[] = {
      Which::DQ},
     {"INT8 above FP8 SageBwd on dQ (SageAttention3 Table 7)", "sagebwd_format", "int8", "fp8",
      Which::DQ},
+    {"dQ without the rowsum(dS)·c term above the paper's (qattn)", "sagebwd_dq_term", "qattn",
+     "paper", Which::DQ},
+    {"INT8 above FP8 SageBwd on dQ without the rowsum(dS)·c term", "sagebwd_dq_term",
+     "qattn", "qattn_fp8", Which::DQ},
 };
 
 // ---- facts ----------------------------------------------------------------------------------
@@ -450,7 +465,8 @@ const std::vector<std::string>& study_order() {
   static const std::vector<std::string> order = {
       "fp4_format",     "p_scaling",       "p_quant_softmax",     "smoothing_fp4",
       "pv_format",      "pv_format_joint", "qk_granularity_int4", "sagebwd_dov",
-      "sagebwd_format", "entropy_sweep",   "p_format_sweep",      "schemes"};
+      "sagebwd_format", "sagebwd_dq_term", "entropy_sweep",     "p_format_sweep",
+      "schemes"};
   return order;
 }
 
@@ -467,6 +483,8 @@ std::string study_description(const std::string& s) {
   }
   if (s == "sagebwd_dov") return "precision of dO·Vᵀ in the SageBwd backward (INT8 elsewhere)";
   if (s == "sagebwd_format") return "8-bit format of SageBwd's quantized matmuls (dO·Vᵀ FP16)";
+  if (s == "sagebwd_dq_term")
+    return "SageBwd dQ: the paper's (with sm_scale·rowsum(dS)·c) vs qattn's kernel (without)";
   if (s == "entropy_sweep")
     return "SA3 two-level vs direct P as attention sharpens (T: temperature)";
   if (s == "p_format_sweep") {
