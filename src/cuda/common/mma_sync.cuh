@@ -67,6 +67,12 @@ __device__ __forceinline__ void mma_16bit(float (&c)[4], const uint32_t (&a)[4],
   }
 }
 
+// *p += a, *(p + 1) += b as one global reduction (sm_90: red.global.add.v2.f32); p is
+// 8-byte aligned.
+__device__ __forceinline__ void red_add_v2(float* p, float a, float b) {
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
+}
+
 // 16 bytes global -> shared, asynchronous (L2 only: every tile is read once per CTA).
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));

@@ -174,8 +174,14 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(const Args a) {
       store_ds_rows<D>(ds_bytes, f.ds, warp, lane);
       __syncthreads();
       float* dq = a.dq_acc + (bhq * a.nq_pad + op.q0 + 16 * (warp % 4)) * D + (warp / 4) * (D / 2);
+      // Column pairs (c0, c1) are adjacent: one vector reduction per pair.
+      float pend = 0.0f;
       dq_product<D>(s_ds, s_kt, a.sm_scale * (f.s_ds * s_k), warp, lane, [&](int n, int e, float x) {
-        atomicAdd(dq + (g + (e >> 1) * 8) * D + 8 * n + 2 * t + (e & 1), x);
+        if ((e & 1) == 0) {
+          pend = x;
+        } else {
+          common::red_add_v2(dq + (g + (e >> 1) * 8) * D + 8 * n + 2 * t, pend, x);
+        }
       });
     }
   }

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 
+#include "cuda/common/exp2.cuh"
 #include "cuda/common/mma_sync.cuh"
 #include "cuda/common/quant_math.cuh"
 #include "cuda/sagebwd/args.h"
@@ -43,11 +44,24 @@ struct TileFrags {
   float s_p, s_ds;    // the tile's scales (amax / 127)
 };
 
+// An INT32 accumulator as float, exactly, for |i| < 2^22 (an IADD and an FADD on the full-
+// rate pipes instead of I2F at a quarter rate). Every accumulator here is a sum of at
+// most 128 products of two codes in [-127, 127]: |i| <= 128·127² < 2^21.
+__device__ __forceinline__ float i2f_exact(int i) {
+  return __int_as_float(i + 0x4B400000) - 12582912.0f;
+}
+
+// Four values times inv as INT8 codes, low byte first: the emulator's clamp_rne codes,
+// since |x| <= amax makes |x·inv| round to at most 127 (common::quantize_int8x4_rn).
 __device__ __forceinline__ uint32_t pack4_i8(float a, float b, float c, float d, float inv) {
-  auto q = [inv](float x) {
-    return static_cast<uint32_t>(static_cast<uint8_t>(numerics::int8_quantize(x, inv)));
-  };
-  return q(a) | (q(b) << 8) | (q(c) << 16) | (q(d) << 24);
+  return common::quantize_int8x4_rn(a, b, c, d, inv);
+}
+
+// 127 / amax, or 0 when amax is 0 or so small (below 2^-100) that 127 / amax could
+// overflow: such a tile's P or dS adds nothing an FP32 sum could hold, and a zero
+// multiplier keeps its codes 0 instead of NaN.
+__device__ __forceinline__ float int8_multiplier(float amax) {
+  return amax < 7.9e-31f ? 0.0f : common::kInt8Max / amax;
 }
 
 // The accumulator of eight n-blocks (KV rows × 64 Q columns) as two k steps of A.
@@ -128,17 +142,30 @@ __device__ __forceinline__ void tile_step(const Args& a, const TileOperands& op,
   {
     int acc[kNBlocksQ][4] = {};
     mma_rows_x64_s8<D / 32>(acc, op.k8 + 16 * warp * S::kI8, S::kI8, op.q8, S::kI8, lane);
-    const float sc = op.s_qk;
+    // x = S·log2 e in one FMA with the LSE: sc folds the two scales and sm_scale·log2 e.
+    const float sc = op.s_qk * a.scale_log2;
+    // A tile inside the sequence and wholly under the causal horizon needs no mask.
+    const bool full = op.j0 + kKvTileRows <= a.nkv &&
+                      (!a.causal || op.j0 + kKvTileRows - 1 <= op.q0 + a.nkv - a.nq);
 #pragma unroll
     for (int n = 0; n < kNBlocksQ; ++n) {
+      const float2 l2 = *reinterpret_cast<const float2*>(op.lse2 + 8 * n + 2 * t);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int j = op.j0 + 16 * warp + g + (e >> 1) * 8;  // token
-        const int qc = 8 * n + 2 * t + (e & 1);              // column in the block
-        const int i = op.q0 + qc;
-        const bool vis = j < a.nkv && (!a.causal || j <= i + a.nkv - a.nq);
-        const float x = static_cast<float>(acc[n][e]) * sc * a.scale_log2;
-        p[n][e] = vis ? exp2f(x - op.lse2[qc]) : 0.0f;
+        const float x = fmaf(i2f_exact(acc[n][e]), sc, -((e & 1) ? l2.y : l2.x));
+        p[n][e] = common::exp2_approx(x);
+      }
+    }
+    if (!full) {
+#pragma unroll
+      for (int n = 0; n < kNBlocksQ; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int j = op.j0 + 16 * warp + g + (e >> 1) * 8;  // token
+          const int i = op.q0 + 8 * n + 2 * t + (e & 1);      // query row
+          const bool vis = j < a.nkv && (!a.causal || j <= i + a.nkv - a.nq);
+          if (!vis) p[n][e] = 0.0f;
+        }
       }
     }
   }
@@ -153,16 +180,16 @@ __device__ __forceinline__ void tile_step(const Args& a, const TileOperands& op,
 #pragma unroll
       for (int n = 0; n < kNBlocksQ; ++n)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) dp[n][e] = static_cast<float>(acc[n][e]) * op.s_dov;
+        for (int e = 0; e < 4; ++e) dp[n][e] = i2f_exact(acc[n][e]) * op.s_dov;
     } else {
       mma_rows_16<T, D / 16, kNBlocksQ>(dp, op.v + 16 * warp * S::k16, S::k16, op.dov, S::k16, lane);
     }
 #pragma unroll
     for (int n = 0; n < kNBlocksQ; ++n) {
+      const float2 dl = *reinterpret_cast<const float2*>(op.delta + 8 * n + 2 * t);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int qc = 8 * n + 2 * t + (e & 1);
-        ds[n][e] = p[n][e] * (dp[n][e] - op.delta[qc]);
+        ds[n][e] = p[n][e] * (dp[n][e] - ((e & 1) ? dl.y : dl.x));
         amax_p = fmaxf(amax_p, p[n][e]);
         amax_ds = fmaxf(amax_ds, fabsf(ds[n][e]));
       }
@@ -182,8 +209,8 @@ __device__ __forceinline__ void tile_step(const Args& a, const TileOperands& op,
   }
   f.s_p = numerics::linear_scale(amax_p, common::kInt8Max);
   f.s_ds = numerics::linear_scale(amax_ds, common::kInt8Max);
-  to_a_frags(p, numerics::linear_multiplier(amax_p, common::kInt8Max), f.p);
-  to_a_frags(ds, numerics::linear_multiplier(amax_ds, common::kInt8Max), f.ds);
+  to_a_frags(p, int8_multiplier(amax_p), f.p);
+  to_a_frags(ds, int8_multiplier(amax_ds), f.ds);
 }
 
 // C[16 KV rows × D] += A(the warp's P̂ᵀ or dŜᵀ) · B(D rows of 64 permuted Q rows)ᵀ, scaled:
@@ -205,7 +232,7 @@ __device__ __forceinline__ void accumulate_kv_rows(float (&out)[D / 8][4], const
 #pragma unroll
     for (int m = 0; m < 2; ++m)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) out[2 * nc + m][e] = fmaf(static_cast<float>(tmp[m][e]), scale, out[2 * nc + m][e]);
+      for (int e = 0; e < 4; ++e) out[2 * nc + m][e] = fmaf(i2f_exact(tmp[m][e]), scale, out[2 * nc + m][e]);
   }
 }
 
@@ -254,7 +281,7 @@ __device__ __forceinline__ void dq_product(uint32_t sds, uint32_t skt, float sca
 #pragma unroll
     for (int m = 0; m < 2; ++m)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) emit(2 * nc + m, e, static_cast<float>(tmp[m][e]) * scale);
+      for (int e = 0; e < 4; ++e) emit(2 * nc + m, e, i2f_exact(tmp[m][e]) * scale);
   }
 }
 
