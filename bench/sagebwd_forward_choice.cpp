@@ -14,14 +14,20 @@
 //   fp64      the FP64 reference's O and LSE. Not a floor: the backward recomputes P from
 //             its quantized S, and an LSE that is not that S's normalizes it wrongly.
 // O is rounded to FP16 before the backward reads it (what a GPU forward stores); the LSE
-// stays FP32. Every forward and the backward smooth K with the kernel's sampled mean.
+// stays FP32. Every forward smooths K with the kernel's sampled mean (256 tokens), and so
+// does the backward unless --bwd-k-mean full: the mean over all tokens, as the GPU
+// backward computes it (its k_colsum and k_mean passes).
+// The backward's dQ leaves out the paper's sm_scale·rowsum(dS)·c term (the emulator's
+// default and the GPU kernel's contract); --dq-mean-term 1 adds it back
+// (SageBwdOptions::dq_mean_term, the emulator's default before that term was dropped).
 // CPU only; all numbers are means over the seeds (min CosSim beside them).
 //
 // Build and run (after QATTN_PRESET=cpu ./scripts/build.sh qattn):
 //   g++ -std=c++20 -O2 -Iinclude -Isrc bench/sagebwd_forward_choice.cpp build-cpu/libqattn.a
 //       -lpthread -o build-cpu/sagebwd_forward_choice
 //   build-cpu/sagebwd_forward_choice [--n 1024] [--d 128] [--heads 2] [--seeds 3] [--seed 0]
-//                                    [--threads 2]
+//                                    [--threads 2] [--dq-mean-term 0]
+//                                    [--bwd-k-mean sampled|full]
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -62,7 +68,8 @@ struct Measured {
   double lse_max_err[kNumVariants] = {};  // max |LSE − LSE_ref| over rows that see a key
 };
 
-Measured measure(const Config& cfg, int n, int d, int heads, uint64_t seed) {
+Measured measure(const Config& cfg, int n, int d, int heads, uint64_t seed, bool dq_mean_term,
+                 bool bwd_full_mean) {
   emulate::SyntheticSpec spec;
   spec.heads_q = spec.heads_kv = heads;
   spec.seq_q = spec.seq_kv = n;
@@ -79,6 +86,9 @@ Measured measure(const Config& cfg, int n, int d, int heads, uint64_t seed) {
 
   emulate::SageBwdOptions bwd_opt;  // INT8, 16-bit dO·Vᵀ
   bwd_opt.k_smoothing = emulate::KSmoothing::SampledMean;
+  bwd_opt.dq_mean_term = dq_mean_term;
+  emulate::SageBwdOptions bwd_only = bwd_opt;  // the backward's own smoothing
+  if (bwd_full_mean) bwd_only.k_smoothing = emulate::KSmoothing::Mean;
   emulate::Sage2Options sa2_opt;  // the SA2-8b kernel's defaults ...
   sa2_opt.granularity = numerics::Granularity::PerBlock;  // ... with the training groups
 
@@ -106,7 +116,7 @@ Measured measure(const Config& cfg, int n, int d, int heads, uint64_t seed) {
       if (std::isfinite(ref_f.lse[i]))
         m.lse_max_err[v] = std::max(m.lse_max_err[v], std::abs(fwd[v].lse[i] - ref_f.lse[i]));
     for (float& x : o.data) x = numerics::fp16_round(x);  // what the backward reads
-    const auto g = emulate::sagebwd_backward(in.q, in.k, in.v, o, fwd[v].lse, in.dout, ap, bwd_opt);
+    const auto g = emulate::sagebwd_backward(in.q, in.k, in.v, o, fwd[v].lse, in.dout, ap, bwd_only);
     const Tensor4* got[3] = {&g.dq, &g.dk, &g.dv};
     const Tensor4d* want[3] = {&ref_b.dq, &ref_b.dk, &ref_b.dv};
     for (int t = 0; t < 3; ++t) {
@@ -131,9 +141,11 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i)
     if (argv[i][0] == '-' && std::strcmp(argv[i], "--n") && std::strcmp(argv[i], "--d") &&
         std::strcmp(argv[i], "--heads") && std::strcmp(argv[i], "--seeds") &&
-        std::strcmp(argv[i], "--seed") && std::strcmp(argv[i], "--threads")) {
+        std::strcmp(argv[i], "--seed") && std::strcmp(argv[i], "--threads") &&
+        std::strcmp(argv[i], "--dq-mean-term") && std::strcmp(argv[i], "--bwd-k-mean")) {
       std::fprintf(stderr,
-                   "usage: %s [--n N] [--d D] [--heads H] [--seeds S] [--seed S0] [--threads T]\n",
+                   "usage: %s [--n N] [--d D] [--heads H] [--seeds S] [--seed S0] [--threads T]"
+                   " [--dq-mean-term 0|1] [--bwd-k-mean sampled|full]\n",
                    argv[0]);
       return 2;
     }
@@ -141,8 +153,21 @@ int main(int argc, char** argv) {
   const int heads = arg_int(argc, argv, "--heads", 2), seeds = arg_int(argc, argv, "--seeds", 3);
   const int seed0 = arg_int(argc, argv, "--seed", 0);
   const int threads = std::max(1, arg_int(argc, argv, "--threads", 2));
+  const int dq_term = arg_int(argc, argv, "--dq-mean-term", 0);
   if (n < 1 || d < 1 || d > 256 || heads < 1 || seeds < 1) {
     std::fprintf(stderr, "sagebwd_forward_choice: --n, --d (<= 256), --heads, --seeds must be >= 1\n");
+    return 2;
+  }
+  const char* k_mean = "sampled";
+  for (int i = 1; i + 1 < argc; ++i)
+    if (std::strcmp(argv[i], "--bwd-k-mean") == 0) k_mean = argv[i + 1];
+  const bool full_mean = std::strcmp(k_mean, "full") == 0;
+  if (!full_mean && std::strcmp(k_mean, "sampled") != 0) {
+    std::fprintf(stderr, "sagebwd_forward_choice: --bwd-k-mean must be sampled or full\n");
+    return 2;
+  }
+  if (dq_term != 0 && dq_term != 1) {
+    std::fprintf(stderr, "sagebwd_forward_choice: --dq-mean-term must be 0 or 1\n");
     return 2;
   }
   const Config configs[] = {{"no mask, T=1", Mask::None, 1.0},
@@ -150,20 +175,26 @@ int main(int argc, char** argv) {
                             {"no mask, T=0.25", Mask::None, 0.25},
                             // Diagnostic: without K's channel bias the smoothing vector c
                             // is near zero, so an error in D = rowsum(dO ∘ O) no longer
-                            // reaches dQ through the sm_scale·rowsum(dS)·c term.
+                            // reaches dQ through the sm_scale·rowsum(dS)·c term (with
+                            // --dq-mean-term 1; without it, a control).
                             {"no mask, T=1, no K bias (b_k = 0)", Mask::None, 1.0, 0.0}};
   const emulate::SyntheticSpec g;
   std::printf(
       "SageBwd backward fed by each forward; against FP64. N=%d, d=%d, heads=%d, seeds %d..%d\n"
       "generator: q=(z+b_q)/T, k=z+b_k, v=z, dO=z; b_k~N(0,%g^2), b_q~N(0,%g^2) per channel; FP16\n"
-      "backward: INT8, dO·Vᵀ 16-bit, K sampled-mean smoothing; O rounded to FP16 before it\n\n",
-      n, d, heads, seed0, seed0 + seeds - 1, g.k_bias_std, g.q_bias_std);
+      "backward: INT8, dO·Vᵀ 16-bit, K smoothed with the %s; O rounded to FP16 before it\n"
+      "backward dQ: %s\n\n",
+      n, d, heads, seed0, seed0 + seeds - 1, g.k_bias_std, g.q_bias_std,
+      full_mean ? "mean over all tokens (--bwd-k-mean full)" : "sampled mean",
+      dq_term ? "with the paper's sm_scale·rowsum(dS)·c term (--dq-mean-term 1)"
+              : "without the rowsum(dS)·c term (the default)");
 
   for (const Config& cfg : configs) {
     std::vector<std::future<Measured>> jobs;
     std::vector<Measured> ms;
     for (int s = 0; s < seeds; ++s) {
-      jobs.push_back(std::async(std::launch::async, measure, cfg, n, d, heads, uint64_t(seed0 + s)));
+      jobs.push_back(std::async(std::launch::async, measure, cfg, n, d, heads, uint64_t(seed0 + s),
+                                dq_term != 0, full_mean));
       if (int(jobs.size()) == threads || s == seeds - 1) {
         for (auto& j : jobs) ms.push_back(j.get());
         jobs.clear();
