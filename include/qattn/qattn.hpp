@@ -1,6 +1,6 @@
 // qattn — C++ layer over the C ABI (qattn.h): a Status object instead of bare codes,
-// an exception type for callers that prefer them, and a builder for the forward
-// parameters with HND/NHD helpers. Header-only; adds nothing to the ABI.
+// an exception type for callers that prefer them, and builders for the forward and
+// backward parameters with HND/NHD helpers. Header-only; adds nothing to the ABI.
 //
 //   qattn::ForwardParams fp(qattn::DType::kBF16, B, Hq, Hkv, Nq, Nkv, d);
 //   fp.q(q_ptr, qattn::Layout::kHND).k(k_ptr, qattn::Layout::kHND)
@@ -208,6 +208,99 @@ class ForwardParams {
   qattn_fwd_params p_{};
   Status status_;
 };
+
+// The 8-bit format and the dO·Vᵀ precision of the backward (qattn_bwd_format, qattn_bwd_dov).
+enum class BackwardFormat { kInt8 = QATTN_BWD_INT8, kE4M3 = QATTN_BWD_E4M3 };
+enum class DoV { k16Bit = QATTN_BWD_DOV_16BIT, kQuantized = QATTN_BWD_DOV_QUANTIZED };
+
+// Builder of qattn_bwd_params, as ForwardParams: shapes first, then the buffers (the
+// forward's q, k, v, o and lse, the gradient dout, the outputs dq, dk, dv); nothing is
+// checked until workspace_size or backward.
+class BackwardParams {
+ public:
+  BackwardParams(DType dtype, int batch, int heads_q, int heads_kv, int seqlen_q, int seqlen_kv,
+                 int head_dim) {
+    qattn_bwd_params_init(&p_);
+    p_.dtype = static_cast<int32_t>(dtype);
+    p_.batch = batch;
+    p_.heads_q = heads_q;
+    p_.heads_kv = heads_kv;
+    p_.seqlen_q = seqlen_q;
+    p_.seqlen_kv = seqlen_kv;
+    p_.head_dim = head_dim;
+  }
+
+  // Tensors in a layout; rs: elements between two rows (0: head_dim, contiguous).
+  BackwardParams& q(const void* d, Layout l, int64_t rs = 0) { return qside(p_.q, d, l, rs); }
+  BackwardParams& o(const void* d, Layout l, int64_t rs = 0) { return qside(p_.o, d, l, rs); }
+  BackwardParams& dout(const void* d, Layout l, int64_t rs = 0) { return qside(p_.dout, d, l, rs); }
+  BackwardParams& dq(void* d, Layout l, int64_t rs = 0) { return qside(p_.dq, d, l, rs); }
+  BackwardParams& k(const void* d, Layout l, int64_t rs = 0) { return kvside(p_.k, d, l, rs); }
+  BackwardParams& v(const void* d, Layout l, int64_t rs = 0) { return kvside(p_.v, d, l, rs); }
+  BackwardParams& dk(void* d, Layout l, int64_t rs = 0) { return kvside(p_.dk, d, l, rs); }
+  BackwardParams& dv(void* d, Layout l, int64_t rs = 0) { return kvside(p_.dv, d, l, rs); }
+  // Arbitrary strides go through raw().
+
+  // The forward's (B, Hq, Nq) FP32 natural-log LSE (required).
+  BackwardParams& lse(const float* data) {
+    p_.lse = data;
+    return *this;
+  }
+  BackwardParams& causal(bool on) {
+    p_.causal = on ? 1 : 0;
+    return *this;
+  }
+  BackwardParams& sm_scale(float scale) {
+    p_.sm_scale = scale;
+    return *this;
+  }
+  BackwardParams& format(BackwardFormat f) {
+    p_.format = static_cast<int32_t>(f);
+    return *this;
+  }
+  BackwardParams& dov(DoV d) {
+    p_.dov = static_cast<int32_t>(d);
+    return *this;
+  }
+  // Bitwise-equal results run to run (no atomics; slower).
+  BackwardParams& deterministic(bool on) {
+    p_.deterministic = on ? 1 : 0;
+    return *this;
+  }
+
+  const qattn_bwd_params& raw() const { return p_; }
+  qattn_bwd_params& raw() { return p_; }
+  const Status& status() const { return status_; }
+
+ private:
+  BackwardParams& tensor(qattn_tensor& dst, const void* data, Layout layout, int heads,
+                         int seqlen, int64_t row_stride) {
+    Status s = make_tensor(data, layout, heads, seqlen, row_stride == 0 ? p_.head_dim : row_stride,
+                           &dst);
+    if (!s.ok() && status_.ok()) status_ = std::move(s);
+    return *this;
+  }
+  BackwardParams& qside(qattn_tensor& dst, const void* d, Layout l, int64_t rs) {
+    return tensor(dst, d, l, p_.heads_q, p_.seqlen_q, rs);
+  }
+  BackwardParams& kvside(qattn_tensor& dst, const void* d, Layout l, int64_t rs) {
+    return tensor(dst, d, l, p_.heads_kv, p_.seqlen_kv, rs);
+  }
+  qattn_bwd_params p_{};
+  Status status_;
+};
+
+inline Status workspace_size(const BackwardParams& p, std::size_t* bytes) {
+  if (!p.status().ok()) return p.status();
+  return Status::from_c(qattn_bwd_workspace_size(&p.raw(), bytes));
+}
+
+// The backward on `stream` (a cudaStream_t; nullptr = legacy default).
+inline Status backward(const BackwardParams& p, void* workspace, std::size_t workspace_bytes,
+                       void* stream) {
+  if (!p.status().ok()) return p.status();
+  return Status::from_c(qattn_bwd(&p.raw(), workspace, workspace_bytes, stream));
+}
 
 // Checks the parameters and returns the workspace bytes qattn::forward needs.
 inline Status workspace_size(const ForwardParams& p, std::size_t* bytes) {

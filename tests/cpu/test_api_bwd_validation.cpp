@@ -689,3 +689,71 @@ TEST(BwdRegistry, WorkspaceIsTheLargestOverAcceptingFamilies) {
 }
 
 }  // namespace
+
+// ---- the C++ builder (qattn.hpp) ------------------------------------------------------
+
+namespace {
+
+// The builder's struct equals the hand-filled one field by field (the tensors, the
+// flags and the options), so the C ABI sees the same call either way.
+TEST(BwdBuilder, FillsTheSameStructAsTheCalls) {
+  const Shape s;
+  for (qattn::Layout layout : {qattn::Layout::kHND, qattn::Layout::kNHD}) {
+    SCOPED_TRACE(layout == qattn::Layout::kHND ? "HND" : "NHD");
+    const qattn_bwd_params want = valid_params(s, layout);
+    const int64_t row = (s.head_dim + 7) / 8 * 8;
+    qattn::BackwardParams bp(qattn::DType::kBF16, s.batch, s.heads_q, s.heads_kv, s.seqlen_q,
+                             s.seqlen_kv, s.head_dim);
+    bp.q(fake(1), layout, row).k(fake(2), layout, row).v(fake(3), layout, row)
+        .o(fake(4), layout, row).dout(fake(5), layout, row)
+        .lse(static_cast<const float*>(fake(6)))
+        .dq(fake(7), layout, row).dk(fake(8), layout, row).dv(fake(9), layout, row);
+    const qattn_bwd_params& got = bp.raw();
+    auto same = [](const qattn_tensor& a, const qattn_tensor& b) {
+      return a.data == b.data && a.stride_b == b.stride_b && a.stride_h == b.stride_h &&
+             a.stride_n == b.stride_n;
+    };
+    EXPECT_TRUE(same(got.q, want.q) && same(got.k, want.k) && same(got.v, want.v));
+    EXPECT_TRUE(same(got.o, want.o) && same(got.dout, want.dout));
+    EXPECT_TRUE(same(got.dq, want.dq) && same(got.dk, want.dk) && same(got.dv, want.dv));
+    EXPECT_EQ(got.lse, want.lse);
+    EXPECT_EQ(got.struct_size, sizeof(qattn_bwd_params));
+    std::size_t a = 0, b = 0;
+    ASSERT_TRUE(qattn::workspace_size(bp, &a).ok());
+    ASSERT_EQ(qattn_bwd_workspace_size(&want, &b), QATTN_OK);
+    EXPECT_EQ(a, b);
+  }
+  qattn::BackwardParams bp(qattn::DType::kFP16, 1, 2, 1, 64, 64, 64);
+  bp.causal(true).sm_scale(0.25f).format(qattn::BackwardFormat::kE4M3)
+      .dov(qattn::DoV::kQuantized).deterministic(true);
+  EXPECT_EQ(bp.raw().causal, 1);
+  EXPECT_EQ(bp.raw().sm_scale, 0.25f);
+  EXPECT_EQ(bp.raw().format, QATTN_BWD_E4M3);
+  EXPECT_EQ(bp.raw().dov, QATTN_BWD_DOV_QUANTIZED);
+  EXPECT_EQ(bp.raw().deterministic, 1);
+  EXPECT_EQ(bp.raw().dtype, QATTN_DTYPE_FP16);
+}
+
+// A stride the builder cannot represent is the first error reported, by name, before
+// the C ABI sees the struct; a missing LSE is the C ABI's named error.
+TEST(BwdBuilder, ReportsItsOwnAndTheAbisErrors) {
+  qattn::BackwardParams bp(qattn::DType::kBF16, 1, 65535, 1, 1 << 30, 64, 64);
+  bp.q(fake(1), qattn::Layout::kHND, int64_t{1} << 40);
+  std::size_t bytes = 0;
+  const qattn::Status s = qattn::workspace_size(bp, &bytes);
+  EXPECT_EQ(s.code(), qattn::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("make_tensor"), std::string::npos) << s.message();
+  EXPECT_EQ(qattn::backward(bp, workspace(), 1 << 20, nullptr).code(),
+            qattn::StatusCode::kInvalidArgument);
+
+  const Shape sh;
+  qattn::BackwardParams nolse(qattn::DType::kBF16, sh.batch, sh.heads_q, sh.heads_kv,
+                              sh.seqlen_q, sh.seqlen_kv, sh.head_dim);
+  nolse.raw() = valid_params(sh);
+  nolse.lse(nullptr);
+  const qattn::Status e = qattn::workspace_size(nolse, &bytes);
+  EXPECT_EQ(e.code(), qattn::StatusCode::kInvalidArgument);
+  EXPECT_NE(e.message().find("lse"), std::string::npos) << e.message();
+}
+
+}  // namespace
