@@ -41,8 +41,8 @@ bool valid_format(KvFormat f) {
 
 void check_seq(const char* fn, const PagedCache& cache, int seq) {
   if (seq < 0 || seq >= cache.config.max_seqs) {
-    fail(fn, "seq must be in [0, max_seqs = " + std::to_string(cache.config.max_seqs) +
-                 "), got " + std::to_string(seq));
+    fail(fn, "seq must be in [0, max_seqs = " + std::to_string(cache.config.max_seqs) + "), got " +
+                 std::to_string(seq));
   }
 }
 
@@ -110,8 +110,7 @@ void write_rows(PagedCache& cache, int seq, int64_t t0, int head, bool is_v,
     }
     case KvFormat::Fp8E4M3: {
       const auto qz = numerics::quantize_fp8(x, rows, d, numerics::Fp8Format::E4M3,
-                                             numerics::Granularity::PerToken,
-                                             numerics::Operand::K);
+                                             numerics::Granularity::PerToken, numerics::Operand::K);
       for (int r = 0; r < rows; ++r) {
         row_ptrs(r, codes, scales);
         std::memcpy(codes, qz.codes.data() + static_cast<std::size_t>(r) * d, d);
@@ -121,8 +120,7 @@ void write_rows(PagedCache& cache, int seq, int64_t t0, int head, bool is_v,
     }
     case KvFormat::Int8: {
       const auto qz = numerics::quantize_int(x, rows, d, numerics::IntFormat::Int8,
-                                             numerics::Granularity::PerToken,
-                                             numerics::Operand::K);
+                                             numerics::Granularity::PerToken, numerics::Operand::K);
       for (int r = 0; r < rows; ++r) {
         row_ptrs(r, codes, scales);
         std::memcpy(codes, qz.values.data() + static_cast<std::size_t>(r) * d, d);
@@ -159,8 +157,8 @@ void read_row(const PagedCache& cache, const char* fn, int seq, int64_t t, int h
     case KvFormat::NvFp4:
       for (int i = 0; i < d; ++i) {
         const uint8_t nib = (i % 2 == 0) ? (codes[i / 2] & 0xF) : (codes[i / 2] >> 4);
-        out[i] = numerics::e2m1_decode(nib) *
-                 numerics::e4m3_decode(scales[i / numerics::kNvFp4Block]);
+        out[i] =
+            numerics::e2m1_decode(nib) * numerics::e4m3_decode(scales[i / numerics::kNvFp4Block]);
       }
       break;
     case KvFormat::Fp8E4M3: {
@@ -194,13 +192,13 @@ void check_pages(const char* fn, const PagedCache& cache, int seq, int64_t len) 
 KvPageLayout kv_page_layout(const KvCacheConfig& c) {
   constexpr const char* kFn = "kv_page_layout";
   if (!valid_format(c.format)) {
-    fail(kFn, "format must be a KvFormat enumerator, got " +
-                  std::to_string(static_cast<int>(c.format)));
+    fail(kFn,
+         "format must be a KvFormat enumerator, got " + std::to_string(static_cast<int>(c.format)));
   }
   if (c.heads_kv <= 0) fail(kFn, "heads_kv must be positive, got " + std::to_string(c.heads_kv));
   if (c.head_dim <= 0 || c.head_dim % numerics::kNvFp4Block != 0 || c.head_dim > kKvMaxHeadDim) {
-    fail(kFn, "head_dim must be a positive multiple of 16 up to 256, got " +
-                  std::to_string(c.head_dim));
+    fail(kFn,
+         "head_dim must be a positive multiple of 16 up to 256, got " + std::to_string(c.head_dim));
   }
   if (c.page_size <= 0) fail(kFn, "page_size must be positive, got " + std::to_string(c.page_size));
   if (c.num_pages <= 0) fail(kFn, "num_pages must be positive, got " + std::to_string(c.num_pages));
@@ -346,10 +344,10 @@ void append(PagedCache& cache, int seq, const Tensor4& k_new, const Tensor4& v_n
   const int hk = cfg.heads_kv, d = cfg.head_dim;
   if (k_new.b != 1 || k_new.h != hk || k_new.d != d || k_new.n <= 0 ||
       k_new.data.size() != static_cast<std::size_t>(hk) * k_new.n * d) {
-    fail(kFn, "k_new must be (1, heads_kv = " + std::to_string(hk) + ", n >= 1, head_dim = " +
-                  std::to_string(d) + "), got (" + std::to_string(k_new.b) + ", " +
-                  std::to_string(k_new.h) + ", " + std::to_string(k_new.n) + ", " +
-                  std::to_string(k_new.d) + ")");
+    fail(kFn, "k_new must be (1, heads_kv = " + std::to_string(hk) +
+                  ", n >= 1, head_dim = " + std::to_string(d) + "), got (" +
+                  std::to_string(k_new.b) + ", " + std::to_string(k_new.h) + ", " +
+                  std::to_string(k_new.n) + ", " + std::to_string(k_new.d) + ")");
   }
   if (!v_new.same_shape(1, hk, k_new.n, d) || v_new.data.size() != k_new.data.size()) {
     fail(kFn, "v_new must have k_new's shape (1, heads_kv, n, head_dim)");
@@ -472,8 +470,8 @@ EmulatedForward decode_emulated(const Tensor4& q, const PagedCache& cache,
   for (int s : seqs) {
     check_seq(kFn, cache, s);
     if (cache.lengths[s] < 0 || cache.lengths[s] > cache.capacity()) {
-      fail(kFn, "lengths[" + std::to_string(s) + "] must be in [0, capacity = " +
-                    std::to_string(cache.capacity()) + "], got " +
+      fail(kFn, "lengths[" + std::to_string(s) +
+                    "] must be in [0, capacity = " + std::to_string(cache.capacity()) + "], got " +
                     std::to_string(cache.lengths[s]));
     }
     check_pages(kFn, cache, s, cache.lengths[s]);

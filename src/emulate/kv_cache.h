@@ -93,12 +93,12 @@ struct KvCacheConfig {
 
 // Byte layout of one page (all offsets from the page's first byte).
 struct KvPageLayout {
-  int64_t code_row_bytes = 0;     // one (token, head) row of codes: d/2, d, d or 2d
-  int64_t scale_row_bytes = 0;    // its scales: d/16 (E4M3), 4 (FP32), 4 (FP32) or 0
-  int64_t head_code_bytes = 0;    // one head's slice of a code section (16-aligned)
-  int64_t head_scale_bytes = 0;   // one head's slice of a scale section (16-aligned)
+  int64_t code_row_bytes = 0;    // one (token, head) row of codes: d/2, d, d or 2d
+  int64_t scale_row_bytes = 0;   // its scales: d/16 (E4M3), 4 (FP32), 4 (FP32) or 0
+  int64_t head_code_bytes = 0;   // one head's slice of a code section (16-aligned)
+  int64_t head_scale_bytes = 0;  // one head's slice of a scale section (16-aligned)
   int64_t k_codes = 0, v_codes = 0, k_scales = 0, v_scales = 0;  // section offsets
-  int64_t page_bytes = 0;         // a multiple of 16
+  int64_t page_bytes = 0;                                        // a multiple of 16
 
   // Offsets of the (slot, head) row within a page; v selects V instead of K.
   int64_t code_offset(bool v, int slot, int head) const {
@@ -121,11 +121,11 @@ int64_t kv_bytes_per_token_head(KvFormat format, int head_dim);
 struct PagedCache {
   KvCacheConfig config;
   KvPageLayout layout;
-  std::vector<uint8_t> pages;          // num_pages × page_bytes
-  std::vector<int32_t> block_tables;   // max_seqs × max_pages_per_seq; −1 = no page
-  std::vector<int32_t> lengths;        // max_seqs: tokens cached per sequence
-  std::vector<float> k_mean;           // max_seqs × heads_kv × d: the vectors c
-  std::vector<uint8_t> k_mean_fixed;   // max_seqs: 1 once c is fixed
+  std::vector<uint8_t> pages;         // num_pages × page_bytes
+  std::vector<int32_t> block_tables;  // max_seqs × max_pages_per_seq; −1 = no page
+  std::vector<int32_t> lengths;       // max_seqs: tokens cached per sequence
+  std::vector<float> k_mean;          // max_seqs × heads_kv × d: the vectors c
+  std::vector<uint8_t> k_mean_fixed;  // max_seqs: 1 once c is fixed
 
   int64_t capacity() const {
     return static_cast<int64_t>(config.max_pages_per_seq) * config.page_size;

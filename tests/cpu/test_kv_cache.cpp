@@ -2,8 +2,6 @@
 // layout, append bit-exact against the numerics quantizers, the paging invariants,
 // dequantization, decode against the FP64 reference on the dequantized cache, the
 // split-KV merge, GQA and the bottom-right causal mask, and named errors.
-#include "emulate/kv_cache.h"
-
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -15,6 +13,7 @@
 #include <string>
 
 #include "attention_test_util.h"
+#include "emulate/kv_cache.h"
 #include "numerics/formats.h"
 #include "numerics/quantize.h"
 #include "reference/attention_fp64.h"
@@ -143,7 +142,8 @@ TEST(KvCache, AppendIsBitExactWithNumericsPerRow) {
     PagedCache cache = emulate::make_paged_cache(config(f, kHeads, kD, kPage, 8, 2, 4));
     assign_shuffled(cache, seed);
     emulate::append(cache, 1, tokens(k, 0, kPrefill), tokens(v, 0, kPrefill));
-    for (int t = kPrefill; t < total; ++t) emulate::append(cache, 1, tokens(k, t, 1), tokens(v, t, 1));
+    for (int t = kPrefill; t < total; ++t)
+      emulate::append(cache, 1, tokens(k, t, 1), tokens(v, t, 1));
     ASSERT_EQ(cache.lengths[1], total);
     ASSERT_EQ(cache.lengths[0], 0);
 
@@ -158,13 +158,12 @@ TEST(KvCache, AppendIsBitExactWithNumericsPerRow) {
         const int page = cache.block(1, t / kPage), slot = t % kPage;
         for (bool is_v : {false, true}) {
           std::vector<float> row(kD);
-          for (int e = 0; e < kD; ++e)
-            row[e] = is_v ? v.at(0, h, t, e) : k.at(0, h, t, e) - c[e];
+          for (int e = 0; e < kD; ++e) row[e] = is_v ? v.at(0, h, t, e) : k.at(0, h, t, e) - c[e];
           const int64_t section_codes = is_v ? int64_t{kHeads} * L.head_code_bytes : 0;
           const int64_t section_scales =
               2 * int64_t{kHeads} * L.head_code_bytes + (is_v ? kHeads * L.head_scale_bytes : 0);
-          const uint8_t* codes = cache.pages.data() + int64_t{page} * L.page_bytes +
-                                 section_codes + h * L.head_code_bytes + slot * code_row;
+          const uint8_t* codes = cache.pages.data() + int64_t{page} * L.page_bytes + section_codes +
+                                 h * L.head_code_bytes + slot * code_row;
           const uint8_t* scales = cache.pages.data() + int64_t{page} * L.page_bytes +
                                   section_scales + h * L.head_scale_bytes + slot * scale_row;
           if (f == KvFormat::NvFp4) {
@@ -178,15 +177,15 @@ TEST(KvCache, AppendIsBitExactWithNumericsPerRow) {
             float s;
             std::memcpy(&s, scales, 4);
             if (f == KvFormat::Fp8E4M3) {
-              const auto qz = numerics::quantize_fp8(row, 1, kD, numerics::Fp8Format::E4M3,
-                                                     numerics::Granularity::PerToken,
-                                                     numerics::Operand::K);
+              const auto qz =
+                  numerics::quantize_fp8(row, 1, kD, numerics::Fp8Format::E4M3,
+                                         numerics::Granularity::PerToken, numerics::Operand::K);
               ASSERT_EQ(0, std::memcmp(codes, qz.codes.data(), kD)) << "t " << t;
               ASSERT_EQ(s, qz.scales[0]);
             } else {
-              const auto qz = numerics::quantize_int(row, 1, kD, numerics::IntFormat::Int8,
-                                                     numerics::Granularity::PerToken,
-                                                     numerics::Operand::K);
+              const auto qz =
+                  numerics::quantize_int(row, 1, kD, numerics::IntFormat::Int8,
+                                         numerics::Granularity::PerToken, numerics::Operand::K);
               ASSERT_EQ(0, std::memcmp(codes, qz.values.data(), kD)) << "t " << t;
               ASSERT_EQ(s, qz.scales[0]);
             }
@@ -289,8 +288,8 @@ TEST(KvCache, DequantizeEqualsCodesTimesScales) {
       for (int h = 0; h < kHeads; ++h) {
         std::vector<float> c(given.begin() + h * kD, given.begin() + (h + 1) * kD);
         if (!set_c) {
-          c = numerics::token_mean(std::span<const float>(k.row(0, h, 0), std::size_t{30} * kD),
-                                   30, kD, numerics::MeanEstimate::Sampled);
+          c = numerics::token_mean(std::span<const float>(k.row(0, h, 0), std::size_t{30} * kD), 30,
+                                   kD, numerics::MeanEstimate::Sampled);
         }
         for (int e = 0; e < kD; ++e) ASSERT_EQ(dq.k_mean[h * kD + e], c[e]);
         const std::span<const float> kh(k.row(0, h, 0), std::size_t{kN} * kD);
@@ -472,8 +471,8 @@ TEST(KvCacheDecode, Bf16CacheMatchesFp64OnBf16RoundedInputs) {
           EXPECT_EQ(out.lse[(s * dc.hq + h) * dc.nq + i], -INFINITY);
           continue;
         }
-        const RowBound bound = fp32_bound({qb.row(0, h, i), std::size_t(dc.d)}, kb, h, visible,
-                                          dc.d, sm, vmax);
+        const RowBound bound =
+            fp32_bound({qb.row(0, h, i), std::size_t(dc.d)}, kb, h, visible, dc.d, sm, vmax);
         EXPECT_NEAR(out.lse[(s * dc.hq + h) * dc.nq + i], ref.lse[h * dc.nq + i],
                     bound.lse + 4 * kU * std::fabs(ref.lse[h * dc.nq + i]));
         for (int e = 0; e < dc.d; ++e)
@@ -609,11 +608,38 @@ TEST(KvCacheDecode, KSmoothingImprovesNvFp4AndKeepsTheLse) {
     for (int h = 0; h < kHq; ++h)
       lse_err[smooth] = std::max(lse_err[smooth], std::fabs(out.lse[h] - ref.lse[h]));
   }
-  std::printf("  NVFP4 CosSim: smoothed %.6f, unsmoothed %.6f; max LSE error %.3g / %.3g\n",
-              cos[1], cos[0], lse_err[1], lse_err[0]);
+  std::printf("  NVFP4 CosSim: smoothed %.6f, unsmoothed %.6f; max LSE error %.3g / %.3g\n", cos[1],
+              cos[0], lse_err[1], lse_err[0]);
   EXPECT_GT(cos[1], cos[0]);
   EXPECT_GT(cos[1], 0.98);
   EXPECT_LT(lse_err[1], 0.1);  // the LSE would be off by sm_scale·q·c ≈ O(10) without the fold
+}
+
+// NaN policy (docs/design.md, Numerics): a NaN in an appended token's K makes its row's
+// scale NaN, so every decode row that sees that key is NaN (O and LSE) and the rows the
+// causal mask hides it from stay finite. Per format (BF16 keeps the NaN itself).
+TEST(KvCacheDecode, NanInAnAppendedKeyReachesExactlyTheRowsThatSeeIt) {
+  const std::uint64_t seed = testutil::fresh_seed();
+  SCOPED_TRACE(test::seed_trace(seed));
+  for (KvFormat f : kAllFormats) {
+    SCOPED_TRACE(name(f));
+    const DecodeCase dc{f, 2, 1, 4, 32, 8, {20}};
+    Built in = build(dc, seed);
+    PagedCache cache = emulate::make_paged_cache(in.cache.config);
+    cache.block_tables = in.cache.block_tables;
+    Tensor4 k = in.k[0];
+    k.at(0, 0, 19, 5) = std::nanf("");
+    emulate::append(cache, 0, tokens(k, 0, 16), tokens(in.v[0], 0, 16));
+    for (int t = 16; t < 20; ++t) emulate::append(cache, 0, tokens(k, t, 1), tokens(in.v[0], t, 1));
+    const auto out = emulate::decode_emulated(in.q, cache);
+    for (int h = 0; h < dc.hq; ++h) {
+      for (int i = 0; i < dc.nq; ++i) {
+        const bool sees = i == 3;  // key 19 is visible to row i iff 19 <= i + 16
+        EXPECT_EQ(std::isnan(out.lse[h * dc.nq + i]), sees) << "head " << h << " row " << i;
+        for (int e = 0; e < dc.d; ++e) ASSERT_EQ(std::isnan(out.o.at(0, h, i, e)), sees);
+      }
+    }
+  }
 }
 
 // ---- errors -----------------------------------------------------------------------------
@@ -630,11 +656,34 @@ void expect_invalid(const std::function<void()>& f, const std::string& needle) {
 
 TEST(KvCache, BadInputsGetNamedErrors) {
   auto cfg = config(KvFormat::NvFp4, 2, 64, 4, 4, 2, 2);
-  expect_invalid([&] { auto c = cfg; c.head_dim = 72; emulate::make_paged_cache(c); }, "head_dim");
-  expect_invalid([&] { auto c = cfg; c.page_size = 0; emulate::make_paged_cache(c); }, "page_size");
-  expect_invalid([&] { auto c = cfg; c.num_pages = 0; emulate::make_paged_cache(c); }, "num_pages");
-  expect_invalid([&] { auto c = cfg; c.format = KvFormat(9); emulate::make_paged_cache(c); },
-                 "format");
+  expect_invalid(
+      [&] {
+        auto c = cfg;
+        c.head_dim = 72;
+        emulate::make_paged_cache(c);
+      },
+      "head_dim");
+  expect_invalid(
+      [&] {
+        auto c = cfg;
+        c.page_size = 0;
+        emulate::make_paged_cache(c);
+      },
+      "page_size");
+  expect_invalid(
+      [&] {
+        auto c = cfg;
+        c.num_pages = 0;
+        emulate::make_paged_cache(c);
+      },
+      "num_pages");
+  expect_invalid(
+      [&] {
+        auto c = cfg;
+        c.format = KvFormat(9);
+        emulate::make_paged_cache(c);
+      },
+      "format");
 
   PagedCache cache = emulate::make_paged_cache(cfg);
   const Tensor4 k = testutil::gaussian(1, 2, 9, 64, 1), v = testutil::gaussian(1, 2, 9, 64, 2);
