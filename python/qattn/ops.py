@@ -25,7 +25,7 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from . import _C
+from . import _C, fallback
 from .errors import QattnError, check, invalid
 
 _LAYOUTS = ("HND", "NHD")
@@ -455,9 +455,8 @@ def _backward_cuda(grad_o, q, k, v, o, lse, grad_lse, is_causal, scale, layout, 
     except QattnError as error:
         if error.status not in (_C.ERROR_INVALID_ARGUMENT, _C.ERROR_UNSUPPORTED):
             raise
-        from . import sdpa  # the fallback mode lives there (sdpa imports this module)
 
-        sdpa.backward_declined(f"library {error.status_name}",
+        fallback.backward_declined(f"library {error.status_name}",
                                f"the qattn library declined the backward ({error})")
         return _backward_math(grad_o, q, k, v, grad_lse, is_causal, scale, layout)
 
