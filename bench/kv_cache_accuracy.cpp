@@ -1,30 +1,31 @@
 // How accurate is decode attention over a quantized KV cache, per cache format? A CPU
-// study (issue 20's accuracy targets), self-contained over src/numerics quantizers and
-// the FP64 reference, so that the GPU decode kernel has predicted numbers to meet.
+// study (issue 20's accuracy targets): each number is the prediction of the cache's
+// written contract, src/emulate/kv_cache.h (docs/kv-cache.md), that the GPU append and
+// decode kernels must equal, measured against the FP64 reference.
 //
-// The decode it models, per KV head (GQA: its Hq/Hkv query heads share one read of K/V):
-//   cache   K and V rows, one per (token, head), d long, stored as
+// Per KV head (GQA: its Hq/Hkv query heads share one read of K/V; heads are independent
+// in the cache, so each head is its own one-head cache and runs on its own thread):
+//   cache   emulate::PagedCache, page_size 16, pages in order, format
 //             bf16    the value rounded to BF16 (the baseline cache)
 //             fp8     E4M3 codes, one FP32 scale per (token, head): amax/448
 //             int8    INT8 codes, one FP32 scale per (token, head): amax/127
 //             nvfp4   E2M1 codes, 1×16 blocks along d, scale E4M3(amax/6)
-//             mxfp4   E2M1 codes, 1×32 blocks along d, scale E8M0 (for comparison)
-//           (numerics::quantize_fp8/quantize_int PerToken, quantize_fp4 over each head's
-//           (N × d) matrix: rows are tokens, so a row's groups are that (token, head)'s).
-//   smooth  optional: K − c before quantization, c the per-head channel mean of the
-//           first --prefix tokens (the prefill; kept fixed as decode appends), stored in
-//           FP32 beside the cache. The softmax is unchanged by any c; decode adds
-//           sm_scale·q·c (FP32) to the LSE. O changes only through K's quantization.
-//   decode  Q in BF16; scores s = sm_scale·(q · k̂) in FP32 from the dequantized k̂
-//           (8 interleaved partial sums along d, as lanes split d, then summed); the
-//           causal mask bottom-right aligned (query i of nq sees key j ≤ i + N − nq);
-//           a two-pass softmax in FP32 (the GPU's online softmax differs by rounding);
-//           P·V from the dequantized V in FP32, summed per 128-key tile and the tiles
-//           added in order (a split-KV merge differs by rounding); O = acc / l,
-//           LSE = m + log l (+ sm_scale·q·c when smoothed).
+//           (MXFP4 is not a cache format, so it is no longer in the table.)
+//   smooth  "k-c": KvSmoothing::PrefillMean, c = the per-channel mean of the sequence's
+//           FIRST append over numerics' token sample (all tokens up to 256, else 256
+//           evenly spaced ones), fixed afterwards; "none": KvSmoothing::None (c = 0).
+//   append  the prefill: tokens [0, P), P = min(--prefix, N − nq), in one append (it
+//           fixes c); then [P, N − nq) in --chunks appends of near-equal size; then the
+//           nq decoded tokens in a last append (a decode step appends its tokens first).
+//   decode  emulate::decode_emulated: Q in BF16, FP32 online softmax in the log2 domain
+//           over kv_tile = 64-token tiles, --splits chunks of the keys merged by their
+//           LSE (1: unsplit), causal mask bottom-right aligned (query i of nq sees key
+//           j ≤ i + N − nq), LSE natural-log with sm_scale·q·c folded back.
 // Each is compared against reference::attention_forward (FP64) on the unquantized
 // inputs. The inputs are BF16 values (what a model hands the cache), so the bf16 row
 // without smoothing is the FP32 arithmetic floor, and Q in BF16 adds no error.
+// The cache holds K and V in one format, so K-only and V-only runs (the other kept in
+// BF16) are not possible through it and are no longer made.
 //
 // Inputs (per KV head; q, k, v standard normal before the changes below):
 //   gauss+bias     k += b, b = 2·randn(d) fixed over tokens (a K channel bias).
@@ -33,9 +34,10 @@
 //                  (q += 8·u, |u| = 1) and token 0's key is b + t·ū (ū the unit mean of
 //                  the head's queries), t set so that the sink's mean score equals the
 //                  mean log-sum-exp of the other keys' scores: on average it takes about
-//                  half the attention (the measured mean share is printed).
+//                  half the attention (the measured mean share is printed). Token 0 is
+//                  in the prefill's token sample, so the sink key enters c.
 // nq = 1 is the last query row of the nq = 4 decode (it sees all N keys, as a single
-// decoded token does), so both come from one pass over the cache.
+// decoded token does), so both come from one decode call.
 // Metrics: CosSim and relative L1 of O (all query heads and rows), and |LSE − LSE_ref|
 // (natural log; max and mean over rows); for outlier+sink also the CosSim of O over the
 // ordinary (non-outlier) channels, which the outlier channels would otherwise dominate.
@@ -45,9 +47,9 @@
 //   g++ -std=c++20 -O2 -Iinclude -Isrc bench/kv_cache_accuracy.cpp build-cpu/libqattn.a
 //       -lpthread -o build-cpu/kv_cache_accuracy
 //   build-cpu/kv_cache_accuracy [--ns 2048,16384,65536] [--d 128] [--heads-q 32]
-//       [--heads-kv 8] [--nq 4] [--seeds 3] [--seed 0] [--prefix 1024] [--threads 2]
-//       [--large-n 65536] [--large-heads-kv 4] [--large-seeds 2] [--quantize kv|k|v]
-// --quantize k (or v): only K (or V) goes through the cache, the other stays BF16.
+//       [--heads-kv 8] [--nq 4] [--seeds 2] [--seed 0] [--prefix 1024] [--chunks 3]
+//       [--splits 1] [--threads 2] [--large-n 65536] [--large-heads-kv 2]
+//       [--large-seeds 2]
 // At N ≥ --large-n only the first --large-heads-kv KV heads (and their query heads) and
 // --large-seeds seeds are run, to keep the run a few minutes on 2 cores.
 #include <algorithm>
@@ -63,6 +65,7 @@
 #include <string>
 #include <vector>
 
+#include "emulate/kv_cache.h"
 #include "numerics/formats.h"
 #include "numerics/quantize.h"
 #include "reference/attention_fp64.h"
@@ -74,31 +77,27 @@ namespace {
 using namespace qattn;
 namespace nx = qattn::numerics;
 
-enum class Cache { Bf16, Fp8, Int8, NvFp4, MxFp4 };
-constexpr Cache kCaches[] = {Cache::Bf16, Cache::Fp8, Cache::Int8, Cache::NvFp4, Cache::MxFp4};
-constexpr int kNumCaches = 5;
-constexpr const char* kCacheNames[] = {"bf16", "fp8", "int8", "nvfp4", "mxfp4"};
+namespace em = qattn::emulate;
+
+constexpr em::KvFormat kCaches[] = {em::KvFormat::Bf16, em::KvFormat::Fp8E4M3, em::KvFormat::Int8,
+                                    em::KvFormat::NvFp4};
+constexpr int kNumCaches = 4;
+constexpr const char* kCacheNames[] = {"bf16", "fp8", "int8", "nvfp4"};
 constexpr int kNumVariants = 2 * kNumCaches;  // variant = cache · 2 + smoothed
 
 enum class Input { GaussBias, OutlierSink };
-
-// Which of K and V go through the cache (--quantize): both, or one with the other kept
-// in BF16, to tell apart where a format's error comes from.
-enum class Quantized { KV, K, V };
 constexpr const char* kInputNames[] = {"gauss+bias", "outlier+sink"};
 
 constexpr float kKBiasStd = 2.0f;
 constexpr int kOutlierChannels = 4;
 constexpr float kOutlierScale = 20.0f;
 constexpr float kSinkQueryAlign = 8.0f;  // |shared query direction|: the sink's score spread
-constexpr int kLanes = 8;                // partial sums of q·k along d
-constexpr int kKvTile = 128;             // keys per P·V partial sum
+constexpr int kPageSize = 16;            // tokens per page, the usual engine choice
 
 struct Options {
   std::vector<int> ns{2048, 16384, 65536};
-  int d = 128, heads_q = 32, heads_kv = 8, nq = 4, seeds = 3, seed = 0, prefix = 1024;
-  int threads = 2, large_n = 65536, large_heads_kv = 4, large_seeds = 2;
-  Quantized quantized = Quantized::KV;
+  int d = 128, heads_q = 32, heads_kv = 8, nq = 4, seeds = 2, seed = 0, prefix = 1024;
+  int chunks = 3, splits = 1, threads = 2, large_n = 65536, large_heads_kv = 2, large_seeds = 2;
 };
 
 std::uint64_t splitmix(std::uint64_t x) {
@@ -194,78 +193,54 @@ HeadInputs make_inputs(Input input, int n, int d, int rows, double sm_scale, std
   return in;
 }
 
-// The cache's dequantized copy of an (n × d) matrix of one head.
-std::vector<float> through_cache(Cache cache, const std::vector<float>& x, int n, int d) {
-  switch (cache) {
-    case Cache::Bf16: {
-      std::vector<float> y(x);
-      for (float& e : y) e = nx::bf16_round(e);
-      return y;
-    }
-    case Cache::Fp8:
-      return nx::quantize_fp8(x, n, d, nx::Fp8Format::E4M3, nx::Granularity::PerToken,
-                              nx::Operand::K)
-          .dequantized;
-    case Cache::Int8:
-      return nx::quantize_int(x, n, d, nx::IntFormat::Int8, nx::Granularity::PerToken,
-                              nx::Operand::K)
-          .dequantized;
-    case Cache::NvFp4:
-      return nx::quantize_fp4(x, n, d, nx::Fp4Format::NvFp4).dequantized;
-    case Cache::MxFp4:
-      return nx::quantize_fp4(x, n, d, nx::Fp4Format::MxFp4).dequantized;
-  }
-  return {};
+// One (n × d) matrix as the (1, 1, rows, d) tensor of its rows [first, first + rows).
+Tensor4 rows_of(const std::vector<float>& x, int first, int rows, int d) {
+  Tensor4 t(1, 1, rows, d);
+  std::copy(x.begin() + std::size_t(first) * d, x.begin() + std::size_t(first + rows) * d,
+            t.data.begin());
+  return t;
 }
 
-struct Decoded {
-  std::vector<float> o;    // rows × d
-  std::vector<float> lse;  // rows
-};
+// Fills a one-head cache of `format` with the head's n tokens as the header's append
+// schedule does, and decodes q (1, group, nq, d) from it.
+em::EmulatedForward cache_decode(em::KvFormat format, em::KvSmoothing smoothing,
+                                 const HeadInputs& in, const Tensor4& q, int n, int d, int prefix,
+                                 int chunks, int splits) {
+  const int nq = q.n;
+  em::KvCacheConfig cfg;
+  cfg.format = format;
+  cfg.heads_kv = 1;
+  cfg.head_dim = d;
+  cfg.page_size = kPageSize;
+  cfg.max_pages_per_seq = (n + kPageSize - 1) / kPageSize;
+  cfg.num_pages = cfg.max_pages_per_seq;
+  cfg.max_seqs = 1;
+  cfg.k_smoothing = smoothing;
+  em::PagedCache cache = em::make_paged_cache(cfg);
+  std::vector<int32_t> pages(cfg.num_pages);
+  for (int i = 0; i < cfg.num_pages; ++i) pages[i] = i;
+  em::assign_pages(cache, 0, pages);
 
-// The decode of the header over one KV head: rows = G·nq query rows, row r is query
-// token r % nq of its head. c: the smoothing mean (empty when K is not smoothed).
-Decoded decode(const std::vector<float>& q, int rows, int nq, const std::vector<float>& k,
-               const std::vector<float>& v, int n, int d, float sm_scale,
-               const std::vector<float>& c) {
-  Decoded out;
-  out.o.assign(std::size_t(rows) * d, 0.0f);
-  out.lse.resize(rows);
-  std::vector<float> s(n), acc(d), tile(d);
-  for (int r = 0; r < rows; ++r) {
-    const float* qr = q.data() + std::size_t(r) * d;
-    const int visible = std::min(n, r % nq + n - nq + 1);
-    float m = -std::numeric_limits<float>::infinity();
-    for (int j = 0; j < visible; ++j) {
-      const float* kj = k.data() + std::size_t(j) * d;
-      float lane[kLanes] = {};
-      for (int e = 0; e < d; e += kLanes)
-        for (int i = 0; i < kLanes; ++i) lane[i] += qr[e + i] * kj[e + i];
-      float dot = 0.0f;
-      for (float x : lane) dot += x;
-      s[j] = sm_scale * dot;
-      m = std::max(m, s[j]);
-    }
-    float l = 0.0f;
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    for (int j0 = 0; j0 < visible; j0 += kKvTile) {
-      float lt = 0.0f;
-      std::fill(tile.begin(), tile.end(), 0.0f);
-      for (int j = j0; j < std::min(visible, j0 + kKvTile); ++j) {
-        const float p = std::exp(s[j] - m);
-        lt += p;
-        const float* vj = v.data() + std::size_t(j) * d;
-        for (int e = 0; e < d; ++e) tile[e] += p * vj[e];
-      }
-      l += lt;
-      for (int e = 0; e < d; ++e) acc[e] += tile[e];
-    }
-    for (int e = 0; e < d; ++e) out.o[std::size_t(r) * d + e] = acc[e] / l;
-    float qc = 0.0f;
-    for (int e = 0; e < static_cast<int>(c.size()); ++e) qc += qr[e] * c[e];
-    out.lse[r] = m + std::log(l) + sm_scale * qc;
+  auto append = [&](int first, int count) {
+    if (count > 0)
+      em::append(cache, 0, rows_of(in.k, first, count, d), rows_of(in.v, first, count, d));
+  };
+  const int body = n - nq;                 // tokens before the decoded ones
+  const int pre = std::min(prefix, body);  // the prefill: the first append, it fixes c
+  append(0, pre);
+  const int rest = body - pre;
+  for (int i = 0; i < chunks; ++i) {
+    const int lo = pre + int(std::int64_t(rest) * i / chunks);
+    const int hi = pre + int(std::int64_t(rest) * (i + 1) / chunks);
+    append(lo, hi - lo);
   }
-  return out;
+  append(body, nq);  // the decode step's own tokens (the first append when N = nq)
+
+  em::DecodeParams dp;
+  dp.mask = Mask::Causal;
+  dp.num_splits = splits;
+  dp.format = format;
+  return em::decode_emulated(q, cache, dp);
 }
 
 struct HeadResult {
@@ -275,8 +250,8 @@ struct HeadResult {
   double sink_share = 0.0;
 };
 
-HeadResult run_head(Input input, int n, int nq, int group, int d, int prefix, Quantized which,
-                    std::uint64_t seed) {
+HeadResult run_head(Input input, int n, int nq, int group, int d, int prefix, int chunks,
+                    int splits, std::uint64_t seed) {
   const int rows = group * nq;
   const double sm_scale = 1.0 / std::sqrt(double(d));
   HeadInputs in = make_inputs(input, n, d, rows, sm_scale, seed);
@@ -299,23 +274,14 @@ HeadResult run_head(Input input, int n, int nq, int group, int d, int prefix, Qu
     hr.sink_share /= rows;
   }
 
-  const int pre = std::min(prefix, n);
-  const std::vector<float> c =
-      nx::token_mean(std::span<const float>(in.k).first(std::size_t(pre) * d), pre, d,
-                     nx::MeanEstimate::AllTokens);
-  const std::vector<float> k_smoothed = nx::smooth_k_with(in.k, n, d, c).values;
-  const std::vector<float> none;
-  for (int ci = 0; ci < kNumCaches; ++ci) {
-    const Cache v_cache = which == Quantized::K ? Cache::Bf16 : kCaches[ci];
-    const Cache k_cache = which == Quantized::V ? Cache::Bf16 : kCaches[ci];
-    const std::vector<float> vq = through_cache(v_cache, in.v, n, d);
+  for (int ci = 0; ci < kNumCaches; ++ci)
     for (int sm = 0; sm < 2; ++sm) {
-      const std::vector<float> kq = through_cache(k_cache, sm ? k_smoothed : in.k, n, d);
-      Decoded dec = decode(in.q, rows, nq, kq, vq, n, d, float(sm_scale), sm ? c : none);
-      hr.o[ci * 2 + sm] = std::move(dec.o);
+      em::EmulatedForward dec =
+          cache_decode(kCaches[ci], sm ? em::KvSmoothing::PrefillMean : em::KvSmoothing::None, in,
+                       q, n, d, prefix, chunks, splits);
+      hr.o[ci * 2 + sm] = std::move(dec.o.data);
       hr.lse[ci * 2 + sm] = std::move(dec.lse);
     }
-  }
   return hr;
 }
 
@@ -372,8 +338,9 @@ bool parse_int(const char* s, int& out, int min = 1) {
 int usage(const char* argv0, const char* what) {
   std::fprintf(stderr,
                "kv_cache_accuracy: %s\nusage: %s [--ns 2048,16384,65536] [--d 128] [--heads-q 32]"
-               " [--heads-kv 8] [--nq 4] [--seeds 3] [--seed 0] [--prefix 1024] [--threads 2]"
-               " [--large-n 65536] [--large-heads-kv 4] [--large-seeds 2] [--quantize kv|k|v]\n",
+               " [--heads-kv 8] [--nq 4] [--seeds 2] [--seed 0] [--prefix 1024] [--chunks 3]"
+               " [--splits 1] [--threads 2] [--large-n 65536] [--large-heads-kv 2]"
+               " [--large-seeds 2]\n",
                what, argv0);
   return 2;
 }
@@ -392,6 +359,8 @@ int main(int argc, char** argv) {
                {"--seeds", &opt.seeds},
                {"--seed", &opt.seed},
                {"--prefix", &opt.prefix},
+               {"--chunks", &opt.chunks},
+               {"--splits", &opt.splits},
                {"--threads", &opt.threads},
                {"--large-n", &opt.large_n},
                {"--large-heads-kv", &opt.large_heads_kv},
@@ -410,18 +379,6 @@ int main(int argc, char** argv) {
       }
       continue;
     }
-    if (std::strcmp(argv[i], "--quantize") == 0) {
-      const std::string w = argv[i + 1];
-      if (w == "kv")
-        opt.quantized = Quantized::KV;
-      else if (w == "k")
-        opt.quantized = Quantized::K;
-      else if (w == "v")
-        opt.quantized = Quantized::V;
-      else
-        return usage(argv[0], "--quantize must be kv, k or v");
-      continue;
-    }
     bool known = false;
     for (const Flag& f : flags)
       if (std::strcmp(argv[i], f.name) == 0) {
@@ -435,21 +392,22 @@ int main(int argc, char** argv) {
     if (!known) return usage(argv[0], (std::string("unknown flag ") + argv[i]).c_str());
   }
   if (opt.heads_q % opt.heads_kv != 0) return usage(argv[0], "--heads-kv must divide --heads-q");
-  if (opt.d % nx::kMxFp4Block != 0) return usage(argv[0], "--d must be a multiple of 32");
+  if (opt.d % nx::kNvFp4Block != 0 || opt.d > em::kKvMaxHeadDim)
+    return usage(argv[0], "--d must be a multiple of 16, at most 256 (the cache's head_dim)");
+  if (opt.nq > em::kKvMaxQueryTokens) return usage(argv[0], "--nq must be at most 16");
   for (int n : opt.ns)
     if (n < opt.nq) return usage(argv[0], "--ns: every N must be >= --nq");
   const int group = opt.heads_q / opt.heads_kv;
 
   std::printf(
       "Decode over a quantized KV cache, against FP64 on the unquantized (BF16) inputs\n"
-      "d=%d, Hq=%d, Hkv=%d (group %d), nq=%d (nq=1: its last row), seeds %d.., K mean from "
-      "the first %d tokens\n"
-      "at N >= %d: %d KV heads, %d seeds; quantized: %s\n\n",
-      opt.d, opt.heads_q, opt.heads_kv, group, opt.nq, opt.seed, opt.prefix, opt.large_n,
-      opt.large_heads_kv, opt.large_seeds,
-      opt.quantized == Quantized::KV  ? "K and V"
-      : opt.quantized == Quantized::K ? "K only (V in BF16)"
-                                      : "V only (K in BF16)");
+      "d=%d, Hq=%d, Hkv=%d (group %d), nq=%d (nq=1: its last row), seeds %d..\n"
+      "emulate::PagedCache (page 16) + decode_emulated (kv_tile 64, %d split(s)); appends: "
+      "prefill of the first min(%d, N-nq) tokens (it fixes c: its sampled K mean), the rest "
+      "in %d chunks, then the nq decoded tokens\n"
+      "at N >= %d: %d KV heads, %d seeds\n\n",
+      opt.d, opt.heads_q, opt.heads_kv, group, opt.nq, opt.seed, opt.splits, opt.prefix, opt.chunks,
+      opt.large_n, opt.large_heads_kv, opt.large_seeds);
   std::printf("%-12s %6s %2s %-6s %-6s %5s %10s %10s %9s %9s %9s %10s\n", "input", "N", "nq",
               "cache", "smooth", "hkv·s", "cos", "min cos", "rel L1", "LSE max", "LSE mean",
               "cos ord.ch");
@@ -470,7 +428,7 @@ int main(int argc, char** argv) {
               splitmix(splitmix(splitmix(std::uint64_t(opt.seed + s)) ^ std::uint64_t(input)) ^
                        (std::uint64_t(n) << 8 | std::uint64_t(h)));
           jobs.push_back(std::async(std::launch::async, run_head, input, n, opt.nq, group, opt.d,
-                                    opt.prefix, opt.quantized, hs));
+                                    opt.prefix, opt.chunks, opt.splits, hs));
           if (int(jobs.size()) == opt.threads || h == hkv - 1) {
             for (auto& j : jobs) heads.push_back(j.get());
             jobs.clear();
