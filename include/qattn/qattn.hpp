@@ -129,6 +129,21 @@ inline qattn_tensor make_tensor(const void* data, Layout layout, int heads, int 
   return t;
 }
 
+namespace detail {
+// The fields qattn_fwd_params and qattn_bwd_params share, by the same names.
+template <typename Params>
+void set_shape(Params& p, DType dtype, int batch, int heads_q, int heads_kv, int seqlen_q,
+               int seqlen_kv, int head_dim) {
+  p.dtype = static_cast<int32_t>(dtype);
+  p.batch = batch;
+  p.heads_q = heads_q;
+  p.heads_kv = heads_kv;
+  p.seqlen_q = seqlen_q;
+  p.seqlen_kv = seqlen_kv;
+  p.head_dim = head_dim;
+}
+}  // namespace detail
+
 // Builder of qattn_fwd_params. Shapes first, then the buffers; nothing is checked
 // until workspace_size or forward, which check everything (a stride the builder could
 // not represent is reported there, as the first error).
@@ -137,13 +152,7 @@ class ForwardParams {
   ForwardParams(DType dtype, int batch, int heads_q, int heads_kv, int seqlen_q, int seqlen_kv,
                 int head_dim) {
     qattn_fwd_params_init(&p_);
-    p_.dtype = static_cast<int32_t>(dtype);
-    p_.batch = batch;
-    p_.heads_q = heads_q;
-    p_.heads_kv = heads_kv;
-    p_.seqlen_q = seqlen_q;
-    p_.seqlen_kv = seqlen_kv;
-    p_.head_dim = head_dim;
+    detail::set_shape(p_, dtype, batch, heads_q, heads_kv, seqlen_q, seqlen_kv, head_dim);
   }
 
   // Contiguous tensors in a layout (rows of head_dim elements).
@@ -221,13 +230,7 @@ class BackwardParams {
   BackwardParams(DType dtype, int batch, int heads_q, int heads_kv, int seqlen_q, int seqlen_kv,
                  int head_dim) {
     qattn_bwd_params_init(&p_);
-    p_.dtype = static_cast<int32_t>(dtype);
-    p_.batch = batch;
-    p_.heads_q = heads_q;
-    p_.heads_kv = heads_kv;
-    p_.seqlen_q = seqlen_q;
-    p_.seqlen_kv = seqlen_kv;
-    p_.head_dim = head_dim;
+    detail::set_shape(p_, dtype, batch, heads_q, heads_kv, seqlen_q, seqlen_kv, head_dim);
   }
 
   // Tensors in a layout; rs: elements between two rows (0: head_dim, contiguous).

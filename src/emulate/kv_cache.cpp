@@ -20,20 +20,6 @@ namespace {
 
 int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 
-const char* format_name(KvFormat f) {
-  switch (f) {
-    case KvFormat::NvFp4:
-      return "NvFp4";
-    case KvFormat::Fp8E4M3:
-      return "Fp8E4M3";
-    case KvFormat::Int8:
-      return "Int8";
-    case KvFormat::Bf16:
-      return "Bf16";
-  }
-  return "?";
-}
-
 bool valid_format(KvFormat f) {
   return f == KvFormat::NvFp4 || f == KvFormat::Fp8E4M3 || f == KvFormat::Int8 ||
          f == KvFormat::Bf16;
@@ -435,8 +421,8 @@ EmulatedForward decode_emulated(const Tensor4& q, const PagedCache& cache,
   const KvCacheConfig& cfg = cache.config;
   const int hk = cfg.heads_kv, d = cfg.head_dim;
   if (params.format && *params.format != cfg.format) {
-    fail(kFn, std::string("format: the call expects ") + format_name(*params.format) +
-                  " but the cache holds " + format_name(cfg.format));
+    fail(kFn, std::string("format: the call expects ") + kv_format_name(*params.format) +
+                  " but the cache holds " + kv_format_name(cfg.format));
   }
   if (q.b <= 0 || q.h <= 0 || q.n <= 0 || q.d <= 0 ||
       q.data.size() != static_cast<std::size_t>(q.b) * q.h * q.n * q.d) {
@@ -575,6 +561,20 @@ EmulatedForward decode_emulated(const Tensor4& q, const PagedCache& cache,
     }
   }
   return out;
+}
+
+const char* kv_format_name(KvFormat f) {
+  switch (f) {
+    case KvFormat::NvFp4:
+      return "NvFp4";
+    case KvFormat::Fp8E4M3:
+      return "Fp8E4M3";
+    case KvFormat::Int8:
+      return "Int8";
+    case KvFormat::Bf16:
+      return "Bf16";
+  }
+  return "?";
 }
 
 }  // namespace qattn::emulate

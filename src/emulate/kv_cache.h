@@ -67,6 +67,9 @@ enum class KvFormat {
   Bf16,     // bfloat16 values; no scale
 };
 
+// "NvFp4", "Fp8E4M3", "Int8" or "Bf16" (for messages).
+const char* kv_format_name(KvFormat f);
+
 // How the K smoothing vector c of a (sequence, KV head) is chosen. Appending must not
 // rewrite old tokens, so c is fixed once per sequence and never changes after.
 enum class KvSmoothing {

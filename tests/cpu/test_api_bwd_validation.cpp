@@ -23,6 +23,7 @@
 #include "cuda/sagebwd/workspace.h"
 #include "qattn/qattn.h"
 #include "qattn/qattn.hpp"
+#include "api_outcome.h"
 #include "test_seed.h"
 
 namespace {
@@ -30,9 +31,9 @@ namespace {
 using qattn::api::Arch;
 using qattn::api::BackwardFamily;
 
-void* fake(int slot, std::uintptr_t offset = 0) {
-  return reinterpret_cast<void*>((static_cast<std::uintptr_t>(slot) << 40) + offset);
-}
+using qattn::test::fake;
+using qattn::test::Outcome;
+using qattn::test::outcome;
 
 struct Shape {
   int batch = 2, heads_q = 8, heads_kv = 2, seqlen_q = 300, seqlen_kv = 500, head_dim = 64;
@@ -69,10 +70,6 @@ qattn_bwd_params valid_params(const Shape& s = {}, qattn::Layout layout = qattn:
 
 void* workspace() { return fake(10); }
 
-struct Outcome {
-  qattn_status status;
-  std::string message;
-};
 
 Outcome size_of(const qattn_bwd_params& p) {
   std::size_t bytes = 0;
@@ -86,9 +83,6 @@ std::size_t need(const qattn_bwd_params& p) {
   return bytes;
 }
 
-// The outcome of a call already made (its status is computed before the message is
-// read).
-Outcome outcome(qattn_status s) { return {s, s == QATTN_OK ? "" : qattn_last_error_message()}; }
 
 Outcome bwd(const qattn_bwd_params& p, void* ws, std::size_t bytes) {
   const qattn_status s = qattn_bwd(&p, ws, bytes, nullptr);
@@ -99,15 +93,6 @@ bool contains(const std::string& s, const std::string& word) {
   return s.find(word) != std::string::npos;
 }
 
-// Asserts the status and that the message names every one of `words`.
-#define EXPECT_REJECTS(outcome, code, ...)                                        \
-  do {                                                                            \
-    const Outcome o_ = (outcome);                                                 \
-    EXPECT_EQ(o_.status, code) << o_.message;                                     \
-    for (const std::string& w_ : std::initializer_list<std::string>{__VA_ARGS__}) \
-      EXPECT_NE(o_.message.find(w_), std::string::npos)                           \
-          << "message does not name '" << w_ << "': " << o_.message;              \
-  } while (0)
 
 // The eight tensor views: name, member, whether the call writes it, and whether it has
 // q's shape (else k's).

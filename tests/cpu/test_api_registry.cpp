@@ -19,13 +19,14 @@
 #include "api/validate.h"
 #include "qattn/qattn.h"
 #include "qattn/qattn.hpp"
+#include "api_outcome.h"
 
 namespace {
 
 using qattn::api::Arch;
 using qattn::api::ForwardFamily;
 
-void* fake(int slot) { return reinterpret_cast<void*>(static_cast<std::uintptr_t>(slot) << 40); }
+using qattn::test::fake;
 
 qattn_fwd_params valid_params(int head_dim = 64) {
   qattn::ForwardParams fp(qattn::DType::kBF16, 2, 8, 2, 300, 500, head_dim);

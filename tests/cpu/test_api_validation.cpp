@@ -19,12 +19,13 @@
 #include "api/validate.h"
 #include "qattn/qattn.h"
 #include "qattn/qattn.hpp"
+#include "api_outcome.h"
 
 namespace {
 
-void* fake(int slot, std::uintptr_t offset = 0) {
-  return reinterpret_cast<void*>((static_cast<std::uintptr_t>(slot) << 40) + offset);
-}
+using qattn::test::fake;
+using qattn::test::Outcome;
+using qattn::test::outcome;
 
 struct Shape {
   int batch = 2, heads_q = 8, heads_kv = 2, seqlen_q = 300, seqlen_kv = 500, head_dim = 64;
@@ -42,10 +43,6 @@ qattn_fwd_params valid_params(const Shape& s = {}, qattn::Layout layout = qattn:
   return fp.raw();
 }
 
-struct Outcome {
-  qattn_status status;
-  std::string message;
-};
 
 Outcome size_of(const qattn_fwd_params& p) {
   std::size_t bytes = 0;
@@ -64,18 +61,6 @@ Outcome fwd(const qattn_fwd_params& p, void* ws, std::size_t bytes) {
   return {s, s == QATTN_OK ? "" : qattn_last_error_message()};
 }
 
-// Asserts the status and that the message names every one of `words` (strings or
-// string literals). The words are copied into std::strings inside the range's own
-// initializer list: a `const char*` list would keep only pointers into temporaries
-// (e.g. std::to_string(n).c_str()) that die before the loop runs.
-#define EXPECT_REJECTS(outcome, code, ...)                                    \
-  do {                                                                        \
-    const Outcome o_ = (outcome);                                             \
-    EXPECT_EQ(o_.status, code) << o_.message;                                 \
-    for (const std::string& w_ : std::initializer_list<std::string>{__VA_ARGS__}) \
-      EXPECT_NE(o_.message.find(w_), std::string::npos)                       \
-          << "message does not name '" << w_ << "': " << o_.message;          \
-  } while (0)
 
 // ---- the valid baseline ------------------------------------------------------------
 

@@ -31,19 +31,7 @@ constexpr double kU = 5.9604644775390625e-08;  // 2^-24, FP32 unit roundoff
 constexpr KvFormat kAllFormats[] = {KvFormat::NvFp4, KvFormat::Fp8E4M3, KvFormat::Int8,
                                     KvFormat::Bf16};
 
-const char* name(KvFormat f) {
-  switch (f) {
-    case KvFormat::NvFp4:
-      return "NvFp4";
-    case KvFormat::Fp8E4M3:
-      return "Fp8E4M3";
-    case KvFormat::Int8:
-      return "Int8";
-    case KvFormat::Bf16:
-      return "Bf16";
-  }
-  return "?";
-}
+const char* name(KvFormat f) { return emulate::kv_format_name(f); }
 
 KvCacheConfig config(KvFormat f, int heads_kv, int d, int page_size, int num_pages, int max_seqs,
                      int max_pages_per_seq, KvSmoothing sm = KvSmoothing::PrefillMean) {

@@ -221,6 +221,19 @@ class BwdSetup {
     cudaMemset(lse_->ptr, 0xFF, lse_count_ * sizeof(float));
   }
 
+  // The fields the forward's and the backward's parameters share.
+  template <typename Params>
+  void set_shape(Params& p) const {
+    p.dtype = c_.bf16 ? QATTN_DTYPE_BF16 : QATTN_DTYPE_FP16;
+    p.batch = c_.batch;
+    p.heads_q = c_.heads_q;
+    p.heads_kv = c_.heads_kv;
+    p.seqlen_q = c_.seqlen_q;
+    p.seqlen_kv = c_.seqlen_kv;
+    p.head_dim = c_.head_dim;
+    p.causal = c_.causal ? 1 : 0;
+  }
+
   // The training forward: o and the LSE, per-block Q/K groups.
   qattn_status forward() {
     qattn_fwd_params p;
@@ -230,14 +243,7 @@ class BwdSetup {
     p.v = v_->view;
     p.o = o_->view;
     p.lse = lse_->ptr;
-    p.dtype = c_.bf16 ? QATTN_DTYPE_BF16 : QATTN_DTYPE_FP16;
-    p.batch = c_.batch;
-    p.heads_q = c_.heads_q;
-    p.heads_kv = c_.heads_kv;
-    p.seqlen_q = c_.seqlen_q;
-    p.seqlen_kv = c_.seqlen_kv;
-    p.head_dim = c_.head_dim;
-    p.causal = c_.causal ? 1 : 0;
+    set_shape(p);
     p.sage2.granularity = QATTN_QK_PER_BLOCK;
     std::size_t bytes = 0;
     if (qattn_status s = qattn_fwd_workspace_size(&p, &bytes); s != QATTN_OK) return s;
@@ -263,14 +269,7 @@ class BwdSetup {
     p.dq = dq_->view;
     p.dk = dk_->view;
     p.dv = dv_->view;
-    p.dtype = c_.bf16 ? QATTN_DTYPE_BF16 : QATTN_DTYPE_FP16;
-    p.batch = c_.batch;
-    p.heads_q = c_.heads_q;
-    p.heads_kv = c_.heads_kv;
-    p.seqlen_q = c_.seqlen_q;
-    p.seqlen_kv = c_.seqlen_kv;
-    p.head_dim = c_.head_dim;
-    p.causal = c_.causal ? 1 : 0;
+    set_shape(p);
     p.format = c_.format;
     p.dov = c_.dov;
     p.deterministic = c_.deterministic;
