@@ -222,6 +222,145 @@ qattn_status qattn_bwd_workspace_size(const qattn_bwd_params* p, size_t* bytes);
 qattn_status qattn_bwd(const qattn_bwd_params* p, void* workspace, size_t workspace_bytes,
                        void* stream);
 
+/* ---- KV cache and decode ----------------------------------------------------------
+ *
+ * A quantized, paged key/value cache (docs/kv-cache.md is its normative format) and
+ * the decode attention that reads it. The engine owns every byte: it allocates the
+ * page pool (qattn_kv_cache_page_bytes tells the size of a page), the block tables,
+ * the lengths and the smoothing vectors, and passes them to each call, as vLLM and
+ * FlashInfer do. Order of use: qattn_kv_cache_init -> fill the format and sizes ->
+ * qattn_kv_cache_page_bytes -> allocate num_pages pages -> for each step
+ * qattn_kv_append (the new tokens' K and V) then qattn_kv_decode (their queries).
+ *
+ * Device-side indices. Block tables and lengths live in device memory, where the host
+ * cannot read them without synchronizing. A call checks what it can see: everything
+ * in the structs, and, when the engine passes the host mirrors host_block_tables and
+ * host_lengths (recommended; the Python KVCache always does), every block-table entry
+ * the call will use and every length, before anything is launched. The kernels check
+ * the device values again and never read or write outside the pool for a bad one: an
+ * append then writes nothing for that sequence and leaves its length, a decode writes
+ * NaN to that sequence's outputs. */
+
+typedef enum qattn_kv_format {
+  QATTN_KV_NVFP4 = 0,    /* E2M1 codes, 2 per byte, one E4M3 scale per 16 along d (4.5 bits) */
+  QATTN_KV_FP8_E4M3 = 1, /* E4M3 codes, one FP32 scale per (token, head) */
+  QATTN_KV_INT8 = 2,     /* int8 codes, one FP32 scale per (token, head) */
+  QATTN_KV_BF16 = 3      /* bfloat16 values (the baseline) */
+} qattn_kv_format;
+
+/* How a sequence's K smoothing vector c (per KV head, d floats) is chosen. The cached
+ * keys are K − c; the decode folds q·c back into the LSE, so O never changes with c. */
+typedef enum qattn_kv_smoothing {
+  QATTN_KV_SMOOTH_PREFILL_MEAN = 0, /* default: the mean of the first append's keys
+                                       (a 256-token sample), fixed for the sequence */
+  QATTN_KV_SMOOTH_NONE = 1          /* c = 0 */
+} qattn_kv_smoothing;
+
+/* The cache's format and its page pool. Stability rule as for qattn_fwd_params. */
+typedef struct qattn_kv_cache {
+  size_t struct_size;        /* sizeof(qattn_kv_cache); set by qattn_kv_cache_init */
+  int32_t format;            /* a qattn_kv_format; default QATTN_KV_NVFP4 */
+  int32_t heads_kv;          /* >= 1 */
+  int32_t head_dim;          /* a multiple of 16, at most 256 */
+  int32_t page_size;         /* tokens per page, >= 1 (16 is the usual choice) */
+  int32_t num_pages;         /* pages in the pool, >= 1 */
+  int32_t max_pages_per_seq; /* the width of a block-table row, >= 1 */
+  int32_t k_smoothing;       /* a qattn_kv_smoothing */
+  int32_t reserved0;         /* must be 0 */
+  void* pages;               /* device: num_pages * page_bytes, 16-byte aligned */
+} qattn_kv_cache;
+
+#define QATTN_KV_CACHE_MIN_SIZE (offsetof(qattn_kv_cache, pages) + sizeof(void*))
+#define QATTN_KV_MAX_QUERY_TOKENS 16
+
+/* Defaults: struct_size set, NVFP4, prefill-mean smoothing, page_size 16, head_dim 128,
+ * heads_kv 1, num_pages and max_pages_per_seq 0 (the caller sets them), pages NULL. */
+void qattn_kv_cache_init(qattn_kv_cache* c);
+
+/* Bytes of one page of this cache (a multiple of 16); validates the format and sizes
+ * (pages may still be NULL). The pool is num_pages times this. */
+qattn_status qattn_kv_cache_page_bytes(const qattn_kv_cache* c, size_t* page_bytes);
+
+/* The sequences a call works on, one per batch entry b (the engine's view of them,
+ * gathered per call as for vLLM's block tables):
+ *   block_tables  device int32 [batch][max_pages_per_seq]: token t of entry b lives in
+ *                 page block_tables[b][t / page_size], slot t % page_size;
+ *   lengths       device int32 [batch]: tokens cached;
+ *   k_mean        device FP32 [batch][heads_kv][head_dim]: the smoothing vectors c
+ *                 (NULL with QATTN_KV_SMOOTH_NONE);
+ *   host_block_tables, host_lengths: optional host copies of the two above; when given
+ *                 the call checks them before it launches (and qattn_kv_append advances
+ *                 host_lengths as it advances lengths). */
+typedef struct qattn_kv_seqs {
+  int32_t* block_tables;
+  int32_t* lengths;
+  float* k_mean;
+  const int32_t* host_block_tables;
+  int32_t* host_lengths;
+} qattn_kv_seqs;
+
+/* Append n_new tokens to each of `batch` sequences. k and v are (batch, heads_kv,
+ * n_new, head_dim) in dtype. For entry b the tokens land at positions lengths[b] ..
+ * lengths[b] + n_new − 1, whose pages must be in its block-table row; K is stored as
+ * K − c, with c computed from these keys when lengths[b] is 0 (the sequence's first
+ * append) unless k_mean_preset is 1 (the engine wrote its own c to k_mean[b]); then
+ * lengths[b] += n_new. Each cached row equals qattn's CPU quantizer of that row, bit
+ * for bit. */
+typedef struct qattn_kv_append_params {
+  size_t struct_size; /* sizeof(qattn_kv_append_params) */
+  const qattn_kv_cache* cache;
+  qattn_kv_seqs seqs;
+  qattn_tensor k, v; /* (batch, heads_kv, n_new, head_dim); memory rules of qattn_tensor */
+  int32_t dtype;     /* a qattn_dtype */
+  int32_t batch;     /* >= 1 */
+  int32_t n_new;     /* >= 1 */
+  int32_t k_mean_preset; /* 0 (default) or 1 */
+} qattn_kv_append_params;
+
+#define QATTN_KV_APPEND_PARAMS_MIN_SIZE \
+  (offsetof(qattn_kv_append_params, k_mean_preset) + sizeof(int32_t))
+
+void qattn_kv_append_params_init(qattn_kv_append_params* p);
+/* Enqueues the append on `stream` (asynchronous, capturable; no workspace). */
+qattn_status qattn_kv_append(const qattn_kv_append_params* p, void* stream);
+
+/* Decode: attention of nq (1..16) new query tokens per sequence against its cached
+ * tokens (the new tokens' K and V already appended). q and o are (batch, heads_q, nq,
+ * head_dim); query head h reads KV head h / (heads_q / heads_kv). Causal is aligned
+ * bottom-right: query i sees key j iff j <= i + lengths[b] − nq. Q is read in dtype
+ * and kept in BF16; scores and P·V run on tensor cores from the dequantized cache, so
+ * the result equals qattn's CPU emulation of the decode to FP32 rounding. When batch ×
+ * heads_kv cannot fill the GPU, the keys are split into chunks on several SMs and
+ * merged by their LSE (num_splits; 0 = chosen from the sizes). A sequence with length 0
+ * gives O = 0 and LSE = −inf. */
+typedef struct qattn_kv_decode_params {
+  size_t struct_size; /* sizeof(qattn_kv_decode_params) */
+  const qattn_kv_cache* cache;
+  qattn_kv_seqs seqs;
+  qattn_tensor q, o; /* (batch, heads_q, nq, head_dim) */
+  float* lse;        /* optional (batch, heads_q, nq) FP32 natural-log LSE; NULL = none */
+  int32_t dtype;     /* a qattn_dtype, of q and o */
+  int32_t batch;     /* >= 1 */
+  int32_t heads_q;   /* a multiple of heads_kv */
+  int32_t nq;        /* 1..QATTN_KV_MAX_QUERY_TOKENS */
+  int32_t causal;    /* 0 or 1 (default 1) */
+  float sm_scale;    /* 0 means 1/sqrt(head_dim) */
+  int32_t max_length;/* an upper bound of lengths (0 = the capacity), sizes the split */
+  int32_t num_splits;/* 0 (default) = chosen; else 1..QATTN_KV_MAX_SPLITS */
+} qattn_kv_decode_params;
+
+#define QATTN_KV_DECODE_PARAMS_MIN_SIZE \
+  (offsetof(qattn_kv_decode_params, num_splits) + sizeof(int32_t))
+#define QATTN_KV_MAX_SPLITS 128
+
+void qattn_kv_decode_params_init(qattn_kv_decode_params* p);
+/* Workspace bytes of a decode (the split partials; 0 when it needs none). */
+qattn_status qattn_kv_decode_workspace_size(const qattn_kv_decode_params* p, size_t* bytes);
+/* Enqueues the decode on `stream` (asynchronous, capturable, never synchronizes);
+ * workspace as for qattn_fwd. Needs a device of compute capability 9.0. */
+qattn_status qattn_kv_decode(const qattn_kv_decode_params* p, void* workspace,
+                             size_t workspace_bytes, void* stream);
+
 /* Message of the last failed call on this thread ("" if none has failed). */
 const char* qattn_last_error_message(void);
 const char* qattn_status_string(qattn_status s);

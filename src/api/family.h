@@ -68,8 +68,33 @@ struct BackwardFamily {
   int (*launch)(const qattn_bwd_params& p, void* workspace, void* stream);
 };
 
+// A KV-cache family (qattn_kv_append, qattn_kv_decode): the kernels that write a cache
+// format and decode from it. Its table: archs, head dims and dtypes as above; formats
+// (1 << QATTN_KV_*), the most query tokens a decode takes, and whether it has a causal
+// decode (masks). check_*_limits, workspace and launches take the library's validated
+// copies of the call and of its cache.
+struct KvCacheFamily {
+  const char* name;  // in messages: "kv_cache_sm90"
+  std::span<const Arch> archs;
+  int32_t min_head_dim, max_head_dim;
+  uint32_t dtypes;   // bit (1 << QATTN_DTYPE_*)
+  uint32_t formats;  // bit (1 << QATTN_KV_*)
+  uint32_t masks;    // MaskBit, of the decode
+  int32_t max_query_tokens;
+  // The split count of a decode whose num_splits is 0 (from the sizes only, no device).
+  int32_t (*choose_splits)(const qattn_kv_decode_params& p, const qattn_kv_cache& c);
+  // Workspace bytes of a decode with `splits` chunks (a multiple of 256; 0 for 1).
+  std::size_t (*decode_workspace_bytes)(const qattn_kv_decode_params& p, const qattn_kv_cache& c,
+                                        int32_t splits);
+  // Enqueue; return a cudaError_t; never synchronize. nullptr in a CPU-only build.
+  int (*launch_append)(const qattn_kv_append_params& p, const qattn_kv_cache& c, void* stream);
+  int (*launch_decode)(const qattn_kv_decode_params& p, const qattn_kv_cache& c, int32_t splits,
+                       void* workspace, void* stream);
+};
+
 // Every family of this build, in the order the registry tries them (src/families/).
 std::span<const ForwardFamily* const> forward_families();
 std::span<const BackwardFamily* const> backward_families();
+std::span<const KvCacheFamily* const> kv_cache_families();
 
 }  // namespace qattn::api

@@ -15,6 +15,14 @@ const char* format_name(int32_t f) {
   return f == QATTN_BWD_INT8 ? "QATTN_BWD_INT8" : f == QATTN_BWD_E4M3 ? "QATTN_BWD_E4M3" : "?";
 }
 
+const char* kv_format_name(int32_t f) {
+  return f == QATTN_KV_NVFP4       ? "QATTN_KV_NVFP4"
+         : f == QATTN_KV_FP8_E4M3 ? "QATTN_KV_FP8_E4M3"
+         : f == QATTN_KV_INT8     ? "QATTN_KV_INT8"
+         : f == QATTN_KV_BF16     ? "QATTN_KV_BF16"
+                                  : "?";
+}
+
 const char* dov_name(int32_t d) {
   return d == QATTN_BWD_DOV_16BIT       ? "QATTN_BWD_DOV_16BIT"
          : d == QATTN_BWD_DOV_QUANTIZED ? "QATTN_BWD_DOV_QUANTIZED"
@@ -52,6 +60,13 @@ std::string own_reason(const BackwardFamily& f, const qattn_bwd_params& p) {
   return {};
 }
 
+std::string own_reason(const KvCacheFamily& f, const KvCall& c) {
+  if (!has_bit(f.formats, c.format)) return cat("does not store format ", kv_format_name(c.format));
+  if (c.decode && c.nq > f.max_query_tokens)
+    return cat("nq = ", c.nq, " query tokens; its decode takes at most ", f.max_query_tokens);
+  return {};
+}
+
 // The call, in the unsupported message.
 std::string describe(const qattn_fwd_params& p) {
   return cat("scheme ", p.scheme, ", ", dtype_name(p.dtype), ", head_dim ", p.head_dim,
@@ -63,6 +78,12 @@ std::string describe(const qattn_bwd_params& p) {
              dtype_name(p.dtype), ", head_dim ", p.head_dim,
              p.causal != 0 ? ", causal" : ", no mask",
              p.deterministic != 0 ? ", deterministic" : "");
+}
+
+std::string describe(const KvCall& c) {
+  return cat(c.decode ? "KV decode, " : "KV append, ", kv_format_name(c.format), ", ",
+             dtype_name(c.dtype), ", head_dim ", c.head_dim,
+             c.decode ? (c.causal != 0 ? ", causal" : ", no mask") : "");
 }
 
 // ---- the shared logic --------------------------------------------------------------
@@ -79,7 +100,8 @@ std::string reason(const Family& f, const Params& p, const Arch* arch) {
   if (arch != nullptr && std::find(f.archs.begin(), f.archs.end(), *arch) == f.archs.end())
     return cat("the device has compute capability ", arch->major, ".", arch->minor,
                "; its kernels run on ", arch_list(f.archs));
-  if (f.check_limits != nullptr) return f.check_limits(p);
+  if constexpr (requires { f.check_limits; })
+    if (f.check_limits != nullptr) return f.check_limits(p);
   return {};
 }
 
@@ -136,6 +158,15 @@ const BackwardFamily* select_family(const char* fn, const qattn_bwd_params& p, c
                                     qattn_status* status,
                                     std::span<const BackwardFamily* const> families) {
   return select(fn, p, arch, status, families);
+}
+
+std::string decline_reason(const KvCacheFamily& f, const KvCall& c, const Arch* arch) {
+  return reason(f, c, arch);
+}
+const KvCacheFamily* select_family(const char* fn, const KvCall& c, const Arch* arch,
+                                   qattn_status* status,
+                                   std::span<const KvCacheFamily* const> families) {
+  return select(fn, c, arch, status, families);
 }
 
 std::size_t workspace_bytes_for(const qattn_fwd_params& p,

@@ -36,6 +36,18 @@ const BackwardFamily* select_family(const char* fn, const qattn_bwd_params& p, c
                                     std::span<const BackwardFamily* const> families =
                                         backward_families());
 
+// The KV-cache family that runs an append (nq = 0, causal = 0) or a decode of a cache
+// with this format, dtype and head dim; the same rules and message as above.
+struct KvCall {
+  int32_t format, dtype, head_dim, nq, causal;
+  bool decode;
+};
+std::string decline_reason(const KvCacheFamily& f, const KvCall& call, const Arch* arch);
+const KvCacheFamily* select_family(const char* fn, const KvCall& call, const Arch* arch,
+                                   qattn_status* status,
+                                   std::span<const KvCacheFamily* const> families =
+                                       kv_cache_families());
+
 // Workspace bytes for validated parameters: the largest need among the families that
 // accept the call on some architecture (so the size holds on any supported device);
 // 0 when none does.

@@ -18,8 +18,6 @@ namespace {
   throw std::invalid_argument(std::string(fn) + ": " + what);
 }
 
-int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
-
 bool valid_format(KvFormat f) {
   return f == KvFormat::NvFp4 || f == KvFormat::Fp8E4M3 || f == KvFormat::Int8 ||
          f == KvFormat::Bf16;
@@ -199,32 +197,7 @@ KvPageLayout kv_page_layout(const KvCacheConfig& c) {
   if (c.k_smoothing != KvSmoothing::None && c.k_smoothing != KvSmoothing::PrefillMean) {
     fail(kFn, "k_smoothing must be KvSmoothing::None or KvSmoothing::PrefillMean");
   }
-  KvPageLayout l;
-  const int d = c.head_dim;
-  switch (c.format) {
-    case KvFormat::NvFp4:
-      l.code_row_bytes = d / 2;
-      l.scale_row_bytes = d / numerics::kNvFp4Block;
-      break;
-    case KvFormat::Fp8E4M3:
-    case KvFormat::Int8:
-      l.code_row_bytes = d;
-      l.scale_row_bytes = static_cast<int64_t>(sizeof(float));
-      break;
-    case KvFormat::Bf16:
-      l.code_row_bytes = 2 * d;
-      l.scale_row_bytes = 0;
-      break;
-  }
-  l.head_code_bytes = align_up(c.page_size * l.code_row_bytes, kKvAlignment);
-  l.head_scale_bytes = align_up(c.page_size * l.scale_row_bytes, kKvAlignment);
-  const int64_t code_section = c.heads_kv * l.head_code_bytes;
-  const int64_t scale_section = c.heads_kv * l.head_scale_bytes;
-  l.k_codes = 0;
-  l.v_codes = code_section;
-  l.k_scales = 2 * code_section;
-  l.v_scales = 2 * code_section + scale_section;
-  l.page_bytes = 2 * code_section + 2 * scale_section;  // every term is a multiple of 16
+  const KvPageLayout l = kvcache::page_layout(c.format, c.heads_kv, c.head_dim, c.page_size);
   if (l.page_bytes > 0 && c.num_pages > std::numeric_limits<int64_t>::max() / l.page_bytes) {
     fail(kFn, "num_pages*page_bytes overflows");
   }

@@ -55,17 +55,15 @@
 #include <vector>
 
 #include "emulate/sage2.h"
+#include "kvcache/layout.h"
 #include "reference/tensor.h"
 
 namespace qattn::emulate {
 
-// Element format of the cached K and V (docs/kv-cache.md, "Element formats").
-enum class KvFormat {
-  NvFp4,    // E2M1 codes, 2 per byte; one E4M3 scale per 16 elements along d
-  Fp8E4M3,  // E4M3 codes; one FP32 scale per (token, head) = amax/448
-  Int8,     // int8 codes; one FP32 scale per (token, head) = amax/127
-  Bf16,     // bfloat16 values; no scale
-};
+// Element format of the cached K and V (docs/kv-cache.md, "Element formats"); the
+// layout of a page is kvcache/layout.h's, shared with the kernels.
+using KvFormat = kvcache::KvFormat;
+using KvPageLayout = kvcache::KvPageLayout;
 
 // "NvFp4", "Fp8E4M3", "Int8" or "Bf16" (for messages).
 const char* kv_format_name(KvFormat f);
@@ -79,9 +77,9 @@ enum class KvSmoothing {
                 // set c with set_k_smoothing before the first append
 };
 
-inline constexpr int kKvMaxQueryTokens = 16;  // decode: 1..16 query tokens per sequence
-inline constexpr int kKvAlignment = 16;       // bytes; sections and head slices of a page
-inline constexpr int kKvMaxHeadDim = 256;
+inline constexpr int kKvMaxQueryTokens = kvcache::kMaxQueryTokens;  // decode: 1..16 per sequence
+inline constexpr int kKvAlignment = kvcache::kAlignment;  // bytes; sections and head slices
+inline constexpr int kKvMaxHeadDim = kvcache::kMaxHeadDim;
 
 struct KvCacheConfig {
   KvFormat format = KvFormat::NvFp4;
@@ -92,24 +90,6 @@ struct KvCacheConfig {
   int max_seqs = 1;
   int max_pages_per_seq = 0;  // block-table width: capacity = max_pages_per_seq × page_size
   KvSmoothing k_smoothing = KvSmoothing::PrefillMean;
-};
-
-// Byte layout of one page (all offsets from the page's first byte).
-struct KvPageLayout {
-  int64_t code_row_bytes = 0;    // one (token, head) row of codes: d/2, d, d or 2d
-  int64_t scale_row_bytes = 0;   // its scales: d/16 (E4M3), 4 (FP32), 4 (FP32) or 0
-  int64_t head_code_bytes = 0;   // one head's slice of a code section (16-aligned)
-  int64_t head_scale_bytes = 0;  // one head's slice of a scale section (16-aligned)
-  int64_t k_codes = 0, v_codes = 0, k_scales = 0, v_scales = 0;  // section offsets
-  int64_t page_bytes = 0;                                        // a multiple of 16
-
-  // Offsets of the (slot, head) row within a page; v selects V instead of K.
-  int64_t code_offset(bool v, int slot, int head) const {
-    return (v ? v_codes : k_codes) + head * head_code_bytes + slot * code_row_bytes;
-  }
-  int64_t scale_offset(bool v, int slot, int head) const {
-    return (v ? v_scales : k_scales) + head * head_scale_bytes + slot * scale_row_bytes;
-  }
 };
 
 // Throws std::invalid_argument naming the field of a bad config.
