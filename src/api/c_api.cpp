@@ -11,6 +11,7 @@
 #include "api/error.h"
 #include "api/registry.h"
 #include "api/validate.h"
+#include "api/validate_kv.h"
 #include "qattn/qattn.h"
 
 namespace {
@@ -96,6 +97,38 @@ qattn_status workspace_size(const char* fn, const Params* caller, size_t* bytes)
   });
 }
 
+// One KV-cache call: read and validate it (kernels checked in `read`), find the device
+// and the family, check the pointers, launch. `read(params, cache)` validates;
+// `launch(family, params, cache)` enqueues and returns a cudaError_t.
+template <typename Params, typename Read, typename Spans, typename Launch>
+qattn_status run_kv(const char* fn, const Params* caller, bool decode, Read&& read, Spans&& spans,
+                    Launch&& launch) {
+  return guarded([&] {
+    namespace api = qattn::api;
+    Params p;
+    qattn_kv_cache cache;
+    if (auto s = read(caller, &p, &cache); s != QATTN_OK) return s;
+    int device = 0;
+    api::Arch arch;
+    if (auto s = api::current_device(fn, &device, &arch); s != QATTN_OK) return s;
+    int32_t nq = 0, causal = 0;
+    if constexpr (requires { p.nq; }) {
+      nq = p.nq;
+      causal = p.causal;
+    }
+    const api::KvCall call{cache.format, p.dtype, cache.head_dim, nq, causal, decode};
+    qattn_status s = QATTN_OK;
+    const auto* family = api::select_family(fn, call, &arch, &s);
+    if (family == nullptr) return s;
+    if ((decode ? (void*)family->launch_decode : (void*)family->launch_append) == nullptr)
+      return api::fail(QATTN_ERROR_NO_DEVICE, fn, ": ", family->name,
+                       " has no kernels in this build of qattn");
+    const auto buffers = spans(p, cache);
+    if (s = api::check_pointers(fn, buffers, device); s != QATTN_OK) return s;
+    return api::launch_status(fn, family->name, launch(*family, p, cache));
+  });
+}
+
 }  // namespace
 
 extern "C" {
@@ -148,6 +181,100 @@ qattn_status qattn_bwd(const qattn_bwd_params* p, void* workspace, size_t worksp
              [&](const qattn::api::BackwardFamily& f, const qattn_bwd_params& rp, void* ws) {
                return f.launch(rp, ws, stream);
              });
+}
+
+void qattn_kv_cache_init(qattn_kv_cache* c) {
+  if (c == nullptr) return;
+  std::memset(c, 0, sizeof(*c));
+  c->struct_size = sizeof(*c);
+  c->format = QATTN_KV_NVFP4;
+  c->heads_kv = 1;
+  c->head_dim = 128;
+  c->page_size = 16;
+  c->k_smoothing = QATTN_KV_SMOOTH_PREFILL_MEAN;
+}
+
+qattn_status qattn_kv_cache_page_bytes(const qattn_kv_cache* c, size_t* page_bytes) {
+  constexpr const char* kFn = "qattn_kv_cache_page_bytes";
+  return guarded([&] {
+    if (page_bytes == nullptr)
+      return qattn::api::fail(QATTN_ERROR_INVALID_ARGUMENT, kFn, ": page_bytes is NULL");
+    qattn_kv_cache full;
+    if (auto s = qattn::api::read_cache(kFn, c, &full, /*need_pages=*/false); s != QATTN_OK)
+      return s;
+    *page_bytes = qattn::api::kv_page_bytes(full);
+    return QATTN_OK;
+  });
+}
+
+void qattn_kv_append_params_init(qattn_kv_append_params* p) {
+  if (p == nullptr) return;
+  std::memset(p, 0, sizeof(*p));
+  p->struct_size = sizeof(*p);
+  p->dtype = QATTN_DTYPE_BF16;
+}
+
+qattn_status qattn_kv_append(const qattn_kv_append_params* p, void* stream) {
+  constexpr const char* kFn = "qattn_kv_append";
+  return run_kv(
+      kFn, p, /*decode=*/false,
+      [&](const qattn_kv_append_params* in, qattn_kv_append_params* out, qattn_kv_cache* c) {
+        return qattn::api::read_append(kFn, in, out, c);
+      },
+      [](const qattn_kv_append_params& rp, const qattn_kv_cache& c) {
+        return qattn::api::buffer_spans(rp, c);
+      },
+      [&](const qattn::api::KvCacheFamily& f, qattn_kv_append_params& rp, qattn_kv_cache& c) {
+        rp.cache = &c;
+        const int err = f.launch_append(rp, c, stream);
+        // The host mirror follows the device lengths, in call order.
+        if (err == 0 && rp.seqs.host_lengths != nullptr)
+          for (int32_t b = 0; b < rp.batch; ++b) rp.seqs.host_lengths[b] += rp.n_new;
+        return err;
+      });
+}
+
+void qattn_kv_decode_params_init(qattn_kv_decode_params* p) {
+  if (p == nullptr) return;
+  std::memset(p, 0, sizeof(*p));
+  p->struct_size = sizeof(*p);
+  p->dtype = QATTN_DTYPE_BF16;
+  p->nq = 1;
+  p->causal = 1;
+}
+
+qattn_status qattn_kv_decode_workspace_size(const qattn_kv_decode_params* p, size_t* bytes) {
+  constexpr const char* kFn = "qattn_kv_decode_workspace_size";
+  return guarded([&] {
+    if (bytes == nullptr)
+      return qattn::api::fail(QATTN_ERROR_INVALID_ARGUMENT, kFn, ": bytes is NULL");
+    qattn_kv_decode_params full;
+    qattn_kv_cache cache;
+    int32_t splits = 1;
+    if (auto s = qattn::api::read_decode(kFn, p, &full, &cache, &splits); s != QATTN_OK) return s;
+    *bytes = qattn::api::decode_workspace_bytes(full, cache, splits);
+    return QATTN_OK;
+  });
+}
+
+qattn_status qattn_kv_decode(const qattn_kv_decode_params* p, void* workspace,
+                             size_t workspace_bytes, void* stream) {
+  constexpr const char* kFn = "qattn_kv_decode";
+  int32_t splits = 1;
+  return run_kv(
+      kFn, p, /*decode=*/true,
+      [&](const qattn_kv_decode_params* in, qattn_kv_decode_params* out, qattn_kv_cache* c) {
+        if (auto s = qattn::api::read_decode(kFn, in, out, c, &splits); s != QATTN_OK) return s;
+        return qattn::api::validate_decode_workspace(kFn, *out, *c, splits, workspace,
+                                                     workspace_bytes);
+      },
+      [&](const qattn_kv_decode_params& rp, const qattn_kv_cache& c) {
+        return qattn::api::buffer_spans(rp, c, splits, workspace);
+      },
+      [&](const qattn::api::KvCacheFamily& f, qattn_kv_decode_params& rp, qattn_kv_cache& c) {
+        rp.cache = &c;
+        return f.launch_decode(qattn::api::resolve_defaults(rp, c), c, splits, workspace, stream);
+      });
 }
 
 const char* qattn_last_error_message(void) { return qattn::api::last_error(); }

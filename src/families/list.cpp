@@ -3,6 +3,7 @@
 #include <array>
 
 #include "api/family.h"
+#include "families/kv_cache.h"
 #include "families/sage2_fwd.h"
 #include "families/sagebwd.h"
 
@@ -15,6 +16,11 @@ std::span<const ForwardFamily* const> forward_families() {
 
 std::span<const BackwardFamily* const> backward_families() {
   static const std::array<const BackwardFamily*, 1> kAll{&families::sagebwd_sm90()};
+  return kAll;
+}
+
+std::span<const KvCacheFamily* const> kv_cache_families() {
+  static const std::array<const KvCacheFamily*, 1> kAll{&families::kv_cache_sm90()};
   return kAll;
 }
 

@@ -1,0 +1,30 @@
+// The decode's workspace: with S > 1 chunks per sequence, each chunk's partial output
+// (normalized O_s, FP32) and its log2-domain LSE, merged by a second kernel. Host and
+// device code share this layout.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace qattn::kv_cache {
+
+struct DecodeWorkspace {
+  std::size_t o_partial = 0;    // float [batch][heads_q][nq][splits][head_dim]
+  std::size_t lse_partial = 0;  // float [batch][heads_q][nq][splits]
+  std::size_t total = 0;        // 0 when splits == 1 (the kernel writes o directly)
+};
+
+constexpr std::size_t align256(std::size_t x) { return (x + 255) / 256 * 256; }
+
+constexpr DecodeWorkspace decode_workspace(int64_t batch, int64_t heads_q, int64_t nq,
+                                           int64_t head_dim, int64_t splits) {
+  DecodeWorkspace w;
+  if (splits <= 1) return w;
+  const auto rows = static_cast<std::size_t>(batch * heads_q * nq * splits);
+  w.o_partial = 0;
+  w.lse_partial = align256(rows * static_cast<std::size_t>(head_dim) * sizeof(float));
+  w.total = w.lse_partial + align256(rows * sizeof(float));
+  return w;
+}
+
+}  // namespace qattn::kv_cache
