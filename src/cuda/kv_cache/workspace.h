@@ -1,6 +1,6 @@
 // The decode's workspace: with S > 1 chunks per sequence, each chunk's partial output
-// (normalized O_s, FP32) and its log2-domain LSE, merged by a second kernel. Host and
-// device code share this layout.
+// (normalized O_s, FP32), its log2-domain LSE and each row's q·c, merged by a second
+// kernel. Host and device code share this layout.
 #pragma once
 
 #include <cstddef>
@@ -11,6 +11,7 @@ namespace qattn::kv_cache {
 struct DecodeWorkspace {
   std::size_t o_partial = 0;    // float [batch][heads_q][nq][splits][head_dim]
   std::size_t lse_partial = 0;  // float [batch][heads_q][nq][splits]
+  std::size_t qc = 0;           // float [batch][heads_q][nq]: sm_scale-free q·c of each row
   std::size_t total = 0;        // 0 when splits == 1 (the kernel writes o directly)
 };
 
@@ -23,7 +24,8 @@ constexpr DecodeWorkspace decode_workspace(int64_t batch, int64_t heads_q, int64
   const auto rows = static_cast<std::size_t>(batch * heads_q * nq * splits);
   w.o_partial = 0;
   w.lse_partial = align256(rows * static_cast<std::size_t>(head_dim) * sizeof(float));
-  w.total = w.lse_partial + align256(rows * sizeof(float));
+  w.qc = w.lse_partial + align256(rows * sizeof(float));
+  w.total = w.qc + align256(static_cast<std::size_t>(batch * heads_q * nq) * sizeof(float));
   return w;
 }
 
