@@ -4,13 +4,18 @@
 //
 // A tensor is passed as (data_ptr, stride_b, stride_h, stride_n) in elements, the
 // shape as (batch, heads_q, heads_kv, seqlen_q, seqlen_kv, head_dim); the backward
-// (bwd_workspace_size, bwd) takes the same forms for its tensors. Calls return
-// the qattn_status as an int; qattn/ops.py turns a failure into an exception with
-// last_error_message(), read on the same thread right after the call.
+// (bwd_workspace_size, bwd) takes the same forms for its tensors. The KV-cache calls
+// take the cache as (format, heads_kv, head_dim, page_size, num_pages,
+// max_pages_per_seq, k_smoothing, pages) and the sequences as (block_tables, lengths,
+// k_mean, host_block_tables, host_lengths), every pointer an integer (0 = NULL; the
+// host_* ones are host memory). Calls return the qattn_status as an int; qattn/ops.py
+// and qattn/kv_cache.py turn a failure into an exception with last_error_message(),
+// read on the same thread right after the call.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <tuple>
 
@@ -24,6 +29,9 @@ namespace {
 
 using TensorArg = std::tuple<std::uintptr_t, int64_t, int64_t, int64_t>;
 using ShapeArg = std::tuple<int, int, int, int, int, int>;
+using CacheArg = std::tuple<int, int, int, int, int, int, int, std::uintptr_t>;
+using SeqsArg =
+    std::tuple<std::uintptr_t, std::uintptr_t, std::uintptr_t, std::uintptr_t, std::uintptr_t>;
 
 qattn_tensor tensor(const TensorArg& t) {
   return {reinterpret_cast<void*>(std::get<0>(t)), std::get<1>(t), std::get<2>(t), std::get<3>(t)};
@@ -71,6 +79,47 @@ qattn_bwd_params make_bwd_params(const TensorArg& q, const TensorArg& k, const T
   p.format = format;
   p.dov = dov;
   p.deterministic = deterministic ? 1 : 0;
+  return p;
+}
+
+qattn_kv_cache make_cache(const CacheArg& c) {
+  qattn_kv_cache k;
+  qattn_kv_cache_init(&k);
+  std::uintptr_t pages = 0;
+  std::tie(k.format, k.heads_kv, k.head_dim, k.page_size, k.num_pages, k.max_pages_per_seq,
+           k.k_smoothing, pages) = c;
+  k.pages = reinterpret_cast<void*>(pages);
+  return k;
+}
+
+qattn_kv_seqs make_seqs(const SeqsArg& s) {
+  return {reinterpret_cast<int32_t*>(std::get<0>(s)), reinterpret_cast<int32_t*>(std::get<1>(s)),
+          reinterpret_cast<float*>(std::get<2>(s)),
+          reinterpret_cast<const int32_t*>(std::get<3>(s)),
+          reinterpret_cast<int32_t*>(std::get<4>(s))};
+}
+
+// The decode's parameters; p.cache points at `cache`, which must outlive the call.
+qattn_kv_decode_params make_decode_params(const qattn_kv_cache& cache, const SeqsArg& seqs,
+                                          const TensorArg& q, const TensorArg& o,
+                                          std::uintptr_t lse, int dtype, int batch, int heads_q,
+                                          int nq, int causal, float sm_scale, int max_length,
+                                          int num_splits) {
+  qattn_kv_decode_params p;
+  qattn_kv_decode_params_init(&p);
+  p.cache = &cache;
+  p.seqs = make_seqs(seqs);
+  p.q = tensor(q);
+  p.o = tensor(o);
+  p.lse = reinterpret_cast<float*>(lse);
+  p.dtype = dtype;
+  p.batch = batch;
+  p.heads_q = heads_q;
+  p.nq = nq;
+  p.causal = causal;
+  p.sm_scale = sm_scale;
+  p.max_length = max_length;
+  p.num_splits = num_splits;
   return p;
 }
 
@@ -157,6 +206,77 @@ NB_MODULE(_C, m) {
       "Enqueues the SageBwd backward on the stream (a cudaStream_t as an int); returns the "
       "status.");
 
+  m.def(
+      "kv_cache_page_bytes",
+      [](const CacheArg& cache) {
+        const qattn_kv_cache c = make_cache(cache);
+        std::size_t bytes = 0;
+        const int status = qattn_kv_cache_page_bytes(&c, &bytes);
+        return std::make_tuple(status, static_cast<std::uint64_t>(bytes));
+      },
+      "cache"_a, "Validates the cache's format and sizes; returns (status, bytes of one page).");
+
+  m.def(
+      "kv_append",
+      [](const CacheArg& cache, const SeqsArg& seqs, const TensorArg& k, const TensorArg& v,
+         int dtype, int batch, int n_new, int k_mean_preset, std::uintptr_t stream) {
+        const qattn_kv_cache c = make_cache(cache);
+        qattn_kv_append_params p;
+        qattn_kv_append_params_init(&p);
+        p.cache = &c;
+        p.seqs = make_seqs(seqs);
+        p.k = tensor(k);
+        p.v = tensor(v);
+        p.dtype = dtype;
+        p.batch = batch;
+        p.n_new = n_new;
+        p.k_mean_preset = k_mean_preset;
+        auto* st = reinterpret_cast<void*>(stream);
+        nb::gil_scoped_release release;  // an enqueue; other Python threads may run
+        return static_cast<int>(qattn_kv_append(&p, st));
+      },
+      "cache"_a, "seqs"_a, "k"_a, "v"_a, "dtype"_a, "batch"_a, "n_new"_a, "k_mean_preset"_a,
+      "stream"_a,
+      "Enqueues the append of n_new tokens to each of `batch` sequences; returns the status "
+      "(host_lengths, when given, is advanced on success).");
+
+  m.def(
+      "kv_decode_workspace_size",
+      [](const CacheArg& cache, const SeqsArg& seqs, const TensorArg& q, const TensorArg& o,
+         std::uintptr_t lse, int dtype, int batch, int heads_q, int nq, int causal, float sm_scale,
+         int max_length, int num_splits) {
+        const qattn_kv_cache c = make_cache(cache);
+        const qattn_kv_decode_params p =
+            make_decode_params(c, seqs, q, o, lse, dtype, batch, heads_q, nq, causal, sm_scale,
+                               max_length, num_splits);
+        std::size_t bytes = 0;
+        const int status = qattn_kv_decode_workspace_size(&p, &bytes);
+        return std::make_tuple(status, static_cast<std::uint64_t>(bytes));
+      },
+      "cache"_a, "seqs"_a, "q"_a, "o"_a, "lse"_a, "dtype"_a, "batch"_a, "heads_q"_a, "nq"_a,
+      "causal"_a, "sm_scale"_a, "max_length"_a, "num_splits"_a,
+      "Validates a decode; returns (status, workspace bytes).");
+
+  m.def(
+      "kv_decode",
+      [](const CacheArg& cache, const SeqsArg& seqs, const TensorArg& q, const TensorArg& o,
+         std::uintptr_t lse, int dtype, int batch, int heads_q, int nq, int causal, float sm_scale,
+         int max_length, int num_splits, std::uintptr_t workspace, std::uint64_t workspace_bytes,
+         std::uintptr_t stream) {
+        const qattn_kv_cache c = make_cache(cache);
+        const qattn_kv_decode_params p =
+            make_decode_params(c, seqs, q, o, lse, dtype, batch, heads_q, nq, causal, sm_scale,
+                               max_length, num_splits);
+        auto* ws = reinterpret_cast<void*>(workspace);
+        auto* st = reinterpret_cast<void*>(stream);
+        nb::gil_scoped_release release;  // an enqueue; other Python threads may run
+        return static_cast<int>(qattn_kv_decode(&p, ws, workspace_bytes, st));
+      },
+      "cache"_a, "seqs"_a, "q"_a, "o"_a, "lse"_a, "dtype"_a, "batch"_a, "heads_q"_a, "nq"_a,
+      "causal"_a, "sm_scale"_a, "max_length"_a, "num_splits"_a, "workspace"_a, "workspace_bytes"_a,
+      "stream"_a,
+      "Enqueues the decode on the stream (a cudaStream_t as an int); returns the status.");
+
   m.attr("OK") = static_cast<int>(QATTN_OK);
   m.attr("ERROR_INVALID_ARGUMENT") = static_cast<int>(QATTN_ERROR_INVALID_ARGUMENT);
   m.attr("ERROR_UNSUPPORTED") = static_cast<int>(QATTN_ERROR_UNSUPPORTED);
@@ -170,4 +290,12 @@ NB_MODULE(_C, m) {
   m.attr("BWD_E4M3") = static_cast<int>(QATTN_BWD_E4M3);
   m.attr("BWD_DOV_16BIT") = static_cast<int>(QATTN_BWD_DOV_16BIT);
   m.attr("BWD_DOV_QUANTIZED") = static_cast<int>(QATTN_BWD_DOV_QUANTIZED);
+  m.attr("KV_NVFP4") = static_cast<int>(QATTN_KV_NVFP4);
+  m.attr("KV_FP8_E4M3") = static_cast<int>(QATTN_KV_FP8_E4M3);
+  m.attr("KV_INT8") = static_cast<int>(QATTN_KV_INT8);
+  m.attr("KV_BF16") = static_cast<int>(QATTN_KV_BF16);
+  m.attr("KV_SMOOTH_PREFILL_MEAN") = static_cast<int>(QATTN_KV_SMOOTH_PREFILL_MEAN);
+  m.attr("KV_SMOOTH_NONE") = static_cast<int>(QATTN_KV_SMOOTH_NONE);
+  m.attr("KV_MAX_QUERY_TOKENS") = QATTN_KV_MAX_QUERY_TOKENS;
+  m.attr("KV_MAX_SPLITS") = QATTN_KV_MAX_SPLITS;
 }

@@ -5,6 +5,13 @@
     o = qattn.attention(q, k, v, is_causal=True, layout="NHD")       # qattn's own options (layout, LSE, alignment)
     o = qattn.sageattn(q, k, v, tensor_layout="NHD")                 # drop-in for SageAttention's sageattn
 
+Inference with a quantized paged KV cache (docs/kv-cache.md; qattn.kv_cache's docstring
+has a generation loop):
+
+    cache = qattn.KVCache(num_pages=4096, heads_kv=8, head_dim=128, max_seqs=64, format="nvfp4")
+    cache.allocate(0, n); cache.append(k, v, seqs=[0])               # k, v: (1, 8, n, 128)
+    o = qattn.decode(q, cache, seqs=[0])                             # q: (1, 32, nq, 128)
+
 Training: with inputs that require grad, both functions run qattn's training forward
 and SageBwd, its INT8 backward, through autograd (torch.compile included); see
 qattn.sdpa's docstring for an example, and qattn.set_backward_options for the
@@ -59,11 +66,14 @@ else:
         sageattn,
         set_backward_options,
     )
+    from .kv_cache import KVCache, decode  # noqa: F401
     from .sdpa import get_fallback, scaled_dot_product_attention, set_fallback  # noqa: F401
 
     __all__ += [
+        "KVCache",
         "attention",
         "attention_kernel_only",
+        "decode",
         "get_backward_options",
         "get_fallback",
         "sageattn",
