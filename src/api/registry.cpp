@@ -67,6 +67,12 @@ std::string own_reason(const KvCacheFamily& f, const KvCall& c) {
   return {};
 }
 
+// Whether the call has a mask to match against the family's masks: an append has none
+// (a KV family's masks are those of its decode).
+bool has_mask(const qattn_fwd_params&) { return true; }
+bool has_mask(const qattn_bwd_params&) { return true; }
+bool has_mask(const KvCall& c) { return c.decode; }
+
 // The call, in the unsupported message.
 std::string describe(const qattn_fwd_params& p) {
   return cat("scheme ", p.scheme, ", ", dtype_name(p.dtype), ", head_dim ", p.head_dim,
@@ -93,7 +99,8 @@ std::string reason(const Family& f, const Params& p, const Arch* arch) {
   if (std::string why = own_reason(f, p); !why.empty()) return why;
   if (!has_bit(f.dtypes, p.dtype)) return cat("does not read ", dtype_name(p.dtype), " inputs");
   const uint32_t mask = p.causal != 0 ? kMaskCausal : kMaskNone;
-  if ((f.masks & mask) == 0) return cat("has no ", p.causal != 0 ? "causal" : "unmasked", " kernel");
+  if (has_mask(p) && (f.masks & mask) == 0)
+    return cat("has no ", p.causal != 0 ? "causal" : "unmasked", " kernel");
   if (p.head_dim < f.min_head_dim || p.head_dim > f.max_head_dim)
     return cat("head_dim = ", p.head_dim, " is not supported yet; allowed: ", f.min_head_dim, "..",
                f.max_head_dim);

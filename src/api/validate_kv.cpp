@@ -75,9 +75,11 @@ qattn_status check_seqs(const char* fn, const qattn_kv_seqs& s, const qattn_kv_c
       const int64_t len = s.host_lengths[b];
       if (len < 0 || len + extra > cap)
         return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": seqs.host_lengths[", b, "] = ", len,
-                    extra > 0 ? cat(" plus n_new = ", extra) : std::string(),
-                    " exceeds the capacity ", cap,
-                    " (max_pages_per_seq * page_size); allowed: 0..", cap - extra);
+                    len < 0
+                        ? std::string(" is negative")
+                        : cat(extra > 0 ? cat(" plus n_new = ", extra) : std::string(),
+                              " exceeds the capacity ", cap, " (max_pages_per_seq * page_size)"),
+                    "; allowed: 0..", cap - extra);
     }
   }
   if (s.host_block_tables != nullptr) {
@@ -302,12 +304,17 @@ qattn_status validate_decode_workspace(const char* fn, const qattn_kv_decode_par
                                        const void* workspace, std::size_t workspace_bytes) {
   const std::size_t need = decode_workspace_bytes(p, c, splits);
   if (need == 0) return QATTN_OK;  // no split: nothing is read or written there
+  // The partials are written: the workspace stands apart from everything the call
+  // reads, the sequences' arrays included.
   const int64_t b = p.batch, hq = p.heads_q, n = p.nq, d = c.head_dim;
-  const std::array<Named, 4> buffers{
+  const std::array<Named, 7> buffers{
       {{"q", checks::span_of(p.q, b, hq, n, d)},
        {"o", checks::span_of(p.o, b, hq, n, d)},
        {"lse", span(p.lse, static_cast<std::size_t>(b * hq * n) * sizeof(float)), p.lse != nullptr},
-       {"cache->pages", span(c.pages, pool_bytes(c))}}};
+       {"cache->pages", span(c.pages, pool_bytes(c))},
+       {"seqs.block_tables", span(p.seqs.block_tables, table_bytes(c, p.batch))},
+       {"seqs.lengths", span(p.seqs.lengths, sizeof(int32_t) * p.batch)},
+       {"seqs.k_mean", span(p.seqs.k_mean, k_mean_bytes(c, p.batch)), p.seqs.k_mean != nullptr}}};
   return checks::check_workspace(fn, "qattn_kv_decode_workspace_size", need, workspace,
                                  workspace_bytes, buffers);
 }
