@@ -191,6 +191,13 @@ Tensor4 random_kv(int heads, int n, int d, bool bf16, std::mt19937_64& rng, floa
   return t;
 }
 
+// The 16-bit bits of a value that came from them: bf16 by its top half, so a signaling
+// NaN reaches the device as it is (bf16_bits would quiet it); fp16 through fp16_bits
+// (its NaN is the canonical one either way).
+uint16_t bits16(float x, bool bf16) {
+  return bf16 ? static_cast<uint16_t>(bits(x) >> 16) : numerics::fp16_bits(x);
+}
+
 // One call's K or V: `count` sequences' (1, H, n, d) tensors as one (count, H, n, d)
 // device tensor in the spec's layout, row padding poisoned.
 struct DeviceInput {
@@ -215,7 +222,7 @@ struct DeviceInput {
         for (int r = 0; r < n; ++r)
           for (int e = 0; e < d; ++e)
             host[b * v.stride_b + ih * v.stride_h + r * v.stride_n + e] =
-                test::to_bits16(per_seq[s0 + b].at(0, ih, r, e), sp.bf16);
+                bits16(per_seq[s0 + b].at(0, ih, r, e), sp.bf16);
     buf = std::make_unique<DeviceBuffer<uint16_t>>(total);
     buf->upload(host);
     v.data = buf->ptr;
@@ -339,7 +346,10 @@ class Harness {
     const qattn_kv_append_params p = params(dk, dv, s0, count, n, mirrors);
     const qattn_status st = qattn_kv_append(&p, nullptr);
     if (st == QATTN_OK)
-      for (int s = s0; s < s0 + count; ++s) emulate::append(emu_, s, ks[s], vs[s]);
+      for (int s = s0; s < s0 + count; ++s) {
+        emulate::append(emu_, s, ks[s], vs[s]);
+        if (!mirrors) host_lengths_[s] += n;  // the library advances only mirrors it is given
+      }
     // The inputs are freed on return: wait until the kernels have read them.
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     return st;
