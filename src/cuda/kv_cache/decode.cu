@@ -82,7 +82,11 @@ struct Smem {
   static constexpr int kScaleRow = 16;  // up to 16 E4M3 scales (NVFP4, d 256) or one FP32
   static constexpr int kStageBytes =
       2 * kTile * kRawRow + (kRawOperands ? 0 : 2 * kTile * kScaleRow);
-  static constexpr int kStages = (kRawOperands && DP == 256) ? 2 : 3;
+  static constexpr int kStages = (kRawOperands && DP == 256) ? 2 : F == KvFormat::NvFp4 ? 4 : 3;
+  // Block-table entries are fetched kStages tiles before their tile is staged (so the
+  // table's latency never sits on the loop's path), into a ring of kRing tiles.
+  static constexpr int kRing = 8;
+  static_assert(kRing >= 2 * kStages, "the ring holds every entry from fetch to use");
   static constexpr int kQ = 0;
   static constexpr int kStage0 = kQ + kRowsPerCta<DP> * kOpRow;
   static constexpr int kDeq = kStage0 + kStages * kStageBytes;  // K̂ then V̂ (not for BF16)
@@ -95,7 +99,8 @@ struct Smem {
   static constexpr int kRed = kVs + kTile * 4;
   static constexpr int kPage = kRed + 16;
   static constexpr int kSlot = kPage + kStages * kTile * 4;
-  static constexpr int kBad = kSlot + kStages * kTile * 4;
+  static constexpr int kRingAt = kSlot + kStages * kTile * 4;
+  static constexpr int kBad = kRingAt + kRing * kTile * 4;
   static constexpr int kLoopBytes = kBad + 16;
   // After the key loop the warps that split a row tile merge through this region
   // (from kStage0): o (16 × DP floats), m and l (16 each) per warp.
@@ -204,26 +209,15 @@ __device__ __forceinline__ void stage_scales(const DecodeArgs& a, int hk, uint8_
   }
 }
 
-// The page of key `key` of tile `t` (−1: outside the chunk, zero-filled), and whether
-// its block-table entry is out of range (then the sequence's outputs are NaN).
-struct KeyPage {
-  int32_t page = -1, slot = 0;
-  bool bad = false;
-};
-__device__ __forceinline__ KeyPage page_of(const DecodeArgs& a, const int32_t* table, int jb,
-                                           int je, int t, int key) {
-  KeyPage kp;
+// The block-table entry of this thread's key `key` of tile `t` into its ring slot, by
+// cp.async (part of the current group). Keys outside the chunk get −1 (staged as zeros).
+__device__ __forceinline__ void fetch_entry(const DecodeArgs& a, const int32_t* table, int jb,
+                                            int je, int t, int key, int32_t* slot) {
   const int j = jb + t * kTile + key;
-  if (j < je) {
-    const int32_t p = __ldg(table + j / a.page_size);
-    if (p >= 0 && p < a.num_pages) {
-      kp.page = p;
-      kp.slot = j % a.page_size;
-    } else {
-      kp.bad = true;
-    }
-  }
-  return kp;
+  if (j >= je)
+    *slot = -1;
+  else
+    cp_async_zfill<4>(shared_addr(slot), table + j / a.page_size, true);
 }
 
 // The key loop and the epilogue of one CTA; NB = 8-key blocks per warp per tile (2, 4 or
@@ -279,31 +273,53 @@ __device__ __forceinline__ void decode_cta(const DecodeArgs& a, uint8_t* smem, i
       stage_codes<DP, F, 8>(a, hk, stage, s_page + st * kTile, s_slot + st * kTile, tid);
     stage_scales<DP, F>(a, hk, stage, s_page + st * kTile, s_slot + st * kTile, tid);
   };
-  auto record_page = [&](int t, const KeyPage& kp) {
+  int32_t* s_ring = reinterpret_cast<int32_t*>(smem + S::kRingAt);
+  auto ring = [&](int t) { return s_ring + (t % S::kRing) * kTile + tid; };
+  // The page and slot of this thread's key of tile t, from the ring (filled by this same
+  // thread, so its own cp.async wait orders it); an entry out of range marks the
+  // sequence bad and stages zeros.
+  auto record_page = [&](int t) {
     const int st = t % S::kStages;
-    s_page[st * kTile + tid] = kp.page;
-    s_slot[st * kTile + tid] = kp.slot;
-    if (kp.bad) *s_bad = 1;
+    const int j = jb + t * kTile + tid;
+    int32_t p = *ring(t);
+    if (j < je && (p < 0 || p >= a.num_pages)) {
+      *s_bad = 1;
+      p = -1;
+    }
+    s_page[st * kTile + tid] = j < je ? p : -1;
+    s_slot[st * kTile + tid] = j < je ? j % a.page_size : 0;
   };
 
-  // Prologue: the pages of the first kStages − 1 tiles, then their rows.
-  if (tid < kTile)
-    for (int t = 0; t < S::kStages - 1; ++t) record_page(t, page_of(a, table, jb, je, t, tid));
+  // Prologue: the entries of the first 2·kStages − 1 tiles (plain loads, one latency),
+  // the pages of the first kStages − 1 tiles, then their rows.
+  if (tid < kTile) {
+    int32_t first[2 * S::kStages - 1];  // all loads in flight at once, then stored
+#pragma unroll
+    for (int t = 0; t < 2 * S::kStages - 1; ++t) {
+      const int j = jb + t * kTile + tid;
+      first[t] = j < je ? __ldg(table + j / a.page_size) : -1;
+    }
+#pragma unroll
+    for (int t = 0; t < 2 * S::kStages - 1; ++t) *ring(t) = first[t];
+    for (int t = 0; t < S::kStages - 1; ++t) record_page(t);
+  }
   __syncthreads();
   for (int t = 0; t < S::kStages - 1; ++t) {
     stage_tile(t);
     common::cp_async_commit();
   }
-  KeyPage ahead;  // the page of this thread's key in the next tile to stage
-  if (tid < kTile) ahead = page_of(a, table, jb, je, S::kStages - 1, tid);
 
   for (int t = 0; t < ntiles; ++t) {
     const int t_stage = t + S::kStages - 1;
-    if (tid < kTile) record_page(t_stage, ahead);
+    // The entry of t_stage was loaded in the prologue or, kStages iterations ago, by a
+    // cp.async whose group the waits since have completed.
+    if (tid < kTile) {
+      record_page(t_stage);
+      fetch_entry(a, table, jb, je, t_stage + S::kStages, tid, ring(t_stage + S::kStages));
+    }
     __syncthreads();  // pages visible; every warp is done with tile t − 1's buffers
     stage_tile(t_stage);
     common::cp_async_commit();
-    if (tid < kTile) ahead = page_of(a, table, jb, je, t_stage + 1, tid);
     common::cp_async_wait<S::kStages - 1>();
     __syncthreads();  // tile t has landed
 
@@ -313,11 +329,17 @@ __device__ __forceinline__ void decode_cta(const DecodeArgs& a, uint8_t* smem, i
     if constexpr (!S::kRawOperands) {
       uint8_t* deq = smem + S::kDeq;
       const uint8_t* raw_scales = raw + 2 * kTile * S::kRawRow;
-      const int per_row = a.d / 8;
-      for (int it = tid; it < 2 * kTile * per_row; it += kThreads) {
-        const bool v = it >= kTile * per_row;
-        const int i = v ? it - kTile * per_row : it;
-        const int key = i / per_row, c8 = i % per_row;
+      // Items (K or V, key, 8-element group): compile-time counts, so the indexing is
+      // shifts; groups past a padded head dim are skipped (their operands stay zero).
+      constexpr int kPerRow = DP / 8;
+      const int d8 = a.d / 8;
+      constexpr int kUnroll = DP == 256 ? 1 : 4;  // d 256 has no registers to spare
+#pragma unroll kUnroll
+      for (int it = tid; it < 2 * kTile * kPerRow; it += kThreads) {
+        const bool v = it >= kTile * kPerRow;
+        const int i = v ? it - kTile * kPerRow : it;
+        const int key = i / kPerRow, c8 = i % kPerRow;
+        if (c8 >= d8) continue;
         const uint8_t* codes = raw + (v ? kTile * S::kRawRow : 0) + key * S::kRawRow;
         const uint8_t* scales = raw_scales + (v ? kTile : 0) * S::kScaleRow + key * S::kScaleRow;
         const uint4 x = v ? dequant8<F, false>(codes, scales, c8) : dequant8<F, true>(codes, scales, c8);
