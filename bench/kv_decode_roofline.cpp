@@ -5,7 +5,8 @@
 // the kernel. Build after the library (cmake --build --preset release):
 //   nvcc -std=c++20 -O2 -gencode=arch=compute_90a,code=sm_90a -Isrc -Iinclude \
 //     bench/kv_decode_roofline.cpp build/libqattn.a -o kv_decode_roofline
-//   ./kv_decode_roofline            # the grid below, one line per case
+//   ./kv_decode_roofline            # the grid below, one line per case, and the
+//                                   # append of a 32K-token prefill per format
 // The pool holds the byte 0x11 everywhere (a finite value in every format); the speed
 // does not depend on the values.
 #include <cuda_runtime.h>
@@ -115,9 +116,74 @@ int run(int format, int batch, int context, int heads_q, int heads_kv, int d, in
   return 0;
 }
 
+// A prefill append of `tokens` tokens × heads_kv heads (bf16, page size 16) per format,
+// beside a device copy of k and v (the append reads them once and writes codes).
+void append_line(int format, int tokens, int heads_kv, int d) {
+  qattn_kv_cache c;
+  qattn_kv_cache_init(&c);
+  c.format = format;
+  c.heads_kv = heads_kv;
+  c.head_dim = d;
+  c.page_size = 16;
+  c.max_pages_per_seq = tokens / 16;
+  c.num_pages = c.max_pages_per_seq;
+  size_t page_bytes = 0;
+  qattn_kv_cache_page_bytes(&c, &page_bytes);
+  const size_t elems = static_cast<size_t>(tokens) * heads_kv * d;
+  void *pool = nullptr, *k = nullptr, *v = nullptr, *copy = nullptr;
+  int32_t *tables = nullptr, *lengths = nullptr;
+  float* k_mean = nullptr;
+  cudaMalloc(&pool, page_bytes * c.num_pages);
+  cudaMalloc(&k, elems * 2);
+  cudaMalloc(&v, elems * 2);
+  cudaMalloc(&copy, elems * 4);
+  cudaMalloc(&tables, c.max_pages_per_seq * 4);
+  cudaMalloc(&lengths, 4);
+  cudaMalloc(&k_mean, heads_kv * d * 4);
+  cudaMemset(k, 0x3c, elems * 2);
+  cudaMemset(v, 0x3c, elems * 2);
+  std::vector<int32_t> h_tables(c.max_pages_per_seq);
+  for (int i = 0; i < c.max_pages_per_seq; ++i) h_tables[i] = i;
+  cudaMemcpy(tables, h_tables.data(), h_tables.size() * 4, cudaMemcpyHostToDevice);
+  c.pages = pool;
+  qattn_kv_append_params p;
+  qattn_kv_append_params_init(&p);
+  p.cache = &c;
+  p.seqs = {tables, lengths, k_mean, nullptr, nullptr};
+  p.k = {k, int64_t{heads_kv} * tokens * d, int64_t{tokens} * d, d};
+  p.v = {v, int64_t{heads_kv} * tokens * d, int64_t{tokens} * d, d};
+  p.batch = 1;
+  p.n_new = tokens;
+  cudaStream_t s;
+  cudaStreamCreate(&s);
+  qattn_status st = QATTN_OK;
+  const float ms = time_ms(s, 10, [&] {
+    cudaMemsetAsync(lengths, 0, 4, s);  // every call is the sequence's first append
+    st = qattn_kv_append(&p, s);
+  });
+  const float zero_ms = time_ms(s, 10, [&] { cudaMemsetAsync(lengths, 0, 4, s); });
+  if (st != QATTN_OK) std::printf("append: %s\n", qattn_last_error_message());
+  const float copy_ms = time_ms(s, 10, [&] {
+    cudaMemcpyAsync(copy, k, elems * 2, cudaMemcpyDeviceToDevice, s);
+    cudaMemcpyAsync(static_cast<char*>(copy) + elems * 2, v, elems * 2, cudaMemcpyDeviceToDevice, s);
+  });
+  std::printf("append %-6s %6d tokens x %d heads d %d | %8.1f us | copy of k, v %8.1f us | %.2fx\n",
+              kNames[format], tokens, heads_kv, d, (ms - zero_ms) * 1e3, copy_ms * 1e3,
+              (ms - zero_ms) / copy_ms);
+  cudaFree(pool);
+  cudaFree(k);
+  cudaFree(v);
+  cudaFree(copy);
+  cudaFree(tables);
+  cudaFree(lengths);
+  cudaFree(k_mean);
+  cudaStreamDestroy(s);
+}
+
 }  // namespace
 
 int main() {
+  for (int f = 0; f < 4; ++f) append_line(f, 32768, 8, 128);
   for (int nq : {1, 4})
     for (int batch : {1, 8, 32})
       for (int context : {4096, 16384, 65536})

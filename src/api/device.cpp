@@ -45,7 +45,8 @@ qattn_status check_pointer(const char* fn, const char* name, const void* ptr, in
   if (auto e = cudaPointerGetAttributes(&a, ptr); e != cudaSuccess) {
     (void)cudaGetLastError();  // an invalid pointer is reported here, not by a later call
     return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": ", name, " = ", ptr,
-                " is not memory CUDA knows: ", cudaGetErrorString(e));
+                " is not memory CUDA knows (", cudaGetErrorString(e),
+                "); allowed: device memory (cudaMalloc, a CUDA tensor)");
   }
   if (a.type == cudaMemoryTypeUnregistered)
     return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": ", name, " = ", ptr,
