@@ -177,7 +177,9 @@ def test_decode_workspace_is_the_split_partials():
     b, hq, nq, d, s = 2, 4, 2, 64, 5
     status, nbytes = _C.kv_decode_workspace_size(*decode_args(m, splits=s))
     rows = b * hq * nq * s
-    assert status == _C.OK and nbytes == align256(rows * d * 4) + align256(rows * 4)
+    # Per chunk and row: the partial O (FP32) and its LSE; per row: q·c for the merge.
+    expected = align256(rows * d * 4) + align256(rows * 4) + align256(b * hq * nq * 4)
+    assert status == _C.OK and nbytes == expected
     # Too small a workspace is refused before any device is touched.
     status = _C.kv_decode(*decode_args(m, splits=s), fake(10), nbytes - 1, 0)
     assert status == _C.ERROR_WORKSPACE_TOO_SMALL, _C.last_error_message()

@@ -819,4 +819,4 @@ TEST(KvAppend, BadInputsAreNamedAndWriteNothing) {
   EXPECT_EQ(call(good).status, QATTN_OK);
 }
 
-  // namespace
+}  // namespace
