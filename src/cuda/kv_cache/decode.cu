@@ -658,6 +658,14 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(const DecodeArgs a, int
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) merge_row<T>(a, row);
 }
 
+}  // namespace
+}  // namespace qattn::kv_cache
+
+#include "cuda/kv_cache/decode_direct.cuh"
+
+namespace qattn::kv_cache {
+namespace {
+
 DecodeArgs make_args(const qattn_kv_decode_params& p, const qattn_kv_cache& c, int32_t splits,
                      void* workspace) {
   const kvcache::KvPageLayout lay = kvcache::page_layout(static_cast<KvFormat>(c.format),
@@ -712,6 +720,18 @@ DecodeArgs make_args(const qattn_kv_decode_params& p, const qattn_kv_cache& c, i
 template <typename T, int DP, KvFormat F>
 cudaError_t run(const DecodeArgs& a, int batch, cudaStream_t stream) {
   using S = Smem<DP, F>;
+  if constexpr (F == KvFormat::NvFp4 && (DP == 64 || DP == 128)) {
+    if (a.d == DP) {  // the register-direct kernel (decode_direct.cuh)
+      const dim3 grid(a.splits * ((a.rows + 15) / 16), a.heads_kv, batch);
+      direct::decode_direct_kernel<T, DP><<<grid, direct::kWarps * 32, 0, stream>>>(a);
+      if (a.splits > 1) {
+        const int64_t rows = int64_t{batch} * a.heads_q * a.nq;
+        const auto blocks = static_cast<unsigned>(rows < (int64_t{1} << 20) ? rows : int64_t{1} << 20);
+        merge_kernel<T><<<blocks, kThreads, 0, stream>>>(a, rows);
+      }
+      return cudaGetLastError();
+    }
+  }
   static std::atomic<unsigned long long> done{0};
   auto kernel = decode_kernel<T, DP, F>;
   if (auto e = hopper::once_per_context(done, [&] {
