@@ -55,7 +55,8 @@ int run(int format, int batch, int context, int heads_q, int heads_kv, int d, in
   void *pool = nullptr, *copy = nullptr, *q = nullptr, *o = nullptr, *ws = nullptr;
   int32_t *tables = nullptr, *lengths = nullptr;
   float* k_mean = nullptr;
-  if (cudaMalloc(&pool, pool_bytes) != cudaSuccess || cudaMalloc(&copy, pool_bytes) != cudaSuccess) {
+  if (cudaMalloc(&pool, pool_bytes) != cudaSuccess ||
+      cudaMalloc(&copy, pool_bytes) != cudaSuccess) {
     std::printf("skip: %zu bytes do not fit\n", pool_bytes);
     cudaFree(pool);
     cudaGetLastError();
@@ -96,14 +97,14 @@ int run(int format, int batch, int context, int heads_q, int heads_kv, int d, in
   if (st != QATTN_OK) std::printf("decode: %s\n", qattn_last_error_message());
   // What the decode must read: every cached row of K and V (codes and scales).
   const double bytes = static_cast<double>(pool_bytes);
-  const float copy_ms = time_ms(s, 20, [&] {
-    cudaMemcpyAsync(copy, pool, pool_bytes, cudaMemcpyDeviceToDevice, s);
-  });
+  const float copy_ms =
+      time_ms(s, 20, [&] { cudaMemcpyAsync(copy, pool, pool_bytes, cudaMemcpyDeviceToDevice, s); });
   // A copy reads and writes each byte: its read rate is 2x bytes / time.
-  std::printf("%-6s B %3d L %6d Hq %3d Hkv %2d d %3d nq %2d | %8.1f us | %7.0f GB/s | copy %7.0f GB/s "
-              "(r+w) | %.2f of copy\n",
-              kNames[format], batch, context, heads_q, heads_kv, d, nq, ms * 1e3, bytes / ms / 1e6,
-              2 * bytes / copy_ms / 1e6, (bytes / ms) / (2 * bytes / copy_ms));
+  std::printf(
+      "%-6s B %3d L %6d Hq %3d Hkv %2d d %3d nq %2d | %8.1f us | %7.0f GB/s | copy %7.0f GB/s "
+      "(r+w) | %.2f of copy\n",
+      kNames[format], batch, context, heads_q, heads_kv, d, nq, ms * 1e3, bytes / ms / 1e6,
+      2 * bytes / copy_ms / 1e6, (bytes / ms) / (2 * bytes / copy_ms));
   cudaFree(pool);
   cudaFree(copy);
   cudaFree(q);
@@ -165,7 +166,8 @@ void append_line(int format, int tokens, int heads_kv, int d) {
   if (st != QATTN_OK) std::printf("append: %s\n", qattn_last_error_message());
   const float copy_ms = time_ms(s, 10, [&] {
     cudaMemcpyAsync(copy, k, elems * 2, cudaMemcpyDeviceToDevice, s);
-    cudaMemcpyAsync(static_cast<char*>(copy) + elems * 2, v, elems * 2, cudaMemcpyDeviceToDevice, s);
+    cudaMemcpyAsync(static_cast<char*>(copy) + elems * 2, v, elems * 2, cudaMemcpyDeviceToDevice,
+                    s);
   });
   std::printf("append %-6s %6d tokens x %d heads d %d | %8.1f us | copy of k, v %8.1f us | %.2fx\n",
               kNames[format], tokens, heads_kv, d, (ms - zero_ms) * 1e3, copy_ms * 1e3,

@@ -43,8 +43,7 @@ qattn_status check_int(const char* fn, const char* name, int value, int lo, int 
 // A 0/1 flag.
 qattn_status check_flag(const char* fn, const char* name, int32_t value);
 qattn_status check_dtype(const char* fn, int32_t dtype);
-qattn_status check_reserved(const char* fn, const char* name, int32_t value,
-                            const char* init_name);
+qattn_status check_reserved(const char* fn, const char* name, int32_t value, const char* init_name);
 // The range a (B, H, N, d) view spans (strides already checked).
 Span span_of(const qattn_tensor& t, int64_t batch, int64_t heads, int64_t seqlen, int64_t d);
 

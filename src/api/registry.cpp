@@ -16,7 +16,7 @@ const char* format_name(int32_t f) {
 }
 
 const char* kv_format_name(int32_t f) {
-  return f == QATTN_KV_NVFP4       ? "QATTN_KV_NVFP4"
+  return f == QATTN_KV_NVFP4      ? "QATTN_KV_NVFP4"
          : f == QATTN_KV_FP8_E4M3 ? "QATTN_KV_FP8_E4M3"
          : f == QATTN_KV_INT8     ? "QATTN_KV_INT8"
          : f == QATTN_KV_BF16     ? "QATTN_KV_BF16"
@@ -52,7 +52,8 @@ std::string own_reason(const BackwardFamily& f, const qattn_bwd_params& p) {
   if (!has_bit(f.formats, p.format))
     return cat("format ", format_name(p.format), " is not implemented by this family");
   if (!has_bit(f.dovs, p.dov))
-    return cat("dov ", dov_name(p.dov), " (the precision of dO·Vᵀ) is not implemented by this "
+    return cat("dov ", dov_name(p.dov),
+               " (the precision of dO·Vᵀ) is not implemented by this "
                "family");
   if (!has_bit(f.determinism, p.deterministic))
     return p.deterministic != 0 ? "has no deterministic kernel (deterministic = 1)"
@@ -124,8 +125,8 @@ const Family* select(const char* fn, const Params& p, const Arch* arch, qattn_st
     }
     reasons += cat("; ", f->name, ": ", why);
   }
-  const std::string device =
-      arch != nullptr ? cat("; device sm_", arch->major, arch->minor) : std::string(" (any device)");
+  const std::string device = arch != nullptr ? cat("; device sm_", arch->major, arch->minor)
+                                             : std::string(" (any device)");
   *status = fail(QATTN_ERROR_UNSUPPORTED, fn, ": no kernel family runs this call (", describe(p),
                  device, "); considered ", families.size(), reasons);
   return nullptr;

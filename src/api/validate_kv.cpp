@@ -60,7 +60,8 @@ bool smoothed(const qattn_kv_cache& c) { return c.k_smoothing == QATTN_KV_SMOOTH
 // the appended tokens).
 qattn_status check_seqs(const char* fn, const qattn_kv_seqs& s, const qattn_kv_cache& c,
                         int32_t batch, int32_t extra) {
-  if (auto st = check_array(fn, "seqs.block_tables", s.block_tables, sizeof(int32_t)); st) return st;
+  if (auto st = check_array(fn, "seqs.block_tables", s.block_tables, sizeof(int32_t)); st)
+    return st;
   if (auto st = check_array(fn, "seqs.lengths", s.lengths, sizeof(int32_t)); st) return st;
   if (smoothed(c)) {
     if (auto st = check_array(fn, "seqs.k_mean", s.k_mean, sizeof(float)); st) return st;
@@ -147,7 +148,8 @@ qattn_status read_cache(const char* fn, const qattn_kv_cache* caller, qattn_kv_c
     return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": cache->head_dim = ", c.head_dim,
                 "; allowed: a multiple of 16 (the NVFP4 scale block) from 16 to 256");
   if (auto s = check_int(fn, "cache->page_size", c.page_size, 1, kMaxSeqlen); s) return s;
-  if (auto s = check_int(fn, "cache->num_pages", c.num_pages, 1, std::numeric_limits<int32_t>::max());
+  if (auto s =
+          check_int(fn, "cache->num_pages", c.num_pages, 1, std::numeric_limits<int32_t>::max());
       s)
     return s;
   if (auto s = check_int(fn, "cache->max_pages_per_seq", c.max_pages_per_seq, 1,
@@ -155,8 +157,9 @@ qattn_status read_cache(const char* fn, const qattn_kv_cache* caller, qattn_kv_c
       s)
     return s;
   if (capacity_of(c) > kMaxSeqlen)
-    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": cache->max_pages_per_seq * page_size = ",
-                capacity_of(c), "; allowed: at most 2^30 tokens per sequence");
+    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn,
+                ": cache->max_pages_per_seq * page_size = ", capacity_of(c),
+                "; allowed: at most 2^30 tokens per sequence");
   if (c.k_smoothing != QATTN_KV_SMOOTH_PREFILL_MEAN && c.k_smoothing != QATTN_KV_SMOOTH_NONE)
     return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": cache->k_smoothing = ", c.k_smoothing,
                 "; allowed: QATTN_KV_SMOOTH_PREFILL_MEAN (0) or QATTN_KV_SMOOTH_NONE (1)");
@@ -203,10 +206,10 @@ qattn_status read_append(const char* fn, const qattn_kv_append_params* caller,
   if (auto s = check_tensor(fn, "k", p.k, b, h, n, d, false); s) return s;
   if (auto s = check_tensor(fn, "v", p.v, b, h, n, d, false); s) return s;
   // What it writes (pages, lengths, k_mean) overlaps nothing it reads (k, v, block tables).
-  const std::array<Named, 3> inputs{{{"k", checks::span_of(p.k, b, h, n, d)},
-                                     {"v", checks::span_of(p.v, b, h, n, d)},
-                                     {"seqs.block_tables", span(p.seqs.block_tables,
-                                                                table_bytes(c, p.batch))}}};
+  const std::array<Named, 3> inputs{
+      {{"k", checks::span_of(p.k, b, h, n, d)},
+       {"v", checks::span_of(p.v, b, h, n, d)},
+       {"seqs.block_tables", span(p.seqs.block_tables, table_bytes(c, p.batch))}}};
   const std::array<Named, 3> outputs{
       {{"cache->pages", span(c.pages, pool_bytes(c))},
        {"seqs.lengths", span(p.seqs.lengths, sizeof(int32_t) * p.batch)},
@@ -245,15 +248,15 @@ qattn_status read_decode(const char* fn, const qattn_kv_decode_params* caller,
     return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": heads_q = ", p.heads_q,
                 " is not a multiple of cache->heads_kv = ", c.heads_kv,
                 "; allowed: heads_q = g * heads_kv (GQA/MQA)");
-  if (auto s = check_int(fn, "nq", p.nq, 1, QATTN_KV_MAX_QUERY_TOKENS,
-                         " (query tokens per sequence)");
+  if (auto s =
+          check_int(fn, "nq", p.nq, 1, QATTN_KV_MAX_QUERY_TOKENS, " (query tokens per sequence)");
       s)
     return s;
   if (auto s = check_flag(fn, "causal", p.causal); s) return s;
   if (!std::isfinite(p.sm_scale) || p.sm_scale < 0.f || p.sm_scale > kMaxSmScale)
     return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": sm_scale = ", p.sm_scale,
-                "; allowed: 0 (selects 1/sqrt(head_dim)) or a positive number up to ",
-                kMaxSmScale, " (QATTN_MAX_SM_SCALE)");
+                "; allowed: 0 (selects 1/sqrt(head_dim)) or a positive number up to ", kMaxSmScale,
+                " (QATTN_MAX_SM_SCALE)");
   if (p.max_length < 0)
     return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": max_length = ", p.max_length,
                 "; allowed: 0 (the capacity) or an upper bound of the lengths");

@@ -32,7 +32,8 @@ int32_t choose_splits(const qattn_kv_decode_params& p, const qattn_kv_cache& c) 
   const int64_t ctas = int64_t{p.batch} * c.heads_kv;
   const int64_t by_sms = (kTargetCtas + ctas - 1) / ctas;
   const int64_t by_len = std::max<int64_t>(1, len / kMinChunk);
-  return static_cast<int32_t>(std::clamp<int64_t>(std::min(by_sms, by_len), 1, QATTN_KV_MAX_SPLITS));
+  return static_cast<int32_t>(
+      std::clamp<int64_t>(std::min(by_sms, by_len), 1, QATTN_KV_MAX_SPLITS));
 }
 
 std::size_t decode_workspace_bytes(const qattn_kv_decode_params& p, const qattn_kv_cache& c,

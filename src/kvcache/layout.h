@@ -16,7 +16,7 @@ enum class KvFormat : int32_t {
   Bf16 = 3,     // bfloat16 values; no scale
 };
 
-inline constexpr int kAlignment = 16;  // bytes; sections and head slices of a page
+inline constexpr int kAlignment = 16;   // bytes; sections and head slices of a page
 inline constexpr int kNvFp4Block = 16;  // elements along d per NVFP4 scale
 inline constexpr int kMaxHeadDim = 256;
 inline constexpr int kMaxQueryTokens = 16;

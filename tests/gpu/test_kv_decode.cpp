@@ -64,14 +64,14 @@ struct Case {
   int heads_kv = 2, group = 4, nq = 1, d = 128, page_size = 16;
   std::vector<int> lengths{300, 1};
   bool causal = true;
-  int splits = 1;  // 0: the library chooses
+  int splits = 1;      // 0: the library chooses
   float k_bias = 4.f;  // a per-channel bias of K (what smoothing removes)
 };
 
 std::string describe(const Case& c) {
   std::string s = std::string(emulate::kv_format_name(c.format)) + (c.bf16 ? " bf16" : " fp16") +
-                  " hkv " + std::to_string(c.heads_kv) + " g " + std::to_string(c.group) +
-                  " nq " + std::to_string(c.nq) + " d " + std::to_string(c.d) + " page " +
+                  " hkv " + std::to_string(c.heads_kv) + " g " + std::to_string(c.group) + " nq " +
+                  std::to_string(c.nq) + " d " + std::to_string(c.d) + " page " +
                   std::to_string(c.page_size) + (c.causal ? " causal" : "") + " splits " +
                   std::to_string(c.splits) + (c.smoothing ? "" : " no-smooth") + " L";
   for (int l : c.lengths) s += " " + std::to_string(l);
@@ -83,8 +83,8 @@ int32_t c_format(KvFormat f) { return static_cast<int32_t>(f); }
 // The cache, its inputs and its device copies for one case.
 struct Built {
   emulate::PagedCache cache;
-  std::vector<Tensor4> k, v;  // per sequence (1, heads_kv, L, d): the unquantized inputs
-  Tensor4 q;                  // (B, Hq, nq, d), values of the dtype
+  std::vector<Tensor4> k, v;    // per sequence (1, heads_kv, L, d): the unquantized inputs
+  Tensor4 q;                    // (B, Hq, nq, d), values of the dtype
   std::vector<int32_t> tables;  // B × max_pages_per_seq
 };
 
@@ -166,7 +166,7 @@ struct DeviceCase {
     std::vector<uint16_t> qb(bt.q.size());
     for (std::size_t i = 0; i < qb.size(); ++i) qb[i] = test::to_bits16(bt.q.data[i], c.bf16);
     q.upload(qb);
-    cudaMemset(o.ptr, 0xFF, o.count * 2);    // NaN in both 16-bit formats
+    cudaMemset(o.ptr, 0xFF, o.count * 2);      // NaN in both 16-bit formats
     cudaMemset(lse.ptr, 0xFF, lse.count * 4);  // NaN
     qattn_kv_cache_init(&cache);
     const emulate::KvCacheConfig& cfg = bt.cache.config;
@@ -258,7 +258,8 @@ void expect_matches(const Case& c, const Built& bt, const Outputs& gpu, std::vec
     }
     for (int h = 0; h < Hq; ++h) {
       const int hk = h / c.group;
-      const float* cvec = bt.cache.k_mean.data() + (static_cast<std::size_t>(b) * c.heads_kv + hk) * d;
+      const float* cvec =
+          bt.cache.k_mean.data() + (static_cast<std::size_t>(b) * c.heads_kv + hk) * d;
       for (int i = 0; i < nq; ++i) {
         const std::size_t row = (static_cast<std::size_t>(b) * Hq + h) * nq + i;
         const float* er = emu.o.row(b, h, i);
@@ -270,8 +271,8 @@ void expect_matches(const Case& c, const Built& bt, const Outputs& gpu, std::vec
         for (int e = 0; e < d; ++e) {
           const double want = er[e], got = gpu.o[row * d + e];
           const double tol = out_round * std::fabs(want) + kOrderSlack * row_max;
-          ASSERT_LE(std::fabs(got - want), tol)
-              << "o[" << b << "," << h << "," << i << "," << e << "]: gpu " << got << " emu " << want;
+          ASSERT_LE(std::fabs(got - want), tol) << "o[" << b << "," << h << "," << i << "," << e
+                                                << "]: gpu " << got << " emu " << want;
           g_o.push_back(static_cast<float>(got));
           e_o.push_back(er[e]);
           r_o.push_back(L > 0 ? ref.o.at(0, h, i, e) : 0.0);

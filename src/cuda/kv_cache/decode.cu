@@ -39,8 +39,8 @@ using common::ldsm_b_addr;
 using common::mma_16bit;
 using common::shared_addr;
 
-constexpr int kTile = 64;         // keys per step
-constexpr int kThreads = 128;     // 4 warps
+constexpr int kTile = 64;      // keys per step
+constexpr int kThreads = 128;  // 4 warps
 // Query rows per CTA: up to 4 m16 row tiles (2 at head dim 256, where the output
 // accumulator alone takes 128 registers).
 template <int DP>
@@ -66,7 +66,7 @@ struct DecodeArgs {
   int32_t heads_q, heads_kv, group, nq, d, rows, splits;
   int32_t causal;
   float sm_scale, scale_log2;
-  float* o_part;    // splits > 1: the workspace's partials
+  float* o_part;  // splits > 1: the workspace's partials
   float* lse_part;
   float* qc_part;
 };
@@ -112,8 +112,10 @@ struct Smem {
 
 template <typename T>
 __device__ __forceinline__ float to_float(T x) {
-  if constexpr (std::is_same_v<T, __half>) return __half2float(x);
-  else return __bfloat162float(x);
+  if constexpr (std::is_same_v<T, __half>)
+    return __half2float(x);
+  else
+    return __bfloat162float(x);
 }
 
 __device__ __forceinline__ float warp_sum(float x) {
@@ -192,9 +194,9 @@ __device__ __forceinline__ void stage_scales(const DecodeArgs& a, int hk, uint8_
         const int key = i / per_row, part = i % per_row;
         const bool ok = pg[key] >= 0;
         const uint8_t* src = ok ? src_of(v, key) + 4 * part : a.pages;
-        cp_async_zfill<4>(shared_addr(scales + (v ? kTile : 0) * S::kScaleRow +
-                                      key * S::kScaleRow + 4 * part),
-                          src, ok);
+        cp_async_zfill<4>(
+            shared_addr(scales + (v ? kTile : 0) * S::kScaleRow + key * S::kScaleRow + 4 * part),
+            src, ok);
       }
     } else {
       // NVFP4 rows whose d/16 scale bytes are not a multiple of 4: plain byte copies.
@@ -342,8 +344,10 @@ __device__ __forceinline__ void decode_cta(const DecodeArgs& a, uint8_t* smem, i
         if (c8 >= d8) continue;
         const uint8_t* codes = raw + (v ? kTile * S::kRawRow : 0) + key * S::kRawRow;
         const uint8_t* scales = raw_scales + (v ? kTile : 0) * S::kScaleRow + key * S::kScaleRow;
-        const uint4 x = v ? dequant8<F, false>(codes, scales, c8) : dequant8<F, true>(codes, scales, c8);
-        *reinterpret_cast<uint4*>(deq + (v ? kTile * S::kOpRow : 0) + key * S::kOpRow + 16 * c8) = x;
+        const uint4 x =
+            v ? dequant8<F, false>(codes, scales, c8) : dequant8<F, true>(codes, scales, c8);
+        *reinterpret_cast<uint4*>(deq + (v ? kTile * S::kOpRow : 0) + key * S::kOpRow + 16 * c8) =
+            x;
       }
       if constexpr (kRowScales) {
         if (tid < kTile) {
@@ -447,7 +451,8 @@ __device__ __forceinline__ void decode_cta(const DecodeArgs& a, uint8_t* smem, i
       for (int nd2 = 0; nd2 < DP / 16; ++nd2) {
         if (nd2 >= d16) continue;
         uint32_t bf[4];
-        ldmatrix_x4_trans(bf, ldsm_a_addr(v_base + kk * 16 * S::kOpRow + nd2 * 32, S::kOpRow, lane));
+        ldmatrix_x4_trans(bf,
+                          ldsm_a_addr(v_base + kk * 16 * S::kOpRow + nd2 * 32, S::kOpRow, lane));
         mma_16bit<VT>(o[2 * nd2], hi, bf[0], bf[1]);
         mma_16bit<VT>(o[2 * nd2 + 1], hi, bf[2], bf[3]);
         mma_16bit<VT>(o[2 * nd2], lo, bf[0], bf[1]);
@@ -477,7 +482,8 @@ __device__ __forceinline__ void decode_cta(const DecodeArgs& a, uint8_t* smem, i
       for (int nd = 0; nd < DP / 8; ++nd) {
         if (nd >= 2 * d16) continue;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) mine[(g + 8 * (e >> 1)) * DP + nd * 8 + 2 * t4 + (e & 1)] = o[nd][e];
+        for (int e = 0; e < 4; ++e)
+          mine[(g + 8 * (e >> 1)) * DP + nd * 8 + 2 * t4 + (e & 1)] = o[nd][e];
       }
       if (t4 == 0)
         for (int h = 0; h < 2; ++h) {
@@ -492,14 +498,16 @@ __device__ __forceinline__ void decode_cta(const DecodeArgs& a, uint8_t* smem, i
       const int r = g + 8 * h;
       float M = kNegInf;
       for (int sl = 0; sl < kSlices; ++sl) {
-        const float* other = reinterpret_cast<const float*>(smem + S::kStage0 + (warp + sl) * S::kMergeWarp);
+        const float* other =
+            reinterpret_cast<const float*>(smem + S::kStage0 + (warp + sl) * S::kMergeWarp);
         M = fmaxf(M, other[16 * DP + r]);
       }
       float lsum = 0.f;
       float w[kSlices];
 #pragma unroll
       for (int sl = 0; sl < kSlices; ++sl) {
-        const float* other = reinterpret_cast<const float*>(smem + S::kStage0 + (warp + sl) * S::kMergeWarp);
+        const float* other =
+            reinterpret_cast<const float*>(smem + S::kStage0 + (warp + sl) * S::kMergeWarp);
         const float ms = other[16 * DP + r];
         w[sl] = ms == kNegInf ? 0.f : exp2f(ms - M);
         lsum += w[sl] * other[16 * DP + 16 + r];
@@ -512,7 +520,8 @@ __device__ __forceinline__ void decode_cta(const DecodeArgs& a, uint8_t* smem, i
           float acc = 0.f;
 #pragma unroll
           for (int sl = 0; sl < kSlices; ++sl) {
-            const float* other = reinterpret_cast<const float*>(smem + S::kStage0 + (warp + sl) * S::kMergeWarp);
+            const float* other =
+                reinterpret_cast<const float*>(smem + S::kStage0 + (warp + sl) * S::kMergeWarp);
             acc += w[sl] * other[r * DP + nd * 8 + 2 * t4 + c];
           }
           o[nd][2 * h + c] = acc;
@@ -548,7 +557,9 @@ __device__ __forceinline__ void decode_cta(const DecodeArgs& a, uint8_t* smem, i
           *reinterpret_cast<__nv_bfloat162*>(orow + col) = __floats2bfloat162_rn(x0, x1);
       }
       if (a.lse != nullptr && t4 == 0) {
-        const float lse = bad ? nan : empty ? kNegInf : (m[h] + log2f(l[h])) * kLn2 + a.sm_scale * s_qc[r];
+        const float lse = bad     ? nan
+                          : empty ? kNegInf
+                                  : (m[h] + log2f(l[h])) * kLn2 + a.sm_scale * s_qc[r];
         a.lse[(int64_t{b} * a.heads_q + hq) * a.nq + i] = lse;
       }
     } else {
@@ -668,8 +679,8 @@ namespace {
 
 DecodeArgs make_args(const qattn_kv_decode_params& p, const qattn_kv_cache& c, int32_t splits,
                      void* workspace) {
-  const kvcache::KvPageLayout lay = kvcache::page_layout(static_cast<KvFormat>(c.format),
-                                                         c.heads_kv, c.head_dim, c.page_size);
+  const kvcache::KvPageLayout lay =
+      kvcache::page_layout(static_cast<KvFormat>(c.format), c.heads_kv, c.head_dim, c.page_size);
   DecodeArgs a{};
   a.pages = static_cast<const uint8_t*>(c.pages);
   a.page_bytes = lay.page_bytes;
@@ -726,7 +737,8 @@ cudaError_t run(const DecodeArgs& a, int batch, cudaStream_t stream) {
       direct::decode_direct_kernel<T, DP><<<grid, direct::kWarps * 32, 0, stream>>>(a);
       if (a.splits > 1) {
         const int64_t rows = int64_t{batch} * a.heads_q * a.nq;
-        const auto blocks = static_cast<unsigned>(rows < (int64_t{1} << 20) ? rows : int64_t{1} << 20);
+        const auto blocks =
+            static_cast<unsigned>(rows < (int64_t{1} << 20) ? rows : int64_t{1} << 20);
         merge_kernel<T><<<blocks, kThreads, 0, stream>>>(a, rows);
       }
       return cudaGetLastError();
@@ -734,9 +746,12 @@ cudaError_t run(const DecodeArgs& a, int batch, cudaStream_t stream) {
   }
   static std::atomic<unsigned long long> done{0};
   auto kernel = decode_kernel<T, DP, F>;
-  if (auto e = hopper::once_per_context(done, [&] {
-        return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kBytes);
-      });
+  if (auto e = hopper::once_per_context(done,
+                                        [&] {
+                                          return cudaFuncSetAttribute(
+                                              kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              S::kBytes);
+                                        });
       e != cudaSuccess)
     return e;
   const int row_groups = (a.rows + kRowsPerCta<DP> - 1) / kRowsPerCta<DP>;
@@ -777,8 +792,9 @@ int launch_decode(const qattn_kv_decode_params& p, const qattn_kv_cache& c, int3
                   void* workspace, void* stream) {
   const DecodeArgs a = make_args(p, c, splits, workspace);
   auto s = static_cast<cudaStream_t>(stream);
-  const cudaError_t e = p.dtype == QATTN_DTYPE_FP16 ? by_dim<__half>(a, c.format, p.batch, s)
-                                                    : by_dim<__nv_bfloat16>(a, c.format, p.batch, s);
+  const cudaError_t e = p.dtype == QATTN_DTYPE_FP16
+                            ? by_dim<__half>(a, c.format, p.batch, s)
+                            : by_dim<__nv_bfloat16>(a, c.format, p.batch, s);
   return static_cast<int>(e);
 }
 

@@ -34,13 +34,13 @@ constexpr int kBlock = 16;  // keys per step of a warp
 // The raw bytes one thread holds for one 16-key block.
 template <int D>
 struct Raw {
-  static constexpr int kKWords = D / 32;   // D/8 code bytes of each of its 2 keys
-  static constexpr int kVWords = D / 64;   // D/16 code bytes of each of its 4 keys
-  uint32_t k[2][kKWords];                  // keys g and 8 + g
-  uint32_t k_scales[2];                    // D/64 scale bytes of each (low bytes)
-  uint32_t v[4][kVWords];                  // keys 2t, 2t+1, 8+2t, 9+2t
-  uint32_t v_scales[4];                    // the scale byte of its element range
-  bool bad;                                // a page index outside the pool
+  static constexpr int kKWords = D / 32;  // D/8 code bytes of each of its 2 keys
+  static constexpr int kVWords = D / 64;  // D/16 code bytes of each of its 4 keys
+  uint32_t k[2][kKWords];                 // keys g and 8 + g
+  uint32_t k_scales[2];                   // D/64 scale bytes of each (low bytes)
+  uint32_t v[4][kVWords];                 // keys 2t, 2t+1, 8+2t, 9+2t
+  uint32_t v_scales[4];                   // the scale byte of its element range
+  bool bad;                               // a page index outside the pool
 };
 
 template <int D>
@@ -61,17 +61,20 @@ __device__ __forceinline__ void load_block(const DecodeArgs& a, const int32_t* t
     const int64_t slot = j % a.page_size;
     const uint8_t* page = a.pages + p * a.page_bytes;
     codes = page + (v ? a.v_codes : a.k_codes) + hk * a.head_code_bytes + slot * a.code_row_bytes;
-    scales = page + (v ? a.v_scales : a.k_scales) + hk * a.head_scale_bytes + slot * a.scale_row_bytes;
+    scales =
+        page + (v ? a.v_scales : a.k_scales) + hk * a.head_scale_bytes + slot * a.scale_row_bytes;
   };
   const uint8_t *codes, *scales;
   for (int i = 0; i < 2; ++i) {
     rows(j0 + 8 * i + g, false, codes, scales);
     if constexpr (D == 128) {
-      const uint4 w = codes ? __ldg(reinterpret_cast<const uint4*>(codes + 16 * t)) : make_uint4(0, 0, 0, 0);
+      const uint4 w =
+          codes ? __ldg(reinterpret_cast<const uint4*>(codes + 16 * t)) : make_uint4(0, 0, 0, 0);
       r.k[i][0] = w.x, r.k[i][1] = w.y, r.k[i][2] = w.z, r.k[i][3] = w.w;
       r.k_scales[i] = scales ? __ldg(reinterpret_cast<const uint16_t*>(scales + 2 * t)) : 0u;
     } else {
-      const uint2 w = codes ? __ldg(reinterpret_cast<const uint2*>(codes + 8 * t)) : make_uint2(0, 0);
+      const uint2 w =
+          codes ? __ldg(reinterpret_cast<const uint2*>(codes + 8 * t)) : make_uint2(0, 0);
       r.k[i][0] = w.x, r.k[i][1] = w.y;
       r.k_scales[i] = scales ? __ldg(scales + t) : 0u;
     }
@@ -80,7 +83,8 @@ __device__ __forceinline__ void load_block(const DecodeArgs& a, const int32_t* t
   for (int i = 0; i < 4; ++i) {
     rows(j0 + vkeys[i], true, codes, scales);
     if constexpr (D == 128) {
-      const uint2 w = codes ? __ldg(reinterpret_cast<const uint2*>(codes + 8 * g)) : make_uint2(0, 0);
+      const uint2 w =
+          codes ? __ldg(reinterpret_cast<const uint2*>(codes + 8 * g)) : make_uint2(0, 0);
       r.v[i][0] = w.x, r.v[i][1] = w.y;
       r.v_scales[i] = scales ? __ldg(scales + g) : 0u;
     } else {
@@ -228,8 +232,10 @@ __global__ void __launch_bounds__(kWarps * 32) decode_direct_kernel(const Decode
 #pragma unroll
     for (int nb = 0; nb < kNb; ++nb) {
       const int word = nb / 8, sh = 4 * (nb % 8);
-      const uint32_t p01 = nibble_bits(r.v[0][word], sh, false) | nibble_bits(r.v[1][word], sh, true);
-      const uint32_t p23 = nibble_bits(r.v[2][word], sh, false) | nibble_bits(r.v[3][word], sh, true);
+      const uint32_t p01 =
+          nibble_bits(r.v[0][word], sh, false) | nibble_bits(r.v[1][word], sh, true);
+      const uint32_t p23 =
+          nibble_bits(r.v[2][word], sh, false) | nibble_bits(r.v[3][word], sh, true);
       const uint32_t b0 = bits_of(fp4_pair(p01, sv01));
       const uint32_t b1 = bits_of(fp4_pair(p23, sv23));
       common::mma_16bit<__half>(o[nb], hi, b0, b1);
@@ -245,11 +251,13 @@ __global__ void __launch_bounds__(kWarps * 32) decode_direct_kernel(const Decode
   for (; blk < nblocks; blk += 2 * kWarps) {
     compute(r0, blk);
     bad |= r0.bad;
-    if (blk + 2 * kWarps < nblocks) load_block<D>(a, table, hk, jb + (blk + 2 * kWarps) * kBlock, je, r0);
+    if (blk + 2 * kWarps < nblocks)
+      load_block<D>(a, table, hk, jb + (blk + 2 * kWarps) * kBlock, je, r0);
     if (blk + kWarps >= nblocks) break;
     compute(r1, blk + kWarps);
     bad |= r1.bad;
-    if (blk + 3 * kWarps < nblocks) load_block<D>(a, table, hk, jb + (blk + 3 * kWarps) * kBlock, je, r1);
+    if (blk + 3 * kWarps < nblocks)
+      load_block<D>(a, table, hk, jb + (blk + 3 * kWarps) * kBlock, je, r1);
   }
 
   // ---- merge the four warps (same fragment layout: lane by lane) ----
@@ -324,7 +332,9 @@ __global__ void __launch_bounds__(kWarps * 32) decode_direct_kernel(const Decode
         for (int nb = 0; nb < kNb; ++nb)
           op[(2 * t + half) * kNb + nb] = any_bad ? nan : o[nb][2 * h + half] * inv;
       if (t == 0) {
-        a.lse_part[out_row * a.splits + split] = any_bad ? nan : empty ? kNegInf : m[h] + log2f(l[h]);
+        a.lse_part[out_row * a.splits + split] = any_bad ? nan
+                                                 : empty ? kNegInf
+                                                         : m[h] + log2f(l[h]);
         if (split == 0) a.qc_part[out_row] = qc[h];
       }
     }
