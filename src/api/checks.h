@@ -15,6 +15,10 @@
 
 namespace qattn::api::checks {
 
+// Overflow-checked int64 arithmetic; false when the result does not fit.
+inline bool mul(int64_t a, int64_t b, int64_t* r) { return !__builtin_mul_overflow(a, b, r); }
+inline bool add(int64_t a, int64_t b, int64_t* r) { return !__builtin_add_overflow(a, b, r); }
+
 // The byte range [begin, end) a tensor view spans.
 struct Span {
   uintptr_t begin = 0, end = 0;
@@ -43,6 +47,8 @@ qattn_status check_int(const char* fn, const char* name, int value, int lo, int 
 // A 0/1 flag.
 qattn_status check_flag(const char* fn, const char* name, int32_t value);
 qattn_status check_dtype(const char* fn, int32_t dtype);
+// 0 (the default) or a positive finite scale up to kMaxSmScale.
+qattn_status check_sm_scale(const char* fn, float sm_scale);
 qattn_status check_reserved(const char* fn, const char* name, int32_t value, const char* init_name);
 // The range a (B, H, N, d) view spans (strides already checked).
 Span span_of(const qattn_tensor& t, int64_t batch, int64_t heads, int64_t seqlen, int64_t d);

@@ -20,8 +20,6 @@ namespace checks {
 constexpr int64_t kElemBytes = 2;  // fp16 and bf16
 
 // Overflow-checked int64 arithmetic; false when the result does not fit.
-bool mul(int64_t a, int64_t b, int64_t* r) { return !__builtin_mul_overflow(a, b, r); }
-bool add(int64_t a, int64_t b, int64_t* r) { return !__builtin_add_overflow(a, b, r); }
 
 // Byte range of a view whose strides passed check_tensor (no overflow then).
 Span span_of(const qattn_tensor& t, int64_t batch, int64_t heads, int64_t seqlen, int64_t d) {
@@ -50,8 +48,7 @@ ForwardBuffers buffers_of(const qattn_fwd_params& p) {
       {{{"q", span_of(p.q, p.batch, p.heads_q, p.seqlen_q, p.head_dim)},
         {"k", span_of(p.k, p.batch, p.heads_kv, p.seqlen_kv, p.head_dim)},
         {"v", span_of(p.v, p.batch, p.heads_kv, p.seqlen_kv, p.head_dim)}}},
-      {{{"o", span_of(p.o, p.batch, p.heads_q, p.seqlen_q, p.head_dim)},
-        {"lse", {}, false}}}};
+      {{{"o", span_of(p.o, p.batch, p.heads_q, p.seqlen_q, p.head_dim)}, {"lse", {}, false}}}};
   if (p.lse != nullptr) b.outputs[1] = {"lse", lse_span(p.lse, lse_bytes(p))};
   return b;
 }
@@ -64,8 +61,8 @@ struct BackwardBuffers {
 };
 
 BackwardBuffers buffers_of(const qattn_bwd_params& p) {
-  const int64_t b = p.batch, hq = p.heads_q, hkv = p.heads_kv, nq = p.seqlen_q,
-                nkv = p.seqlen_kv, d = p.head_dim;
+  const int64_t b = p.batch, hq = p.heads_q, hkv = p.heads_kv, nq = p.seqlen_q, nkv = p.seqlen_kv,
+                d = p.head_dim;
   return {{{{"q", span_of(p.q, b, hq, nq, d)},
             {"k", span_of(p.k, b, hkv, nkv, d)},
             {"v", span_of(p.v, b, hkv, nkv, d)},
@@ -103,8 +100,9 @@ qattn_status check_no_self_alias(const char* fn, const char* name, const qattn_t
   // exactly by sorting every row's start and looking at neighbours.
   const int64_t rows = dims[0].extent * dims[1].extent * dims[2].extent;
   if (rows > kMaxInterleavedRows)
-    return fail(QATTN_ERROR_UNSUPPORTED, fn, ": ", name, " has interleaved strides (stride_b = ",
-                t.stride_b, ", stride_h = ", t.stride_h, ", stride_n = ", t.stride_n, ") and ", rows,
+    return fail(QATTN_ERROR_UNSUPPORTED, fn, ": ", name,
+                " has interleaved strides (stride_b = ", t.stride_b, ", stride_h = ", t.stride_h,
+                ", stride_n = ", t.stride_n, ") and ", rows,
                 " rows; an output whose strides interleave is supported up to ",
                 kMaxInterleavedRows,
                 " rows (each row's start is checked against the others); allowed beyond that: "
@@ -125,10 +123,11 @@ qattn_status check_no_self_alias(const char* fn, const char* name, const qattn_t
     };
     return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": ", name, ".stride_b = ", t.stride_b, ", ",
                 name, ".stride_h = ", t.stride_h, ", ", name, ".stride_n = ", t.stride_n,
-                " make elements of ", name, " share addresses: the rows ", name, "[b, h, n] = ",
-                index(starts[i - 1].second), " and ", index(starts[i].second), " start ",
-                starts[i].first - starts[i - 1].first, " elements apart, less than head_dim = ",
-                head_dim, "; allowed: strides under which no two rows meet (an output may not "
+                " make elements of ", name, " share addresses: the rows ", name,
+                "[b, h, n] = ", index(starts[i - 1].second), " and ", index(starts[i].second),
+                " start ", starts[i].first - starts[i - 1].first,
+                " elements apart, less than head_dim = ", head_dim,
+                "; allowed: strides under which no two rows meet (an output may not "
                 "alias itself)");
   }
   return QATTN_OK;
@@ -235,14 +234,18 @@ qattn_status check_shape_mask_scale(const char* fn, const Params& p) {
     return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": head_dim = ", p.head_dim,
                 "; allowed: 1.. (the kernel families say which sizes they run)");
   if (auto s = check_flag(fn, "causal", p.causal); s) return s;
-  // 0 selects the default; a negative scale is not "the default" (the reference would
-  // honour its sign), and above kMaxSmScale the FP32 scores overflow (qattn.h derives
-  // the bound from the largest |q·k| of FP16-range inputs).
-  if (!std::isfinite(p.sm_scale) || p.sm_scale < 0.f || p.sm_scale > kMaxSmScale)
-    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": sm_scale = ", p.sm_scale,
-                !std::isfinite(p.sm_scale) ? " is not finite"
-                : p.sm_scale < 0.f         ? " is negative"
-                                           : " would overflow the FP32 scores",
+  return check_sm_scale(fn, p.sm_scale);
+}
+
+// 0 selects the default; a negative scale is not "the default" (the reference would
+// honour its sign), and above kMaxSmScale the FP32 scores overflow (qattn.h derives the
+// bound from the largest |q·k| of FP16-range inputs).
+qattn_status check_sm_scale(const char* fn, float sm_scale) {
+  if (!std::isfinite(sm_scale) || sm_scale < 0.f || sm_scale > kMaxSmScale)
+    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": sm_scale = ", sm_scale,
+                !std::isfinite(sm_scale) ? " is not finite"
+                : sm_scale < 0.f         ? " is negative"
+                                         : " would overflow the FP32 scores",
                 "; allowed: 0 (selects 1/sqrt(head_dim)) or a positive number up to ", kMaxSmScale,
                 " (QATTN_MAX_SM_SCALE)");
   return QATTN_OK;
@@ -364,8 +367,8 @@ qattn_status validate_backward(const char* fn, const qattn_bwd_params& p) {
   if (select_family(fn, p, nullptr, &support) == nullptr) return support;
 
   // ---- tensors: the inputs, the LSE, then the outputs (each alias-free) ----
-  const int64_t b = p.batch, hq = p.heads_q, hkv = p.heads_kv, nq = p.seqlen_q,
-                nkv = p.seqlen_kv, d = p.head_dim;
+  const int64_t b = p.batch, hq = p.heads_q, hkv = p.heads_kv, nq = p.seqlen_q, nkv = p.seqlen_kv,
+                d = p.head_dim;
   struct View {
     const char* name;
     const qattn_tensor* t;
@@ -402,8 +405,8 @@ qattn_status validate_workspace(const char* fn, const qattn_bwd_params& p, const
 }
 
 std::array<BufferSpan, 10> buffer_spans(const qattn_bwd_params& p, const void* workspace) {
-  const int64_t b = p.batch, hq = p.heads_q, hkv = p.heads_kv, nq = p.seqlen_q,
-                nkv = p.seqlen_kv, d = p.head_dim;
+  const int64_t b = p.batch, hq = p.heads_q, hkv = p.heads_kv, nq = p.seqlen_q, nkv = p.seqlen_kv,
+                d = p.head_dim;
   return {{{"q.data", p.q.data, view_span_bytes(p.q, b, hq, nq, d)},
            {"k.data", p.k.data, view_span_bytes(p.k, b, hkv, nkv, d)},
            {"v.data", p.v.data, view_span_bytes(p.v, b, hkv, nkv, d)},

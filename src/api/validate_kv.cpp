@@ -20,7 +20,7 @@ using checks::check_tensor;
 using checks::Named;
 using checks::Span;
 
-bool mul(int64_t a, int64_t b, int64_t* r) { return !__builtin_mul_overflow(a, b, r); }
+using checks::mul;
 
 kvcache::KvPageLayout layout_of(const qattn_kv_cache& c) {
   return kvcache::page_layout(static_cast<kvcache::KvFormat>(c.format), c.heads_kv, c.head_dim,
@@ -253,10 +253,7 @@ qattn_status read_decode(const char* fn, const qattn_kv_decode_params* caller,
       s)
     return s;
   if (auto s = check_flag(fn, "causal", p.causal); s) return s;
-  if (!std::isfinite(p.sm_scale) || p.sm_scale < 0.f || p.sm_scale > kMaxSmScale)
-    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": sm_scale = ", p.sm_scale,
-                "; allowed: 0 (selects 1/sqrt(head_dim)) or a positive number up to ", kMaxSmScale,
-                " (QATTN_MAX_SM_SCALE)");
+  if (auto s = checks::check_sm_scale(fn, p.sm_scale); s) return s;
   if (p.max_length < 0)
     return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": max_length = ", p.max_length,
                 "; allowed: 0 (the capacity) or an upper bound of the lengths");
