@@ -28,6 +28,14 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
                : "r"(addr));
 }
 
+// The same, transposed: lane l's row of matrix l / 8 lands as columns (the B fragment
+// of a [k][n] row-major tile).
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
 // The shared-memory row address lane `lane` passes to ldmatrix_x4 for an A fragment
 // (16 rows × 32 bytes at `base`, rows `stride` bytes apart): matrices (rows 0-7, bytes
 // 0-15), (8-15, 0-15), (0-7, 16-31), (8-15, 16-31).
@@ -77,6 +85,20 @@ __device__ __forceinline__ void red_add_v2(float* p, float a, float b) {
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
 }
+// cp.async of `kBytes` (4, 8 or 16) with zero fill: src_bytes = 0 writes zeros and reads
+// nothing (src must still be a valid address expression; it is not dereferenced).
+template <int kBytes>
+__device__ __forceinline__ void cp_async_zfill(uint32_t dst, const void* src, bool valid) {
+  const int src_bytes = valid ? kBytes : 0;
+  if constexpr (kBytes == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(src_bytes));
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src),
+                 "n"(kBytes), "r"(src_bytes));
+  }
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {

@@ -1,6 +1,6 @@
-// Reading the cache on the GPU: staging a tile of rows into shared memory
-// (cp.async, zero-filled for keys outside the chunk) and turning codes into the 16-bit
-// operands of the decode's tensor-core products. Every conversion here is exact:
+// Reading the cache on the GPU: turning a row's codes into the 16-bit operands of the
+// decode's tensor-core products (the staging itself is common/mma_sync.cuh's cp.async
+// with zero fill). Every conversion here is exact:
 //   NVFP4: E2M1 · E4M3 has at most 6 significant bits and lies in [2^-10, 2688], so it
 //          is exact in FP16 and in BF16 (the products a Blackwell block-scaled MMA forms);
 //   FP8 E4M3 and INT8 codes are exact in FP16 and BF16; their per-row FP32 scale is
@@ -14,31 +14,14 @@
 
 #include <cstdint>
 
+#include "cuda/common/mma_sync.cuh"
 #include "kvcache/layout.h"
 
 namespace qattn::kv_cache {
 
+using common::cp_async_zfill;
+using common::ldmatrix_x4_trans;
 using kvcache::KvFormat;
-
-// cp.async of `kBytes` (4, 8 or 16) with zero fill: src_bytes = 0 writes zeros and reads
-// nothing (src must still be a valid address expression; it is not dereferenced).
-template <int kBytes>
-__device__ __forceinline__ void cp_async_zfill(uint32_t dst, const void* src, bool valid) {
-  const int src_bytes = valid ? kBytes : 0;
-  if constexpr (kBytes == 16) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-                 "r"(src_bytes));
-  } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src),
-                 "n"(kBytes), "r"(src_bytes));
-  }
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
 
 // The FP16 bit patterns of two E2M1 codes (the low and high nibble of `byte`), each
 // 2^-14 times the E2M1 value: with the code's 3 magnitude bits at FP16 bits 11..9 the
