@@ -75,6 +75,14 @@ __device__ __forceinline__ void mma_16bit(float (&c)[4], const uint32_t (&a)[4],
   }
 }
 
+// The transpose of an 8×8 matrix of 16-bit elements held one pair per thread (row
+// lane/4, columns 2·(lane%4) and +1), returned in the same layout.
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t r;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(x));
+  return r;
+}
+
 // *p += a, *(p + 1) += b as one global reduction (sm_90: red.global.add.v2.f32); p is
 // 8-byte aligned.
 __device__ __forceinline__ void red_add_v2(float* p, float a, float b) {

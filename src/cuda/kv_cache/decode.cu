@@ -55,6 +55,7 @@ struct DecodeArgs {
   int64_t head_code_bytes, head_scale_bytes;
   int32_t code_row_bytes, scale_row_bytes;
   int32_t page_size, num_pages, max_pages_per_seq, capacity;
+  int32_t page_shift;  // log2(page_size) for a power of two, else -1
   const int32_t* block_tables;
   const int32_t* lengths;
   const float* k_mean;  // nullptr: no smoothing
@@ -693,6 +694,9 @@ DecodeArgs make_args(const qattn_kv_decode_params& p, const qattn_kv_cache& c, i
   a.code_row_bytes = static_cast<int32_t>(lay.code_row_bytes);
   a.scale_row_bytes = static_cast<int32_t>(lay.scale_row_bytes);
   a.page_size = c.page_size;
+  a.page_shift = -1;
+  for (int sh = 0; sh < 31; ++sh)
+    if ((int32_t{1} << sh) == c.page_size) a.page_shift = sh;
   a.num_pages = c.num_pages;
   a.max_pages_per_seq = c.max_pages_per_seq;
   a.capacity = c.max_pages_per_seq * c.page_size;
@@ -733,8 +737,14 @@ cudaError_t run(const DecodeArgs& a, int batch, cudaStream_t stream) {
   using S = Smem<DP, F>;
   if constexpr (F == KvFormat::NvFp4 && (DP == 64 || DP == 128)) {
     if (a.d == DP) {  // the register-direct kernel (decode_direct.cuh)
-      const dim3 grid(a.splits * ((a.rows + 15) / 16), a.heads_kv, batch);
-      direct::decode_direct_kernel<T, DP><<<grid, direct::kWarps * 32, 0, stream>>>(a);
+      // 8 query rows per CTA when the group × new tokens fit (one n-block), else 16.
+      if (a.rows <= 8) {
+        const dim3 grid(a.splits, a.heads_kv, batch);
+        direct::decode_direct_kernel<T, DP, 1><<<grid, direct::kWarps * 32, 0, stream>>>(a);
+      } else {
+        const dim3 grid(a.splits * ((a.rows + 15) / 16), a.heads_kv, batch);
+        direct::decode_direct_kernel<T, DP, 2><<<grid, direct::kWarps * 32, 0, stream>>>(a);
+      }
       if (a.splits > 1) {
         const int64_t rows = int64_t{batch} * a.heads_q * a.nq;
         const auto blocks =

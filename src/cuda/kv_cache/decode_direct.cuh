@@ -1,21 +1,31 @@
 // The register-direct decode of NVFP4 caches at head dim 64 and 128 (bench/NOTES.md
-// v24): no shared memory in the key loop and no barriers. Each warp owns 16 query rows
-// and every fourth 16-key block of its chunk, loads its keys' rows from the pages
-// straight into registers in the mma.sync fragment layout, and runs its own online
-// softmax; the CTA's four warps merge once at the end.
+// v24b, v25): no shared memory in the key loop and no barriers. Each warp owns 8 or 16
+// query rows and every fourth 16-key block of its chunk, loads its keys' rows from the
+// pages straight into registers, and runs its own online softmax; the CTA's four warps
+// merge once at the end.
 //
-// The layouts that make the loads contiguous (g = lane / 4, t = lane % 4, D the head dim):
-//   Q·Kᵀ: the head dimension is permuted for Q and K alike (a dot product does not
-//     change): k-step kd, slots 2t, 2t+1, 8+2t, 9+2t hold elements t·D/4 + 4kd + 0..3.
-//     So thread (g, t) needs elements [t·D/4, (t+1)·D/4) of key g: D/8 code bytes (one
-//     16-byte load at D = 128) and their D/64 scale bytes.
-//   P·V: the output columns are permuted (undone at the store): column c of n-block nb
-//     is element c·D/8 + nb. So thread (g, t) needs elements [g·D/8, (g+1)·D/8) of keys
-//     2t, 2t+1, 8+2t, 9+2t: D/16 code bytes each and one scale block (D = 128) or half
-//     of one (D = 64).
-// Both products are exact in 16 bits as in decode.cu (K̂ in BF16, V̂ in FP16, P split
-// into a high part and its remainder), so the result is the emulation's to FP32
-// rounding, as the tiled kernel's is.
+// The products are transposed so the keys fill the 16 rows of mma.sync m16n8k16 and the
+// few query rows (GQA group × new tokens) its 8 columns: Sᵀ = K̂·Qᵀ and Oᵀ += V̂ᵀ·Pᵀ.
+// With g = lane / 4, t = lane % 4 and D the head dim:
+//   Sᵀ: A = K̂ (keys g and 8 + g of the block), B = Qᵀ (query row g of the n-block). The
+//     head dimension is permuted for K and Q alike (a dot product does not change):
+//     thread (g, t) holds elements [t·D/4, (t+1)·D/4) of its keys, one 16-byte load of
+//     codes at D = 128. Word w of that range (elements 8w .. 8w+7 of it) feeds k-steps
+//     2w and 2w+1: slots (2t, 2t+1) get elements (0, 2) then (4, 6), slots (2t+8, 2t+9)
+//     get (1, 3) then (5, 7).
+//   Pᵀ: the Sᵀ accumulator holds (keys g, 8 + g) × (queries 2t, 2t+1); movmatrix
+//     transposes each 8×8 half into the B layout (keys 2t, 2t+1 | 8+2t, 9+2t × query g).
+//   Oᵀ: A = V̂ᵀ. Row g of m-tile mt is element g·D/8 + 2mt and row 8 + g is the next
+//     element, so thread (g, t) needs elements [g·D/8, (g+1)·D/8) of keys 2t, 2t+1,
+//     8+2t, 9+2t (one scale block, or half of one at D = 64) and ends up owning those
+//     D/8 contiguous output elements of its two query columns.
+// All operands are FP16 and exact: an E2M1 code read as FP16 bits is 2^-14 of its value,
+// and that times the E4M3 scale (a multiple of 2^-24 with at most 6 significant bits,
+// at most 0.17) is exactly K̂·2^-14 or V̂·2^-14; Q is scaled per row by a power of two
+// 2^e into [2^14, 2^15) (exact for every element within 2^31 of the row's largest); P
+// is split into a 16-bit high part and its remainder. The powers of two come off in
+// FP32 (scores: in the softmax scale; output: with 1/l), so the result is the
+// emulation's to FP32 rounding, as the tiled kernel's is.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -30,6 +40,7 @@ namespace qattn::kv_cache::direct {
 
 constexpr int kWarps = 4;
 constexpr int kBlock = 16;  // keys per step of a warp
+constexpr int kDepth = 2;   // blocks in flight per warp (one computed, the rest loading)
 
 // The raw bytes one thread holds for one 16-key block.
 template <int D>
@@ -44,80 +55,94 @@ struct Raw {
 };
 
 template <int D>
-__device__ __forceinline__ void load_block(const DecodeArgs& a, const int32_t* table, int hk,
+__device__ __forceinline__ void load_block(const DecodeArgs& a, const int32_t* table,
+                                           const uint8_t* k_codes, const uint8_t* v_codes,
+                                           const uint8_t* k_scales, const uint8_t* v_scales,
                                            int j0, int je, Raw<D>& r) {
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   r.bad = false;
-  // The codes and scales rows of key j (nullptr outside [jb, je) or for a bad entry,
-  // which zero-fills the registers).
-  auto rows = [&](int j, bool v, const uint8_t*& codes, const uint8_t*& scales) {
-    codes = scales = nullptr;
+  // The byte offset of key j's page plus its slot (-1 outside [jb, je) or for a bad
+  // entry, which zero-fills the registers).
+  auto locate = [&](int j, int64_t& page_off, int& slot) {
+    page_off = -1;
     if (j >= je) return;
-    const int32_t p = __ldg(table + j / a.page_size);
+    const int pi = a.page_shift >= 0 ? j >> a.page_shift : j / a.page_size;
+    slot = a.page_shift >= 0 ? j & (a.page_size - 1) : j - pi * a.page_size;
+    const int32_t p = __ldg(table + pi);
     if (p < 0 || p >= a.num_pages) {
       r.bad = true;
       return;
     }
-    const int64_t slot = j % a.page_size;
-    const uint8_t* page = a.pages + p * a.page_bytes;
-    codes = page + (v ? a.v_codes : a.k_codes) + hk * a.head_code_bytes + slot * a.code_row_bytes;
-    scales =
-        page + (v ? a.v_scales : a.k_scales) + hk * a.head_scale_bytes + slot * a.scale_row_bytes;
+    page_off = p * a.page_bytes;
   };
-  const uint8_t *codes, *scales;
+  int64_t off;
+  int slot = 0;
   for (int i = 0; i < 2; ++i) {
-    rows(j0 + 8 * i + g, false, codes, scales);
+    locate(j0 + 8 * i + g, off, slot);
+    const bool ok = off >= 0;
+    const uint8_t* codes = k_codes + off + slot * a.code_row_bytes;
+    const uint8_t* scales = k_scales + off + slot * a.scale_row_bytes;
     if constexpr (D == 128) {
       const uint4 w =
-          codes ? __ldg(reinterpret_cast<const uint4*>(codes + 16 * t)) : make_uint4(0, 0, 0, 0);
+          ok ? __ldg(reinterpret_cast<const uint4*>(codes + 16 * t)) : make_uint4(0, 0, 0, 0);
       r.k[i][0] = w.x, r.k[i][1] = w.y, r.k[i][2] = w.z, r.k[i][3] = w.w;
-      r.k_scales[i] = scales ? __ldg(reinterpret_cast<const uint16_t*>(scales + 2 * t)) : 0u;
+      r.k_scales[i] = ok ? __ldg(reinterpret_cast<const uint16_t*>(scales + 2 * t)) : 0u;
     } else {
-      const uint2 w =
-          codes ? __ldg(reinterpret_cast<const uint2*>(codes + 8 * t)) : make_uint2(0, 0);
+      const uint2 w = ok ? __ldg(reinterpret_cast<const uint2*>(codes + 8 * t)) : make_uint2(0, 0);
       r.k[i][0] = w.x, r.k[i][1] = w.y;
-      r.k_scales[i] = scales ? __ldg(scales + t) : 0u;
+      r.k_scales[i] = ok ? __ldg(scales + t) : 0u;
     }
   }
   const int vkeys[4] = {2 * t, 2 * t + 1, 8 + 2 * t, 9 + 2 * t};
   for (int i = 0; i < 4; ++i) {
-    rows(j0 + vkeys[i], true, codes, scales);
+    locate(j0 + vkeys[i], off, slot);
+    const bool ok = off >= 0;
+    const uint8_t* codes = v_codes + off + slot * a.code_row_bytes;
+    const uint8_t* scales = v_scales + off + slot * a.scale_row_bytes;
     if constexpr (D == 128) {
-      const uint2 w =
-          codes ? __ldg(reinterpret_cast<const uint2*>(codes + 8 * g)) : make_uint2(0, 0);
+      const uint2 w = ok ? __ldg(reinterpret_cast<const uint2*>(codes + 8 * g)) : make_uint2(0, 0);
       r.v[i][0] = w.x, r.v[i][1] = w.y;
-      r.v_scales[i] = scales ? __ldg(scales + g) : 0u;
+      r.v_scales[i] = ok ? __ldg(scales + g) : 0u;
     } else {
-      r.v[i][0] = codes ? __ldg(reinterpret_cast<const uint32_t*>(codes + 4 * g)) : 0u;
-      r.v_scales[i] = scales ? __ldg(scales + g / 2) : 0u;
+      r.v[i][0] = ok ? __ldg(reinterpret_cast<const uint32_t*>(codes + 4 * g)) : 0u;
+      r.v_scales[i] = ok ? __ldg(scales + g / 2) : 0u;
     }
   }
 }
 
-// (code·2^-14)·2^14·s for the two nibbles of `pair_bits` (e2m1x2_as_f16x2_bits) and the
-// two FP16 scales of s2: exact in FP16 (dequant.cuh).
-__device__ __forceinline__ __half2 fp4_pair(uint32_t pair_bits, __half2 s2) {
-  return __hmul2(__hmul2(as_half2(pair_bits), __float2half2_rn(16384.f)), s2);
+// The FP16 high bytes (sign, then the 3 magnitude bits at bits 3..1; the low byte is
+// 0) of the eight E2M1 codes of `w`: `even` holds those of nibbles 0, 2, 4, 6 in bytes
+// 0..3, `odd` those of nibbles 1, 3, 5, 7. Each is 2^-14 of the code's value.
+__device__ __forceinline__ void e2m1_high_bytes(uint32_t w, uint32_t& even, uint32_t& odd) {
+  even = ((w << 4) & 0x80808080u) | ((w << 1) & 0x0E0E0E0Eu);
+  odd = (w & 0x80808080u) | ((w >> 3) & 0x0E0E0E0Eu);
 }
 
-// The nibble `e` of a row's words as the FP16 bit pattern (2^-14 of its E2M1 value) in
-// the low (hi = false) or high half.
-__device__ __forceinline__ uint32_t nibble_bits(uint32_t word, int shift, bool hi) {
-  const uint32_t n = (word >> shift) & 0xFu;
-  const uint32_t b = ((n & 0x7u) << 9) | ((n & 0x8u) << 12);
-  return hi ? b << 16 : b;
+// An FP16 pair from two high bytes of x: selector 0x1404 takes bytes 0 and 1, 0x3424
+// bytes 2 and 3, 0x2404 bytes 0 and 2, 0x3414 bytes 1 and 3.
+template <uint32_t kSel>
+__device__ __forceinline__ uint32_t f16_pair(uint32_t x) {
+  return __byte_perm(x, 0u, kSel);
 }
 
-template <typename T, int D>
-__global__ void __launch_bounds__(kWarps * 32) decode_direct_kernel(const DecodeArgs a) {
-  constexpr int kKd = D / 16;  // k-steps of Q·Kᵀ
-  constexpr int kNb = D / 8;   // n-blocks of P·V
-  constexpr int kQ4 = D / 4;   // elements of Q (and K) per thread
-  __shared__ float s_o[kWarps - 1][kNb * 4][32];
-  __shared__ float s_ml[kWarps - 1][4][32];
+__device__ __forceinline__ uint32_t scaled(uint32_t pair, __half2 s2) {
+  return bits_of(__hmul2(as_half2(pair), s2));
+}
+
+// 2^e as a float for e in [-126, 127].
+__device__ __forceinline__ float pow2(int e) { return __uint_as_float(uint32_t(e + 127) << 23); }
+
+template <typename T, int D, int NQB>
+__global__ void __launch_bounds__(kWarps * 32, NQB == 1 ? 4 : 2) decode_direct_kernel(const DecodeArgs a) {
+  constexpr int kKd = D / 16;   // k-steps of Sᵀ
+  constexpr int kMt = D / 16;   // m-tiles of Oᵀ
+  constexpr int kRange = D / 8;  // output elements per thread and column
+  constexpr int kRows = 8 * NQB;
+  __shared__ float s_o[kWarps - 1][NQB * kMt * 4][32];
+  __shared__ float s_ml[kWarps - 1][NQB * 4][32];
   __shared__ int s_bad;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
-  const int split = blockIdx.x % a.splits, row0 = (blockIdx.x / a.splits) * 16;
+  const int split = blockIdx.x % a.splits, row0 = (blockIdx.x / a.splits) * kRows;
   const int hk = blockIdx.y, b = blockIdx.z;
   if (threadIdx.x == 0) s_bad = 0;
 
@@ -127,215 +152,292 @@ __global__ void __launch_bounds__(kWarps * 32) decode_direct_kernel(const Decode
   const int chunk = (L + a.splits - 1) / a.splits;
   const int jb = min(L, split * chunk), je = min(L, (split + 1) * chunk);
   const int32_t* table = a.block_tables + int64_t{b} * a.max_pages_per_seq;
+  const uint8_t* k_codes = a.pages + a.k_codes + hk * a.head_code_bytes;
+  const uint8_t* v_codes = a.pages + a.v_codes + hk * a.head_code_bytes;
+  const uint8_t* k_scales = a.pages + a.k_scales + hk * a.head_scale_bytes;
+  const uint8_t* v_scales = a.pages + a.v_scales + hk * a.head_scale_bytes;
 
-  // Q fragments (BF16, permuted head dimension) and q·c of the thread's two rows.
-  uint32_t qa[kKd][4];
-  float qc[2] = {0.f, 0.f};
-  int lim[2];
+  // Q as the B operand: query row row0 + 8qb + g, the permuted head dimension (above),
+  // BF16-rounded as the emulation's, then times 2^e in FP16. q·c of that row.
+  uint32_t qf[NQB][kKd][2];
+  float qc[NQB];
+  float col_scale[NQB][2];  // score → log2-domain logit of columns 2t, 2t+1
+  int lim[NQB][2];          // last visible key of those columns
   const float* c = a.k_mean != nullptr ? a.k_mean + (int64_t{b} * a.heads_kv + hk) * D : nullptr;
-  for (int h = 0; h < 2; ++h) {
-    const int r = row0 + g + 8 * h;
+#pragma unroll
+  for (int qb = 0; qb < NQB; ++qb) {
+    const int r = row0 + 8 * qb + g;
     const bool real = r < a.rows;
     const int rr = real ? r : a.rows - 1;
     const int i = rr % a.nq, hq = hk * a.group + rr / a.nq;
-    lim[h] = a.causal ? i + L - a.nq : INT32_MAX;
-    const T* q = static_cast<const T*>(a.q) + b * a.q_sb + hq * a.q_sh + i * a.q_sn + t * kQ4;
-    for (int kd = 0; kd < kKd; ++kd) {
-      float x[4];
-      for (int e = 0; e < 4; ++e) {
-        const float v = real ? to_float(q[4 * kd + e]) : 0.f;
-        x[e] = __bfloat162float(__float2bfloat16_rn(v));
-        if (c != nullptr) qc[h] += x[e] * __ldg(c + t * kQ4 + 4 * kd + e);
-      }
-      qa[kd][h] = bits_of(__floats2bfloat162_rn(x[0], x[1]));      // a0 / a1
-      qa[kd][2 + h] = bits_of(__floats2bfloat162_rn(x[2], x[3]));  // a2 / a3
+    const T* q = static_cast<const T*>(a.q) + b * a.q_sb + hq * a.q_sh + i * a.q_sn + t * (D / 4);
+    float x[D / 4];
+    float amax = 0.f, dot = 0.f;
+#pragma unroll
+    for (int e = 0; e < D / 4; ++e) {
+      x[e] = real ? __bfloat162float(__float2bfloat16_rn(to_float(q[e]))) : 0.f;
+      amax = fmaxf(amax, fabsf(x[e]));
+      if (c != nullptr) dot += x[e] * __ldg(c + t * (D / 4) + e);
     }
-    qc[h] += __shfl_xor_sync(0xffffffffu, qc[h], 1);
-    qc[h] += __shfl_xor_sync(0xffffffffu, qc[h], 2);
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    dot += __shfl_xor_sync(0xffffffffu, dot, 1);
+    dot += __shfl_xor_sync(0xffffffffu, dot, 2);
+    qc[qb] = dot;
+    // e with amax·2^e in [2^14, 2^15): 14 minus amax's exponent, kept a normal float.
+    const int ex = static_cast<int>((__float_as_uint(amax) >> 23) & 0xFFu) - 127;
+    const int e = max(-112, min(127, 14 - ex));
+    const float up = pow2(e);
+#pragma unroll
+    for (int w = 0; w < D / 32; ++w) {
+      const float* y = x + 8 * w;
+      qf[qb][2 * w][0] = bits_of(__floats2half2_rn(y[0] * up, y[2] * up));
+      qf[qb][2 * w][1] = bits_of(__floats2half2_rn(y[1] * up, y[3] * up));
+      qf[qb][2 * w + 1][0] = bits_of(__floats2half2_rn(y[4] * up, y[6] * up));
+      qf[qb][2 * w + 1][1] = bits_of(__floats2half2_rn(y[5] * up, y[7] * up));
+    }
+    for (int cc = 0; cc < 2; ++cc) {
+      const int ec = __shfl_sync(0xffffffffu, e, 4 * (2 * t + cc));
+      col_scale[qb][cc] = a.scale_log2 * pow2(14 - ec);
+      const int rc = row0 + 8 * qb + 2 * t + cc;
+      lim[qb][cc] = a.causal ? (rc < a.rows ? rc % a.nq : 0) + L - a.nq : INT32_MAX;
+    }
   }
 
-  float o[kNb][4];
-  for (auto& x : o) x[0] = x[1] = x[2] = x[3] = 0.f;
-  float m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f};
+  float o[NQB][kMt][4];
+  for (auto& ob : o)
+    for (auto& x : ob) x[0] = x[1] = x[2] = x[3] = 0.f;
+  float m[NQB][2], l[NQB][2];  // l: this thread's keys only (summed over g at the end)
+  for (int qb = 0; qb < NQB; ++qb) m[qb][0] = m[qb][1] = kNegInf, l[qb][0] = l[qb][1] = 0.f;
   bool bad = false;
 
   const int nblocks = (je - jb + kBlock - 1) / kBlock;
   auto compute = [&](const Raw<D>& r, int blk) {
     const int j0 = jb + blk * kBlock;
-    // ---- S = Q·K̂ᵀ: two n-blocks (keys j0 + g and j0 + 8 + g as loaded) ----
-    float s[2][4] = {};
+    // ---- Sᵀ = K̂·Qᵀ ----
+    float s[NQB][4] = {};
+    __half2 ks[2][2];  // the K scales of keys g, 8+g: blocks 2t and 2t+1 of D = 128
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
+      const __half2 pair = as_half2(e4m3x2_to_f16x2_bits(static_cast<uint16_t>(r.k_scales[i])));
+      ks[i][0] = __low2half2(pair);
+      ks[i][1] = __high2half2(pair);
+    }
 #pragma unroll
-      for (int kd = 0; kd < kKd; ++kd) {
-        // Elements 4kd .. 4kd+3 of the thread's range: bytes 2kd and 2kd+1.
-        const uint32_t word = r.k[i][kd / 2];
-        const int sh = 16 * (kd % 2);
-        const uint8_t sc = static_cast<uint8_t>(r.k_scales[i] >> (8 * (kd / 4)));
-        const __half2 s2 = __half2half2(e4m3_to_half(sc));
-        const uint32_t b0 = e2m1x2_as_f16x2_bits((word >> sh) & 0xFFu);
-        const uint32_t b1 = e2m1x2_as_f16x2_bits((word >> (sh + 8)) & 0xFFu);
-        const uint32_t k0 = f16x2_to_bf16x2(bits_of(fp4_pair(b0, s2)));
-        const uint32_t k1 = f16x2_to_bf16x2(bits_of(fp4_pair(b1, s2)));
-        common::mma_16bit<__nv_bfloat16>(s[i], qa[kd], k0, k1);
+    for (int w = 0; w < D / 32; ++w) {
+      uint32_t ev[2], od[2];
+      e2m1_high_bytes(r.k[0][w], ev[0], od[0]);
+      e2m1_high_bytes(r.k[1][w], ev[1], od[1]);
+      const __half2 s0 = ks[0][w / 2], s1 = ks[1][w / 2];
+      const uint32_t a0[4] = {scaled(f16_pair<0x1404>(ev[0]), s0),
+                              scaled(f16_pair<0x1404>(ev[1]), s1),
+                              scaled(f16_pair<0x1404>(od[0]), s0),
+                              scaled(f16_pair<0x1404>(od[1]), s1)};
+      const uint32_t a1[4] = {scaled(f16_pair<0x3424>(ev[0]), s0),
+                              scaled(f16_pair<0x3424>(ev[1]), s1),
+                              scaled(f16_pair<0x3424>(od[0]), s0),
+                              scaled(f16_pair<0x3424>(od[1]), s1)};
+#pragma unroll
+      for (int qb = 0; qb < NQB; ++qb) {
+        common::mma_16bit<__half>(s[qb], a0, qf[qb][2 * w][0], qf[qb][2 * w][1]);
+        common::mma_16bit<__half>(s[qb], a1, qf[qb][2 * w + 1][0], qf[qb][2 * w + 1][1]);
       }
     }
-    // ---- online softmax: columns 2t, 2t+1 of n-block i are keys j0 + 8i + 2t (+1) ----
-    float mx[2] = {kNegInf, kNegInf};
+    // ---- online softmax per query column (keys are rows: j0 + g and j0 + 8 + g) ----
+    uint32_t ph[NQB][2], pl[NQB][2];  // Pᵀ high and low parts in the B layout
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+    for (int qb = 0; qb < NQB; ++qb) {
+      float alpha[2];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int j = j0 + 8 * i + 2 * t + (e & 1);
-        const bool vis = j < je && j <= lim[e >> 1];
-        const float x = vis ? s[i][e] * a.scale_log2 : kNegInf;
-        s[i][e] = x;
-        mx[e >> 1] = fmaxf(mx[e >> 1], x);
+      for (int cc = 0; cc < 2; ++cc) {
+        float mx = kNegInf;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int j = j0 + 8 * h + g;
+          const bool vis = j < je && j <= lim[qb][cc];
+          const float x = vis ? s[qb][2 * h + cc] * col_scale[qb][cc] : kNegInf;
+          s[qb][2 * h + cc] = x;
+          mx = fmaxf(mx, x);
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+        const float m_new = fmaxf(m[qb][cc], mx);
+        alpha[cc] = m_new == kNegInf ? 1.f : exp2f(m[qb][cc] - m_new);
+        m[qb][cc] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float x = s[qb][2 * h + cc];
+          const float p = x == kNegInf ? 0.f : exp2f(x - m_new);
+          s[qb][2 * h + cc] = p;
+          sum += p;
+        }
+        l[qb][cc] = l[qb][cc] * alpha[cc] + sum;
       }
-    float alpha[2];
-    for (int h = 0; h < 2; ++h) {
-      const float m_new = fmaxf(m[h], quad_max(mx[h]));
-      alpha[h] = m_new == kNegInf ? 1.f : exp2f(m[h] - m_new);
-      m[h] = m_new;
-    }
-    float rowsum[2] = {0.f, 0.f};
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float x = s[i][e];
-        const float p = x == kNegInf ? 0.f : exp2f(x - m[e >> 1]);
-        rowsum[e >> 1] += p;
-        s[i][e] = p;
+      for (int mt = 0; mt < kMt; ++mt) {
+        o[qb][mt][0] *= alpha[0];
+        o[qb][mt][1] *= alpha[1];
+        o[qb][mt][2] *= alpha[0];
+        o[qb][mt][3] *= alpha[1];
       }
-    for (int h = 0; h < 2; ++h) l[h] = l[h] * alpha[h] + rowsum[h];
-#pragma unroll
-    for (int nb = 0; nb < kNb; ++nb) {
-      o[nb][0] *= alpha[0];
-      o[nb][1] *= alpha[0];
-      o[nb][2] *= alpha[1];
-      o[nb][3] *= alpha[1];
+      uint32_t hi, lo;
+      split_pair<__half>(s[qb][0], s[qb][1], hi, lo);  // key g, queries 2t, 2t+1
+      ph[qb][0] = common::movmatrix_trans(hi);
+      pl[qb][0] = common::movmatrix_trans(lo);
+      split_pair<__half>(s[qb][2], s[qb][3], hi, lo);  // key 8 + g
+      ph[qb][1] = common::movmatrix_trans(hi);
+      pl[qb][1] = common::movmatrix_trans(lo);
     }
-    // ---- o += P·V̂: P's slots are the keys' positions in the block ----
-    uint32_t hi[4], lo[4];
-    split_pair<__half>(s[0][0], s[0][1], hi[0], lo[0]);
-    split_pair<__half>(s[0][2], s[0][3], hi[1], lo[1]);
-    split_pair<__half>(s[1][0], s[1][1], hi[2], lo[2]);
-    split_pair<__half>(s[1][2], s[1][3], hi[3], lo[3]);
-    // Scales of the keys (2t, 2t+1) and (8+2t, 9+2t), as FP16 pairs.
-    const __half2 sv01 = __halves2half2(e4m3_to_half(static_cast<uint8_t>(r.v_scales[0])),
-                                        e4m3_to_half(static_cast<uint8_t>(r.v_scales[1])));
-    const __half2 sv23 = __halves2half2(e4m3_to_half(static_cast<uint8_t>(r.v_scales[2])),
-                                        e4m3_to_half(static_cast<uint8_t>(r.v_scales[3])));
-    // Element nb of the thread's V range: nibble nb of its words (D = 64: the range is
-    // the upper or lower half of a scale block's 16 elements, 4 bytes from 4·g).
+    // ---- Oᵀ += V̂ᵀ·Pᵀ: pairs of keys (2t, 2t+1) and (8+2t, 9+2t) at one element ----
+    const __half2 vs01 = as_half2(
+        e4m3x2_to_f16x2_bits(static_cast<uint16_t>(r.v_scales[0] | (r.v_scales[1] << 8))));
+    const __half2 vs23 = as_half2(
+        e4m3x2_to_f16x2_bits(static_cast<uint16_t>(r.v_scales[2] | (r.v_scales[3] << 8))));
 #pragma unroll
-    for (int nb = 0; nb < kNb; ++nb) {
-      const int word = nb / 8, sh = 4 * (nb % 8);
-      const uint32_t p01 =
-          nibble_bits(r.v[0][word], sh, false) | nibble_bits(r.v[1][word], sh, true);
-      const uint32_t p23 =
-          nibble_bits(r.v[2][word], sh, false) | nibble_bits(r.v[3][word], sh, true);
-      const uint32_t b0 = bits_of(fp4_pair(p01, sv01));
-      const uint32_t b1 = bits_of(fp4_pair(p23, sv23));
-      common::mma_16bit<__half>(o[nb], hi, b0, b1);
-      common::mma_16bit<__half>(o[nb], lo, b0, b1);
-    }
+    for (int w = 0; w < Raw<D>::kVWords; ++w)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        // Bytes 2·half and 2·half+1 of word w of each key: m-tiles 4w + 2·half (+1).
+        uint32_t ev[2], od[2];
+        const uint32_t sel = half == 0 ? 0x5410u : 0x7632u;
+        e2m1_high_bytes(__byte_perm(r.v[0][w], r.v[1][w], sel), ev[0], od[0]);
+        e2m1_high_bytes(__byte_perm(r.v[2][w], r.v[3][w], sel), ev[1], od[1]);
+#pragma unroll
+        for (int sub = 0; sub < 2; ++sub) {
+          const int mt = 4 * w + 2 * half + sub;
+          uint32_t av[4];
+          if (sub == 0) {
+            av[0] = scaled(f16_pair<0x2404>(ev[0]), vs01);
+            av[1] = scaled(f16_pair<0x2404>(od[0]), vs01);
+            av[2] = scaled(f16_pair<0x2404>(ev[1]), vs23);
+            av[3] = scaled(f16_pair<0x2404>(od[1]), vs23);
+          } else {
+            av[0] = scaled(f16_pair<0x3414>(ev[0]), vs01);
+            av[1] = scaled(f16_pair<0x3414>(od[0]), vs01);
+            av[2] = scaled(f16_pair<0x3414>(ev[1]), vs23);
+            av[3] = scaled(f16_pair<0x3414>(od[1]), vs23);
+          }
+#pragma unroll
+          for (int qb = 0; qb < NQB; ++qb) {
+            common::mma_16bit<__half>(o[qb][mt], av, ph[qb][0], ph[qb][1]);
+            common::mma_16bit<__half>(o[qb][mt], av, pl[qb][0], pl[qb][1]);
+          }
+        }
+      }
   };
 
-  // Two blocks in flight per warp: one computed while the other loads.
-  Raw<D> r0, r1;
-  int blk = warp;
-  if (blk < nblocks) load_block<D>(a, table, hk, jb + blk * kBlock, je, r0);
-  if (blk + kWarps < nblocks) load_block<D>(a, table, hk, jb + (blk + kWarps) * kBlock, je, r1);
-  for (; blk < nblocks; blk += 2 * kWarps) {
-    compute(r0, blk);
-    bad |= r0.bad;
-    if (blk + 2 * kWarps < nblocks)
-      load_block<D>(a, table, hk, jb + (blk + 2 * kWarps) * kBlock, je, r0);
-    if (blk + kWarps >= nblocks) break;
-    compute(r1, blk + kWarps);
-    bad |= r1.bad;
-    if (blk + 3 * kWarps < nblocks)
-      load_block<D>(a, table, hk, jb + (blk + 3 * kWarps) * kBlock, je, r1);
+  // kDepth blocks in flight per warp: each is computed, then refilled kDepth ahead.
+  Raw<D> ring[kDepth];
+#pragma unroll
+  for (int s = 0; s < kDepth; ++s) {
+    const int blk = warp + s * kWarps;
+    if (blk < nblocks)
+      load_block<D>(a, table, k_codes, v_codes, k_scales, v_scales, jb + blk * kBlock, je,
+                    ring[s]);
+  }
+  for (int base = warp; base < nblocks; base += kDepth * kWarps) {
+#pragma unroll
+    for (int s = 0; s < kDepth; ++s) {
+      const int blk = base + s * kWarps;
+      if (blk >= nblocks) break;
+      compute(ring[s], blk);
+      bad |= ring[s].bad;
+      const int next = blk + kDepth * kWarps;
+      if (next < nblocks)
+        load_block<D>(a, table, k_codes, v_codes, k_scales, v_scales, jb + next * kBlock, je,
+                      ring[s]);
+    }
   }
 
   // ---- merge the four warps (same fragment layout: lane by lane) ----
-  for (int h = 0; h < 2; ++h) l[h] = quad_sum(l[h]);
+  for (int qb = 0; qb < NQB; ++qb)
+    for (int cc = 0; cc < 2; ++cc) {
+      float x = l[qb][cc];
+      x += __shfl_xor_sync(0xffffffffu, x, 4);
+      x += __shfl_xor_sync(0xffffffffu, x, 8);
+      l[qb][cc] = x + __shfl_xor_sync(0xffffffffu, x, 16);
+    }
   __syncthreads();  // s_bad initialized
   if (bad) s_bad = 1;
   if (warp > 0) {
-    for (int nb = 0; nb < kNb; ++nb)
-      for (int e = 0; e < 4; ++e) s_o[warp - 1][nb * 4 + e][lane] = o[nb][e];
-    s_ml[warp - 1][0][lane] = m[0];
-    s_ml[warp - 1][1][lane] = m[1];
-    s_ml[warp - 1][2][lane] = l[0];
-    s_ml[warp - 1][3][lane] = l[1];
+    for (int qb = 0; qb < NQB; ++qb) {
+      for (int mt = 0; mt < kMt; ++mt)
+        for (int e = 0; e < 4; ++e) s_o[warp - 1][(qb * kMt + mt) * 4 + e][lane] = o[qb][mt][e];
+      for (int cc = 0; cc < 2; ++cc) {
+        s_ml[warp - 1][qb * 4 + cc][lane] = m[qb][cc];
+        s_ml[warp - 1][qb * 4 + 2 + cc][lane] = l[qb][cc];
+      }
+    }
   }
   __syncthreads();
   if (warp > 0) return;
-  float w[kWarps][2];
-  for (int h = 0; h < 2; ++h) {
-    float M = m[h];
-    for (int k = 0; k < kWarps - 1; ++k) M = fmaxf(M, s_ml[k][h][lane]);
-    w[0][h] = m[h] == kNegInf ? 0.f : exp2f(m[h] - M);
-    float lsum = w[0][h] * l[h];
-    for (int k = 0; k < kWarps - 1; ++k) {
-      const float mk = s_ml[k][h][lane];
-      w[k + 1][h] = mk == kNegInf ? 0.f : exp2f(mk - M);
-      lsum += w[k + 1][h] * s_ml[k][2 + h][lane];
-    }
-    m[h] = M;
-    l[h] = lsum;
-  }
-#pragma unroll
-  for (int nb = 0; nb < kNb; ++nb)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float acc = w[0][e >> 1] * o[nb][e];
-      for (int k = 0; k < kWarps - 1; ++k) acc += w[k + 1][e >> 1] * s_o[k][nb * 4 + e][lane];
-      o[nb][e] = acc;
-    }
-
-  // ---- outputs: column c of n-block nb is element c·D/8 + nb; this thread's columns
-  // 2t and 2t+1 are elements [2t·D/8, (2t+2)·D/8) ----
   const bool any_bad = bad_length || s_bad != 0;
   const float nan = __int_as_float(0x7fc00000);
-  for (int h = 0; h < 2; ++h) {
-    const int r = row0 + g + 8 * h;
-    if (r >= a.rows) continue;
-    const int i = r % a.nq, hq = hk * a.group + r / a.nq;
-    const bool empty = m[h] == kNegInf;
-    const float inv = empty ? 0.f : 1.f / l[h];
-    const int64_t out_row = (int64_t{b} * a.heads_q + hq) * a.nq + i;
-    if (a.splits == 1) {
-      T* orow = static_cast<T*>(a.o) + b * a.o_sb + hq * a.o_sh + i * a.o_sn;
-      for (int half = 0; half < 2; ++half) {
-        T* dst = orow + (2 * t + half) * kNb;
 #pragma unroll
-        for (int nb = 0; nb < kNb; nb += 2) {
-          const float x0 = any_bad ? nan : o[nb][2 * h + half] * inv;
-          const float x1 = any_bad ? nan : o[nb + 1][2 * h + half] * inv;
-          if constexpr (std::is_same_v<T, __half>)
-            *reinterpret_cast<__half2*>(dst + nb) = __floats2half2_rn(x0, x1);
-          else
-            *reinterpret_cast<__nv_bfloat162*>(dst + nb) = __floats2bfloat162_rn(x0, x1);
-        }
+  for (int qb = 0; qb < NQB; ++qb) {
+    float wgt[kWarps][2];
+    for (int cc = 0; cc < 2; ++cc) {
+      float M = m[qb][cc];
+      for (int k = 0; k < kWarps - 1; ++k) M = fmaxf(M, s_ml[k][qb * 4 + cc][lane]);
+      wgt[0][cc] = m[qb][cc] == kNegInf ? 0.f : exp2f(m[qb][cc] - M);
+      float lsum = wgt[0][cc] * l[qb][cc];
+      for (int k = 0; k < kWarps - 1; ++k) {
+        const float mk = s_ml[k][qb * 4 + cc][lane];
+        wgt[k + 1][cc] = mk == kNegInf ? 0.f : exp2f(mk - M);
+        lsum += wgt[k + 1][cc] * s_ml[k][qb * 4 + 2 + cc][lane];
       }
-      if (a.lse != nullptr && t == 0)
-        a.lse[out_row] = any_bad ? nan
-                         : empty ? kNegInf
-                                 : (m[h] + log2f(l[h])) * kLn2 + a.sm_scale * qc[h];
-    } else {
-      float* op = a.o_part + (out_row * a.splits + split) * D;
-      for (int half = 0; half < 2; ++half)
-        for (int nb = 0; nb < kNb; ++nb)
-          op[(2 * t + half) * kNb + nb] = any_bad ? nan : o[nb][2 * h + half] * inv;
-      if (t == 0) {
-        a.lse_part[out_row * a.splits + split] = any_bad ? nan
-                                                 : empty ? kNegInf
-                                                         : m[h] + log2f(l[h]);
-        if (split == 0) a.qc_part[out_row] = qc[h];
+      m[qb][cc] = M;
+      l[qb][cc] = lsum;
+    }
+#pragma unroll
+    for (int mt = 0; mt < kMt; ++mt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float acc = wgt[0][e & 1] * o[qb][mt][e];
+        for (int k = 0; k < kWarps - 1; ++k)
+          acc += wgt[k + 1][e & 1] * s_o[k][(qb * kMt + mt) * 4 + e][lane];
+        o[qb][mt][e] = acc;
+      }
+    // ---- outputs: column cc is query row row0 + 8qb + 2t + cc; this thread owns its
+    // elements [g·D/8, (g+1)·D/8): element g·D/8 + 2mt + h is o[qb][mt][2h + cc] ----
+    const float qc_row[2] = {__shfl_sync(0xffffffffu, qc[qb], 4 * (2 * t)),
+                             __shfl_sync(0xffffffffu, qc[qb], 4 * (2 * t + 1))};
+    for (int cc = 0; cc < 2; ++cc) {
+      const int r = row0 + 8 * qb + 2 * t + cc;
+      if (r >= a.rows) continue;
+      const int i = r % a.nq, hq = hk * a.group + r / a.nq;
+      const bool empty = m[qb][cc] == kNegInf;
+      const float inv = empty ? 0.f : 16384.f / l[qb][cc];  // 2^14: V̂ was read as V̂·2^-14
+      const int64_t out_row = (int64_t{b} * a.heads_q + hq) * a.nq + i;
+      float y[kRange];
+#pragma unroll
+      for (int mt = 0; mt < kMt; ++mt) {
+        y[2 * mt] = any_bad ? nan : o[qb][mt][cc] * inv;
+        y[2 * mt + 1] = any_bad ? nan : o[qb][mt][2 + cc] * inv;
+      }
+      const float lse2 = any_bad ? nan : empty ? kNegInf : m[qb][cc] + log2f(l[qb][cc]);
+      if (a.splits == 1) {
+        T* dst = static_cast<T*>(a.o) + b * a.o_sb + hq * a.o_sh + i * a.o_sn + g * kRange;
+#pragma unroll
+        for (int e = 0; e < kRange; e += 2) {
+          if constexpr (std::is_same_v<T, __half>)
+            *reinterpret_cast<__half2*>(dst + e) = __floats2half2_rn(y[e], y[e + 1]);
+          else
+            *reinterpret_cast<__nv_bfloat162*>(dst + e) = __floats2bfloat162_rn(y[e], y[e + 1]);
+        }
+        if (a.lse != nullptr && g == 0)
+          a.lse[out_row] = any_bad || empty ? lse2 : lse2 * kLn2 + a.sm_scale * qc_row[cc];
+      } else {
+        float* op = a.o_part + (out_row * a.splits + split) * D + g * kRange;
+#pragma unroll
+        for (int e = 0; e < kRange; e += 4)
+          *reinterpret_cast<float4*>(op + e) = make_float4(y[e], y[e + 1], y[e + 2], y[e + 3]);
+        if (g == 0) {
+          a.lse_part[out_row * a.splits + split] = lse2;
+          if (split == 0) a.qc_part[out_row] = qc_row[cc];
+        }
       }
     }
   }
