@@ -20,11 +20,11 @@ namespace {
 constexpr std::array<api::Arch, 1> kArchs{{{9, 0}}};
 
 // A decode runs one CTA per (sequence, KV head, chunk). Splitting the keys pays when
-// batch × heads_kv leaves SMs idle: aim for at most one wave of the NVFP4 decode (four
-// CTAs per SM of a 132-SM H100/H200; rounding down, so no second wave of a few CTAs;
-// the sizes alone decide, so the workspace size needs no device), and keep each chunk
-// at least kMinChunk keys so the merge stays a small part of the work.
-constexpr int64_t kTargetCtas = 4 * 132;
+// batch × heads_kv leaves SMs idle: aim for one wave of the NVFP4 decode (three CTAs per
+// SM of a 132-SM H100/H200 at once; rounding down, so no second wave of a few CTAs; the
+// sizes alone decide, so the workspace size needs no device), and keep each chunk at
+// least kMinChunk keys so the merge stays a small part of the work.
+constexpr int64_t kTargetCtas = 3 * 132;
 constexpr int64_t kMinChunk = 256;
 
 int32_t choose_splits(const qattn_kv_decode_params& p, const qattn_kv_cache& c) {

@@ -133,7 +133,7 @@ __device__ __forceinline__ uint32_t scaled(uint32_t pair, __half2 s2) {
 __device__ __forceinline__ float pow2(int e) { return __uint_as_float(uint32_t(e + 127) << 23); }
 
 template <typename T, int D, int NQB>
-__global__ void __launch_bounds__(kWarps * 32, NQB == 1 ? 4 : 2) decode_direct_kernel(const DecodeArgs a) {
+__global__ void __launch_bounds__(kWarps * 32, NQB == 1 ? 3 : 2) decode_direct_kernel(const DecodeArgs a) {
   constexpr int kKd = D / 16;   // k-steps of Sᵀ
   constexpr int kMt = D / 16;   // m-tiles of Oᵀ
   constexpr int kRange = D / 8;  // output elements per thread and column
