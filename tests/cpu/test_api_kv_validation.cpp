@@ -864,7 +864,7 @@ TEST(KvDecodeAbi, WorkspaceSizeIsTheSplitLayout) {
       EXPECT_EQ(s, q.num_splits);  // an explicit count is kept
     } else {
       // A chosen count: within 1..128; more than one chunk only when each chunk keeps
-      // 256 keys and the (sequence, KV head) pairs leave fewer than 264 CTAs busy.
+      // 256 keys and the chunks of every (sequence, KV head) pair fit one wave of 396 CTAs.
       const int64_t capacity = int64_t{cfg.max_pages_per_seq} * cfg.page_size;
       const int64_t keys = q.max_length > 0 ? std::min<int64_t>(q.max_length, capacity) : capacity;
       const int64_t ctas = int64_t{q.batch} * cfg.heads_kv;
@@ -872,7 +872,7 @@ TEST(KvDecodeAbi, WorkspaceSizeIsTheSplitLayout) {
       EXPECT_LE(s, QATTN_KV_MAX_SPLITS);
       if (s > 1) {
         EXPECT_LE(s * int64_t{256}, keys);
-        EXPECT_LT((s - 1) * ctas, 264);
+        EXPECT_LE(s * ctas, 396);
       }
     }
     EXPECT_EQ(need(q),
@@ -880,7 +880,7 @@ TEST(KvDecodeAbi, WorkspaceSizeIsTheSplitLayout) {
   }
 }
 
-// num_splits = 0: min(two CTAs per SM of 132 SMs / (batch * heads_kv) CTAs, keys / 256),
+// num_splits = 0: min(floor(three CTAs per SM of 132 SMs / (batch * heads_kv)), keys / 256),
 // at least 1 and at most QATTN_KV_MAX_SPLITS; the keys are max_length when set (capped
 // by the capacity), else the capacity.
 TEST(KvDecodeAbi, AutomaticSplitCountFollowsTheFamilysRule) {
@@ -889,18 +889,18 @@ TEST(KvDecodeAbi, AutomaticSplitCountFollowsTheFamilysRule) {
     const char* why;
   };
   const std::array<Case, 12> cases{{
-      {1, 1, 4096, 0, 128, "264 CTAs wanted, 65536 / 256 = 256 chunks: capped at 128"},
-      {1, 8, 256, 0, 16, "ceil(264 / 8) = 33, 4096 / 256 = 16: the length decides"},
-      {4, 8, 2048, 0, 9, "ceil(264 / 32) = 9, 32768 / 256 = 128: the SMs decide"},
-      {32, 8, 2048, 0, 2, "ceil(264 / 256) = 2"},
-      {33, 8, 2048, 0, 1, "264 CTAs already: one chunk"},
+      {1, 1, 4096, 0, 128, "396 CTAs wanted, 65536 / 256 = 256 chunks: capped at 128"},
+      {1, 8, 256, 0, 16, "floor(396 / 8) = 49, 4096 / 256 = 16: the length decides"},
+      {4, 8, 2048, 0, 12, "floor(396 / 32) = 12, 32768 / 256 = 128: the SMs decide"},
+      {32, 8, 2048, 0, 1, "floor(396 / 256) = 1: no second wave"},
+      {33, 8, 2048, 0, 1, "264 CTAs: one chunk"},
       {64, 8, 2048, 0, 1, "more CTAs than wanted: one chunk"},
       {1, 1, 8, 0, 1, "128 keys: less than one 256-key chunk"},
       {1, 1, 4096, 1000, 3, "max_length 1000: 3 chunks of at least 256"},
       {1, 1, 4096, 255, 1, "max_length 255: one chunk"},
       {1, 1, 4096, 512, 2, "max_length 512: two chunks of 256"},
       {1, 8, 256, 1000000, 16, "max_length beyond the capacity: the capacity (4096) decides"},
-      {2, 2, 4096, 40000, 66, "ceil(264 / 4) = 66, 40000 / 256 = 156"},
+      {2, 2, 4096, 40000, 99, "floor(396 / 4) = 99, 40000 / 256 = 156"},
   }};
   const KvCacheFamily& family = *qattn::api::kv_cache_families()[0];
   for (const Case& k : cases) {
