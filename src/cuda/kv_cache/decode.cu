@@ -20,6 +20,7 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 
@@ -694,9 +695,8 @@ DecodeArgs make_args(const qattn_kv_decode_params& p, const qattn_kv_cache& c, i
   a.code_row_bytes = static_cast<int32_t>(lay.code_row_bytes);
   a.scale_row_bytes = static_cast<int32_t>(lay.scale_row_bytes);
   a.page_size = c.page_size;
-  a.page_shift = -1;
-  for (int sh = 0; sh < 31; ++sh)
-    if ((int32_t{1} << sh) == c.page_size) a.page_shift = sh;
+  const auto page_size = static_cast<uint32_t>(c.page_size);
+  a.page_shift = std::has_single_bit(page_size) ? std::countr_zero(page_size) : -1;
   a.num_pages = c.num_pages;
   a.max_pages_per_seq = c.max_pages_per_seq;
   a.capacity = c.max_pages_per_seq * c.page_size;

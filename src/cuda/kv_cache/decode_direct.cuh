@@ -110,14 +110,6 @@ __device__ __forceinline__ void load_block(const DecodeArgs& a, const int32_t* t
   }
 }
 
-// The FP16 high bytes (sign, then the 3 magnitude bits at bits 3..1; the low byte is
-// 0) of the eight E2M1 codes of `w`: `even` holds those of nibbles 0, 2, 4, 6 in bytes
-// 0..3, `odd` those of nibbles 1, 3, 5, 7. Each is 2^-14 of the code's value.
-__device__ __forceinline__ void e2m1_high_bytes(uint32_t w, uint32_t& even, uint32_t& odd) {
-  even = ((w << 4) & 0x80808080u) | ((w << 1) & 0x0E0E0E0Eu);
-  odd = (w & 0x80808080u) | ((w >> 3) & 0x0E0E0E0Eu);
-}
-
 // An FP16 pair from two high bytes of x: selector 0x1404 takes bytes 0 and 1, 0x3424
 // bytes 2 and 3, 0x2404 bytes 0 and 2, 0x3414 bytes 1 and 3.
 template <uint32_t kSel>

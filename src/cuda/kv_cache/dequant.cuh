@@ -33,6 +33,14 @@ __device__ __forceinline__ uint32_t e2m1x2_as_f16x2_bits(uint32_t byte) {
          ((byte & 0x80u) << 24);
 }
 
+// The same FP16 patterns for the eight E2M1 codes of `w`, as their high bytes (sign,
+// then the 3 magnitude bits at bits 3..1; the low byte is 0): `even` holds those of
+// nibbles 0, 2, 4, 6 in bytes 0..3, `odd` those of nibbles 1, 3, 5, 7.
+__device__ __forceinline__ void e2m1_high_bytes(uint32_t w, uint32_t& even, uint32_t& odd) {
+  even = ((w << 4) & 0x80808080u) | ((w << 1) & 0x0E0E0E0Eu);
+  odd = (w & 0x80808080u) | ((w >> 3) & 0x0E0E0E0Eu);
+}
+
 __device__ __forceinline__ __half2 as_half2(uint32_t bits) {
   __half2 h;
   memcpy(&h, &bits, 4);
