@@ -81,8 +81,9 @@ void validate_options(const Sage2Options& o, const Tensor4& k) {
 
 // Step 1: the smoothing vector c of every (batch, KV head), FP32 (numerics::token_mean
 // sums in double).
-void smoothing_vector(const Tensor4& k, const Sage2Options& o, int D, std::vector<float>& c_out) {
-  const int nkv = k.n, d = k.d;
+void smoothing_vector(const Tensor4& k, const Sage2Quantized& z, const Sage2Options& o, int D,
+                      std::vector<float>& c_out) {
+  const int d = k.d;
   c_out.assign(static_cast<std::size_t>(k.b) * k.h * D, 0.0f);
   if (o.k_smoothing == KSmoothing::None) return;
   const auto estimate = o.k_smoothing == KSmoothing::SampledMean
@@ -95,6 +96,8 @@ void smoothing_vector(const Tensor4& k, const Sage2Options& o, int D, std::vecto
         std::copy_n(o.k_mean.data() + (static_cast<std::size_t>(b) * k.h + h) * d, d, c);
         continue;
       }
+      const int nkv = z.keys_of(b);  // key padding: the mean of the valid keys
+      if (nkv == 0) continue;         // no key: c = 0
       const std::vector<float> mean = numerics::token_mean(
           std::span<const float>(k.row(b, h, 0), static_cast<std::size_t>(nkv) * d), nkv, d,
           estimate);
@@ -103,6 +106,14 @@ void smoothing_vector(const Tensor4& k, const Sage2Options& o, int D, std::vecto
 }
 
 }  // namespace
+
+int Sage2Quantized::keys_of(int b) const { return key_rule(b).kv_len; }
+
+numerics::KeyRule Sage2Quantized::key_rule(int b) const {
+  return numerics::make_key_rule(seqlen_q, seqlen_kv, mask == Mask::Causal,
+                                 alignment == Alignment::TopLeft, window_left, window_right,
+                                 kv_lengths.empty() ? seqlen_kv : kv_lengths[b]);
+}
 
 int sage2_padded_head_dim(int d) {
   if (d <= 64) return 64;
@@ -123,6 +134,10 @@ Sage2Quantized quantize_sage2(const Tensor4& q, const Tensor4& k, const Tensor4&
   z.sm_scale = static_cast<float>(sm);
   z.scale_log2 = z.sm_scale * detail::kLog2e;
   z.mask = params.mask;
+  z.alignment = params.alignment;
+  z.window_left = params.window_left;
+  z.window_right = params.window_right;
+  z.kv_lengths = params.kv_lengths;
   z.options = options;
   const Granularity gran = options.granularity;
   const bool int_qk = options.qk_format != QkFormat::Fp32;
@@ -134,7 +149,7 @@ Sage2Quantized quantize_sage2(const Tensor4& q, const Tensor4& k, const Tensor4&
   const int rep = Hq / Hkv;
 
   // ---- 1. smoothing vector c ----
-  smoothing_vector(k, options, D, z.k_mean);
+  smoothing_vector(k, z, options, D, z.k_mean);
 
   // ---- 2. K: ks = k - c, per-group INT8/INT4 ----
   // The whole padded tensor is one (B·Hkv·Nkv_pad) x D matrix: Nkv_pad is a multiple
@@ -145,7 +160,7 @@ Sage2Quantized quantize_sage2(const Tensor4& q, const Tensor4& k, const Tensor4&
     for (int h = 0; h < Hkv; ++h) {
       const std::size_t bh = static_cast<std::size_t>(b) * Hkv + h;
       const float* c = z.k_mean.data() + bh * D;
-      for (int j = 0; j < Nkv; ++j)
+      for (int j = 0; j < z.keys_of(b); ++j)  // padding keys stay 0, as tails do
         for (int ch = 0; ch < d; ++ch) ks[(bh * nkv_pad + j) * D + ch] = k.at(b, h, j, ch) - c[ch];
     }
   if (int_qk) {
@@ -189,7 +204,9 @@ Sage2Quantized quantize_sage2(const Tensor4& q, const Tensor4& k, const Tensor4&
         const int r0 = static_cast<int>(blk) * kQBlock, r1 = std::min(Nq, r0 + kQBlock);
         float* qbar = q_smooth ? z.q_mean.data() + (bh * qblocks + blk) * D : nullptr;
         if (qbar != nullptr && r1 > r0) {
-          const std::vector<float> mean = numerics::token_mean(
+          const int nkv = z.keys_of(b);  // key padding: the mean of the valid keys
+      if (nkv == 0) continue;         // no key: c = 0
+      const std::vector<float> mean = numerics::token_mean(
               std::span<const float>(q.row(b, h, r0), static_cast<std::size_t>(r1 - r0) * d),
               r1 - r0, d, numerics::MeanEstimate::AllTokens);
           std::copy(mean.begin(), mean.end(), qbar);
@@ -258,13 +275,15 @@ Sage2Quantized quantize_sage2(const Tensor4& q, const Tensor4& k, const Tensor4&
         float (*round16)(float) = pv == PvFormat::Fp16   ? numerics::fp16_round
                                   : pv == PvFormat::Bf16 ? numerics::bf16_round
                                                          : detail::identity;
-        for (int j = 0; j < Nkv; ++j)
+        for (int j = 0; j < z.keys_of(b); ++j)
           for (int ch = 0; ch < d; ++ch) vv[j * D + ch] = round16(v.at(b, h, j, ch));
         continue;
       }
-      // One head at a time: PerChannel must not span heads.
+      // One head at a time: PerChannel must not span heads. Padding keys are zeros, as
+      // tails are: they enter no amax.
+      const int nkv_b = z.keys_of(b);
       std::fill(vh.begin(), vh.end(), 0.0f);
-      for (int j = 0; j < Nkv; ++j)
+      for (int j = 0; j < nkv_b; ++j)
         for (int ch = 0; ch < d; ++ch) vh[static_cast<std::size_t>(j) * D + ch] = v.at(b, h, j, ch);
       std::vector<float> scales;
       numerics::GroupMap map;
@@ -273,9 +292,9 @@ Sage2Quantized quantize_sage2(const Tensor4& q, const Tensor4& k, const Tensor4&
       // only: a scale up to 4x the amax costs INT8 (fixed point) two bits, E4M3 nothing.
       std::vector<float> amax;
       if (options.v_scale == Granularity::PerChannel && options.v_amax == VAmax::SampleBound &&
-          pv != PvFormat::Int8)
+          pv != PvFormat::Int8 && nkv_b > 0)  // no key: the exact amax over zeros, 0
         amax = numerics::sampled_amax_bound(
-            std::span<const float>(vh.data(), static_cast<std::size_t>(Nkv) * D), Nkv, D);
+            std::span<const float>(vh.data(), static_cast<std::size_t>(nkv_b) * D), nkv_b, D);
       if (pv == PvFormat::Int8) {
         numerics::IntQuantized vq = numerics::quantize_int(
             vh, nkv_pad, D, numerics::IntFormat::Int8, options.v_scale, numerics::Operand::K, amax);
@@ -374,6 +393,10 @@ EmulatedForward sage2_attend(const Sage2Quantized& z) {
       nq_pad < Nq || nkv_pad < Nkv || nq_pad % kPadMultiple != 0 || nkv_pad % kPadMultiple != 0) {
     fail("sage2_attend: qz: inconsistent dimensions");
   }
+  if (!z.kv_lengths.empty() && z.kv_lengths.size() != static_cast<std::size_t>(B))
+    fail("sage2_attend: qz.kv_lengths: one length per batch entry, or none");
+  if (z.window_left < -1 || z.window_right < -1)
+    fail("sage2_attend: qz.window_left/window_right: must be >= -1");
   const std::size_t bhq = static_cast<std::size_t>(B) * Hq, bhk = static_cast<std::size_t>(B) * Hkv;
   const std::size_t tiles = z.kv_tiles(), qblocks = z.q_blocks();
   auto need = [](const auto& vec, std::size_t n, const char* name) {
@@ -402,6 +425,7 @@ EmulatedForward sage2_attend(const Sage2Quantized& z) {
     for (int h = 0; h < Hq; ++h) {
       const std::size_t bq = static_cast<std::size_t>(b) * Hq + h;
       const std::size_t bk = static_cast<std::size_t>(b) * Hkv + h / rep;
+      const numerics::KeyRule rule = z.key_rule(b);
       for (int i = 0; i < Nq; ++i) {
         st.m = kNegInf;
         st.l = 0.0f;
@@ -410,13 +434,14 @@ EmulatedForward sage2_attend(const Sage2Quantized& z) {
         const float q_scale = z.q_row_scale[qr];
         const float* corr =
             q_smooth ? z.q_mean_k.data() + (bq * qblocks + i / kQBlock) * nkv_pad : nullptr;
-        // Last visible key; tiles past it are skipped, as the kernel does (a fully
-        // masked tile would leave m, l and O unchanged anyway).
-        const int last = scores::last_visible_key(Nq, Nkv, z.mask == Mask::Causal, i);
-        for (int t = 0; t * kKvTile <= last; ++t) {
+        // The visible keys [first, last]; tiles outside them are skipped, as the kernel
+        // does (a fully masked tile would leave m, l and O unchanged anyway).
+        const numerics::KeyRange keys = rule.keys(i);
+        const int first = keys.first, last = keys.last;
+        for (int t = first / kKvTile; !keys.empty() && t * kKvTile <= last; ++t) {
           for (int jj = 0; jj < kKvTile; ++jj) {
             const int j = t * kKvTile + jj;
-            if (j > last) {
+            if (j > last || j < first) {
               x[jj] = kNegInf;
               continue;
             }

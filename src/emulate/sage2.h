@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "emulate/options.h"
+#include "numerics/key_range.h"
 #include "numerics/mma_groups.h"
 #include "reference/tensor.h"
 
@@ -58,6 +59,10 @@ struct Sage2Quantized {
   float sm_scale = 0.0f;
   float scale_log2 = 0.0f;  // sm_scale * log2(e), FP32
   Mask mask = Mask::None;
+  // The masks beyond causal (reference/tensor.h AttentionParams; numerics/key_range.h).
+  Alignment alignment = Alignment::BottomRight;
+  int window_left = -1, window_right = -1;
+  std::vector<int> kv_lengths;  // per batch entry; empty: every key
   Sage2Options options;
 
   // ---- the kernel workspace (INT8/INT4 Q·Kᵀ; INT4 values are stored in int8) -------
@@ -86,6 +91,11 @@ struct Sage2Quantized {
   std::vector<float> q_mean;         // (B, Hq, Nq_pad/64, D) QSmoothing::BlockMean: q̄
   std::vector<float> q_mean_k;       // (B, Hq, Nq_pad/64, Nkv_pad) BlockMean only:
                                      // scale_log2 · q̄·(k_j - c), added to the scores
+
+  // Keys of batch entry b that enter the quantization (key padding; all without it).
+  int keys_of(int b) const;
+  // Which keys each query row of batch entry b sees.
+  numerics::KeyRule key_rule(int b) const;
 
   std::size_t q_blocks() const { return static_cast<std::size_t>(nq_pad) / groups::kQBlock; }
   std::size_t kv_tiles() const { return static_cast<std::size_t>(nkv_pad) / groups::kKvTile; }

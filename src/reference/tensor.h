@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "numerics/key_range.h"
+
 namespace qattn {
 
 template <class T>
@@ -48,10 +50,33 @@ using Tensor4d = BasicTensor4<double>;
 // query i sees key j iff j <= i + Nkv - Nq.
 enum class Mask { None, Causal };
 
+// Where the diagonal of the causal mask and of a sliding window sits when Nq != Nkv:
+// row i's diagonal key is i + Nkv - Nq (BottomRight) or i (TopLeft, SDPA's is_causal).
+enum class Alignment { BottomRight, TopLeft };
+
 // Parameters every scheme shares (docs/design.md, API semantics).
 struct AttentionParams {
   Mask mask = Mask::None;
   std::optional<double> sm_scale;  // empty: 1/sqrt(d)
+  // Masks beyond causal (numerics/key_range.h; the SA2 forward and the FP64 reference
+  // take them, the other schemes reject them): the diagonal's alignment, a sliding
+  // window (-1 = no bound on that side) and per-batch key-padding lengths (empty: none;
+  // clamped to [0, Nkv] as the kernel does).
+  Alignment alignment = Alignment::BottomRight;
+  int window_left = -1, window_right = -1;
+  std::vector<int> kv_lengths;
+
+  // Whether anything beyond the plain bottom-right causal mask (or none) is asked for.
+  bool has_extended_mask() const {
+    return alignment != Alignment::BottomRight || window_left >= 0 || window_right >= 0 ||
+           !kv_lengths.empty();
+  }
+  // The rule of batch entry b (nq, nkv: the call's lengths).
+  numerics::KeyRule key_rule(int b, int nq, int nkv) const {
+    return numerics::make_key_rule(nq, nkv, mask == Mask::Causal,
+                                   alignment == Alignment::TopLeft, window_left, window_right,
+                                   kv_lengths.empty() ? nkv : kv_lengths[b]);
+  }
 };
 
 // True when query row i (of nq) may attend to key j (of nkv) under `mask`.
@@ -77,6 +102,10 @@ inline double validate_attention_args(const char* who, const Tensor4& q, const T
       fail("q/k/v: data size does not match the shape");
     }
   }
+  if (params.window_left < -1 || params.window_right < -1)
+    fail("window_left/window_right: must be >= -1 (-1: no bound)");
+  if (!params.kv_lengths.empty() && params.kv_lengths.size() != static_cast<std::size_t>(q.b))
+    fail("kv_lengths: must hold one length per batch entry (or none)");
   if (params.sm_scale) {
     const double s = *params.sm_scale;
     if (!std::isfinite(s) || s == 0.0) {
@@ -85,6 +114,15 @@ inline double validate_attention_args(const char* who, const Tensor4& q, const T
     return s;
   }
   return 1.0 / std::sqrt(static_cast<double>(q.d));
+}
+
+// For the schemes that take only Mask::None / Mask::Causal bottom-right: throws
+// std::invalid_argument when params ask for more.
+inline void require_plain_mask(const char* who, const AttentionParams& params) {
+  if (params.has_extended_mask())
+    throw std::invalid_argument(std::string(who) +
+                                ": alignment, window and kv_lengths: this scheme takes only "
+                                "Mask::None or Mask::Causal aligned bottom-right");
 }
 
 }  // namespace qattn

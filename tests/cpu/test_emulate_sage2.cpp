@@ -7,6 +7,7 @@
 #include <cmath>
 #include <limits>
 #include <random>
+#include <tuple>
 
 #include "attention_test_util.h"
 #include "emulate/fp8_per_tensor.h"
@@ -715,6 +716,138 @@ TEST(Fp8PerTensor, TwoLevelFp32EqualsSingleLevelFp32Closely) {
   const auto eb = emulate::fp8_per_tensor_attention(in.q, in.k, in.v, {}, b);
   // Same products, other FP32 rounding order: agreement to ~1e-6 relative.
   for (std::size_t i = 0; i < ea.o.size(); ++i) EXPECT_NEAR(ea.o.data[i], eb.o.data[i], 1e-5);
+}
+
+
+// ---- masks beyond causal: sliding windows, key padding, top-left alignment -------------
+
+// Random extended masks (window sides, key-padding lengths with 0 and tails, either
+// alignment, causal or not) on shapes with tails, GQA and fully masked rows. Unquantized
+// (FP32 Q·Kᵀ and P·V), the emulation is the reference up to FP32 rounding, as in
+// UnquantizedMatchesReferenceThroughTilingAndSmoothing (1e-5 on O, 1e-4 on the LSE); rows
+// that see no key give O = 0 and LSE = -inf exactly.
+TEST(Sage2Masks, UnquantizedMatchesReferenceWithWindowsPaddingAndAlignment) {
+  const std::uint64_t seed = testutil::fresh_seed();
+  SCOPED_TRACE(qattn::test::seed_trace(seed));
+  std::mt19937_64 rng(seed);
+  auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  for (int round = 0; round < 12; ++round) {
+    const Case c{2, 4, pick(0, 1) ? 2 : 4, pick(1, 300), pick(1, 300), 32,
+                 pick(0, 1) ? Mask::Causal : Mask::None};
+    AttentionParams p{c.mask, std::nullopt};
+    p.alignment = pick(0, 1) ? Alignment::TopLeft : Alignment::BottomRight;
+    p.window_left = pick(0, 2) == 0 ? -1 : pick(0, 200);
+    p.window_right = pick(0, 2) == 0 ? -1 : pick(0, 200);
+    if (pick(0, 1)) p.kv_lengths = {pick(0, c.nkv), pick(0, 3) == 0 ? 0 : pick(1, c.nkv)};
+    SCOPED_TRACE(::testing::Message()
+                 << "nq " << c.nq << " nkv " << c.nkv << " causal " << (c.mask == Mask::Causal)
+                 << " top_left " << (p.alignment == Alignment::TopLeft) << " window ("
+                 << p.window_left << ", " << p.window_right << ") lengths "
+                 << (p.kv_lengths.empty() ? -1 : p.kv_lengths[0]) << ","
+                 << (p.kv_lengths.empty() ? -1 : p.kv_lengths[1]));
+    const Inputs in = make_inputs(c, seed + round, 2.0f);
+    const auto ref = reference::attention_forward(in.q, in.k, in.v, p);
+    Sage2Options o;
+    o.qk_format = QkFormat::Fp32;
+    o.pv_format = PvFormat::Fp32;
+    expect_close(emulate::sage2_attention(in.q, in.k, in.v, p, o), ref, 1e-5, 1e-4);
+  }
+}
+
+// Key padding is a shorter call: with the kernel's 8-bit defaults, batch entry b with
+// kv_lengths[b] = L gives bit for bit what the same entry alone with its first L keys
+// gives (the smoothing mean, V's amax bound and every scale group see only those keys),
+// whatever the padding keys hold: here NaN and 1e30. A length of 0 gives O = 0 and
+// LSE = -inf.
+TEST(Sage2Masks, KeyPaddingEqualsTheTruncatedCallAndIgnoresPaddingValues) {
+  const std::uint64_t seed = testutil::fresh_seed();
+  SCOPED_TRACE(qattn::test::seed_trace(seed));
+  for (auto [nq, nkv, len0, len1, causal] :
+       {std::tuple{130, 300, 257, 1, false}, std::tuple{64, 200, 0, 200, false},
+        std::tuple{100, 180, 129, 60, true}}) {
+    const Case c{2, 2, 1, nq, nkv, 64, causal ? Mask::Causal : Mask::None};
+    Inputs in = make_inputs(c, seed + nkv, 3.0f);
+    AttentionParams p{c.mask, std::nullopt};
+    p.kv_lengths = {len0, len1};
+    for (int b = 0; b < 2; ++b)
+      for (int j = p.kv_lengths[b]; j < nkv; ++j)
+        for (int ch = 0; ch < c.d; ++ch) {
+          in.k.at(b, 0, j, ch) = j % 2 ? std::numeric_limits<float>::quiet_NaN() : 1e30f;
+          in.v.at(b, 0, j, ch) = j % 3 ? 1e30f : std::numeric_limits<float>::quiet_NaN();
+        }
+    const auto e = emulate::sage2_attention(in.q, in.k, in.v, p);
+    for (int b = 0; b < 2; ++b) {
+      const int len = p.kv_lengths[b];
+      SCOPED_TRACE(::testing::Message() << "nkv " << nkv << " b " << b << " len " << len);
+      if (len == 0) {
+        for (int h = 0; h < c.hq; ++h)
+          for (int i = 0; i < nq; ++i) {
+            EXPECT_EQ(e.lse[(b * c.hq + h) * nq + i], -std::numeric_limits<float>::infinity());
+            for (int ch = 0; ch < c.d; ++ch) ASSERT_EQ(e.o.at(b, h, i, ch), 0.0f);
+          }
+        continue;
+      }
+      // The entry alone, cut to its first `len` keys; its causal diagonal stays where the
+      // full call puts it (i + Nkv - Nq), which a cut call aligns top-left with offset
+      // Nkv - Nq only when Nkv == len, so the causal case keeps the full length's rule
+      // through a window of right side Nkv - Nq.
+      Tensor4 q1(1, c.hq, nq, c.d), k1(1, 1, len, c.d), v1(1, 1, len, c.d);
+      for (int h = 0; h < c.hq; ++h)
+        for (int i = 0; i < nq; ++i)
+          for (int ch = 0; ch < c.d; ++ch) q1.at(0, h, i, ch) = in.q.at(b, h, i, ch);
+      for (int j = 0; j < len; ++j)
+        for (int ch = 0; ch < c.d; ++ch) {
+          k1.at(0, 0, j, ch) = in.k.at(b, 0, j, ch);
+          v1.at(0, 0, j, ch) = in.v.at(b, 0, j, ch);
+        }
+      AttentionParams p1{Mask::None, std::nullopt};
+      if (causal) {
+        p1.alignment = Alignment::TopLeft;
+        p1.window_right = nkv - nq;  // >= 0 in this case
+      }
+      const auto e1 = emulate::sage2_attention(q1, k1, v1, p1);
+      for (int h = 0; h < c.hq; ++h)
+        for (int i = 0; i < nq; ++i) {
+          const float l = e.lse[(b * c.hq + h) * nq + i], l1 = e1.lse[h * nq + i];
+          ASSERT_TRUE(l == l1 || (std::isnan(l) && std::isnan(l1))) << "h " << h << " row " << i;
+          for (int ch = 0; ch < c.d; ++ch)
+            ASSERT_EQ(e.o.at(b, h, i, ch), e1.o.at(0, h, i, ch)) << "h " << h << " row " << i;
+        }
+    }
+  }
+}
+
+// The 8-bit emulation under a sliding window stays as close to FP64 as without one:
+// CosSim >= 0.999 (the bound of Sage2EightBitAccuracyWithKBias), per case.
+TEST(Sage2Masks, EightBitWindowAccuracy) {
+  const std::uint64_t seed = testutil::fresh_seed();
+  SCOPED_TRACE(qattn::test::seed_trace(seed));
+  for (auto [left, right, causal] :
+       {std::tuple{64, 64, false}, std::tuple{200, -1, true}, std::tuple{0, 300, false}}) {
+    const Case c{1, 2, 2, 333, 333, 128, causal ? Mask::Causal : Mask::None};
+    const Inputs in = make_inputs(c, seed + left, 4.0f);
+    AttentionParams p{c.mask, std::nullopt};
+    p.window_left = left;
+    p.window_right = right;
+    const auto ref = reference::attention_forward(in.q, in.k, in.v, p);
+    const auto e = emulate::sage2_attention(in.q, in.k, in.v, p);
+    EXPECT_GE(metrics::compare(e.o.data, ref.o.data).cos_sim, 0.999)
+        << "window (" << left << ", " << right << ")";
+  }
+}
+
+TEST(Sage2Masks, OtherSchemesRejectExtendedMasks) {
+  const Case c{1, 1, 1, 16, 16, 32, Mask::None};
+  const Inputs in = make_inputs(c, 3);
+  AttentionParams p;
+  p.window_left = 4;
+  EXPECT_THROW(emulate::fp8_per_tensor_attention(in.q, in.k, in.v, p), std::invalid_argument);
+  p = {};
+  p.kv_lengths = {1, 2};  // two lengths for one batch entry
+  EXPECT_THROW(emulate::sage2_attention(in.q, in.k, in.v, p), std::invalid_argument);
+  p = {};
+  p.window_right = -2;
+  EXPECT_THROW(emulate::sage2_attention(in.q, in.k, in.v, p), std::invalid_argument);
 }
 
 }  // namespace
