@@ -63,6 +63,12 @@ int main(int argc, char** argv) {
   const char* hkv_env = std::getenv("KT_HEADS_KV");
   // KT_V_OUTLIERS=1: V rows outside the amax sample x32 (the fix-up kernel's worst case).
   const bool v_outliers = std::getenv("KT_V_OUTLIERS") != nullptr;
+  // KT_WINDOW=left,right: a sliding window on every shape (qattn.h; -1 = no bound).
+  // KT_KV_LEN=n: key padding, every batch entry's keys from n on hidden.
+  int window_left = -1, window_right = -1;
+  const char* window_env = std::getenv("KT_WINDOW");
+  if (window_env != nullptr) std::sscanf(window_env, "%d,%d", &window_left, &window_right);
+  const char* kv_len_env = std::getenv("KT_KV_LEN");
   for (const Cfg& c : cfgs) {
     const int hkv = hkv_env != nullptr ? std::atoi(hkv_env) : c.h;
     const size_t elems = size_t(c.b) * c.h * c.n * c.d, kv_elems = size_t(c.b) * hkv * c.n * c.d;
@@ -85,6 +91,16 @@ int main(int argc, char** argv) {
     p.head_dim = c.d;
     p.causal = c.causal;
     p.sage2.granularity = QATTN_QK_PER_THREAD;
+    p.window = window_env != nullptr ? 1 : 0;
+    p.window_left = window_left;
+    p.window_right = window_right;
+    int* kv_lens = nullptr;
+    if (kv_len_env != nullptr) {
+      const std::vector<int> lens(c.b, std::atoi(kv_len_env));
+      cudaMalloc(&kv_lens, c.b * sizeof(int));
+      cudaMemcpy(kv_lens, lens.data(), c.b * sizeof(int), cudaMemcpyHostToDevice);
+      p.kv_lengths = kv_lens;
+    }
     const int64_t sn = c.d, sh = int64_t(c.n) * c.d, sb = sh * c.h, sb_kv = sh * hkv;
     p.q = {q, sb, sh, sn};
     p.k = {k, sb_kv, sh, sn};
@@ -129,6 +145,7 @@ int main(int argc, char** argv) {
     cudaFree(v);
     cudaFree(o);
     cudaFree(ws);
+    cudaFree(kv_lens);
   }
   return 0;
 }

@@ -78,6 +78,15 @@ typedef struct qattn_sage2_options {
   int32_t granularity; /* a qattn_qk_granularity; default QATTN_QK_PER_THREAD */
 } qattn_sage2_options;
 
+/* Where the diagonal of the causal mask and of a sliding window sits when seqlen_q !=
+ * seqlen_kv (the same either way when they are equal). */
+typedef enum qattn_alignment {
+  QATTN_ALIGN_BOTTOM_RIGHT = 0, /* default: query i's diagonal key is i + seqlen_kv -
+                                   seqlen_q (FlashAttention >= 2.1; a KV cache, whose
+                                   queries are the last positions) */
+  QATTN_ALIGN_TOP_LEFT = 1      /* query i's diagonal key is i (PyTorch SDPA's is_causal) */
+} qattn_alignment;
+
 /* The parameters of a forward call.
  *
  * Stability rule (the ABI can grow without breaking compiled callers):
@@ -109,7 +118,8 @@ typedef struct qattn_fwd_params {
                                                             (grid); seqlens <= 2^30 */
   int32_t head_dim; /* >= 1; the sage2 family runs 1..128 (64 and 128 natively, others
                        zero-padded inside); larger is QATTN_ERROR_UNSUPPORTED */
-  int32_t causal;   /* 0 or 1; bottom-right aligned when seqlen_q != seqlen_kv */
+  int32_t causal;   /* 0 or 1; bottom-right aligned when seqlen_q != seqlen_kv unless
+                       alignment (below) says top-left */
   float sm_scale;   /* 0 means 1/sqrt(head_dim); otherwise positive and at most
                        QATTN_MAX_SM_SCALE. Negative values, NaN and infinity are
                        rejected (QATTN_ERROR_INVALID_ARGUMENT). */
@@ -117,6 +127,27 @@ typedef struct qattn_fwd_params {
   qattn_sage2_options sage2;
   int32_t reserved0; /* must be 0: it ends the struct without tail padding, so a field
                         appended later starts past every older struct_size */
+  /* ---- masks beyond causal (appended after 0.1.0; 216 bytes on LP64) ----
+   * Query i sees key j iff every rule below that is set allows it (and causal does).
+   * Row i's diagonal key is i + seqlen_kv - seqlen_q (alignment bottom-right, the
+   * default) or i (top-left); written D(i) below. */
+  const int32_t* kv_lengths; /* optional (batch,) int32 device array, 4-byte aligned: keys
+                                j >= kv_lengths[b] of batch entry b are hidden (key padding
+                                of a right-padded batch; they are also left out of K's and
+                                V's quantization statistics, so their values never matter).
+                                Read on the device: a value below 0 counts as 0 and one above
+                                seqlen_kv as seqlen_kv. Rows that see no key get O = 0 and
+                                LSE = -inf. NULL (default) = every key */
+  int32_t window;            /* 0 (default): no sliding window; 1: window_left and
+                                window_right apply. (Zero stays the default everywhere in
+                                this struct, so a zero-filled tail means "none".) */
+  int32_t window_left;       /* with window = 1: keys j < D(i) - window_left are hidden;
+                                -1 = no bound on this side; >= -1 */
+  int32_t window_right;      /* with window = 1: keys j > D(i) + window_right are hidden;
+                                -1 = no bound; >= -1. causal = 1 is window_right = 0 (with
+                                causal set, any window_right acts as 0) */
+  int32_t alignment;         /* a qattn_alignment: where D(i), the diagonal of causal and of
+                                the window, sits when seqlen_q != seqlen_kv */
 } qattn_fwd_params;
 
 /* The smallest struct_size accepted: the size of the first layout that carried its

@@ -40,6 +40,11 @@ struct Sage2Case {
   bool lse = true;  // ask for the LSE (without it the LSE buffer stays poisoned)
   // The attention kernel's register split (launch.h): the launch's choice, or forced.
   sage2::RegisterSplit split = sage2::RegisterSplit::kAuto;
+  // Masks beyond causal (qattn.h): a sliding window (-1: no bound), the diagonal's
+  // alignment, and per-batch key-padding lengths (empty: none; uploaded to the device).
+  int window_left = -1, window_right = -1;
+  bool top_left = false;
+  std::vector<int> kv_lengths;
 
   std::string describe() const {
     return "B=" + std::to_string(batch) + " Hq=" + std::to_string(heads_q) +
@@ -47,7 +52,28 @@ struct Sage2Case {
            " Nkv=" + std::to_string(seqlen_kv) + " d=" + std::to_string(head_dim) +
            (causal ? " causal" : "") + (bf16 ? " bf16" : " fp16") +
            (layout == Layout::NHD ? " NHD" : " HND") + " row_pad=" + std::to_string(row_pad) +
-           " seed=" + std::to_string(seed);
+           " seed=" + std::to_string(seed) + masks();
+  }
+  std::string masks() const {
+    std::string m;
+    if (window_left >= 0 || window_right >= 0)
+      m += " window=(" + std::to_string(window_left) + "," + std::to_string(window_right) + ")";
+    if (top_left) m += " top_left";
+    if (!kv_lengths.empty()) {
+      m += " kv_lengths=";
+      for (int l : kv_lengths) m += std::to_string(l) + ",";
+    }
+    return m;
+  }
+  // The same masks for the reference and the emulator.
+  AttentionParams attention_params() const {
+    AttentionParams ap;
+    ap.mask = causal ? Mask::Causal : Mask::None;
+    ap.alignment = top_left ? Alignment::TopLeft : Alignment::BottomRight;
+    ap.window_left = window_left;
+    ap.window_right = window_right;
+    ap.kv_lengths = kv_lengths;
+    return ap;
   }
 };
 
@@ -107,6 +133,10 @@ inline qattn_fwd_params make_params(const Sage2Case& c) {
   p.causal = c.causal ? 1 : 0;
   p.sm_scale = 0.f;
   p.sage2.granularity = c.granularity;
+  p.window = c.window_left >= 0 || c.window_right >= 0 ? 1 : 0;
+  p.window_left = c.window_left;
+  p.window_right = c.window_right;
+  p.alignment = c.top_left ? QATTN_ALIGN_TOP_LEFT : QATTN_ALIGN_BOTTOM_RIGHT;
   return p;
 }
 
@@ -163,6 +193,11 @@ inline Sage2Result run_sage2(const Sage2Case& c, const InputHook& hook = {}) {
   p.v = make_view(dv.ptr, c.layout, c.batch, c.heads_kv, c.seqlen_kv, v_row);
   p.o = make_view(dout.ptr, c.layout, c.batch, c.heads_q, c.seqlen_q, o_row);
   p.lse = c.lse ? dlse.ptr + kLseGuard : nullptr;
+  DeviceBuffer<int32_t> dlens(std::max<std::size_t>(c.kv_lengths.size(), 1));
+  if (!c.kv_lengths.empty()) {
+    dlens.upload(std::vector<int32_t>(c.kv_lengths.begin(), c.kv_lengths.end()));
+    p.kv_lengths = dlens.ptr;
+  }
   const std::size_t ws_bytes = sage2::workspace_bytes(p, c.keep_q);
   DeviceBuffer<uint8_t> ws(ws_bytes);
   // A caller's workspace holds anything: the forward must zero what it counts on (V's

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <random>
 
 #include "emulate/sage2.h"
 #include "sage2_case.h"
@@ -75,8 +76,7 @@ void check_case(const Sage2Case& c) {
   // row padding of q, k or v (or is an element left unwritten, reported above).
   EXPECT_EQ(nans(r.o.data), 0) << "NaN in O";
   EXPECT_EQ(nans(r.lse), 0) << "NaN in the LSE";
-  AttentionParams ap;
-  ap.mask = c.causal ? Mask::Causal : Mask::None;
+  const AttentionParams ap = c.attention_params();
   const auto ref = reference::attention_forward(r.q, r.k, r.v, ap);
   const auto m =
       metrics::compare(std::span<const float>(r.o.data), std::span<const double>(ref.o.data));
@@ -317,8 +317,7 @@ void check_against_emulation(Sage2Case c, const test::InputHook& hook = {},
   const int D = w.head_dim_padded;
   const std::size_t bq = std::size_t(c.batch) * c.heads_q, bkv = std::size_t(c.batch) * c.heads_kv;
 
-  AttentionParams ap;
-  ap.mask = c.causal ? Mask::Causal : Mask::None;
+  const AttentionParams ap = c.attention_params();
   auto qz = emulate::quantize_sage2(r.q, r.k, r.v, ap, emulation_options(c, r));
 
   EXPECT_EQ(slice<int8_t>(r.workspace, w.q_i8, qz.q_i8.size()), qz.q_i8) << "q_i8";
@@ -607,6 +606,147 @@ TEST(Sage2Forward, NaNInputsGiveNaNOutputs) {
     } else {
       EXPECT_TRUE(row_has_nan(0));
       EXPECT_TRUE(row_has_nan(200));
+    }
+  }
+}
+
+
+// ---- masks beyond causal: sliding windows, key padding, top-left alignment -------------
+
+// A random mask for a case: a window side or two (some wider than the sequence, some
+// zero), key-padding lengths with 0, tails and full lengths, either alignment.
+void add_random_masks(Sage2Case& c, std::mt19937_64& rng) {
+  auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  c.top_left = pick(0, 1);
+  c.window_left = pick(0, 2) == 0 ? -1 : pick(0, 2) == 0 ? pick(0, 8) : pick(0, 2 * c.seqlen_kv);
+  c.window_right = pick(0, 2) == 0 ? -1 : pick(0, 2) == 0 ? pick(0, 8) : pick(0, 2 * c.seqlen_kv);
+  c.kv_lengths.clear();
+  if (pick(0, 2) > 0)
+    for (int b = 0; b < c.batch; ++b)
+      c.kv_lengths.push_back(pick(0, 4) == 0 ? c.seqlen_kv : pick(0, 4) == 0 ? 0 : pick(1, c.seqlen_kv));
+}
+
+// Each masked case against the emulation (quantized tensors bit for bit, O and the LSE
+// to rounding, as for the plain cases) and against FP64 within the scheme's bounds;
+// fixed cases that cover each rule alone, then random combinations.
+TEST(Sage2Masks, MatchEmulationAndReference) {
+  QATTN_SKIP_WITHOUT_GPU();
+  std::vector<Sage2Case> cases;
+  {
+    Sage2Case c;  // sliding window, both sides, d=128, Nq = Nkv with tails
+    c.seqlen_q = c.seqlen_kv = 700;
+    c.window_left = 200;
+    c.window_right = 50;
+    cases.push_back(c);
+    c.causal = true;  // causal + left window (the local attention of LLMs), d=64
+    c.head_dim = 64;
+    c.window_left = 300;
+    c.window_right = -1;
+    cases.push_back(c);
+    Sage2Case kp;  // key padding: a tail length, a full one, 0 and 1
+    kp.batch = 4;
+    kp.seqlen_q = 300;
+    kp.seqlen_kv = 900;
+    kp.kv_lengths = {650, 900, 0, 1};
+    kp.heads_q = 4;
+    kp.heads_kv = 2;
+    cases.push_back(kp);
+    kp.causal = true;
+    kp.top_left = true;  // SDPA's is_causal with Nq < Nkv
+    kp.layout = Layout::NHD;
+    kp.bf16 = false;
+    cases.push_back(kp);
+    Sage2Case tl;  // top-left causal with Nq > Nkv: later rows see every key
+    tl.seqlen_q = 500;
+    tl.seqlen_kv = 200;
+    tl.causal = true;
+    tl.top_left = true;
+    cases.push_back(tl);
+  }
+  const uint64_t seed = test::fresh_seed();
+  std::mt19937_64 rng(seed);
+  for (int i = 0; i < 8; ++i) {
+    Sage2Case c = random_emulation_case(rng, 600, 900);
+    c.batch = 1 + rng() % 3;
+    c.layout = rng() % 2 ? Layout::NHD : Layout::HND;
+    add_random_masks(c, rng);
+    cases.push_back(c);
+  }
+  for (const Sage2Case& c : cases) {
+    check_against_emulation(c);
+    check_case(c);
+    if (HasFailure()) {
+      ADD_FAILURE() << test::seed_trace(seed);
+      return;
+    }
+  }
+}
+
+// Key padding hides keys from the quantization too: NaN and 60000 in every padding key
+// and value change no bit of O or the LSE against padding keys of ordinary values.
+TEST(Sage2Masks, PaddingKeysNeverMatter) {
+  QATTN_SKIP_WITHOUT_GPU();
+  for (int d : {64, 128}) {
+    Sage2Case c;
+    c.seed = test::fresh_seed();
+    c.batch = 3;
+    c.head_dim = d;
+    c.seqlen_q = 200;
+    c.seqlen_kv = 1000;  // past the 256-token sample
+    c.kv_lengths = {333, 1, 700};
+    SCOPED_TRACE(c.describe());
+    const auto plain = test::run_sage2(c);
+    ASSERT_EQ(plain.status, 0);
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    const auto poisoned = test::run_sage2(c, [&](Tensor4&, Tensor4& k, Tensor4& v) {
+      for (int b = 0; b < c.batch; ++b)
+        for (int h = 0; h < c.heads_kv; ++h)
+          for (int j = c.kv_lengths[b]; j < c.seqlen_kv; ++j)
+            for (int ch = 0; ch < d; ++ch) {
+              k.at(b, h, j, ch) = j % 2 ? nan : 60000.f;
+              v.at(b, h, j, ch) = j % 3 ? 60000.f : nan;
+            }
+    });
+    ASSERT_EQ(poisoned.status, 0);
+    EXPECT_EQ(std::memcmp(plain.o.data.data(), poisoned.o.data.data(),
+                          plain.o.data.size() * sizeof(float)),
+              0)
+        << "O changed with the padding keys' values";
+    EXPECT_EQ(std::memcmp(plain.lse.data(), poisoned.lse.data(), plain.lse.size() * sizeof(float)),
+              0)
+        << "the LSE changed with the padding keys' values";
+  }
+}
+
+// Every register split runs the masks with the same bits (as EveryRegisterSplitGivesTheSameBits
+// for the plain masks; the poly-exp shape is not compared bitwise there either).
+TEST(Sage2Masks, EverySplitGivesTheSameBits) {
+  QATTN_SKIP_WITHOUT_GPU();
+  Sage2Case c;
+  c.seed = test::fresh_seed();
+  c.batch = 2;
+  c.seqlen_q = 1100;
+  c.seqlen_kv = 1500;
+  c.window_left = 400;
+  c.window_right = 100;
+  c.kv_lengths = {1300, 777};
+  for (int d : {64, 128}) {
+    c.head_dim = d;
+    SCOPED_TRACE(c.describe());
+    std::vector<float> first_o, first_lse;
+    for (auto split : {sage2::RegisterSplit::kConsumers232, sage2::RegisterSplit::kConsumers240,
+                       sage2::RegisterSplit::kQuantizer4Warps}) {
+      c.split = split;
+      const auto r = test::run_sage2(c);
+      ASSERT_EQ(r.status, 0);
+      if (first_o.empty()) {
+        first_o = r.o.data;
+        first_lse = r.lse;
+        continue;
+      }
+      EXPECT_EQ(r.o.data, first_o) << "split " << static_cast<int>(split);
+      EXPECT_EQ(std::memcmp(r.lse.data(), first_lse.data(), r.lse.size() * sizeof(float)), 0)
+          << "split " << static_cast<int>(split);
     }
   }
 }

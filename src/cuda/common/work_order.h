@@ -10,6 +10,7 @@
 
 #include "numerics/hd.h"
 #include "numerics/int32_scores.h"
+#include "numerics/key_range.h"
 #include "numerics/mma_groups.h"
 
 namespace qattn::common {
@@ -65,23 +66,45 @@ inline int causal_tail_blocks(int num_m_blocks, int heads, int grid) {
   return std::min(want, num_m_blocks / 4);
 }
 
-// Number of KV tiles a query block must visit: up to the last key its last row sees
-// (all of them unless causal, bottom-right aligned; none when that row sees no key).
-QATTN_HD int kv_tiles_for_block(int seqlen_q, int seqlen_kv, bool causal, int m_block) {
+// The KV tiles a query block visits: from the tile of the first key its first row sees
+// to the tile of the last key its last row sees (numerics/key_range.h: both ends never
+// decrease from row to row); none when no row of the block sees a key (then the last
+// row's last key is below the first row's first key).
+struct TileSpan {
+  int first, count;
+};
+QATTN_HD TileSpan kv_tile_span(const numerics::KeyRule& rule, int seqlen_q, int m_block) {
+  const int first_row = m_block * kItemRows;
   const int last_row = std::min((m_block + 1) * kItemRows, seqlen_q) - 1;
-  const int last_key = scores::last_visible_key(seqlen_q, seqlen_kv, causal, last_row);
-  return last_key < 0 ? 0 : last_key / groups::kKvTile + 1;
+  const int first_key = rule.first_key(first_row), last_key = rule.last_key(last_row);
+  if (last_key < first_key) return {0, 0};
+  const int first = first_key / groups::kKvTile;
+  return {first, last_key / groups::kKvTile - first + 1};
 }
 
-// The mean of kv_tiles_for_block over a grid's query blocks: the SA2 launch chooses the
-// attention kernel's register split by it (sage2_fwd/launch.cu).
-inline double mean_kv_tiles_per_item(int seqlen_q, int seqlen_kv, bool causal, int num_m_blocks) {
-  // Without the mask every block sees every key: no loop on the call's host path.
-  if (!causal) return num_m_blocks > 0 ? kv_tiles_for_block(seqlen_q, seqlen_kv, false, 0) : 0.0;
+// Number of KV tiles a query block must visit under causal (bottom-right) or no mask.
+QATTN_HD int kv_tiles_for_block(int seqlen_q, int seqlen_kv, bool causal, int m_block) {
+  return kv_tile_span(numerics::make_key_rule(seqlen_q, seqlen_kv, causal, false, -1, -1, seqlen_kv),
+                      seqlen_q, m_block)
+      .count;
+}
+
+// The mean tile count over a grid's query blocks under `rule` (key padding aside: the
+// lengths are on the device): the SA2 launch chooses the attention kernel's register
+// split by it (sage2_fwd/launch.cu).
+inline double mean_kv_tiles_per_item(const numerics::KeyRule& rule, int seqlen_q,
+                                     int num_m_blocks) {
+  if (num_m_blocks <= 0) return 0.0;
+  // Without a bound every block sees every key: no loop on the call's host path.
+  if (!rule.bounded()) return kv_tile_span(rule, seqlen_q, 0).count;
   long long tiles = 0;
-  for (int m = 0; m < num_m_blocks; ++m)
-    tiles += kv_tiles_for_block(seqlen_q, seqlen_kv, causal, m);
-  return num_m_blocks > 0 ? static_cast<double>(tiles) / num_m_blocks : 0.0;
+  for (int m = 0; m < num_m_blocks; ++m) tiles += kv_tile_span(rule, seqlen_q, m).count;
+  return static_cast<double>(tiles) / num_m_blocks;
+}
+inline double mean_kv_tiles_per_item(int seqlen_q, int seqlen_kv, bool causal, int num_m_blocks) {
+  return mean_kv_tiles_per_item(
+      numerics::make_key_rule(seqlen_q, seqlen_kv, causal, false, -1, -1, seqlen_kv), seqlen_q,
+      num_m_blocks);
 }
 
 // L2 that a causal group's K/V may take (the H200 has 50 MB; the rest holds Q and O).

@@ -119,7 +119,12 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
   const int cw = warpgroup - 1;  // which 64 rows of the block
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const common::FragCoord fc{lane / 4, lane % 4};
-  const common::CausalMask mask{p.seqlen_q, p.seqlen_kv, p.causal != 0};
+  // The mask of an item: the call's rule with its batch entry's key-padding length.
+  auto item_mask = [&](int kv_len) {
+    numerics::KeyRule rule = p.keys;
+    rule.kv_len = kv_len;
+    return common::KeyMask{rule};
+  };
   constexpr int kS = Tr::kBlockN / 2;  // score elements per thread
   constexpr int kO = D / 2;            // output elements per thread
   constexpr int kOAcc = kO + 4;        // and the ones columns: row sums
@@ -132,6 +137,7 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
     int m_block, bh_q, n_tiles;  // bh_q = b · Hq + hq
     int local;                   // ordinal on this CTA: Q slot and its phase
     int first_iter;              // KV tiles consumed before it: the ring's stage and phase
+    int kv_first;                // its first KV tile (the loaders skip the ones before)
     int unmasked_until;          // tiles starting after this key need the mask
     __device__ int slot() const { return PipelineState<kQSlots<D>>{local}.index(); }
     // Where its O is staged: the 16-bit Q buffer of the item after it (quantized by the
@@ -198,10 +204,13 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
       resolve_store();
       if (!next_item_ready) hopper::mbarrier_wait(&bar.q_ready[slot], q.phase());
       const SlotItem si = bar.item[slot];
-      const int unmasked_until = mask.unmasked_until(si.m_block * Tr::kBlockM + cw * 64);
-      w = Item{si.m_block, si.bh_q, si.n_tiles, next_local, next_iter, unmasked_until};
+      const common::KeyMask mask = item_mask(si.kv_len);
+      const int first_row = si.m_block * Tr::kBlockM + cw * 64;
+      const common::TileSpan span = item_tiles(p, si);
+      w = Item{si.m_block, si.bh_q,    span.count,
+               next_local, next_iter,  span.first, mask.unmasked_until(first_row)};
       ++next_local;
-      if (si.m_block < 0 || si.n_tiles > 0) break;
+      if (si.m_block < 0 || span.count > 0) break;
       next_item_ready = false;
       // Rows that see no key: O = 0 and LSE = -inf (rare: causal with Nq > Nkv), with
       // plain stores: nothing is staged, so the store threads release the buffer now.
@@ -232,11 +241,16 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
                           float(&alpha_out)[2]) {
     hopper::fence_operands(acc_s);
     if (lane < 4) hopper::mbarrier_arrive(&bar.k_empty[w.stage(it)]);
-    const int kv0 = it * Tr::kBlockN;
+    const int kv0 = (w.kv_first + it) * Tr::kBlockN;
     // The raw products go to the softmax (OnlineSoftmax::step); masked ones become
     // kMaskedScore in place.
-    const bool masked =
-        D == 128 ? kv0 > w.unmasked_until : mask.needed(kv0, row_first(w));  // a measured choice
+    // The item's key-padding length from its slot (not kept in registers: the d=128
+    // consumers have none to spare).
+    const common::KeyMask mask = item_mask(bar.item[w.slot()].kv_len);
+    // Tiles before the window's start: a test on kernel constants and the item's row,
+    // not one more value live per item.
+    const bool masked = D == 128 ? kv0 > w.unmasked_until || kv0 < mask.unmasked_from(row_first(w))
+                                 : mask.needed(kv0, row_first(w));  // a measured choice
     if (masked) mask.apply(acc_s, fc, kv0, w.m_block * Tr::kBlockM + row_in_block(0));
     sm.step(acc_s, qk, x, alpha_out);
   };

@@ -19,6 +19,15 @@ float resolved_sm_scale(const qattn_fwd_params& p) {
   return p.sm_scale > 0.f ? p.sm_scale : 1.f / std::sqrt(static_cast<float>(p.head_dim));
 }
 
+// Which keys each row sees (numerics/key_range.h), key padding aside (the lengths are
+// read on the device).
+numerics::KeyRule key_rule(const qattn_fwd_params& p) {
+  return numerics::make_key_rule(p.seqlen_q, p.seqlen_kv, p.causal != 0,
+                                 p.alignment == QATTN_ALIGN_TOP_LEFT,
+                                 p.window != 0 ? p.window_left : -1,
+                                 p.window != 0 ? p.window_right : -1, p.seqlen_kv);
+}
+
 template <typename T>
 InputView<T> view(const qattn_tensor& t) {
   return {static_cast<const T*>(t.data), t.stride_b, t.stride_h, t.stride_n};
@@ -123,13 +132,14 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
   ap.nq_pad = w.nq_pad;
   ap.nkv_pad = w.nkv_pad;
   ap.causal = p.causal;
+  ap.keys = key_rule(p);
+  ap.kv_lengths = p.kv_lengths;
 
   ap.num_m_blocks = w.nq_pad / Tr::kBlockM;
   if (D == 64 && split == RegisterSplit::kConsumers240PolyExp)
     split = RegisterSplit::kConsumers240;  // d=64 has no poly shape (kernel.cuh)
   if (split == RegisterSplit::kAuto) {
-    const double tiles =
-        common::mean_kv_tiles_per_item(p.seqlen_q, p.seqlen_kv, p.causal != 0, ap.num_m_blocks);
+    const double tiles = common::mean_kv_tiles_per_item(ap.keys, p.seqlen_q, ap.num_m_blocks);
     const bool long_items = D == 64 || tiles >= kWideSplitMinTiles;
     const bool poly = D == 128 && p.causal == 0 && tiles < kPolyExpMaxTiles;
     split = long_items && poly ? RegisterSplit::kConsumers240PolyExp
@@ -177,6 +187,7 @@ cudaError_t quantize_d(const qattn_fwd_params& p, const WorkspaceLayout& w, void
   qp.seqlen_kv = p.seqlen_kv;
   qp.head_dim = p.head_dim;
   qp.nkv_pad = w.nkv_pad;
+  qp.kv_lengths = p.kv_lengths;
   qp.granularity = static_cast<qattn_qk_granularity>(p.sage2.granularity);
   return launch_quantize<T, D>(view<T>(p.k), view<T>(p.v), qp, outputs(w, ws), stream);
 }

@@ -63,9 +63,7 @@ __device__ __forceinline__ void q_loader(const AttentionParams& p, SharedStorage
     }
     const WorkItem w = decode_item(p, item);
     const int kv_slice = kv_slice_of(p, w);
-    bar.item_in[buf] =
-        SlotItem{w.m_block, w.b * p.heads_q + w.hq, kv_slice,
-                 common::kv_tiles_for_block(p.seqlen_q, p.seqlen_kv, p.causal != 0, w.m_block)};
+    bar.item_in[buf] = SlotItem{w.m_block, w.b * p.heads_q + w.hq, kv_slice, item_kv_len(p, w.b)};
     QInSide<D>& side = side_in[buf];
     if (local > 0) {
       hopper::mbarrier_arrive_expect_tx(&bar.q_full[buf], q_slot_bytes);
@@ -107,9 +105,10 @@ __device__ __forceinline__ void kv_loader(const AttentionParams& p,
     // after this, or this loader could miss a phase and wait on the wrong one.
     hopper::mbarrier_arrive(&bar.qin_free[buf]);
     if (w.m_block < 0) break;
-    const int kv_slice = w.kv_slice, n_tiles = w.n_tiles;
+    const common::TileSpan span = item_tiles(p, w);
+    const int kv_slice = w.kv_slice, kv_end = span.first + span.count;
 #pragma unroll 1  // rolled: this warpgroup runs at 40 (or 24) registers
-    for (int it = 0; it < n_tiles; ++it, kv.advance()) {
+    for (int it = span.first; it < kv_end; ++it, kv.advance()) {
       // Addressed per tile: a 64-bit pointer kept live across the loop spills at 24.
       const float* k_scale =
           p.k_scale + (static_cast<int64_t>(kv_slice) * (p.nkv_pad / groups::kKvTile) + it) *

@@ -42,7 +42,7 @@ template <bool kFullDim, typename T>
 __device__ __forceinline__ void copy_chunk(uint4* dst, const T* base, int64_t stride, int row,
                                            int rows, int ch, int head_dim) {
   const int elems = chunk_elems<kFullDim>(ch, head_dim);
-  const T* src = base + static_cast<int64_t>(min(row, rows - 1)) * stride + (elems > 0 ? ch : 0);
+  const T* src = base + static_cast<int64_t>(max(min(row, rows - 1), 0)) * stride + (elems > 0 ? ch : 0);
   cp_async_16(dst, src, row < rows ? elems * static_cast<int>(sizeof(T)) : 0);
 }
 
@@ -67,6 +67,14 @@ __device__ __forceinline__ uint4 vt_group_row(Chunk chunk, int j, float inv) {
                         element<T>(chunk(groups::v_token_at_position(2 * m + 1)), j) * inv)
         << (16 * (m % 2));
   return make_uint4(row[0], row[1], row[2], row[3]);
+}
+
+// The keys of batch entry b that enter the quantization: its key-padding length,
+// clamped to [0, seqlen_kv] (qattn.h), or all of them.
+__device__ __forceinline__ int keys_of(const QuantizeParams& p, int b) {
+  if (p.kv_lengths == nullptr) return p.seqlen_kv;
+  const int n = __ldg(p.kv_lengths + b);
+  return n < 0 ? 0 : min(n, p.seqlen_kv);
 }
 
 // 8 consecutive floats (32-byte aligned) in two vector loads.
@@ -96,7 +104,7 @@ constexpr int stats_stage_bytes() {
 // batches of 32 per thread took four rounds at D = 128); rows past the sample and channels
 // past head_dim are zero-filled (+0.0), which adds nothing to a sum or an amax.
 template <typename T, int D, bool kFullDim, typename Take>
-__device__ void reduce_sample(const T* base, int64_t stride_n, const QuantizeParams& p,
+__device__ void reduce_sample(const T* base, int64_t stride_n, const QuantizeParams& p, int keys,
                               uint4* stage, Take take) {
   constexpr int kParts = kThreads / D;
   constexpr int kChunks = D / 8;
@@ -105,12 +113,12 @@ __device__ void reduce_sample(const T* base, int64_t stride_n, const QuantizePar
   static_assert(kSmoothingSample * D * sizeof(T) <= stats_stage_bytes<D>());
   auto rows = reinterpret_cast<T(*)[D]>(stage);
   const int ch = threadIdx.x % D, part = threadIdx.x / D;
-  const int n = min(p.seqlen_kv, kSmoothingSample);
+  const int n = min(keys, kSmoothingSample);
 #pragma unroll
   for (int r = 0; r < kCopies; ++r) {
     const int c = threadIdx.x + r * kThreads;
     const int i = c / kChunks, c0 = (c % kChunks) * 8;
-    const int64_t tok = numerics::sampled_row(i, p.seqlen_kv);
+    const int64_t tok = numerics::sampled_row(i, keys);
     const int elems = i < n ? chunk_elems<kFullDim>(c0, p.head_dim) : 0;
     cp_async_16(reinterpret_cast<uint4*>(&rows[c / kChunks][c0]),
                 base + (i < n ? tok : 0) * stride_n + (elems > 0 ? c0 : 0),
@@ -131,8 +139,9 @@ __device__ void k_mean_block(const InputView<T>& k, const QuantizeParams& p, uin
   __shared__ float partial[kParts][D];
   const int ch = threadIdx.x % D, part = threadIdx.x / D;
   float sum = 0.f;
-  reduce_sample<T, D, kFullDim>(k.data + b * k.stride_b + h * k.stride_h, k.stride_n, p, stage,
-                                [&](T x) { sum += common::to_float(x); });
+  const int keys = keys_of(p, b);
+  reduce_sample<T, D, kFullDim>(k.data + b * k.stride_b + h * k.stride_h, k.stride_n, p, keys,
+                                stage, [&](T x) { sum += common::to_float(x); });
   partial[part][ch] = sum;
   __syncthreads();
   if (part == 0) {
@@ -140,7 +149,8 @@ __device__ void k_mean_block(const InputView<T>& k, const QuantizeParams& p, uin
 #pragma unroll
     for (int i = 0; i < kParts; ++i) total += partial[i][ch];
     k_mean[(static_cast<int64_t>(b) * p.heads_kv + h) * D + ch] =
-        ch < p.head_dim ? total / static_cast<float>(min(p.seqlen_kv, kSmoothingSample)) : 0.f;
+        ch < p.head_dim && keys > 0 ? total / static_cast<float>(min(keys, kSmoothingSample))
+                                    : 0.f;  // no key: c = 0
   }
 }
 
@@ -157,14 +167,16 @@ __device__ void v_bound_block(const InputView<T>& v, const QuantizeParams& p,
   const int64_t bh = static_cast<int64_t>(b) * p.heads_kv + h;
   if (threadIdx.x < D) out.v_over[bh * D + threadIdx.x] = 0u;
   uint32_t m = 0;  // |x| bits: an integer max orders them like amax_nan (NaN highest)
-  reduce_sample<T, D, kFullDim>(v.data + b * v.stride_b + h * v.stride_h, v.stride_n, p, stage,
-                                [&](T x) { m = max(m, common::abs_bits(common::to_float(x))); });
+  const int keys = keys_of(p, b);
+  reduce_sample<T, D, kFullDim>(
+      v.data + b * v.stride_b + h * v.stride_h, v.stride_n, p, keys, stage,
+      [&](T x) { m = max(m, common::abs_bits(common::to_float(x))); });
   partial[part][ch] = m;
   __syncthreads();
   if (part == 0) {
 #pragma unroll
     for (int i = 1; i < kParts; ++i) m = max(m, partial[i][ch]);
-    const float bound = numerics::sampled_amax_bound_of(common::nan_canonical(m), p.seqlen_kv);
+    const float bound = numerics::sampled_amax_bound_of(common::nan_canonical(m), keys);
     out.v_amax[bh * D + ch] = ch < p.head_dim ? bound : 0.f;
   }
 }
@@ -230,6 +242,7 @@ __device__ void quantize_k_tile(const InputView<T>& k, const QuantizeParams& p,
   const int ch0 = (lane % kChunks) * 8, sub = lane / kChunks;
   const int64_t bh = static_cast<int64_t>(b) * p.heads_kv + h;
   uint4(&slot)[kKvChunksPerLane][32] = stage.chunk[g];
+  const int keys = keys_of(p, b);
   // The i-th token of this lane; the group's tokens in order are 2g, 2g+1, 2g+8, 2g+9, ...
   auto token = [&](int i) {
     const int idx = sub + kRowsPerLoad * i;
@@ -238,17 +251,17 @@ __device__ void quantize_k_tile(const InputView<T>& k, const QuantizeParams& p,
 #pragma unroll
   for (int i = 0; i < kItems; ++i)
     copy_chunk<kFullDim>(&slot[i][lane], k.data + b * k.stride_b + h * k.stride_h, k.stride_n,
-                         token(i), p.seqlen_kv, ch0, p.head_dim);
+                         token(i), keys, ch0, p.head_dim);
   float c[8];
   load_floats8(out.k_mean + bh * D + ch0, c);
   cp_async_wait_all();
 
-  // Tail tokens stay zero (outside every amax); padded channels have c = 0. Evaluated
+  // Tail and padding tokens stay zero (outside every amax); padded channels have c = 0. Evaluated
   // in both passes from shared memory: the same FADD gives the same bits. A tile with no
   // tail (all but the last) takes a copy of the passes without the token test.
-  const bool full_tile = (tile + 1) * groups::kKvTile <= p.seqlen_kv;
+  const bool full_tile = (tile + 1) * groups::kKvTile <= keys;
   auto smoothed = [&](const uint4& x, int i, int j, auto full) {
-    return full || token(i) < p.seqlen_kv ? element<T>(x, j) - c[j] : 0.f;
+    return full || token(i) < keys ? element<T>(x, j) - c[j] : 0.f;
   };
   // A max (NaN sorting highest) is exact in any order, so the group amax is the same
   // whatever the reduction tree: here 8 independent chains of integer maxima of |x|,
@@ -332,7 +345,7 @@ __device__ void quantize_v_part(const InputView<T>& v, const QuantizeParams& p,
 #pragma unroll
   for (int t = 0; t < kGroup; ++t)
     copy_chunk<kFullDim>(&slot[t][lane], v.data + b * v.stride_b + h * v.stride_h, v.stride_n,
-                         tok0 + t, p.seqlen_kv, ch0, p.head_dim);
+                         tok0 + t, keys_of(p, b), ch0, p.head_dim);
   float amax[8], inv[8];
   load_floats8(out.v_amax + bh * D + ch0, amax);
 #pragma unroll
@@ -433,6 +446,7 @@ __global__ void __launch_bounds__(kFixupThreads)
   if (!__syncthreads_or(o != 0u)) return;
   if (o != 0u) out.v_amax[bh * D + threadIdx.x] = __uint_as_float(o);
   const T* head = v.data + b * v.stride_b + h * v.stride_h;
+  const int keys = keys_of(p, b);
   const int units = p.nkv_pad / kGroup * kChunks;
   for (int u = threadIdx.x; u < units; u += kFixupThreads) {
     const int c0 = (u % kChunks) * 8, g0 = (u / kChunks) * kGroup;
@@ -444,7 +458,7 @@ __global__ void __launch_bounds__(kFixupThreads)
 #pragma unroll
     for (int t = 0; t < kGroup; ++t) {
       x[t] = make_uint4(0, 0, 0, 0);
-      if (g0 + t >= p.seqlen_kv) continue;
+      if (g0 + t >= keys) continue;
       const T* src = head + static_cast<int64_t>(g0 + t) * v.stride_n + c0;
       if (kFullDim || c0 + 8 <= p.head_dim) {
         x[t] = *reinterpret_cast<const uint4*>(src);

@@ -24,6 +24,9 @@ struct QuantizeParams {
   int batch, heads_kv, seqlen_kv, head_dim;
   int nkv_pad;
   qattn_qk_granularity granularity;
+  // Key padding (B ints, null: none): keys from kv_lengths[b] on are hidden, so they are
+  // left out of the statistics and quantized as zeros, like the tail of the last tile.
+  const int* kv_lengths;
 };
 
 struct QuantizeOutputs {

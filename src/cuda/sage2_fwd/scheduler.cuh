@@ -51,6 +51,22 @@ __device__ __forceinline__ void release_item_counter(const AttentionParams& p) {
   }
 }
 
+// The key-padding length of batch entry b (seqlen_kv without lengths), clamped to
+// [0, seqlen_kv] as qattn.h promises: one load per item, by the Q loader.
+__device__ __forceinline__ int item_kv_len(const AttentionParams& p, int b) {
+  if (p.kv_lengths == nullptr) return p.seqlen_kv;
+  const int n = __ldg(p.kv_lengths + b);
+  return n < 0 ? 0 : min(n, p.seqlen_kv);
+}
+
+// The KV tiles of a claimed item (SlotItem): the span its rows see (work_order.h).
+__device__ __forceinline__ common::TileSpan item_tiles(const AttentionParams& p,
+                                                       const SlotItem& w) {
+  numerics::KeyRule rule = p.keys;
+  rule.kv_len = w.kv_len;
+  return common::kv_tile_span(rule, p.seqlen_q, w.m_block);
+}
+
 // b · Hkv + the KV head that query head hq reads (GQA: Hq / Hkv query heads per KV head).
 __device__ __forceinline__ int kv_slice_of(const AttentionParams& p, const WorkItem& w) {
   return w.b * p.heads_kv + w.hq / (p.heads_q / p.heads_kv);

@@ -8,6 +8,7 @@
 #include "cuda/common/work_order.h"
 #include "cuda/hopper/swizzle.h"
 #include "cuda/sage2_fwd/q_tile.cuh"
+#include "numerics/key_range.h"
 #include "numerics/mma_groups.h"
 #include "qattn/qattn.h"
 
@@ -26,7 +27,12 @@ struct AttentionParams {
   int o_tma_cols;
   float* lse;  // (B, Hq, Nq) or null
   int heads_q, heads_kv, seqlen_q, seqlen_kv, head_dim, nq_pad, nkv_pad;
-  int causal;
+  int causal;  // the item order's (work_order.h); which keys a row sees is `keys`
+  // Which keys each row sees (numerics/key_range.h): the call's rule, with kv_len =
+  // seqlen_kv; where kv_lengths (the caller's key-padding lengths, B ints) is given, the
+  // Q loader reads each item's length and publishes it with the item (SlotItem).
+  numerics::KeyRule keys;
+  const int* kv_lengths;
   int num_m_blocks;  // nq_pad / 128
   int batch;
   int causal_group;   // causal: query heads per group of the item order (work_order.h)
@@ -114,11 +120,13 @@ struct ItemSide {
 };
 
 // A claimed work item as the Q loader publishes it in its Q slot, decoded once for all
-// roles.
+// roles. Its KV tiles (item_tiles) each reader derives from m_block and kv_len: the Q
+// loader has no registers to spare at 24 per thread.
 struct SlotItem {
   int m_block;  // < 0: no more work
   int bh_q;     // b · Hq + hq
-  int kv_slice, n_tiles;
+  int kv_slice;
+  int kv_len;  // its batch entry's key-padding length (seqlen_kv without one)
 };
 
 template <int D>
