@@ -751,4 +751,38 @@ TEST(Sage2Masks, EverySplitGivesTheSameBits) {
   }
 }
 
+
+// More items than SMs, most of whose rows see no key (one partial KV tile): every CTA
+// runs several items in a row, empty ones among them. Such an item runs one fully
+// masked tile (scheduler.cuh, item_tiles); skipping it made the consumers wait on an
+// item whose Q slot the one they held had yet to free (a hang, found at this shape).
+TEST(Sage2Masks, ManyItemsThatSeeNoKey) {
+  QATTN_SKIP_WITHOUT_GPU();
+  Sage2Case c;
+  c.seed = test::fresh_seed();
+  c.batch = 2;
+  c.heads_q = 16;
+  c.heads_kv = 4;
+  c.seqlen_q = 854;
+  c.seqlen_kv = 43;
+  c.bf16 = false;
+  c.causal = true;
+  check_case(c);  // bottom-right: rows below 811 see nothing
+  c.causal = false;
+  c.window_left = 1;
+  c.window_right = 49;
+  for (bool top_left : {false, true}) {
+    c.top_left = top_left;
+    check_case(c);
+  }
+  c.window_left = c.window_right = -1;
+  c.top_left = false;
+  c.kv_lengths = {0, 43};  // a whole batch entry without keys
+  check_case(c);
+  c.head_dim = 64;
+  c.causal = true;
+  c.kv_lengths.clear();
+  check_case(c);
+}
+
 }  // namespace

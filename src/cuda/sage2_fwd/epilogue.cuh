@@ -53,7 +53,7 @@ __device__ __forceinline__ void stage_output(const float (&o)[kO], const Softmax
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float l = sm.l[r];
-    // A row with no visible key (causal, Nq > Nkv) has l = 0: O = 0.
+    // A row that sees no key (all its scores masked) has l = 0: O = 0.
     const float inv = l > 0.f ? 1.f / l : 0.f;
     const int row = row_in_wg + 8 * r;
 #pragma unroll
@@ -87,31 +87,6 @@ __device__ __forceinline__ void store_output_tail(const Params& p, int bh_q, int
   auto* dst = static_cast<uint16_t*>(p.o) + b * p.o_stride_b + hq * p.o_stride_h +
               static_cast<int64_t>(row) * p.o_stride_n + p.o_tma_cols;
   for (int c = 0; c < p.head_dim - p.o_tma_cols; ++c) dst[c] = src[c];
-}
-
-// A work item whose rows see no key (causal with Nq > Nkv: it has no KV tile): O = 0 and
-// LSE = -inf for its rows from row0, written by `threads` threads with plain stores. Rare,
-// and kept small: staged like a real item's output (stage_output) it was a second inlined
-// copy of the epilogue in the consumers' loop, and they spilled.
-template <typename Params>
-__device__ __forceinline__ void write_empty_block(const Params& p, int bh_q, int row0, int tid,
-                                                  int threads) {
-  const int rows = min(common::kItemRows, p.seqlen_q - row0);
-  const int b = bh_q / p.heads_q, hq = bh_q % p.heads_q;
-  auto* base = static_cast<uint16_t*>(p.o) + b * p.o_stride_b + hq * p.o_stride_h +
-               static_cast<int64_t>(row0) * p.o_stride_n;
-  const int chunks = (p.head_dim + 7) / 8;  // 16-byte chunks (O is 16-byte aligned)
-  for (int i = tid; i < rows * chunks; i += threads) {
-    const int r = i / chunks, c = i % chunks;
-    uint16_t* dst = base + static_cast<int64_t>(r) * p.o_stride_n + c * 8;
-    if (c * 8 + 8 <= p.head_dim)
-      *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
-    else
-      for (int e = 0; e < p.head_dim - c * 8; ++e) dst[e] = 0;  // the row ends inside it
-  }
-  if (p.lse != nullptr)
-    for (int r = tid; r < rows; r += threads)
-      p.lse[static_cast<int64_t>(bh_q) * p.seqlen_q + row0 + r] = -INFINITY;
 }
 
 // Writes the natural-log LSE of a thread's two rows (block rows row_in_block, + 8),

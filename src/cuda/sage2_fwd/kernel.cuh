@@ -193,32 +193,22 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
   // (wait_ahead): open_item and the item's first turn then skip their checks (d=64
   // +1-3%, d=128 0-3% slower; measured: bench/NOTES.md).
   bool next_item_ready = false;
-  // Opens this CTA's next item that has KV tiles: waits for its Q and side data, and
-  // writes the output of items whose rows see no key (O = 0, LSE = -inf) on the way.
+  // Opens this CTA's next item: waits for its Q and side data. Every item has a KV tile
+  // (item_tiles: the rows of an item that see no key are masked out of one).
   auto open_item = [&](Item& w) -> bool {
-    while (true) {
-      const PipelineState<kQSlots<D>> q{next_local};
-      const int slot = q.index();
-      // The Q of this item may need the slot of a store still pending (a 1-tile item
-      // has no turn in between to release it): release it before waiting.
-      resolve_store();
-      if (!next_item_ready) hopper::mbarrier_wait(&bar.q_ready[slot], q.phase());
-      const SlotItem si = bar.item[slot];
-      const common::KeyMask mask = item_mask(si.kv_len);
-      const int first_row = si.m_block * Tr::kBlockM + cw * 64;
-      const common::TileSpan span = item_tiles(p, si);
-      w = Item{si.m_block, si.bh_q,    span.count,
-               next_local, next_iter,  span.first, mask.unmasked_until(first_row)};
-      ++next_local;
-      if (si.m_block < 0 || span.count > 0) break;
-      next_item_ready = false;
-      // Rows that see no key: O = 0 and LSE = -inf (rare: causal with Nq > Nkv), with
-      // plain stores: nothing is staged, so the store threads release the buffer now.
-      write_empty_block(p, si.bh_q, si.m_block * Tr::kBlockM, threadIdx.x - 128,
-                        Tr::kConsumerThreads);
-      if (store_thread) hopper::mbarrier_arrive(&bar.qin_free[w.stage_buf()]);
-      hopper::mbarrier_arrive(&bar.q_empty[slot]);
-    }
+    const PipelineState<kQSlots<D>> q{next_local};
+    const int slot = q.index();
+    // The Q of this item may need the slot of a store still pending (a 1-tile item
+    // has no turn in between to release it): release it before waiting.
+    resolve_store();
+    if (!next_item_ready) hopper::mbarrier_wait(&bar.q_ready[slot], q.phase());
+    const SlotItem si = bar.item[slot];
+    const common::KeyMask mask = item_mask(si.kv_len);
+    const int first_row = si.m_block * Tr::kBlockM + cw * 64;
+    const common::TileSpan span = item_tiles(p, si);
+    w = Item{si.m_block, si.bh_q,    span.count,
+             next_local, next_iter,  span.first, mask.unmasked_until(first_row)};
+    ++next_local;
     next_iter += w.n_tiles;
     return w.m_block >= 0;
   };
@@ -272,7 +262,7 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
 
   Item cur;
   if (!open_item(cur)) {
-    resolve_store();  // items whose rows see no key were written
+    resolve_store();
     return;
   }
   Softmax sm_cur;

@@ -59,12 +59,19 @@ __device__ __forceinline__ int item_kv_len(const AttentionParams& p, int b) {
   return n < 0 ? 0 : min(n, p.seqlen_kv);
 }
 
-// The KV tiles of a claimed item (SlotItem): the span its rows see (work_order.h).
+// The KV tiles of a claimed item (SlotItem): the span its rows see (work_order.h). An
+// item whose rows see no key (causal with Nq > Nkv, a window past the keys, a length
+// of 0) still runs one tile, all of it masked: its rows come out O = 0 and LSE = -inf
+// through the softmax (l = 0). So no item is empty, and while the consumers hold an
+// item they wait on no item but the one after it: the Q slot and the 16-bit buffer of
+// the later ones come free only with that item's output (an empty item, skipped,
+// made them wait on one: a hang).
 __device__ __forceinline__ common::TileSpan item_tiles(const AttentionParams& p,
                                                        const SlotItem& w) {
   numerics::KeyRule rule = p.keys;
   rule.kv_len = w.kv_len;
-  return common::kv_tile_span(rule, p.seqlen_q, w.m_block);
+  const common::TileSpan span = common::kv_tile_span(rule, p.seqlen_q, w.m_block);
+  return span.count > 0 ? span : common::TileSpan{0, 1};
 }
 
 // b · Hkv + the KV head that query head hq reads (GQA: Hq / Hkv query heads per KV head).
