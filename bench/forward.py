@@ -6,10 +6,18 @@
   sdpa_cudnn    torch SDPA, cuDNN backend (BF16)
   sdpa_flash    torch SDPA, FlashAttention-2 backend (BF16)
 
-on the standard grid (B=4, H=32, N = 1K..32K, d = 64/128, causal off/on) and model
-shapes (video DiT, image DiT, LLM prefill with GQA). Writes OUT/forward-h200.json
-({"env": {...}, "rows": [{method, d, causal, n, batch, heads, tops, ms, ...}]}) and
-OUT/forward-h200.png (TOPS against N per (d, causal)), and prints a table last.
+on the standard grid (B=4, H=32, N = 1K..32K, d = 64/128, causal off/on), model
+shapes (video DiT, image DiT, LLM prefill with GQA) and mask shapes (key padding, a
+sliding window; --masks-only for these alone). Writes OUT/forward-h200.json
+({"env": {...}, "rows": [{method, d, d_v, causal, mask, n, batch, heads, tops, ms, ...}]})
+and OUT/forward-h200.png (TOPS against N per (d, causal)), and prints a table last.
+
+Mask shapes: the baselines get the same mask as a boolean attn_mask (SDPA's cuDNN
+backend, or its memory-efficient one where cuDNN refuses the mask: the row's note says
+which; SDPA's FlashAttention takes no mask), and one more method runs beside them:
+  qattn_same_work  qattn without a mask on the work the mask leaves (key padding to L:
+                   the first L keys), so that the mask's own cost shows
+TOPS of a masked shape count only the visible (query, key) pairs: 4·B·Hq·pairs·d / s.
 
 Timing: CUDA events around every call, after warm-up; the median of each of two
 passes over the same configuration (both kept, to show the noise; `ms` is the lower
@@ -33,7 +41,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 try:
     import torch
@@ -46,7 +54,7 @@ except ImportError as e:  # --replot needs only matplotlib
     torch = None
     _import_error = e
 
-METHODS = ("qattn", "qattn_kernel", "sdpa_cudnn", "sdpa_flash")
+METHODS = ("qattn", "qattn_kernel", "sdpa_cudnn", "sdpa_flash", "qattn_same_work")
 L2_FALLBACK_BYTES = 60 << 20  # H200
 
 
@@ -59,6 +67,16 @@ class Shape:
     n: int
     d: int
     causal: bool
+    window: Tuple[int, int] = (-1, -1)  # sliding window (left, right); -1: no bound
+    kv_len: int = 0  # key padding: every batch entry's keys from kv_len on hidden; 0: none
+
+    @property
+    def mask(self) -> str:
+        if self.kv_len:
+            return "key_padding"
+        if self.window != (-1, -1):
+            return "sliding_window"
+        return "causal" if self.causal else "none"
 
 
 @dataclass
@@ -77,6 +95,8 @@ class Row:
     iters: int = 0
     cossim_vs_cudnn: Optional[float] = None
     note: str = ""
+    mask: str = "none"
+    d_v: int = 0
 
 
 def standard_grid(quick: bool) -> List[Shape]:
@@ -97,9 +117,56 @@ def model_shapes(quick: bool) -> List[Shape]:
     ]
 
 
+def mask_shapes(quick: bool) -> List[Shape]:
+    shapes = [Shape("key_padding", 4, 32, 32, 8192, 128, False, kv_len=4096),
+              Shape("sliding_window", 1, 32, 8, 16384, 128, True, window=(4096, 0))]
+    if quick:
+        return shapes
+    return shapes + [
+        Shape("key_padding", 4, 32, 32, 4096, 64, False, kv_len=3000),
+        Shape("sliding_window", 4, 32, 32, 8192, 128, False, window=(512, 512)),
+    ]
+
+
+def visible_pairs(s: Shape) -> float:
+    """(query, key) pairs the shape's mask leaves visible, per head (Nq = Nkv = n)."""
+    if s.mask == "none":
+        return float(s.n) * s.n
+    if s.mask == "causal":
+        return s.n * (s.n + 1) / 2.0
+    if s.kv_len:
+        return float(s.n) * s.kv_len
+    i = torch.arange(s.n, dtype=torch.float64)
+    left, right = s.window
+    lo = (i - left).clamp(min=0) if left >= 0 else torch.zeros_like(i)
+    hi = i if s.causal else ((i + right).clamp(max=s.n - 1) if right >= 0 else torch.full_like(i, s.n - 1))
+    return float((hi - lo + 1).sum())
+
+
 def tera_ops(s: Shape) -> float:
-    ops = 4.0 * s.batch * s.heads * s.n * s.n * s.d
-    return (ops / 2 if s.causal else ops) / 1e12
+    if s.mask == "none" or s.mask == "causal":  # the grid's convention: causal halves
+        ops = 4.0 * s.batch * s.heads * s.n * s.n * s.d
+        return (ops / 2 if s.causal else ops) / 1e12
+    return 4.0 * s.batch * s.heads * visible_pairs(s) * s.d / 1e12
+
+
+def sdpa_mask(s: Shape):
+    """The shape's mask as SDPA's boolean attn_mask (True = attend), or None."""
+    if s.kv_len:
+        return (torch.arange(s.n, device="cuda") < s.kv_len).view(1, 1, 1, s.n).expand(s.batch, 1, 1, s.n)
+    if s.window == (-1, -1):
+        return None
+    i = torch.arange(s.n, device="cuda")[:, None]
+    j = torch.arange(s.n, device="cuda")[None, :]
+    left, right = s.window
+    m = torch.ones(s.n, s.n, dtype=torch.bool, device="cuda")
+    if left >= 0:
+        m &= j >= i - left
+    if s.causal:
+        m &= j <= i
+    elif right >= 0:
+        m &= j <= i + right
+    return m.view(1, 1, s.n, s.n)
 
 
 # ---- timing ----------------------------------------------------------------------------
@@ -162,7 +229,8 @@ def measure_shape(s: Shape, args, l2_bytes: int) -> List[Row]:
     def row(method, medians=None, iters=0, note=""):
         ms = min(medians) if medians else None
         r = Row(method, s.name, s.d, s.causal, s.n, s.batch, s.heads, s.heads_kv,
-                tera_ops(s) / (ms * 1e-3) if ms else None, ms, medians or [], iters, note=note)
+                tera_ops(s) / (ms * 1e-3) if ms else None, ms, medians or [], iters, note=note,
+                mask=s.mask, d_v=s.d)
         rows.append(r)
         return r
 
@@ -174,6 +242,10 @@ def measure_shape(s: Shape, args, l2_bytes: int) -> List[Row]:
         return q, k, v
 
     base_sets = [sdpa_inputs(i) for i in range(n_sets)]
+    masked = s.mask not in ("none", "causal")
+    attn_mask = sdpa_mask(s) if masked else None
+    # SDPA takes a mask or is_causal, not both: the mask holds the causal part.
+    sdpa_args = dict(attn_mask=attn_mask) if masked else dict(is_causal=s.causal)
     ref = None
     for method, backend in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
         if method not in args.methods:
@@ -181,25 +253,51 @@ def measure_shape(s: Shape, args, l2_bytes: int) -> List[Row]:
         if args.skip_baseline_above and s.n > args.skip_baseline_above:
             row(method, note=f"skipped: N > {args.skip_baseline_above} (--skip-baseline-above)")
             continue
-        try:
-            with sdpa_kernel(backend):
-                fn = lambda i: F.scaled_dot_product_attention(*base_sets[i % n_sets], is_causal=s.causal)  # noqa: E731
-                out = fn(0)
-                if method == "sdpa_cudnn":
-                    ref = out
-                medians, iters = time_fn(fn, **timing)
-            row(method, medians, iters, "K/V expanded to Hq heads" if gqa else "")
-        except RuntimeError as e:  # backend refuses the shape
-            row(method, note=f"unavailable: {str(e).splitlines()[0][:160]}")
+        # With a mask, cuDNN first and SDPA's memory-efficient backend where cuDNN refuses it.
+        backends = [backend] + ([SDPBackend.EFFICIENT_ATTENTION] if masked and method == "sdpa_cudnn" else [])
+        errors = []
+        for be in backends:
+            try:
+                with sdpa_kernel(be):
+                    fn = lambda i: F.scaled_dot_product_attention(*base_sets[i % n_sets], **sdpa_args)  # noqa: E731
+                    out = fn(0)
+                    if method == "sdpa_cudnn":
+                        ref = out
+                    medians, iters = time_fn(fn, **timing)
+                notes = ["K/V expanded to Hq heads"] if gqa else []
+                if masked:
+                    notes.append(f"boolean attn_mask, {be.name} backend"
+                                 + (f" (cuDNN: {errors[0]})" if errors else ""))
+                row(method, medians, iters, "; ".join(notes))
+                break
+            except RuntimeError as e:  # backend refuses the shape
+                errors.append(str(e).splitlines()[0][:120])
+        else:
+            row(method, note=f"unavailable: {'; '.join(errors)[:240]}")
         torch.cuda.empty_cache()
 
+    mask_kwargs = {}
+    if s.window != (-1, -1):
+        mask_kwargs["window_size"] = s.window
+    if s.kv_len:
+        mask_kwargs["kv_lengths"] = torch.full((s.batch,), s.kv_len, dtype=torch.int32, device="cuda")
     if "qattn" in args.methods:
-        fn = lambda i: qattn.attention(*sets[i % n_sets], is_causal=s.causal)  # noqa: E731
+        fn = lambda i: qattn.attention(*sets[i % n_sets], is_causal=s.causal, **mask_kwargs)  # noqa: E731
         out = fn(0)
         medians, iters = time_fn(fn, **timing)
         r = row("qattn", medians, iters, f"{n_sets} rotating input sets" if n_sets > 1 else "")
         if ref is not None:
             r.cossim_vs_cudnn = cossim(out, ref)
+    if "qattn_same_work" in args.methods and s.kv_len:
+        cut = [(q, k[:, :, :s.kv_len], v[:, :, :s.kv_len]) for q, k, v in sets]
+        fn = lambda i: qattn.attention(*cut[i % n_sets], is_causal=s.causal)  # noqa: E731
+        fn(0)
+        medians, iters = time_fn(fn, **timing)
+        row("qattn_same_work", medians, iters, f"no mask, the first {s.kv_len} keys")
+    if masked:  # the kernel-only hook runs no mask
+        del sets, base_sets, ref
+        torch.cuda.empty_cache()
+        return rows
     if "qattn_kernel" in args.methods:
         run = qattn.attention_kernel_only(*sets[0], is_causal=s.causal)
         medians, iters = time_fn(lambda i: run(), **timing)
@@ -335,7 +433,9 @@ def main() -> int:
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"), help="output folder")
     ap.add_argument("--name", default="forward-h200", help="file name stem of the JSON and PNG")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    ap.add_argument("--no-models", action="store_true", help="standard grid only")
+    ap.add_argument("--no-models", action="store_true", help="no model shapes")
+    ap.add_argument("--no-masks", action="store_true", help="no mask shapes")
+    ap.add_argument("--masks-only", action="store_true", help="the mask shapes alone")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--min-iters", type=int, default=10)
     ap.add_argument("--max-iters", type=int, default=100)
@@ -366,6 +466,9 @@ def main() -> int:
     env = environment(args)
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or L2_FALLBACK_BYTES
     shapes = standard_grid(args.quick) + ([] if args.no_models else model_shapes(args.quick))
+    shapes += [] if args.no_masks else mask_shapes(args.quick)
+    if args.masks_only:
+        shapes = mask_shapes(args.quick)
 
     t0 = time.time()
     rows: List[Row] = []

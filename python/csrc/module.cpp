@@ -3,7 +3,10 @@
 // qattn/ops.py), so one build works with any PyTorch version.
 //
 // A tensor is passed as (data_ptr, stride_b, stride_h, stride_n) in elements, the
-// shape as (batch, heads_q, heads_kv, seqlen_q, seqlen_kv, head_dim); the backward
+// shape as (batch, heads_q, heads_kv, seqlen_q, seqlen_kv, head_dim), the forward's
+// masks beyond causal as (kv_lengths, window_left, window_right, alignment) with
+// kv_lengths a device int32 pointer (0 = NULL), a window side -1 for no bound (both -1:
+// no window) and alignment a qattn_alignment; the backward
 // (bwd_workspace_size, bwd) takes the same forms for its tensors. The KV-cache calls
 // take the cache as (format, heads_kv, head_dim, page_size, num_pages,
 // max_pages_per_seq, k_smoothing, pages) and the sequences as (block_tables, lengths,
@@ -29,6 +32,7 @@ namespace {
 
 using TensorArg = std::tuple<std::uintptr_t, int64_t, int64_t, int64_t>;
 using ShapeArg = std::tuple<int, int, int, int, int, int>;
+using MaskArg = std::tuple<std::uintptr_t, int, int, int>;
 using CacheArg = std::tuple<int, int, int, int, int, int, int, std::uintptr_t>;
 using SeqsArg =
     std::tuple<std::uintptr_t, std::uintptr_t, std::uintptr_t, std::uintptr_t, std::uintptr_t>;
@@ -37,9 +41,13 @@ qattn_tensor tensor(const TensorArg& t) {
   return {reinterpret_cast<void*>(std::get<0>(t)), std::get<1>(t), std::get<2>(t), std::get<3>(t)};
 }
 
+// qattn_fwd_params_init's: every key, no window, bottom-right.
+const MaskArg kNoMask{0, -1, -1, QATTN_ALIGN_BOTTOM_RIGHT};
+
 qattn_fwd_params make_params(const TensorArg& q, const TensorArg& k, const TensorArg& v,
                              const TensorArg& o, std::uintptr_t lse, int dtype,
-                             const ShapeArg& shape, int causal, float sm_scale, int granularity) {
+                             const ShapeArg& shape, int causal, float sm_scale, int granularity,
+                             const MaskArg& mask) {
   qattn_fwd_params p;
   qattn_fwd_params_init(&p);
   p.q = tensor(q);
@@ -52,6 +60,9 @@ qattn_fwd_params make_params(const TensorArg& q, const TensorArg& k, const Tenso
   p.causal = causal;
   p.sm_scale = sm_scale;
   p.sage2.granularity = granularity;
+  p.kv_lengths = reinterpret_cast<const int32_t*>(std::get<0>(mask));
+  std::tie(std::ignore, p.window_left, p.window_right, p.alignment) = mask;
+  p.window = p.window_left != -1 || p.window_right != -1 ? 1 : 0;  // (-1, -1): none
   return p;
 }
 
@@ -141,24 +152,26 @@ NB_MODULE(_C, m) {
       "workspace_size",
       [](const TensorArg& q, const TensorArg& k, const TensorArg& v, const TensorArg& o,
          std::uintptr_t lse, int dtype, const ShapeArg& shape, int causal, float sm_scale,
-         int granularity) {
+         int granularity, const MaskArg& mask) {
         const qattn_fwd_params p =
-            make_params(q, k, v, o, lse, dtype, shape, causal, sm_scale, granularity);
+            make_params(q, k, v, o, lse, dtype, shape, causal, sm_scale, granularity, mask);
         std::size_t bytes = 0;
         const int status = qattn_fwd_workspace_size(&p, &bytes);
         return std::make_tuple(status, static_cast<std::uint64_t>(bytes));
       },
       "q"_a, "k"_a, "v"_a, "o"_a, "lse"_a, "dtype"_a, "shape"_a, "causal"_a, "sm_scale"_a,
-      "granularity"_a, "Validates the parameters; returns (status, workspace bytes).");
+      "granularity"_a, "mask"_a = kNoMask,
+      "Validates the parameters; returns (status, workspace bytes). mask: (kv_lengths, "
+      "window_left, window_right, alignment), default no mask beyond causal.");
 
   m.def(
       "forward",
       [](const TensorArg& q, const TensorArg& k, const TensorArg& v, const TensorArg& o,
          std::uintptr_t lse, int dtype, const ShapeArg& shape, int causal, float sm_scale,
          int granularity, std::uintptr_t workspace, std::uint64_t workspace_bytes,
-         std::uintptr_t stream, bool attention_only) {
+         std::uintptr_t stream, bool attention_only, const MaskArg& mask) {
         const qattn_fwd_params p =
-            make_params(q, k, v, o, lse, dtype, shape, causal, sm_scale, granularity);
+            make_params(q, k, v, o, lse, dtype, shape, causal, sm_scale, granularity, mask);
         auto* ws = reinterpret_cast<void*>(workspace);
         auto* st = reinterpret_cast<void*>(stream);
         nb::gil_scoped_release release;  // an enqueue; other Python threads may run
@@ -168,6 +181,7 @@ NB_MODULE(_C, m) {
       },
       "q"_a, "k"_a, "v"_a, "o"_a, "lse"_a, "dtype"_a, "shape"_a, "causal"_a, "sm_scale"_a,
       "granularity"_a, "workspace"_a, "workspace_bytes"_a, "stream"_a, "attention_only"_a = false,
+      "mask"_a = kNoMask,
       "Enqueues the forward on the stream (a cudaStream_t as an int); returns the status.");
 
   m.def(
@@ -286,6 +300,8 @@ NB_MODULE(_C, m) {
   m.attr("ERROR_INTERNAL") = static_cast<int>(QATTN_ERROR_INTERNAL);
   m.attr("DTYPE_FP16") = static_cast<int>(QATTN_DTYPE_FP16);
   m.attr("DTYPE_BF16") = static_cast<int>(QATTN_DTYPE_BF16);
+  m.attr("ALIGN_BOTTOM_RIGHT") = static_cast<int>(QATTN_ALIGN_BOTTOM_RIGHT);
+  m.attr("ALIGN_TOP_LEFT") = static_cast<int>(QATTN_ALIGN_TOP_LEFT);
   m.attr("BWD_INT8") = static_cast<int>(QATTN_BWD_INT8);
   m.attr("BWD_E4M3") = static_cast<int>(QATTN_BWD_E4M3);
   m.attr("BWD_DOV_16BIT") = static_cast<int>(QATTN_BWD_DOV_16BIT);

@@ -11,6 +11,12 @@ kernel with the LSE written and per-block Q/K quantization groups, SageBwd's), w
 autograd formula is the custom op "qattn::attention_backward" (the SageBwd INT8
 backward through the C ABI). Both have fake implementations, so torch.compile traces
 forward and backward. Inference keeps the direct call of "qattn::attention".
+
+Masks beyond causal (a sliding window, key-padding lengths, top-left alignment) are the
+last arguments of every op, with defaults that mean "none", so that a call using none
+of them dispatches just the arguments of a plain causal or unmasked call. The forward
+runs all of them in the kernel; SageBwd runs none of them, so the backward of a call
+that uses one follows the fallback mode (fallback.py).
 """
 
 # No `from __future__ import annotations`: torch.library reads the real annotations.
@@ -35,6 +41,12 @@ _ROW_MULTIPLE = 8  # elements: the C ABI wants 16-byte strides and pointers
 _ALIGN_BYTES = 16
 _LOG2E = 1.4426950408889634
 _ALIGNMENTS = ("top_left", "bottom_right")
+_ALIGNMENT_CODES = {"bottom_right": _C.ALIGN_BOTTOM_RIGHT, "top_left": _C.ALIGN_TOP_LEFT}
+_INT32_MAX = 2**31 - 1
+_LENGTH_DTYPES = (torch.int32, torch.int64)
+# The ops' mask arguments and their defaults: every key, no window, bottom-right (the C
+# ABI's qattn_fwd_params_init).
+_NO_MASK = {"kv_lengths": None, "window_left": -1, "window_right": -1, "alignment": "bottom_right"}
 
 
 # ---- shape checks (run on real and on fake tensors) ----------------------------------
@@ -106,6 +118,76 @@ def _check_inputs(q, k, v, layout: str, scale: Optional[float], granularity: str
         )
 
 
+def _is_int(x) -> bool:
+    """A Python int, or a symbolic one (torch.compile may trace an int argument as such)."""
+    return isinstance(x, (int, torch.SymInt)) and not isinstance(x, bool)
+
+
+def _window_sides(window_size) -> Tuple[int, int]:
+    """(left, right) of a window_size argument, checked: each side -1 (no bound) or a
+    number of keys that fits the C ABI's int32."""
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
+            and all(_is_int(x) for x in window_size)):
+        raise invalid(f"window_size = {window_size!r}; allowed: a pair of ints (left, right), "
+                      "-1 for no bound on that side")
+    for name, side in zip(("left", "right"), window_size):
+        if not -1 <= side <= _INT32_MAX:
+            raise invalid(f"window_size = {tuple(window_size)!r}: {name} = {side}; allowed: -1 "
+                          f"(no bound) or a number of keys in 0..{_INT32_MAX}")
+    return int(window_size[0]), int(window_size[1])
+
+
+def _check_kv_lengths(kv_lengths, q, layout: str) -> None:
+    """kv_lengths: None, or one length per batch entry, an int32 (or int64) tensor of
+    shape (B,) on q's device. q has passed _check_inputs."""
+    if kv_lengths is None:
+        return
+    if not isinstance(kv_lengths, torch.Tensor):
+        raise invalid(f"kv_lengths is a {type(kv_lengths).__name__}; allowed: None or a (B,) "
+                      "torch.int32 tensor on q's device")
+    if kv_lengths.dtype not in _LENGTH_DTYPES:
+        raise invalid(f"kv_lengths.dtype = {kv_lengths.dtype}; allowed: torch.int32 (or "
+                      "torch.int64, converted)")
+    b = _bhnd(q, layout)[0]
+    if tuple(kv_lengths.shape) != (b,):
+        raise invalid(f"kv_lengths has shape {tuple(kv_lengths.shape)}; allowed: ({b},), one "
+                      "length per batch entry")
+    if kv_lengths.device != q.device:
+        raise invalid(f"kv_lengths is on {kv_lengths.device} but q is on {q.device}; allowed: "
+                      "q's device")
+
+
+def _check_mask(q, layout: str, kv_lengths, window_left, window_right, alignment) -> None:
+    """The ops' mask arguments (qattn.h's rules): each window side -1 or a number of keys,
+    an alignment by name, kv_lengths as _check_kv_lengths says."""
+    for name, side in (("window_left", window_left), ("window_right", window_right)):
+        if not (_is_int(side) and -1 <= side <= _INT32_MAX):
+            raise invalid(f"{name} = {side!r}; allowed: -1 (no bound) or a number of keys in "
+                          f"0..{_INT32_MAX}")
+    if alignment not in _ALIGNMENTS:
+        raise invalid(f"alignment = {alignment!r}; allowed: 'top_left' or 'bottom_right'")
+    _check_kv_lengths(kv_lengths, q, layout)
+
+
+def _mask_options(kv_lengths=None, window_left=-1, window_right=-1, alignment="bottom_right") -> dict:
+    """The mask arguments that differ from their defaults, as keywords for the ops and
+    _run: an empty dict for a call with no mask beyond causal, which then passes just
+    the arguments of a plain call."""
+    options = {} if kv_lengths is None else {"kv_lengths": kv_lengths}
+    for name, value in (("window_left", window_left), ("window_right", window_right),
+                        ("alignment", alignment)):
+        if value != _NO_MASK[name]:
+            options[name] = value
+    return options
+
+
+def _mask_inputs(values) -> dict:
+    """_mask_options of an op's trailing mask inputs as setup_context sees them (a
+    PyTorch version may leave out the trailing ones that are at their defaults)."""
+    names = tuple(_NO_MASK)
+    return _mask_options(**{**_NO_MASK, **dict(zip(names, values))})
+
+
 # ---- the real call -----------------------------------------------------------------
 
 
@@ -133,8 +215,10 @@ def _tensor_arg(t: torch.Tensor, layout: str) -> Tuple[int, int, int, int]:
 class _Call:
     """Everything one C call needs, with the buffers kept alive."""
 
-    def __init__(self, q, k, v, is_causal, scale, layout, return_lse, granularity):
+    def __init__(self, q, k, v, is_causal, scale, layout, return_lse, granularity,
+                 kv_lengths=None, window_left=-1, window_right=-1, alignment="bottom_right"):
         _check_inputs(q, k, v, layout, scale, granularity)
+        _check_mask(q, layout, kv_lengths, window_left, window_right, alignment)
         b, hq, nq, d = _bhnd(q, layout)
         _, hkv, nkv, _ = _bhnd(k, layout)
         d_pad = -(-d // _ROW_MULTIPLE) * _ROW_MULTIPLE
@@ -155,7 +239,18 @@ class _Call:
             float(scale) if scale is not None else 1.0 / math.sqrt(d),
             _GRANULARITIES[granularity],
         )
-        status, self.ws_bytes = _C.workspace_size(*self.args)
+        if kv_lengths is not None and kv_lengths.dtype == torch.int64:
+            # Clamped before the conversion, so a length past int32 cannot wrap (the
+            # kernel clamps to [0, Nkv] too).
+            kv_lengths = kv_lengths.clamp(0, nkv).to(torch.int32)
+        self.kv_lengths = None if kv_lengths is None else kv_lengths.contiguous()
+        self.mask = (
+            0 if self.kv_lengths is None else self.kv_lengths.data_ptr(),
+            window_left,
+            window_right,
+            _ALIGNMENT_CODES[alignment],
+        )
+        status, self.ws_bytes = _C.workspace_size(*self.args, self.mask)
         check(status)
         self.device = q.device
         self.workspace = torch.empty(self.ws_bytes, dtype=torch.uint8, device=q.device)
@@ -163,7 +258,7 @@ class _Call:
     def launch(self, attention_only: bool = False) -> None:
         stream = torch.cuda.current_stream(self.device).cuda_stream
         status = _C.forward(
-            *self.args, self.workspace.data_ptr(), self.ws_bytes, stream, attention_only
+            *self.args, self.workspace.data_ptr(), self.ws_bytes, stream, attention_only, self.mask
         )
         check(status)
 
@@ -172,14 +267,16 @@ class _Call:
         return o, self.lse
 
 
-def _run(q, k, v, is_causal, scale, layout, return_lse, granularity):
+def _run(q, k, v, is_causal, scale, layout, return_lse, granularity, **mask):
+    """One forward through the C ABI; `mask` holds the mask arguments that are not at
+    their defaults (_mask_options)."""
     if q.device.type != "cuda":
         raise invalid(f"q is on {q.device}; allowed: a CUDA device")
     # The C library runs on the current device; switching costs host time, so only when
     # q lives elsewhere.
     same = q.device.index == torch.cuda.current_device()
     with contextlib.nullcontext() if same else torch.cuda.device(q.device):
-        call = _Call(q, k, v, is_causal, scale, layout, return_lse, granularity)
+        call = _Call(q, k, v, is_causal, scale, layout, return_lse, granularity, **mask)
         call.launch()
         return call.outputs()
 
@@ -220,23 +317,54 @@ def _attention_op(
     layout: str,
     return_lse: bool,
     granularity: str,
+    kv_lengths: Optional[torch.Tensor] = None,
+    window_left: int = -1,
+    window_right: int = -1,
+    alignment: str = "bottom_right",
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    return _run(q, k, v, is_causal, scale, layout, return_lse, granularity)
+    """is_causal and the window are aligned as `alignment` says (the C ABI's default,
+    "bottom_right", unless given); kv_lengths is a (B,) int32/int64 tensor or None."""
+    return _run(q, k, v, is_causal, scale, layout, return_lse, granularity,
+                **_mask_options(kv_lengths, window_left, window_right, alignment))
 
 
 @_attention_op.register_fake
-def _attention_fake(q, k, v, is_causal, scale, layout, return_lse, granularity):
+def _attention_fake(q, k, v, is_causal, scale, layout, return_lse, granularity, kv_lengths=None,
+                    window_left=-1, window_right=-1, alignment="bottom_right"):
     _check_inputs(q, k, v, layout, scale, granularity)
+    _check_mask(q, layout, kv_lengths, window_left, window_right, alignment)
     b, hq, nq, _ = _bhnd(q, layout)
     o = q.new_empty(q.shape)
     lse = q.new_empty((b, hq, nq) if return_lse else (0,), dtype=torch.float32)
     return o, lse
 
 
+def _keep_mask(ctx, mask_inputs):
+    """Keeps an op's mask inputs for its backward: the options other than kv_lengths in
+    ctx.mask_sides; returns kv_lengths (None or a tensor), for save_for_backward."""
+    mask = _mask_inputs(mask_inputs)
+    kv_lengths = mask.pop("kv_lengths", None)
+    ctx.mask_sides = mask
+    return kv_lengths
+
+
+def _kept_mask(ctx, kv_lengths) -> dict:
+    """The mask options _keep_mask kept, with the saved kv_lengths."""
+    mask = dict(ctx.mask_sides)
+    if kv_lengths is not None:
+        mask["kv_lengths"] = kv_lengths
+    return mask
+
+
+def _input_grads(ctx, grads):
+    """(dq, dk, dv) and None for every other input the op was given."""
+    return (*grads, *([None] * (len(ctx.needs_input_grad) - len(grads))))
+
+
 def _attention_setup(ctx, inputs, output):
-    q, k, v, is_causal, scale, layout, return_lse, granularity = inputs
+    q, k, v, is_causal, scale, layout, return_lse, granularity, *mask = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.save_for_backward(q, k, v, o, lse, _keep_mask(ctx, mask))
     ctx.options = (is_causal, scale, layout, return_lse, granularity)
 
 
@@ -245,13 +373,15 @@ def _attention_backward(ctx, grad_o, grad_lse):
     (qattn.attention takes qattn::attention_train when autograd records). The backward
     needs the per-block forward's O and LSE; a call that did not produce them runs that
     forward again first."""
-    q, k, v, o, lse = ctx.saved_tensors
+    q, k, v, o, lse, kv_lengths = ctx.saved_tensors
     is_causal, scale, layout, return_lse, granularity = ctx.options
+    mask = _kept_mask(ctx, kv_lengths)
     if not (return_lse and granularity == "per_block"):
-        o, lse = torch.ops.qattn.attention(q, k, v, is_causal, scale, layout, True, "per_block")
+        o, lse = torch.ops.qattn.attention(q, k, v, is_causal, scale, layout, True, "per_block",
+                                           **mask)
     grads = _call_backward(grad_o, q, k, v, o, lse, grad_lse if return_lse else None,
-                           is_causal, scale, layout)
-    return (*grads, None, None, None, None, None)
+                           is_causal, scale, layout, **mask)
+    return _input_grads(ctx, grads)
 
 
 _attention_op.register_autograd(_attention_backward, setup_context=_attention_setup)
@@ -266,32 +396,40 @@ def _attention_train_op(
     scale: Optional[float],
     layout: str,
     lse_grad: bool,
+    kv_lengths: Optional[torch.Tensor] = None,
+    window_left: int = -1,
+    window_right: int = -1,
+    alignment: str = "bottom_right",
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The training forward: O and the (B, Hq, Nq) LSE with per-block Q/K groups.
-    lse_grad says whether the caller sees the LSE (then its gradient is honoured)."""
-    return _run(q, k, v, is_causal, scale, layout, True, "per_block")
+    lse_grad says whether the caller sees the LSE (then its gradient is honoured). The
+    mask arguments as for qattn::attention."""
+    return _run(q, k, v, is_causal, scale, layout, True, "per_block",
+                **_mask_options(kv_lengths, window_left, window_right, alignment))
 
 
 @_attention_train_op.register_fake
-def _attention_train_fake(q, k, v, is_causal, scale, layout, lse_grad):
-    return _attention_fake(q, k, v, is_causal, scale, layout, True, "per_block")
+def _attention_train_fake(q, k, v, is_causal, scale, layout, lse_grad, kv_lengths=None,
+                          window_left=-1, window_right=-1, alignment="bottom_right"):
+    return _attention_fake(q, k, v, is_causal, scale, layout, True, "per_block", kv_lengths,
+                           window_left, window_right, alignment)
 
 
 def _train_setup(ctx, inputs, output):
-    q, k, v, is_causal, scale, layout, lse_grad = inputs
+    q, k, v, is_causal, scale, layout, lse_grad, *mask = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.save_for_backward(q, k, v, o, lse, _keep_mask(ctx, mask))
     ctx.options = (is_causal, scale, layout, lse_grad)
 
 
 def _train_backward(ctx, grad_o, grad_lse):
-    q, k, v, o, lse = ctx.saved_tensors
+    q, k, v, o, lse, kv_lengths = ctx.saved_tensors
     is_causal, scale, layout, lse_grad = ctx.options
     # An LSE the caller never saw gets a gradient of zeros from autograd: skipping it
     # saves the two extra calls its term costs (see _backward_cuda).
     grads = _call_backward(grad_o, q, k, v, o, lse, grad_lse if lse_grad else None,
-                           is_causal, scale, layout)
-    return (*grads, None, None, None, None)
+                           is_causal, scale, layout, **_kept_mask(ctx, kv_lengths))
+    return _input_grads(ctx, grads)
 
 
 _attention_train_op.register_autograd(_train_backward, setup_context=_train_setup)
@@ -368,11 +506,11 @@ def get_backward_options() -> dict:
     return options
 
 
-def _call_backward(grad_o, q, k, v, o, lse, grad_lse, is_causal, scale, layout):
+def _call_backward(grad_o, q, k, v, o, lse, grad_lse, is_causal, scale, layout, **mask):
     options = get_backward_options()
     return torch.ops.qattn.attention_backward(
         grad_o, q, k, v, o, lse, grad_lse, is_causal, scale, layout,
-        options["format"], options["dov"], options["deterministic"],
+        options["format"], options["dov"], options["deterministic"], **mask,
     )
 
 
@@ -394,24 +532,33 @@ def _attention_backward_op(
     format: str,
     dov: str,
     deterministic: bool,
+    kv_lengths: Optional[torch.Tensor] = None,
+    window_left: int = -1,
+    window_right: int = -1,
+    alignment: str = "bottom_right",
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of qattn::attention_train: dq like q, dk and dv like k (summed over
-    each KV head's query heads), each contiguous in `layout`. is_causal is bottom-right
-    aligned, as in the forward. On CUDA the SageBwd kernel; off CUDA (and where the
-    library declines, under the fallback mode) the exact attention gradients in FP32."""
+    each KV head's query heads), each contiguous in `layout`. is_causal and the mask
+    arguments as in the forward. On CUDA the SageBwd kernel; off CUDA (and where SageBwd
+    or the library declines, under the fallback mode: any mask beyond bottom-right
+    causal) the exact attention gradients in FP32."""
     _check_backward(grad_o, q, k, v, o, lse, grad_lse, layout, scale, format, dov)
+    _check_mask(q, layout, kv_lengths, window_left, window_right, alignment)
+    mask = _mask_options(kv_lengths, window_left, window_right, alignment)
     if q.device.type != "cuda":
-        return _backward_math(grad_o, q, k, v, grad_lse, is_causal, scale, layout)
+        return _backward_math(grad_o, q, k, v, grad_lse, is_causal, scale, layout, **mask)
     same = q.device.index == torch.cuda.current_device()
     with contextlib.nullcontext() if same else torch.cuda.device(q.device):
         return _backward_cuda(grad_o, q, k, v, o, lse, grad_lse, is_causal, scale, layout,
-                              format, dov, deterministic)
+                              format, dov, deterministic, **mask)
 
 
 @_attention_backward_op.register_fake
 def _attention_backward_fake(grad_o, q, k, v, o, lse, grad_lse, is_causal, scale, layout,
-                             format, dov, deterministic):
+                             format, dov, deterministic, kv_lengths=None, window_left=-1,
+                             window_right=-1, alignment="bottom_right"):
     _check_backward(grad_o, q, k, v, o, lse, grad_lse, layout, scale, format, dov)
+    _check_mask(q, layout, kv_lengths, window_left, window_right, alignment)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -433,8 +580,34 @@ def _check_backward(grad_o, q, k, v, o, lse, grad_lse, layout, scale, format, do
         raise invalid(f"dov = {dov!r}; allowed: {', '.join(map(repr, _BWD_DOVS))}")
 
 
+def _sagebwd_declines(q, k, layout, is_causal, kv_lengths=None, window_left=-1, window_right=-1,
+                      alignment="bottom_right") -> Optional[Tuple[str, str]]:
+    """None where SageBwd runs the call's mask; otherwise (reason key, why). SageBwd, and
+    qattn_bwd_params, know causal aligned bottom-right only: no window, no key padding, no
+    top-left alignment where it changes the mask (Nq != Nkv)."""
+    nq, nkv = _bhnd(q, layout)[2], _bhnd(k, layout)[2]
+    window = window_left >= 0 or (not is_causal and window_right >= 0)
+    seen = []
+    if window:
+        seen.append(("window", f"a sliding window (window_left = {window_left}, "
+                               f"window_right = {window_right})"))
+    if kv_lengths is not None:
+        seen.append(("kv_lengths", "key-padding lengths (kv_lengths)"))
+    if alignment == "top_left" and nq != nkv and (is_causal or window):
+        seen.append(("top_left", f"a top-left aligned mask with Nq = {nq} != Nkv = {nkv}"))
+    if not seen:
+        return None
+    return (f"mask {'+'.join(key for key, _ in seen)}",
+            f"SageBwd runs no mask but causal aligned bottom-right, and this call has "
+            f"{' and '.join(what for _, what in seen)}")
+
+
 def _backward_cuda(grad_o, q, k, v, o, lse, grad_lse, is_causal, scale, layout, format, dov,
-                   deterministic):
+                   deterministic, **mask):
+    declined = _sagebwd_declines(q, k, layout, is_causal, **mask)
+    if declined is not None:
+        fallback.backward_declined(*declined)
+        return _backward_math(grad_o, q, k, v, grad_lse, is_causal, scale, layout, **mask)
     try:
         dq, dk, dv = _bwd_run(grad_o, q, k, v, o, lse, is_causal, scale, layout, format, dov,
                               deterministic)
@@ -492,13 +665,39 @@ def _bwd_run(grad_o, q, k, v, o, lse, is_causal, scale, layout, format, dov, det
 _MATH_CHUNK = 1 << 25  # FP32 elements of one score block (128 MiB) in _backward_math
 
 
-def _backward_math(grad_o, q, k, v, grad_lse, is_causal, scale, layout):
+def _visible_keys(i0, i1, nq, nkv, device, is_causal, kv_lengths=None, window_left=-1,
+                  window_right=-1, alignment="bottom_right"):
+    """Which keys query rows i0..i1-1 see, by qattn.h's rule: a boolean tensor that
+    broadcasts against scores (B, Hkv, g, rows, Nkv), or None for every key. Row i's
+    diagonal key is D(i) = i + Nkv - Nq (bottom-right) or i (top-left); it sees key j iff
+    j <= D(i) + right (right = 0 with causal), j >= D(i) - window_left, and j <
+    kv_lengths[b], each where set."""
+    i = torch.arange(i0, i1, device=device)[:, None]
+    j = torch.arange(nkv, device=device)[None, :]
+    diag = i + (nkv - nq if alignment == "bottom_right" else 0)
+    right = 0 if is_causal else window_right
+    rules = []
+    if right >= 0:
+        rules.append(j <= diag + right)
+    if window_left >= 0:
+        rules.append(j >= diag - window_left)
+    if kv_lengths is not None:
+        lengths = kv_lengths.to(device=device, dtype=torch.int64).clamp(0, nkv)
+        rules.append(j < lengths.reshape(-1, 1, 1, 1, 1))
+    seen = None
+    for rule in rules:
+        seen = rule if seen is None else seen & rule
+    return seen
+
+
+def _backward_math(grad_o, q, k, v, grad_lse, is_causal, scale, layout, **mask):
     """The exact gradients of softmax(scale·Q·Kᵀ)·V (and of the LSE), in FP32 from the
     same inputs: the fallback where the library declines, and the path off CUDA. An op
     implementation runs below autograd, so this is PyTorch's SDPA math written out
     (tests compare it with autograd through F.scaled_dot_product_attention), over
-    blocks of query rows to bound the memory. Causal is bottom-right aligned; a row
-    that sees no key has output 0, hence gradient 0."""
+    blocks of query rows to bound the memory. Causal is bottom-right aligned unless
+    `mask` (the mask arguments, _mask_options) says otherwise; a row that sees no key
+    has output 0, hence gradient 0."""
     if layout == "NHD":
         q, k, v, grad_o = (t.transpose(1, 2) for t in (q, k, v, grad_o))
     b, hq, nq, d = q.shape
@@ -516,10 +715,9 @@ def _backward_math(grad_o, q, k, v, grad_lse, is_causal, scale, layout):
     for i0 in range(0, nq, rows):
         i1 = min(nq, i0 + rows)
         s = torch.matmul(qf[..., i0:i1, :], kf.transpose(-1, -2)) * sm
-        if is_causal:
-            i = torch.arange(i0, i1, device=q.device)[:, None]
-            j = torch.arange(nkv, device=q.device)[None, :]
-            s = s.masked_fill(j > i + (nkv - nq), -math.inf)
+        seen = _visible_keys(i0, i1, nq, nkv, q.device, is_causal, **mask)
+        if seen is not None:
+            s = s.masked_fill(~seen, -math.inf)
         m = s.amax(-1, keepdim=True)
         p = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
         l = p.sum(-1, keepdim=True)
@@ -548,18 +746,21 @@ def _records_autograd(q, k, v) -> bool:
     )
 
 
-def _forward(q, k, v, is_causal, scale, layout, return_lse, granularity):
-    """One forward with the C ABI's own causal rule (bottom-right aligned). Where
-    autograd records the call, the training forward (per-block groups, LSE written);
-    granularity applies to inference only."""
+def _forward(q, k, v, is_causal, scale, layout, return_lse, granularity, **mask):
+    """One forward with the C ABI's rules: causal aligned bottom-right unless `mask` (the
+    mask arguments not at their defaults, _mask_options) says otherwise. Where autograd
+    records the call, the training forward (per-block groups, LSE written); granularity
+    applies to inference only."""
     if _records_autograd(q, k, v):
         if granularity not in _GRANULARITIES:
             raise invalid(f"granularity = {granularity!r}; allowed: {', '.join(_GRANULARITIES)}")
-        o, lse = torch.ops.qattn.attention_train(q, k, v, is_causal, scale, layout, return_lse)
+        o, lse = torch.ops.qattn.attention_train(q, k, v, is_causal, scale, layout, return_lse,
+                                                 **mask)
         return o, lse
     if _direct_call_ok(q, k, v):
-        return _run(q, k, v, is_causal, scale, layout, return_lse, granularity)
-    return torch.ops.qattn.attention(q, k, v, is_causal, scale, layout, return_lse, granularity)
+        return _run(q, k, v, is_causal, scale, layout, return_lse, granularity, **mask)
+    return torch.ops.qattn.attention(q, k, v, is_causal, scale, layout, return_lse, granularity,
+                                     **mask)
 
 
 def _seq_lengths(q, k, layout):
@@ -574,8 +775,10 @@ def _seq_lengths(q, k, layout):
 
 
 def _top_left(q, k, v, scale, layout, return_lse, granularity):
-    """Causal attention with SDPA's rule, query i sees keys j <= i, from the kernel's
-    bottom-right rule (query i sees keys j <= i + Nkv - Nq). Both agree when Nq == Nkv.
+    """Causal attention with SDPA's rule, query i sees keys j <= i, from the bottom-right
+    rule (query i sees keys j <= i + Nkv - Nq), for training: SageBwd runs bottom-right
+    causal only, and each call here is one it runs (inference passes the alignment to
+    the kernel instead, one call). Both rules agree when Nq == Nkv.
     Nq < Nkv: keys j >= Nq are never seen, so the kernel runs square on the first Nq keys
     (a view, no copy). Nq > Nkv: rows i < Nkv form a square causal problem with all the
     keys, and rows i >= Nkv see every key (no mask); two calls on views, and the two
@@ -603,6 +806,8 @@ def attention(
     *,
     granularity: str = "per_thread",
     causal_alignment: str = "top_left",
+    window_size: Tuple[int, int] = (-1, -1),
+    kv_lengths: Optional[torch.Tensor] = None,
 ):
     """SageAttention2-8b attention (INT8 Q·Kᵀ, FP8 P·V) on a Hopper GPU.
 
@@ -612,13 +817,23 @@ def attention(
     For a drop-in with SDPA's exact signature and a fallback for what qattn does not
     run, see qattn.scaled_dot_product_attention.
 
-    causal_alignment says where the causal mask sits when Nq != Nkv (it makes no
-    difference when Nq == Nkv):
-      "top_left" (default, SDPA's rule): query i sees keys j <= i. With Nq > Nkv this
-        takes two kernel calls and one copy of the output.
+    causal_alignment says where the diagonal of the causal mask and of the window sits
+    when Nq != Nkv (it makes no difference when Nq == Nkv): query i's diagonal key is
+      "top_left" (default, SDPA's rule): D(i) = i, so with is_causal query i sees keys
+        j <= i;
       "bottom_right" (FlashAttention >= 2.1, a KV cache: the queries are the last Nq
-        positions): query i sees keys j <= i + Nkv - Nq. With Nq > Nkv the first
-        Nq - Nkv rows see no key: their output is 0 and their LSE -inf.
+        positions): D(i) = i + Nkv - Nq. With is_causal and Nq > Nkv the first Nq - Nkv
+        rows see no key.
+
+    window_size = (left, right), FlashAttention's sliding window: query i sees keys j
+    with D(i) - left <= j <= D(i) + right; -1 leaves that side unbounded (the default,
+    (-1, -1), is no window). With is_causal, right acts as 0.
+    kv_lengths: None (every key) or a (B,) int32 tensor (int64 is converted) on q's
+    device: batch entry b sees keys j < kv_lengths[b] only (a right-padded batch; the
+    padding keys' values never matter, they are left out of K's and V's quantization
+    too). Values are read on the device, below 0 counting as 0 and above Nkv as Nkv.
+    Every mask runs in one kernel call. A row that sees no key gives output 0 and LSE
+    -inf.
 
     Returns o (q's shape and dtype, contiguous), and with return_lse also the
     natural-log log-sum-exp of the scaled scores, (B, Hq, Nq) float32.
@@ -630,16 +845,30 @@ def attention(
     granularity says, and the LSE written) and backward gives dq, dk, dv from SageBwd,
     the INT8 backward (dk, dv summed over each KV head's query heads). With
     return_lse=True the LSE's gradient is honoured too, at the cost of one more forward
-    and backward call. Options: qattn.set_backward_options; a backward the library
-    declines follows qattn.set_fallback's mode.
+    and backward call. Top-left causal with Nq > Nkv is then two forward calls and one
+    copy of the output. Options: qattn.set_backward_options; a backward the library
+    declines follows qattn.set_fallback's mode. SageBwd runs no window and no kv_lengths:
+    a training call with either has qattn's forward, and its backward follows that mode
+    ("warn": the exact FP32 gradients with a QattnFallbackWarning once, "raise":
+    QattnUnsupportedError).
     """
     if causal_alignment not in _ALIGNMENTS:
         raise invalid(f"causal_alignment = {causal_alignment!r}; allowed: 'top_left' or 'bottom_right'")
-    lengths = _seq_lengths(q, k, layout) if is_causal and causal_alignment == "top_left" else None
-    if lengths is not None and lengths[0] != lengths[1] and min(lengths) > 0:
-        o, lse = _top_left(q, k, v, scale, layout, return_lse, granularity)
+    window_left, window_right = _window_sides(window_size)
+    if kv_lengths is not None:  # checked before the dispatcher sees a non-tensor
+        _check_inputs(q, k, v, layout, scale, granularity)
+        _check_kv_lengths(kv_lengths, q, layout)
+    lengths = _seq_lengths(q, k, layout)
+    window = window_left >= 0 or (not is_causal and window_right >= 0)
+    # The alignment reaches the ops only where it changes the mask, so that a call it
+    # does not change keeps the arguments (and SageBwd) of a plain causal call.
+    aligned = lengths is not None and lengths[0] != lengths[1] and (is_causal or window)
+    mask = _mask_options(kv_lengths, window_left, window_right,
+                         causal_alignment if aligned else "bottom_right")
+    if set(mask) == {"alignment"} and min(lengths) > 0 and _records_autograd(q, k, v):
+        o, lse = _top_left(q, k, v, scale, layout, return_lse, granularity)  # causal, top-left
     else:
-        o, lse = _forward(q, k, v, is_causal, scale, layout, return_lse, granularity)
+        o, lse = _forward(q, k, v, is_causal, scale, layout, return_lse, granularity, **mask)
     return (o, lse) if return_lse else o
 
 

@@ -262,10 +262,10 @@ def test_eager_calls_skip_the_dispatcher_and_agree_with_the_op():
         o_op, lse_op = torch.ops.qattn.attention(q, k, v, True, None, "HND", True, "per_thread")
         torch.testing.assert_close(o, o_op, rtol=0, atol=0)
         torch.testing.assert_close(lse, lse_op, rtol=0, atol=0)
-        # Top-left with Nq < Nkv is the kernel's causal rule on the first Nq keys.
+        # Top-left with Nq != Nkv: the kernel's own top-left alignment, in one call.
         o = qattn.attention(q, k, v, is_causal=True)
-        kq, vq = k[:, :, :700], v[:, :, :700]
-        o_op, _ = torch.ops.qattn.attention(q, kq, vq, True, None, "HND", False, "per_thread")
+        o_op, _ = torch.ops.qattn.attention(q, k, v, True, None, "HND", False, "per_thread",
+                                            alignment="top_left")
         torch.testing.assert_close(o, o_op, rtol=0, atol=0)
     # Calls that record autograd take the training op (test_backward.py).
     assert not qattn.ops._direct_call_ok(q.requires_grad_(True), k, v)

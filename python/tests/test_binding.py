@@ -69,6 +69,60 @@ def test_forward_stops_before_the_device_without_a_usable_gpu():
     assert str(nbytes) in _C.last_error_message()
 
 
+# ---- the masks beyond causal: (kv_lengths, window_left, window_right, alignment) ---------
+
+
+NO_MASK = (0, -1, -1, 0)
+
+
+def test_mask_defaults_to_none_and_constants():
+    assert (_C.ALIGN_BOTTOM_RIGHT, _C.ALIGN_TOP_LEFT) == (0, 1)
+    plain = _C.workspace_size(*args())
+    assert _C.workspace_size(*args(), NO_MASK) == plain
+    assert _C.workspace_size(*args(), mask=NO_MASK) == plain
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [(7 << 40, -1, -1, 0), (0, 64, 0, 1), (0, 0, 0, 0), (0, -1, 5, 1), (7 << 40, 100, 100, 1),
+     (0, 2**31 - 1, -1, 0)],
+)
+def test_valid_masks(mask):
+    for causal in (0, 1):
+        status, nbytes = _C.workspace_size(*args(causal=causal), mask)
+        assert status == _C.OK, _C.last_error_message()
+        assert nbytes == _C.workspace_size(*args(causal=causal))[1]  # the masks need no workspace
+
+
+@pytest.mark.parametrize(
+    "mask,words",
+    [
+        ((0, -2, -1, 0), ["window_left = -2", "-1 (no bound", "number of keys >= 0"]),
+        ((0, -1, -7, 0), ["window_right = -7"]),
+        ((0, -1, -1, 2), ["alignment = 2", "QATTN_ALIGN_BOTTOM_RIGHT (0)", "QATTN_ALIGN_TOP_LEFT (1)"]),
+        ((0, -1, -1, -1), ["alignment = -1"]),
+        (((7 << 40) + 2, -1, -1, 0), ["kv_lengths", "4-byte aligned", "(batch,) int32"]),
+        ((4 << 40, -1, -1, 0), ["o overlaps kv_lengths"]),  # o's first bytes
+        ((5 << 40, -1, -1, 0), ["lse overlaps kv_lengths"]),
+    ],
+)
+def test_binding_reports_the_mask_parameter(mask, words):
+    got, _ = _C.workspace_size(*args(), mask)
+    message = _C.last_error_message()
+    assert got == _C.ERROR_INVALID_ARGUMENT, message
+    for w in words:
+        assert w in message, message
+
+
+def test_kv_lengths_may_share_an_input_but_not_the_workspace():
+    mask = (1 << 40, -1, -1, 0)  # inside q: inputs are only read
+    status, nbytes = _C.workspace_size(*args(), mask)
+    assert status == _C.OK, _C.last_error_message()
+    status = _C.forward(*args(), 7 << 40, nbytes, 0, False, (7 << 40, -1, -1, 0))
+    assert status == _C.ERROR_INVALID_ARGUMENT
+    assert "workspace overlaps kv_lengths" in _C.last_error_message()
+
+
 def test_error_type_carries_status_and_message():
     _C.workspace_size(*args(hkv=3))
     with pytest.raises(qattn.QattnError, match="heads_kv = 3") as info:

@@ -19,6 +19,8 @@ def meta(*shape, dtype=torch.bfloat16):
 def test_schema():
     schema = str(torch.ops.qattn.attention.default._schema)
     assert schema.startswith("qattn::attention(Tensor q, Tensor k, Tensor v, bool is_causal, float? scale")
+    # The masks beyond causal, last and with defaults (test_masks.py has the rest).
+    assert 'Tensor? kv_lengths=None' in schema and 'str alignment="bottom_right") ->' in schema
 
 
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
@@ -122,6 +124,44 @@ def test_call_arguments_hnd_and_nhd():
     assert (sb, sh, sn) == (300 * 8 * 64, 64, 8 * 64)
     assert c.args[5] == _C.DTYPE_FP16 and c.args[6] == (2, 8, 2, 300, 500, 64)
     assert c.args[8] == pytest.approx(0.3) and c.args[4] == 0
+
+
+def test_call_without_a_mask_passes_the_abi_defaults():
+    q = torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16)
+    c = call_for(q, q, q, is_causal=True)
+    assert c.mask == (0, -1, -1, _C.ALIGN_BOTTOM_RIGHT) and c.kv_lengths is None
+
+
+def test_call_mask_arguments():
+    q = torch.zeros(3, 4, 100, 64, dtype=torch.bfloat16)
+    k = torch.zeros(3, 2, 300, 64, dtype=torch.bfloat16)
+    lengths = torch.tensor([7, 0, 300], dtype=torch.int32)
+    c = call_for(q, k, k, is_causal=True, kv_lengths=lengths, window_left=64, window_right=0,
+                 alignment="top_left")
+    assert c.mask == (lengths.data_ptr(), 64, 0, _C.ALIGN_TOP_LEFT)  # int32, contiguous: no copy
+    assert c.ws_bytes > 0
+    # int64 is clamped to [0, Nkv] and converted (a value past int32 must not wrap).
+    wide = torch.tensor([-5, 2**40, 123], dtype=torch.int64)
+    c = call_for(q, k, k, kv_lengths=wide, window_left=-1, window_right=16)
+    assert c.kv_lengths.dtype == torch.int32 and c.kv_lengths.tolist() == [0, 300, 123]
+    assert c.mask == (c.kv_lengths.data_ptr(), -1, 16, _C.ALIGN_BOTTOM_RIGHT)
+    # A strided view is made contiguous: the C ABI reads B consecutive int32.
+    strided = torch.tensor([1, 9, 2, 9, 3, 9], dtype=torch.int32)[::2]
+    c = call_for(q, k, k, kv_lengths=strided)
+    assert c.kv_lengths.is_contiguous() and c.kv_lengths.tolist() == [1, 2, 3]
+    assert c.mask[0] == c.kv_lengths.data_ptr() != strided.data_ptr()
+
+
+def test_call_refuses_bad_mask_arguments():
+    q = torch.zeros(2, 4, 64, 64, dtype=torch.bfloat16)
+    for kw, match in ((dict(window_left=-2), "window_left = -2"),
+                      (dict(window_right=2**31), "window_right = 2147483648"),
+                      (dict(window_left=1.0), "window_left = 1.0"),
+                      (dict(alignment="center"), "alignment = 'center'"),
+                      (dict(kv_lengths=torch.zeros(2)), "kv_lengths.dtype = torch.float32"),
+                      (dict(kv_lengths=torch.zeros(4, dtype=torch.int32)), r"allowed: \(2,\)")):
+        with pytest.raises(qattn.QattnError, match=match):
+            call_for(q, q, q, **kw)
 
 
 def test_call_pads_rows_to_multiples_of_8():

@@ -1,7 +1,7 @@
 """qattn.scaled_dot_product_attention without a GPU: its signature against PyTorch's,
 the fallback policy (warning once per reason, the "raise" mode, the environment
 variable), PyTorch's own errors for invalid calls, and the top-left causal mapping,
-with the kernel replaced by an FP64 emulation of its bottom-right rule on CPU tensors.
+with the kernel replaced by an FP64 emulation of the C ABI's mask rules on CPU tensors.
 Needs torch (a CPU build is enough) and qattn._C."""
 
 import inspect
@@ -228,20 +228,30 @@ def test_invalid_calls_raise_torchs_own_error(request, mode, device, case):
 
 
 def emulated_kernel(calls):
-    """An FP64 stand-in for the C ABI forward (ops._forward): bottom-right causal rule,
-    GQA by h // (Hq / Hkv), o in q's dtype and layout, natural-log LSE, empty rows 0."""
+    """An FP64 stand-in for the C ABI forward (ops._forward): the causal rule aligned as
+    `alignment` says (bottom-right by default), a window (left, right) around the same
+    diagonal, GQA by h // (Hq / Hkv), o in q's dtype and layout, natural-log LSE, empty
+    rows 0."""
 
-    def forward(q, k, v, is_causal, scale, layout, return_lse, granularity):
-        calls.append(dict(q=q, k=k, causal=is_causal))
+    def forward(q, k, v, is_causal, scale, layout, return_lse, granularity, window_left=-1,
+                window_right=-1, alignment="bottom_right", kv_lengths=None):
+        calls.append(dict(q=q, k=k, causal=is_causal, alignment=alignment,
+                          window=(window_left, window_right), kv_lengths=kv_lengths))
         qh, kh, vh = (t if layout == "HND" else t.transpose(1, 2) for t in (q, k, v))
         qh, kh, vh = qh.double(), kh.double(), vh.double()
         g = qh.shape[1] // kh.shape[1]
         kh, vh = kh.repeat_interleave(g, 1), vh.repeat_interleave(g, 1)
         nq, nkv = qh.shape[2], kh.shape[2]
         s = qh @ kh.transpose(-1, -2) * (scale if scale is not None else 1 / math.sqrt(qh.shape[-1]))
-        if is_causal:
-            i, j = torch.arange(nq)[:, None], torch.arange(nkv)[None, :]
-            s = s.masked_fill(j > i + nkv - nq, float("-inf"))
+        i, j = torch.arange(nq)[:, None], torch.arange(nkv)[None, :]
+        diag = i + (nkv - nq if alignment == "bottom_right" else 0)
+        right = 0 if is_causal else window_right
+        if right >= 0:
+            s = s.masked_fill(j > diag + right, float("-inf"))
+        if window_left >= 0:
+            s = s.masked_fill(j < diag - window_left, float("-inf"))
+        if kv_lengths is not None:
+            s = s.masked_fill(j >= kv_lengths.reshape(-1, 1, 1, 1), float("-inf"))
         lse = torch.logsumexp(s, -1)
         o = (torch.softmax(s, -1).nan_to_num(0.0) @ vh).to(q.dtype)
         o = o if layout == "HND" else o.transpose(1, 2).contiguous()
@@ -263,19 +273,30 @@ def kernel_calls(monkeypatch):
 RTOL, ATOL = 2.0**-10, 2.0**-14
 
 
-@pytest.mark.parametrize("nq,nkv,kernel_calls_expected", [(40, 40, 1), (17, 60, 1), (60, 17, 2), (1, 30, 1), (30, 1, 2)])
+@pytest.mark.parametrize("nq,nkv,training_calls", [(40, 40, 1), (17, 60, 1), (60, 17, 2), (1, 30, 1), (30, 1, 2)])
 @pytest.mark.parametrize("hq,hkv,gqa", [(4, 4, False), (8, 2, True), (4, 1, False)])
-def test_drop_in_matches_sdpa_top_left(kernel_calls, nq, nkv, kernel_calls_expected, hq, hkv, gqa):
+def test_drop_in_matches_sdpa_top_left(kernel_calls, nq, nkv, training_calls, hq, hkv, gqa):
     q = randn(2, hq, nq, 24, dtype=torch.float16, seed=SEED + nq)
     k = randn(2, hkv, nkv, 24, dtype=torch.float16, seed=SEED + nkv + 1)
     v = randn(2, hkv, nkv, 24, dtype=torch.float16, seed=SEED + nkv + 2)
     qattn.set_fallback("raise")  # the qattn path, or an error
-    o = qattn.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=0.3)
     ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True,
                                          enable_gqa=gqa, scale=0.3)
+    # Inference: one kernel call with the top-left alignment (the kernel's own), on the
+    # caller's key.
+    o = qattn.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=0.3)
     assert o.shape == q.shape and o.dtype == q.dtype
     torch.testing.assert_close(o.double(), ref, rtol=RTOL, atol=ATOL)
-    assert len(kernel_calls) == kernel_calls_expected
+    assert len(kernel_calls) == 1 and kernel_calls[0]["k"] is k
+    assert kernel_calls[0]["alignment"] == ("bottom_right" if nq == nkv else "top_left")
+    # Training: SageBwd knows the bottom-right rule only, so the forward maps top-left
+    # onto it with views (two calls when Nq > Nkv).
+    kernel_calls.clear()
+    o = qattn.scaled_dot_product_attention(q.requires_grad_(True), k, v, is_causal=True,
+                                           enable_gqa=gqa, scale=0.3)
+    torch.testing.assert_close(o.double(), ref, rtol=RTOL, atol=ATOL)
+    assert len(kernel_calls) == training_calls
+    assert all(c["alignment"] == "bottom_right" for c in kernel_calls)
     if nq < nkv:  # the first Nq keys, as a view of the caller's key
         seen = kernel_calls[0]["k"]
         assert seen.shape[2] == nq and seen.data_ptr() == k.data_ptr()

@@ -142,6 +142,9 @@ void qattn_fwd_params_init(qattn_fwd_params* p) {
   p->sage2.granularity = QATTN_QK_PER_THREAD;
   p->causal = 0;
   p->sm_scale = 0.f;
+  p->kv_lengths = nullptr;
+  p->window_left = -1;
+  p->window_right = -1;
 }
 
 qattn_status qattn_fwd_workspace_size(const qattn_fwd_params* p, size_t* bytes) {

@@ -22,8 +22,21 @@ struct Arch {
   bool operator==(const Arch&) const = default;
 };
 
-// The masks a call may ask for (the params' causal), as bits of a family's masks.
-enum MaskBit : uint32_t { kMaskNone = 1u << 0, kMaskCausal = 1u << 1 };
+// The masks a call may ask for, as bits of a family's masks. A call is either unmasked
+// or causal (the params' causal: kMaskNone or kMaskCausal), and may use any of the
+// features beyond causal on top (qattn_fwd_params' window, kv_lengths, alignment); a
+// family runs the call only when it declares every bit the call uses.
+enum MaskBit : uint32_t {
+  kMaskNone = 1u << 0,
+  kMaskCausal = 1u << 1,
+  // A sliding window: window = 1 with window_left >= 0, or with window_right >= 0
+  // without causal (with causal set, window_right acts as 0, which is causal itself).
+  kMaskWindow = 1u << 2,
+  kMaskKeyPadding = 1u << 3,  // kv_lengths: per batch entry, the keys past a length are hidden
+  // Top-left alignment where it changes the mask: seqlen_q != seqlen_kv with causal or a
+  // window.
+  kMaskTopLeft = 1u << 4,
+};
 
 // Which kernels of a forward to run: all, or (bench hooks) the attention kernel alone
 // on a workspace an earlier full forward filled.

@@ -32,14 +32,19 @@ std::size_t lse_bytes(const Params& p) {
   return static_cast<std::size_t>(int64_t{p.batch} * p.heads_q * p.seqlen_q) * sizeof(float);
 }
 
-Span lse_span(const float* lse, std::size_t bytes) {
-  const auto addr = reinterpret_cast<uintptr_t>(lse);
+// The forward's key-padding lengths: one int32 per batch entry.
+std::size_t kv_lengths_bytes(const qattn_fwd_params& p) {
+  return static_cast<std::size_t>(p.batch) * sizeof(int32_t);
+}
+
+Span array_span(const void* data, std::size_t bytes) {
+  const auto addr = reinterpret_cast<uintptr_t>(data);
   return {addr, addr + bytes};
 }
 
 // The forward's buffers, in the order the checks name them.
 struct ForwardBuffers {
-  std::array<Named, 3> inputs;   // q, k, v
+  std::array<Named, 4> inputs;   // q, k, v, kv_lengths
   std::array<Named, 2> outputs;  // o, lse
 };
 
@@ -47,9 +52,12 @@ ForwardBuffers buffers_of(const qattn_fwd_params& p) {
   ForwardBuffers b{
       {{{"q", span_of(p.q, p.batch, p.heads_q, p.seqlen_q, p.head_dim)},
         {"k", span_of(p.k, p.batch, p.heads_kv, p.seqlen_kv, p.head_dim)},
-        {"v", span_of(p.v, p.batch, p.heads_kv, p.seqlen_kv, p.head_dim)}}},
+        {"v", span_of(p.v, p.batch, p.heads_kv, p.seqlen_kv, p.head_dim)},
+        {"kv_lengths", {}, false}}},
       {{{"o", span_of(p.o, p.batch, p.heads_q, p.seqlen_q, p.head_dim)}, {"lse", {}, false}}}};
-  if (p.lse != nullptr) b.outputs[1] = {"lse", lse_span(p.lse, lse_bytes(p))};
+  if (p.kv_lengths != nullptr)
+    b.inputs[3] = {"kv_lengths", array_span(p.kv_lengths, kv_lengths_bytes(p))};
+  if (p.lse != nullptr) b.outputs[1] = {"lse", array_span(p.lse, lse_bytes(p))};
   return b;
 }
 
@@ -68,7 +76,7 @@ BackwardBuffers buffers_of(const qattn_bwd_params& p) {
             {"v", span_of(p.v, b, hkv, nkv, d)},
             {"o", span_of(p.o, b, hq, nq, d)},
             {"dout", span_of(p.dout, b, hq, nq, d)},
-            {"lse", lse_span(p.lse, lse_bytes(p))}}},
+            {"lse", array_span(p.lse, lse_bytes(p))}}},
           {{{"dq", span_of(p.dq, b, hq, nq, d)},
             {"dk", span_of(p.dk, b, hkv, nkv, d)},
             {"dv", span_of(p.dv, b, hkv, nkv, d)}}}};
@@ -175,6 +183,20 @@ qattn_status check_tensor(const char* fn, const char* name, const qattn_tensor& 
   return QATTN_OK;
 }
 
+// A non-NULL array of `bytes` bytes: aligned to `align` and inside the address space.
+// `allowed` is the text after "allowed: " in the alignment message.
+qattn_status check_array(const char* fn, const char* name, const void* data, std::size_t bytes,
+                         std::size_t align, const char* allowed) {
+  const auto addr = reinterpret_cast<uintptr_t>(data);
+  if (addr % align != 0)
+    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": ", name, " = ", data, " is not ", align,
+                "-byte aligned; allowed: ", allowed);
+  if (addr > UINTPTR_MAX - bytes)
+    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": ", name,
+                " runs past the end of the address space");
+  return QATTN_OK;
+}
+
 // The LSE: 4-byte aligned floats, (B, Hq, Nq) of them inside the address space.
 // `required`: the backward reads it; the forward's is optional.
 template <typename Params>
@@ -185,13 +207,32 @@ qattn_status check_lse(const char* fn, const Params& p, const float* lse, bool r
                 ": lse is NULL; allowed: the forward's (B, Hq, Nq) FP32 LSE (qattn_fwd with lse "
                 "set), required by the backward");
   }
-  const auto addr = reinterpret_cast<uintptr_t>(lse);
-  if (addr % kLseAlign != 0)
-    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": lse = ", static_cast<const void*>(lse),
-                " is not 4-byte aligned; allowed: ", required ? "" : "NULL or ", "a float array");
-  const uintptr_t bytes = lse_bytes(p);
-  if (addr > UINTPTR_MAX - bytes)
-    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": lse runs past the end of the address space");
+  return check_array(fn, "lse", lse, lse_bytes(p), kLseAlign,
+                     required ? "a float array" : "NULL or a float array");
+}
+
+// The forward's optional key-padding lengths: `batch` 4-byte aligned int32 (an input:
+// the overlap checks keep every output and the workspace off it).
+qattn_status check_kv_lengths(const char* fn, const qattn_fwd_params& p) {
+  if (p.kv_lengths == nullptr) return QATTN_OK;
+  return check_array(fn, "kv_lengths", p.kv_lengths, kv_lengths_bytes(p), kKvLengthsAlign,
+                     "NULL or a (batch,) int32 array");
+}
+
+// The forward's window and alignment (qattn.h): window a 0/1 flag, each window side -1
+// (no bound) or a number of keys (checked whatever the flag says, so that a side is never
+// out of range when the flag is turned on), the alignment one of the two qattn_alignment
+// values.
+qattn_status check_window_alignment(const char* fn, const qattn_fwd_params& p) {
+  if (auto s = check_flag(fn, "window", p.window); s) return s;
+  for (auto [name, value] :
+       {std::pair{"window_left", p.window_left}, std::pair{"window_right", p.window_right}})
+    if (value < -1)
+      return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": ", name, " = ", value,
+                  "; allowed: -1 (no bound, the default) or a number of keys >= 0");
+  if (p.alignment != QATTN_ALIGN_BOTTOM_RIGHT && p.alignment != QATTN_ALIGN_TOP_LEFT)
+    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": alignment = ", p.alignment,
+                "; allowed: QATTN_ALIGN_BOTTOM_RIGHT (0) or QATTN_ALIGN_TOP_LEFT (1)");
   return QATTN_OK;
 }
 
@@ -284,6 +325,7 @@ qattn_status validate_forward(const char* fn, const qattn_fwd_params& p) {
     return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": scheme = ", p.scheme,
                 "; allowed: QATTN_SCHEME_SAGE2_8B (0)");
   if (auto s = check_shape_mask_scale(fn, p); s) return s;
+  if (auto s = check_window_alignment(fn, p); s) return s;
   if (auto s = check_reserved(fn, "reserved0", p.reserved0, "qattn_fwd_params_init"); s) return s;
   if (p.scheme == QATTN_SCHEME_SAGE2_8B) {
     const int32_t gran = p.sage2.granularity;
@@ -306,6 +348,7 @@ qattn_status validate_forward(const char* fn, const qattn_fwd_params& p) {
     return st;
   if (auto st = check_tensor(fn, "o", p.o, p.batch, p.heads_q, p.seqlen_q, d, true); st) return st;
   if (auto st = check_lse(fn, p, p.lse, /*required=*/false); st) return st;
+  if (auto st = check_kv_lengths(fn, p); st) return st;
   const ForwardBuffers b = buffers_of(p);
   return check_overlaps(fn, b.inputs, b.outputs, [](const char* out) {
     return std::string_view(out) == "lse" ? "a separate (B, Hq, Nq) float buffer"
@@ -330,10 +373,11 @@ std::size_t view_span_bytes(const qattn_tensor& t, int64_t batch, int64_t heads,
   return static_cast<std::size_t>((last + 1) * kElemBytes);
 }
 
-std::array<BufferSpan, 6> buffer_spans(const qattn_fwd_params& p, const void* workspace) {
+std::array<BufferSpan, 7> buffer_spans(const qattn_fwd_params& p, const void* workspace) {
   return {{{"q.data", p.q.data, view_span_bytes(p.q, p.batch, p.heads_q, p.seqlen_q, p.head_dim)},
            {"k.data", p.k.data, view_span_bytes(p.k, p.batch, p.heads_kv, p.seqlen_kv, p.head_dim)},
            {"v.data", p.v.data, view_span_bytes(p.v, p.batch, p.heads_kv, p.seqlen_kv, p.head_dim)},
+           {"kv_lengths", p.kv_lengths, p.kv_lengths != nullptr ? kv_lengths_bytes(p) : 0},
            {"o.data", p.o.data, view_span_bytes(p.o, p.batch, p.heads_q, p.seqlen_q, p.head_dim)},
            {"lse", p.lse, p.lse != nullptr ? lse_bytes(p) : 0},
            {"workspace", workspace, forward_workspace_bytes(p)}}};

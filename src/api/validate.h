@@ -21,6 +21,7 @@ inline constexpr std::size_t kTensorAlign = 16;  // bytes: one 16-byte vector lo
 inline constexpr int64_t kStrideMultiple = 8;    // elements: 16 bytes of a 16-bit type
 inline constexpr int64_t kMaxStrideBytes = int64_t{1} << 40;  // cuTensorMapEncode limit
 inline constexpr std::size_t kLseAlign = alignof(float);
+inline constexpr std::size_t kKvLengthsAlign = alignof(int32_t);
 inline constexpr std::size_t kWorkspaceAlign = 256;
 inline constexpr float kMaxSmScale = QATTN_MAX_SM_SCALE;  // qattn.h derives it
 // Above this many rows, an output whose strides interleave rows is reported as not
@@ -72,13 +73,14 @@ std::size_t view_span_bytes(const qattn_tensor& t, int64_t batch, int64_t heads,
 // One buffer a call reads or writes: the parameter's name, its start and its length.
 struct BufferSpan {
   const char* name;
-  const void* data;  // NULL for an absent lse
+  const void* data;  // NULL for an absent optional buffer (lse, kv_lengths)
   std::size_t bytes;
 };
 
-// The buffers of a call with validated parameters: q, k, v, o, lse, workspace (the
-// bytes the call uses, forward_workspace_bytes, not the size the caller passed).
-std::array<BufferSpan, 6> buffer_spans(const qattn_fwd_params& p, const void* workspace);
+// The buffers of a call with validated parameters: q, k, v, kv_lengths (the inputs),
+// o, lse, workspace (the bytes the call uses, forward_workspace_bytes, not the size the
+// caller passed).
+std::array<BufferSpan, 7> buffer_spans(const qattn_fwd_params& p, const void* workspace);
 // The backward's: q, k, v, o, dout, lse, dq, dk, dv, workspace.
 std::array<BufferSpan, 10> buffer_spans(const qattn_bwd_params& p, const void* workspace);
 

@@ -62,7 +62,8 @@ constexpr api::ForwardFamily kFamily{
     .min_head_dim = 1,
     .max_head_dim = 128,  // 64 and 128 natively, others zero-padded to the next of them
     .dtypes = (1u << QATTN_DTYPE_FP16) | (1u << QATTN_DTYPE_BF16),
-    .masks = api::kMaskNone | api::kMaskCausal,
+    .masks = api::kMaskNone | api::kMaskCausal | api::kMaskWindow | api::kMaskKeyPadding |
+             api::kMaskTopLeft,
     .check_limits = &check_limits,
     .workspace_bytes = &workspace_bytes,
     .launch = kLaunch,

@@ -164,6 +164,122 @@ TEST(Registry, EveryDeclineReasonIsNamed) {
   EXPECT_TRUE(contains(qattn_last_error_message(), "considered 0")) << qattn_last_error_message();
 }
 
+// The masks beyond causal: the sage2 family declares all of them; a family that lacks
+// one declines a call that uses it, naming the feature.
+TEST(Registry, Sage2RunsEveryMask) {
+  const Arch hopper{9, 0};
+  qattn_fwd_params p = valid_params();  // seqlen_q 300 != seqlen_kv 500
+  p.causal = 1;
+  p.window = 1;
+  p.window_left = 100;
+  p.kv_lengths = static_cast<const int32_t*>(fake(7));
+  p.alignment = QATTN_ALIGN_TOP_LEFT;
+  qattn_status s = QATTN_ERROR_INTERNAL;
+  const ForwardFamily* f = qattn::api::select_family("t", p, &hopper, &s);
+  ASSERT_NE(f, nullptr) << qattn_last_error_message();
+  EXPECT_STREQ(f->name, "sage2_fwd_sm90");
+  for (uint32_t bit : {qattn::api::kMaskNone, qattn::api::kMaskCausal, qattn::api::kMaskWindow,
+                       qattn::api::kMaskKeyPadding, qattn::api::kMaskTopLeft})
+    EXPECT_NE(f->masks & bit, 0u) << bit;
+}
+
+constexpr ForwardFamily kCausalOnly{"fake_causal_only",
+                                    QATTN_SCHEME_SAGE2_8B,
+                                    kSm90And100,
+                                    1,
+                                    128,
+                                    (1u << QATTN_DTYPE_FP16) | (1u << QATTN_DTYPE_BF16),
+                                    qattn::api::kMaskNone | qattn::api::kMaskCausal,
+                                    nullptr,
+                                    &ws_1k,
+                                    nullptr};
+
+TEST(Registry, MasksBeyondCausalAreDeclinedByName) {
+  const std::array<const ForwardFamily*, 1> families{&kCausalOnly};
+  const Arch sm90{9, 0};
+  struct Case {
+    const char* what;
+    void (*change)(qattn_fwd_params&);
+    const char* reason;  // "" = accepted
+    const char* described;
+  };
+  const Case cases[] = {
+      {"a left window",
+       [](qattn_fwd_params& p) {
+         p.window = 1;
+         p.window_left = 64;
+       },
+       "fake_causal_only: has no sliding-window kernel (window_left = 64, window_right = -1)",
+       "window (64, -1)"},
+      {"a right window without causal",
+       [](qattn_fwd_params& p) {
+         p.window = 1;
+         p.window_right = 0;
+       },
+       "fake_causal_only: has no sliding-window kernel (window_left = -1, window_right = 0)",
+       "no mask, window (-1, 0)"},
+      {"key padding",
+       [](qattn_fwd_params& p) { p.kv_lengths = static_cast<const int32_t*>(fake(7)); },
+       "fake_causal_only: has no key-padding kernel (kv_lengths is set)", "key padding"},
+      {"top-left causal with seqlen_q != seqlen_kv",
+       [](qattn_fwd_params& p) {
+         p.causal = 1;
+         p.alignment = QATTN_ALIGN_TOP_LEFT;
+       },
+       "fake_causal_only: has no top-left aligned mask (alignment = QATTN_ALIGN_TOP_LEFT with "
+       "seqlen_q = 300 != seqlen_kv = 500)",
+       "causal, top-left"},
+      // Where a field changes nothing, the call needs no feature beyond causal.
+      {"a right window with causal (acts as 0)",
+       [](qattn_fwd_params& p) {
+         p.causal = 1;
+         p.window = 1;
+         p.window_right = 17;
+       },
+       "", ""},
+      {"a window without bounds",
+       [](qattn_fwd_params& p) {
+         p.window = 1;
+         p.window_left = p.window_right = -1;
+       },
+       "", ""},
+      {"sides without the flag",
+       [](qattn_fwd_params& p) {
+         p.window = 0;
+         p.window_left = p.window_right = 3;
+       },
+       "", ""},
+      {"top-left without causal or window",
+       [](qattn_fwd_params& p) { p.alignment = QATTN_ALIGN_TOP_LEFT; }, "", ""},
+      {"top-left causal with seqlen_q == seqlen_kv",
+       [](qattn_fwd_params& p) {
+         p.causal = 1;
+         p.alignment = QATTN_ALIGN_TOP_LEFT;
+         p.seqlen_q = p.seqlen_kv;  // the registry reads no tensor: strides may stay
+       },
+       "", ""},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    qattn_fwd_params p = valid_params();
+    c.change(p);
+    qattn_status s = QATTN_OK;
+    const ForwardFamily* f = qattn::api::select_family("f", p, &sm90, &s, families);
+    if (*c.reason == '\0') {
+      EXPECT_EQ(f, &kCausalOnly) << qattn_last_error_message();
+      EXPECT_EQ(s, QATTN_OK);
+      continue;
+    }
+    EXPECT_EQ(f, nullptr);
+    EXPECT_EQ(s, QATTN_ERROR_UNSUPPORTED);
+    const std::string m = qattn_last_error_message();
+    EXPECT_TRUE(contains(m, c.reason)) << m;
+    EXPECT_TRUE(contains(m, c.described)) << m;  // the call, as the message describes it
+    // No accepting family: the workspace size is 0, as for any declined call.
+    EXPECT_EQ(qattn::api::workspace_bytes_for(p, families), 0u);
+  }
+}
+
 // The workspace size holds on any device: the largest need of the families that accept
 // the shape, whatever their architecture.
 TEST(Registry, WorkspaceIsTheLargestOverAcceptingFamilies) {
@@ -215,12 +331,58 @@ TEST(Abi, StructSizeIsChecked) {
   EXPECT_EQ(bytes, want);
 }
 
+// A caller compiled against the first layout (0.1.0: up to reserved0) passes a shorter
+// struct; whatever lies in memory after it is never read, and the fields it lacks take
+// qattn_fwd_params_init's defaults: no key padding, no window, bottom-right.
+TEST(Abi, FirstLayoutGetsTheMaskDefaults) {
+  std::size_t want = 0, bytes = 0;
+  const qattn_fwd_params current = valid_params();
+  ASSERT_EQ(qattn_fwd_workspace_size(&current, &want), QATTN_OK) << qattn_last_error_message();
+
+  qattn_fwd_params old = valid_params();
+  old.struct_size = QATTN_FWD_PARAMS_MIN_SIZE;
+  // Bytes past the old struct_size: not the caller's (a bad window flag, sides and
+  // alignment, a misaligned pointer, were they read).
+  std::memset(reinterpret_cast<char*>(&old) + QATTN_FWD_PARAMS_MIN_SIZE, 0xA5,
+              sizeof(old) - QATTN_FWD_PARAMS_MIN_SIZE);
+  qattn_fwd_params got;
+  std::memset(&got, 0x5A, sizeof(got));
+  ASSERT_EQ(qattn::api::read_params("t", &old, &got), QATTN_OK) << qattn_last_error_message();
+  qattn_fwd_params defaults;
+  qattn_fwd_params_init(&defaults);
+  EXPECT_EQ(got.struct_size, sizeof(qattn_fwd_params));
+  EXPECT_EQ(got.kv_lengths, nullptr);
+  EXPECT_EQ(got.window, 0);
+  EXPECT_EQ(got.window_left, defaults.window_left);
+  EXPECT_EQ(got.window_right, defaults.window_right);
+  EXPECT_EQ(got.alignment, QATTN_ALIGN_BOTTOM_RIGHT);
+  // The caller's prefix is kept as it was (past struct_size, which is the library's own).
+  EXPECT_EQ(std::memcmp(reinterpret_cast<const char*>(&got) + sizeof(std::size_t),
+                        reinterpret_cast<const char*>(&current) + sizeof(std::size_t),
+                        QATTN_FWD_PARAMS_MIN_SIZE - sizeof(std::size_t)),
+            0);
+  ASSERT_EQ(qattn_fwd_workspace_size(&old, &bytes), QATTN_OK) << qattn_last_error_message();
+  EXPECT_EQ(bytes, want);
+  // The old caller's causal keeps its meaning: bottom-right, no window.
+  old.causal = 1;
+  ASSERT_EQ(qattn::api::read_params("t", &old, &got), QATTN_OK);
+  EXPECT_EQ(got.causal, 1);
+  EXPECT_EQ(got.alignment, QATTN_ALIGN_BOTTOM_RIGHT);
+  EXPECT_EQ(qattn_fwd_workspace_size(&old, &bytes), QATTN_OK) << qattn_last_error_message();
+}
+
 // The first field is the size and the sub-struct of the scheme is last: the layout a
 // compiled caller relies on.
 TEST(Abi, LayoutKeepsItsPromises) {
   EXPECT_EQ(offsetof(qattn_fwd_params, struct_size), 0u);
-  // No tail padding: a field appended later cannot land inside an older struct_size.
-  EXPECT_EQ(QATTN_FWD_PARAMS_MIN_SIZE, sizeof(qattn_fwd_params));
+  // No tail padding in either layout: a field appended later cannot land inside an
+  // older struct_size. The masks beyond causal start right where the first layout ends.
+  EXPECT_EQ(offsetof(qattn_fwd_params, kv_lengths), QATTN_FWD_PARAMS_MIN_SIZE);
+  EXPECT_EQ(offsetof(qattn_fwd_params, alignment) + sizeof(int32_t), sizeof(qattn_fwd_params));
+  if constexpr (sizeof(void*) == 8) {  // the sizes qattn.h states for LP64
+    EXPECT_EQ(QATTN_FWD_PARAMS_MIN_SIZE, 192u);
+    EXPECT_EQ(sizeof(qattn_fwd_params), 216u);
+  }
   qattn_fwd_params p = valid_params();
   p.reserved0 = 1;
   std::size_t bytes = 0;
@@ -228,6 +390,10 @@ TEST(Abi, LayoutKeepsItsPromises) {
   EXPECT_TRUE(contains(qattn_last_error_message(), "reserved0")) << qattn_last_error_message();
   EXPECT_EQ(sizeof(qattn_fwd_params{}.dtype), 4u);
   EXPECT_EQ(sizeof(qattn_fwd_params{}.sage2.granularity), 4u);
+  for (std::size_t size :
+       {sizeof(qattn_fwd_params{}.window), sizeof(qattn_fwd_params{}.window_left),
+        sizeof(qattn_fwd_params{}.window_right), sizeof(qattn_fwd_params{}.alignment)})
+    EXPECT_EQ(size, 4u);
 }
 
 // ---- the C++ builder: a stride that does not fit is named, not wrapped --------------

@@ -89,6 +89,12 @@ TEST(ApiValidation, ParamsInitGivesDefaults) {
   EXPECT_EQ(p.sage2.granularity, QATTN_QK_PER_THREAD);
   EXPECT_EQ(p.causal, 0);
   EXPECT_EQ(p.sm_scale, 0.f);
+  // No mask beyond causal: every key, no window, bottom-right.
+  EXPECT_EQ(p.kv_lengths, nullptr);
+  EXPECT_EQ(p.window, 0);
+  EXPECT_EQ(p.window_left, -1);
+  EXPECT_EQ(p.window_right, -1);
+  EXPECT_EQ(p.alignment, QATTN_ALIGN_BOTTOM_RIGHT);
   qattn_fwd_params_init(nullptr);  // no crash
   // Defaults alone are not a valid call: the first missing thing is named.
   EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "batch");
@@ -252,6 +258,125 @@ TEST(ApiValidation, SmScale) {
   EXPECT_FLOAT_EQ(qattn::api::resolve_defaults(p).sm_scale, 1.f / std::sqrt(64.f));
   p.sm_scale = 0.3f;
   EXPECT_EQ(qattn::api::resolve_defaults(p).sm_scale, 0.3f);
+}
+
+// ---- masks beyond causal: window, alignment, key-padding lengths --------------------
+
+TEST(ApiValidation, WindowFlag) {
+  for (int bad : {2, -1, std::numeric_limits<int>::max()}) {
+    qattn_fwd_params p = valid_params();
+    p.window = bad;
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "window = " + std::to_string(bad),
+                   "0 or 1");
+  }
+  for (int ok : {0, 1}) {
+    qattn_fwd_params p = valid_params();
+    p.window = ok;
+    EXPECT_EQ(size_of(p).status, QATTN_OK) << size_of(p).message;
+  }
+}
+
+// Each side is in range whatever the flag says: turning the window on never makes a
+// side valid or invalid.
+TEST(ApiValidation, WindowSides) {
+  for (auto field : {&qattn_fwd_params::window_left, &qattn_fwd_params::window_right}) {
+    const char* name = field == &qattn_fwd_params::window_left ? "window_left" : "window_right";
+    for (int window : {0, 1}) {
+      for (int bad : {-2, -100, std::numeric_limits<int>::min()}) {
+        qattn_fwd_params p = valid_params();
+        p.window = window;
+        p.*field = bad;
+        EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT,
+                       std::string(name) + " = " + std::to_string(bad), "-1 (no bound",
+                       "number of keys >= 0");
+      }
+      for (int ok : {-1, 0, 1, 127, 128, 100000, std::numeric_limits<int>::max()}) {
+        for (int causal : {0, 1}) {
+          qattn_fwd_params p = valid_params();
+          p.window = window;
+          p.*field = ok;
+          p.causal = causal;
+          EXPECT_EQ(size_of(p).status, QATTN_OK)
+              << name << " = " << ok << ": " << size_of(p).message;
+        }
+      }
+    }
+  }
+}
+
+TEST(ApiValidation, Alignment) {
+  for (int bad : {2, -1, 255, std::numeric_limits<int>::min()}) {
+    qattn_fwd_params p = valid_params();
+    p.alignment = bad;  // an int field: any value is defined to read
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "alignment = " + std::to_string(bad),
+                   "QATTN_ALIGN_BOTTOM_RIGHT (0)", "QATTN_ALIGN_TOP_LEFT (1)");
+  }
+  for (int ok : {QATTN_ALIGN_BOTTOM_RIGHT, QATTN_ALIGN_TOP_LEFT}) {
+    for (int causal : {0, 1}) {
+      qattn_fwd_params p = valid_params();  // seqlen_q 300 != seqlen_kv 500
+      p.alignment = ok;
+      p.causal = causal;
+      p.window = 1;
+      p.window_left = 64;
+      EXPECT_EQ(size_of(p).status, QATTN_OK) << size_of(p).message;
+    }
+  }
+}
+
+const int32_t* lengths_at(int slot, std::uintptr_t offset = 0) {
+  return static_cast<const int32_t*>(fake(slot, offset));
+}
+
+TEST(ApiValidation, KvLengthsPointer) {
+  qattn_fwd_params p = valid_params();
+  p.kv_lengths = nullptr;  // optional: every key
+  EXPECT_EQ(size_of(p).status, QATTN_OK);
+  for (std::uintptr_t off : {1u, 2u, 3u, 6u}) {
+    p.kv_lengths = lengths_at(7, off);
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "kv_lengths", "4-byte aligned",
+                   "NULL or a (batch,) int32 array");
+  }
+  for (std::uintptr_t off : {0u, 4u, 12u}) {
+    p.kv_lengths = lengths_at(7, off);
+    EXPECT_EQ(size_of(p).status, QATTN_OK) << off << ": " << size_of(p).message;
+  }
+  // batch (2) int32 must fit below the end of the address space.
+  p.kv_lengths = reinterpret_cast<const int32_t*>(UINTPTR_MAX - 3);
+  EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "kv_lengths",
+                 "past the end of the address space");
+  p.kv_lengths = reinterpret_cast<const int32_t*>(UINTPTR_MAX - 11);  // ends 4 bytes before it
+  EXPECT_EQ(size_of(p).status, QATTN_OK) << size_of(p).message;
+}
+
+// kv_lengths is an input: it may share memory with q, k, v, never with o, lse or the
+// workspace.
+TEST(ApiValidation, KvLengthsMustNotOverlapOutputs) {
+  qattn_fwd_params p = valid_params();
+  p.kv_lengths = static_cast<const int32_t*>(p.o.data);
+  EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "o overlaps kv_lengths");
+  p.kv_lengths = reinterpret_cast<const int32_t*>(static_cast<char*>(p.o.data) + 1024);
+  EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "o overlaps kv_lengths");
+  p.kv_lengths = reinterpret_cast<const int32_t*>(p.lse + 6);  // inside the (2, 8, 300) LSE
+  EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "lse overlaps kv_lengths",
+                 "a separate (B, Hq, Nq) float buffer");
+  // Touching the LSE's end, not overlapping it: fine.
+  p.kv_lengths = reinterpret_cast<const int32_t*>(p.lse + 2 * 8 * 300);
+  EXPECT_EQ(size_of(p).status, QATTN_OK) << size_of(p).message;
+  // Just before the LSE: its second int32 is the LSE's first float.
+  p.kv_lengths = reinterpret_cast<const int32_t*>(p.lse) - 1;
+  EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "lse overlaps kv_lengths");
+  // Inputs may overlap each other: lengths inside k are only read.
+  p.kv_lengths = static_cast<const int32_t*>(p.k.data);
+  EXPECT_EQ(size_of(p).status, QATTN_OK) << size_of(p).message;
+  // The workspace: apart from it too.
+  p.kv_lengths = lengths_at(7);
+  const std::size_t n = need(p);
+  EXPECT_REJECTS(fwd(p, fake(7), n), QATTN_ERROR_INVALID_ARGUMENT, "workspace overlaps kv_lengths");
+  p.kv_lengths = lengths_at(6, n - 4);  // the workspace's last 4 bytes
+  EXPECT_REJECTS(fwd(p, fake(6), n), QATTN_ERROR_INVALID_ARGUMENT, "workspace overlaps kv_lengths");
+  p.kv_lengths = lengths_at(6, n);  // right after it
+  const Outcome o = fwd(p, fake(6), n);
+  EXPECT_EQ(o.message.find("overlaps"), std::string::npos) << o.message;
 }
 
 // ---- strides, alignment, overlap ---------------------------------------------------
@@ -558,10 +683,11 @@ TEST(ApiSpans, EveryBufferOfACall) {
   const std::size_t q_bytes = std::size_t{2} * s.batch * s.heads_q * s.seqlen_q * s.head_dim;
   const std::size_t kv_bytes = std::size_t{2} * s.batch * s.heads_kv * s.seqlen_kv * s.head_dim;
   const std::size_t lse_bytes = std::size_t{4} * s.batch * s.heads_q * s.seqlen_q;
-  const std::array<std::tuple<const char*, const void*, std::size_t>, 6> want{{
+  const std::array<std::tuple<const char*, const void*, std::size_t>, 7> want{{
       {"q.data", fake(1), q_bytes},
       {"k.data", fake(2), kv_bytes},
       {"v.data", fake(3), kv_bytes},
+      {"kv_lengths", nullptr, 0},  // absent here
       {"o.data", fake(4), q_bytes},
       {"lse", fake(5), lse_bytes},
       {"workspace", fake(6), need(p)},  // what the call uses, not what the caller passed
@@ -572,11 +698,20 @@ TEST(ApiSpans, EveryBufferOfACall) {
     EXPECT_EQ(spans[i].data, std::get<1>(want[i]));
     EXPECT_EQ(spans[i].bytes, std::get<2>(want[i]));
   }
+  ASSERT_EQ(spans.size(), want.size());
   qattn_fwd_params no_lse = p;
   no_lse.lse = nullptr;
   const auto without = qattn::api::buffer_spans(no_lse, fake(6));
-  EXPECT_EQ(without[4].data, nullptr);
-  EXPECT_EQ(without[4].bytes, 0u);
+  EXPECT_STREQ(without[5].name, "lse");
+  EXPECT_EQ(without[5].data, nullptr);
+  EXPECT_EQ(without[5].bytes, 0u);
+  // Key-padding lengths: batch int32, checked on the device like every other buffer.
+  qattn_fwd_params padded = p;
+  padded.kv_lengths = static_cast<const int32_t*>(fake(7));
+  const auto with = qattn::api::buffer_spans(padded, fake(6));
+  EXPECT_STREQ(with[3].name, "kv_lengths");
+  EXPECT_EQ(with[3].data, fake(7));
+  EXPECT_EQ(with[3].bytes, std::size_t{4} * s.batch);
 }
 
 // ---- the C++ layer -----------------------------------------------------------------
