@@ -84,6 +84,7 @@ enum class Granularity {
 // Memory order of a contiguous (B, H, N, d) tensor: HND = [B][H][N][d] (PyTorch SDPA),
 // NHD = [B][N][H][d] (FlashAttention's varlen-friendly order).
 enum class Layout { kHND, kNHD };
+enum class Alignment { kBottomRight = QATTN_ALIGN_BOTTOM_RIGHT, kTopLeft = QATTN_ALIGN_TOP_LEFT };
 
 // A view of a contiguous tensor in `layout`; `row_stride` (elements between two rows
 // of d, >= d) lets a caller pad rows to a multiple of 8 elements. Fails (kInvalidArgument)
@@ -195,6 +196,24 @@ class ForwardParams {
   }
   ForwardParams& granularity(Granularity g) {
     p_.sage2.granularity = static_cast<int32_t>(g);
+    return *this;
+  }
+  // A sliding window around the diagonal (qattn.h): keys more than `left` before or
+  // `right` after it are hidden; -1 leaves that side unbounded.
+  ForwardParams& window(int32_t left, int32_t right) {
+    p_.window = 1;
+    p_.window_left = left;
+    p_.window_right = right;
+    return *this;
+  }
+  // Key padding: a device array of `batch` int32 lengths (NULL: every key).
+  ForwardParams& kv_lengths(const int32_t* lengths) {
+    p_.kv_lengths = lengths;
+    return *this;
+  }
+  // Where the diagonal of causal and of the window sits when seqlen_q != seqlen_kv.
+  ForwardParams& alignment(Alignment a) {
+    p_.alignment = static_cast<int32_t>(a);
     return *this;
   }
 

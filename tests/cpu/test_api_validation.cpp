@@ -762,6 +762,19 @@ TEST(ApiCpp, BuilderSetsEveryField) {
   EXPECT_EQ(p.sm_scale, 0.5f);
   EXPECT_EQ(p.sage2.granularity, QATTN_QK_PER_BLOCK);
   EXPECT_EQ(p.lse, fake(5));
+  // Masks beyond causal: unset by default, each setter fills its fields.
+  EXPECT_EQ(p.window, 0);
+  EXPECT_EQ(p.window_left, -1);
+  EXPECT_EQ(p.window_right, -1);
+  EXPECT_EQ(p.kv_lengths, nullptr);
+  EXPECT_EQ(p.alignment, QATTN_ALIGN_BOTTOM_RIGHT);
+  fp.window(64, -1).kv_lengths(static_cast<const int32_t*>(fake(6))).alignment(
+      qattn::Alignment::kTopLeft);
+  EXPECT_EQ(p.window, 1);
+  EXPECT_EQ(p.window_left, 64);
+  EXPECT_EQ(p.window_right, -1);
+  EXPECT_EQ(p.kv_lengths, fake(6));
+  EXPECT_EQ(p.alignment, QATTN_ALIGN_TOP_LEFT);
 }
 
 }  // namespace
