@@ -111,7 +111,7 @@ int Sage2Quantized::keys_of(int b) const { return key_rule(b).kv_len; }
 
 numerics::KeyRule Sage2Quantized::key_rule(int b) const {
   return numerics::make_key_rule(seqlen_q, seqlen_kv, mask == Mask::Causal,
-                                 alignment == Alignment::TopLeft, window_left, window_right,
+                                 alignment == Diagonal::TopLeft, window_left, window_right,
                                  kv_lengths.empty() ? seqlen_kv : kv_lengths[b]);
 }
 

@@ -60,7 +60,7 @@ struct Sage2Quantized {
   float scale_log2 = 0.0f;  // sm_scale * log2(e), FP32
   Mask mask = Mask::None;
   // The masks beyond causal (reference/tensor.h AttentionParams; numerics/key_range.h).
-  Alignment alignment = Alignment::BottomRight;
+  Diagonal alignment = Diagonal::BottomRight;
   int window_left = -1, window_right = -1;
   std::vector<int> kv_lengths;  // per batch entry; empty: every key
   Sage2Options options;

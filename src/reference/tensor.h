@@ -52,7 +52,7 @@ enum class Mask { None, Causal };
 
 // Where the diagonal of the causal mask and of a sliding window sits when Nq != Nkv:
 // row i's diagonal key is i + Nkv - Nq (BottomRight) or i (TopLeft, SDPA's is_causal).
-enum class Alignment { BottomRight, TopLeft };
+enum class Diagonal { BottomRight, TopLeft };
 
 // Parameters every scheme shares (docs/design.md, API semantics).
 struct AttentionParams {
@@ -62,19 +62,19 @@ struct AttentionParams {
   // take them, the other schemes reject them): the diagonal's alignment, a sliding
   // window (-1 = no bound on that side) and per-batch key-padding lengths (empty: none;
   // clamped to [0, Nkv] as the kernel does).
-  Alignment alignment = Alignment::BottomRight;
+  Diagonal alignment = Diagonal::BottomRight;
   int window_left = -1, window_right = -1;
   std::vector<int> kv_lengths;
 
   // Whether anything beyond the plain bottom-right causal mask (or none) is asked for.
   bool has_extended_mask() const {
-    return alignment != Alignment::BottomRight || window_left >= 0 || window_right >= 0 ||
+    return alignment != Diagonal::BottomRight || window_left >= 0 || window_right >= 0 ||
            !kv_lengths.empty();
   }
   // The rule of batch entry b (nq, nkv: the call's lengths).
   numerics::KeyRule key_rule(int b, int nq, int nkv) const {
     return numerics::make_key_rule(nq, nkv, mask == Mask::Causal,
-                                   alignment == Alignment::TopLeft, window_left, window_right,
+                                   alignment == Diagonal::TopLeft, window_left, window_right,
                                    kv_lengths.empty() ? nkv : kv_lengths[b]);
   }
 };

@@ -735,13 +735,13 @@ TEST(Sage2Masks, UnquantizedMatchesReferenceWithWindowsPaddingAndAlignment) {
     const Case c{2, 4, pick(0, 1) ? 2 : 4, pick(1, 300), pick(1, 300), 32,
                  pick(0, 1) ? Mask::Causal : Mask::None};
     AttentionParams p{c.mask, std::nullopt};
-    p.alignment = pick(0, 1) ? Alignment::TopLeft : Alignment::BottomRight;
+    p.alignment = pick(0, 1) ? Diagonal::TopLeft : Diagonal::BottomRight;
     p.window_left = pick(0, 2) == 0 ? -1 : pick(0, 200);
     p.window_right = pick(0, 2) == 0 ? -1 : pick(0, 200);
     if (pick(0, 1)) p.kv_lengths = {pick(0, c.nkv), pick(0, 3) == 0 ? 0 : pick(1, c.nkv)};
     SCOPED_TRACE(::testing::Message()
                  << "nq " << c.nq << " nkv " << c.nkv << " causal " << (c.mask == Mask::Causal)
-                 << " top_left " << (p.alignment == Alignment::TopLeft) << " window ("
+                 << " top_left " << (p.alignment == Diagonal::TopLeft) << " window ("
                  << p.window_left << ", " << p.window_right << ") lengths "
                  << (p.kv_lengths.empty() ? -1 : p.kv_lengths[0]) << ","
                  << (p.kv_lengths.empty() ? -1 : p.kv_lengths[1]));
@@ -802,7 +802,7 @@ TEST(Sage2Masks, KeyPaddingEqualsTheTruncatedCallAndIgnoresPaddingValues) {
         }
       AttentionParams p1{Mask::None, std::nullopt};
       if (causal) {
-        p1.alignment = Alignment::TopLeft;
+        p1.alignment = Diagonal::TopLeft;
         p1.window_right = nkv - nq;  // >= 0 in this case
       }
       const auto e1 = emulate::sage2_attention(q1, k1, v1, p1);

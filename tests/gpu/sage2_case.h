@@ -69,7 +69,7 @@ struct Sage2Case {
   AttentionParams attention_params() const {
     AttentionParams ap;
     ap.mask = causal ? Mask::Causal : Mask::None;
-    ap.alignment = top_left ? Alignment::TopLeft : Alignment::BottomRight;
+    ap.alignment = top_left ? Diagonal::TopLeft : Diagonal::BottomRight;
     ap.window_left = window_left;
     ap.window_right = window_right;
     ap.kv_lengths = kv_lengths;
