@@ -2,14 +2,18 @@
 // gives per row equals the element-wise definition of causal + sliding window + key
 // padding, in both alignments; its bounds never decrease from one row to the next (the
 // kernel decides whole tiles from a block's first and last rows); and a window side of
-// max(Nq, Nkv) or more hides nothing. Random rules on fixed seeds and a fresh seed.
+// max(Nq, Nkv) or more hides nothing; the tiles a 128-row item visits (work_order.h)
+// cover every key its rows see, and start and end in tiles some row sees. Random rules
+// on fixed seeds and a fresh seed.
 #include <gtest/gtest.h>
 
 #include "test_seed.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <random>
 
+#include "cuda/common/work_order.h"
 #include "numerics/key_range.h"
 
 namespace nu = qattn::numerics;
@@ -58,6 +62,46 @@ void check_random_rules(std::uint64_t seed, int rounds) {
       prev_first = r.first, prev_last = r.last;
     }
   }
+}
+
+// The SA2 kernel's item tiles: every visible key of the item's rows lies in its span, and
+// the span's first and last tiles each hold a key some row sees (no wasted end tiles);
+// an item with no visible key has an empty span.
+void check_tile_spans(std::uint64_t seed, int rounds) {
+  SCOPED_TRACE(qattn::test::seed_trace(seed));
+  std::mt19937_64 rng(seed);
+  auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  constexpr int kRows = qattn::common::kItemRows, kTile = 128;
+  for (int round = 0; round < rounds; ++round) {
+    const int nq = pick(1, 900), nkv = pick(1, 900);
+    const nu::KeyRule rule = nu::make_key_rule(
+        nq, nkv, pick(0, 1) == 1, pick(0, 1) == 1, pick(0, 2) == 0 ? -1 : pick(0, 600),
+        pick(0, 2) == 0 ? -1 : pick(0, 600), pick(0, 3) == 0 ? nkv : pick(0, nkv));
+    for (int m = 0; m * kRows < nq; ++m) {
+      const qattn::common::TileSpan span = qattn::common::kv_tile_span(rule, nq, m);
+      int lo_tile = INT32_MAX, hi_tile = -1;
+      for (int i = m * kRows; i < std::min(nq, (m + 1) * kRows); ++i) {
+        const nu::KeyRange r = rule.keys(i);
+        if (r.empty()) continue;
+        lo_tile = std::min(lo_tile, r.first / kTile);
+        hi_tile = std::max(hi_tile, r.last / kTile);
+      }
+      SCOPED_TRACE(::testing::Message() << "nq " << nq << " nkv " << nkv << " block " << m
+                                        << " left " << rule.left << " right " << rule.right
+                                        << " kv_len " << rule.kv_len << " offset " << rule.offset);
+      if (hi_tile < 0) {
+        ASSERT_EQ(span.count, 0);
+        continue;
+      }
+      ASSERT_EQ(span.first, lo_tile);
+      ASSERT_EQ(span.first + span.count - 1, hi_tile);
+    }
+  }
+}
+
+TEST(KeyRange, ItemTileSpansAreExact) {
+  check_tile_spans(7, 200);
+  check_tile_spans(qattn::test::fresh_seed(), 200);
 }
 
 TEST(KeyRange, EqualsTheDefinitionOnFixedSeeds) {
