@@ -138,6 +138,7 @@ Sage2Quantized quantize_sage2(const Tensor4& q, const Tensor4& k, const Tensor4&
   z.window_left = params.window_left;
   z.window_right = params.window_right;
   z.kv_lengths = params.kv_lengths;
+  z.attn_mask = params.attn_mask;
   z.options = options;
   const Granularity gran = options.granularity;
   const bool int_qk = options.qk_format != QkFormat::Fp32;
@@ -397,6 +398,11 @@ EmulatedForward sage2_attend(const Sage2Quantized& z) {
     fail("sage2_attend: qz.kv_lengths: one length per batch entry, or none");
   if (z.window_left < -1 || z.window_right < -1)
     fail("sage2_attend: qz.window_left/window_right: must be >= -1");
+  const bool has_mask = z.attn_mask.size() != 0;
+  if (has_mask && ((z.attn_mask.b != 1 && z.attn_mask.b != B) ||
+                   (z.attn_mask.h != 1 && z.attn_mask.h != Hq) || z.attn_mask.n != Nq ||
+                   z.attn_mask.d != Nkv))
+    fail("sage2_attend: qz.attn_mask: shape must be (1 or B, 1 or Hq, Nq, Nkv)");
   const std::size_t bhq = static_cast<std::size_t>(B) * Hq, bhk = static_cast<std::size_t>(B) * Hkv;
   const std::size_t tiles = z.kv_tiles(), qblocks = z.q_blocks();
   auto need = [](const auto& vec, std::size_t n, const char* name) {
@@ -463,6 +469,11 @@ EmulatedForward sage2_attend(const Sage2Quantized& z) {
             const float scale = q_scale * z.k_token_scale[kr];
             x[jj] = s * scale;
             if (corr != nullptr) x[jj] = x[jj] + corr[j];
+            if (has_mask) {  // after the scale, in log2 units: a -inf hides the key
+              const float add = z.attn_mask.at(z.attn_mask.b == 1 ? 0 : b,
+                                               z.attn_mask.h == 1 ? 0 : h, i, j);
+              x[jj] = add == kNegInf ? kNegInf : x[jj] + add * detail::kLog2e;
+            }
           }
           detail::online_softmax_tile(st, x, z.v_value.data() + (bk * nkv_pad + t * kKvTile) * D,
                                       kKvTile, D, z.v_scale.data() + (bk * tiles + t) * D, spec,

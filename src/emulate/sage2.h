@@ -63,6 +63,9 @@ struct Sage2Quantized {
   Diagonal alignment = Diagonal::BottomRight;
   int window_left = -1, window_right = -1;
   std::vector<int> kv_lengths;  // per batch entry; empty: every key
+  // SDPA's attn_mask as additive values (reference/tensor.h AttentionParams), added to
+  // the scores in log2 units as mask·log2(e) in FP32 after the scale; empty: none.
+  Tensor4 attn_mask;
   Sage2Options options;
 
   // ---- the kernel workspace (INT8/INT4 Q·Kᵀ; INT4 values are stored in int8) -------

@@ -16,18 +16,22 @@ struct RowSoftmax {
   double lse = kNegInf;
 };
 
-void row_softmax(const float* qrow, const Tensor4& k, int b, int hkv, int i,
-                 const numerics::KeyRule& rule, double sm_scale, RowSoftmax& out) {
+void row_softmax(const float* qrow, const Tensor4& k, int b, int h, int hkv, int i,
+                 const AttentionParams& params, const numerics::KeyRule& rule, double sm_scale,
+                 RowSoftmax& out) {
   const int nkv = k.n, d = k.d;
   out.p.assign(nkv, 0.0);
+  std::vector<bool> seen(nkv, false);
   double m = kNegInf;
   bool any_visible = false, any_nan = false;
   for (int j = 0; j < nkv; ++j) {
-    if (!rule.visible(i, j)) continue;
+    const double add = params.mask_at(b, h, i, j);
+    if (!rule.visible(i, j) || add == kNegInf) continue;
     const float* krow = k.row(b, hkv, j);
     double s = 0.0;
     for (int c = 0; c < d; ++c) s += static_cast<double>(qrow[c]) * krow[c];
-    s *= sm_scale;
+    s = s * sm_scale + add;
+    seen[j] = true;
     out.p[j] = s;
     any_visible = true;
     if (std::isnan(s)) any_nan = true;
@@ -40,7 +44,7 @@ void row_softmax(const float* qrow, const Tensor4& k, int b, int hkv, int i,
   if (any_nan) m = std::numeric_limits<double>::quiet_NaN();  // NaN in, NaN out
   double l = 0.0;
   for (int j = 0; j < nkv; ++j) {
-    if (!rule.visible(i, j)) continue;
+    if (!seen[j]) continue;
     out.p[j] = std::exp(out.p[j] - m);
     l += out.p[j];
   }
@@ -61,7 +65,8 @@ ForwardResult attention_forward(const Tensor4& q, const Tensor4& k, const Tensor
     for (int h = 0; h < q.h; ++h) {
       const int hkv = h / group;
       for (int i = 0; i < q.n; ++i) {
-        row_softmax(q.row(b, h, i), k, b, hkv, i, params.key_rule(b, q.n, k.n), sm_scale, sm);
+        row_softmax(q.row(b, h, i), k, b, h, hkv, i, params, params.key_rule(b, q.n, k.n), sm_scale,
+                    sm);
         r.lse[(static_cast<std::size_t>(b) * q.h + h) * q.n + i] = sm.lse;
         double* orow = r.o.row(b, h, i);
         for (int j = 0; j < k.n; ++j) {
@@ -92,7 +97,7 @@ BackwardResult attention_backward(const Tensor4& q, const Tensor4& k, const Tens
       for (int i = 0; i < q.n; ++i) {
         const float* qrow = q.row(b, h, i);
         const float* dorow = dout.row(b, h, i);
-        row_softmax(qrow, k, b, hkv, i, params.key_rule(b, q.n, k.n), sm_scale, sm);
+        row_softmax(qrow, k, b, h, hkv, i, params, params.key_rule(b, q.n, k.n), sm_scale, sm);
         if (std::isinf(sm.lse) && sm.lse < 0) continue;  // sees nothing: zero gradients
         // dP_ij = dO_i . V_j;  D_i = sum_j P_ij dP_ij;  dS_ij = P_ij (dP_ij - D_i).
         double delta = 0.0;

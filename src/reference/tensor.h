@@ -65,11 +65,24 @@ struct AttentionParams {
   Diagonal alignment = Diagonal::BottomRight;
   int window_left = -1, window_right = -1;
   std::vector<int> kv_lengths;
+  // An additive mask, SDPA's attn_mask (a boolean one as 0 / -inf): (mb, mh, Nq, Nkv)
+  // stored as a Tensor4 whose d is Nkv, mb in {1, B} and mh in {1, Hq} broadcast as SDPA
+  // does; added to the scaled scores (natural-log units), -inf hides the key. Empty
+  // (size 0): none. The SA2 emulator and the FP64 reference take it; no kernel yet. The
+  // emulator adds it in FP32 log2 units, so values below -FLT_MAX / log2(e) (~-2.4e38,
+  // e.g. float32's lowest, which some libraries use for padding) act as -inf there.
+  Tensor4 attn_mask;
+
+  // The mask's value for (b, h, i, j); 0 without one.
+  float mask_at(int b, int h, int i, int j) const {
+    if (attn_mask.size() == 0) return 0.0f;
+    return attn_mask.at(attn_mask.b == 1 ? 0 : b, attn_mask.h == 1 ? 0 : h, i, j);
+  }
 
   // Whether anything beyond the plain bottom-right causal mask (or none) is asked for.
   bool has_extended_mask() const {
     return alignment != Diagonal::BottomRight || window_left >= 0 || window_right >= 0 ||
-           !kv_lengths.empty();
+           !kv_lengths.empty() || attn_mask.size() != 0;
   }
   // The rule of batch entry b (nq, nkv: the call's lengths).
   numerics::KeyRule key_rule(int b, int nq, int nkv) const {
@@ -106,6 +119,12 @@ inline double validate_attention_args(const char* who, const Tensor4& q, const T
     fail("window_left/window_right: must be >= -1 (-1: no bound)");
   if (!params.kv_lengths.empty() && params.kv_lengths.size() != static_cast<std::size_t>(q.b))
     fail("kv_lengths: must hold one length per batch entry (or none)");
+  if (const Tensor4& m = params.attn_mask; m.size() != 0) {
+    if ((m.b != 1 && m.b != q.b) || (m.h != 1 && m.h != q.h) || m.n != q.n || m.d != k.n)
+      fail("attn_mask: shape must be (1 or B, 1 or Hq, Nq, Nkv)");
+    if (m.data.size() != static_cast<std::size_t>(m.b) * m.h * m.n * m.d)
+      fail("attn_mask: data size does not match the shape");
+  }
   if (params.sm_scale) {
     const double s = *params.sm_scale;
     if (!std::isfinite(s) || s == 0.0) {

@@ -850,5 +850,58 @@ TEST(Sage2Masks, OtherSchemesRejectExtendedMasks) {
   EXPECT_THROW(emulate::sage2_attention(in.q, in.k, in.v, p), std::invalid_argument);
 }
 
+
+// An additive or boolean attn_mask with SDPA's broadcasting ((1 or B) x (1 or Hq)),
+// -inf entries, finite biases and rows with every key hidden: unquantized, the emulation
+// is the reference up to FP32 rounding (as above: 1e-5 on O, 1e-4 on the LSE).
+TEST(Sage2Masks, AdditiveMaskUnquantizedMatchesReference) {
+  const std::uint64_t seed = testutil::fresh_seed();
+  SCOPED_TRACE(qattn::test::seed_trace(seed));
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.f, 2.f);
+  for (auto [mb, mh] : {std::pair{1, 1}, std::pair{2, 1}, std::pair{1, 4}, std::pair{2, 4}}) {
+    const Case c{2, 4, 2, 150, 270, 32, Mask::None};
+    const Inputs in = make_inputs(c, seed + mb * 10 + mh, 2.0f);
+    AttentionParams p{c.mask, std::nullopt};
+    p.attn_mask = Tensor4(mb, mh, c.nq, c.nkv);
+    for (float& x : p.attn_mask.data)
+      x = rng() % 4 == 0 ? -std::numeric_limits<float>::infinity() : normal(rng);
+    for (int j = 0; j < c.nkv; ++j) p.attn_mask.at(0, 0, 7, j) = -std::numeric_limits<float>::infinity();
+    const auto ref = reference::attention_forward(in.q, in.k, in.v, p);
+    ASSERT_TRUE(std::isinf(ref.lse[7])) << "row 7 of head 0 sees no key";
+    Sage2Options o;
+    o.qk_format = QkFormat::Fp32;
+    o.pv_format = PvFormat::Fp32;
+    SCOPED_TRACE(::testing::Message() << "mask (" << mb << ", " << mh << ")");
+    expect_close(emulate::sage2_attention(in.q, in.k, in.v, p, o), ref, 1e-5, 1e-4);
+  }
+}
+
+// A boolean mask (0 / -inf) that states causal + a sliding window gives, with the
+// kernel's 8-bit defaults, the very bits of the rules themselves: tiles the rules skip
+// are tiles the mask hides entirely, which change nothing. (Both calls keep the same
+// key-padding lengths, which also decide the quantization's statistics.)
+TEST(Sage2Masks, BooleanMaskOfARuleEqualsTheRule) {
+  const Case c{2, 2, 1, 300, 400, 64, Mask::Causal};
+  const Inputs in = make_inputs(c, 17, 3.0f);
+  AttentionParams rule{c.mask, std::nullopt};
+  rule.window_left = 150;
+  rule.kv_lengths = {400, 333};
+  AttentionParams as_mask{Mask::None, std::nullopt};
+  as_mask.kv_lengths = rule.kv_lengths;
+  as_mask.attn_mask = Tensor4(c.b, 1, c.nq, c.nkv);
+  for (int b = 0; b < c.b; ++b)
+    for (int i = 0; i < c.nq; ++i)
+      for (int j = 0; j < c.nkv; ++j)
+        as_mask.attn_mask.at(b, 0, i, j) = rule.key_rule(b, c.nq, c.nkv).visible(i, j)
+                                               ? 0.0f
+                                               : -std::numeric_limits<float>::infinity();
+  const auto a = emulate::sage2_attention(in.q, in.k, in.v, rule);
+  const auto m = emulate::sage2_attention(in.q, in.k, in.v, as_mask);
+  ASSERT_EQ(a.o.data.size(), m.o.data.size());
+  for (std::size_t i = 0; i < a.o.data.size(); ++i) ASSERT_EQ(a.o.data[i], m.o.data[i]) << i;
+  for (std::size_t i = 0; i < a.lse.size(); ++i) ASSERT_EQ(a.lse[i], m.lse[i]) << i;
+}
+
 }  // namespace
 }  // namespace qattn
