@@ -105,7 +105,9 @@ typedef enum qattn_alignment {
  *     newer qattn.h than the library it runs with) is rejected with
  *     QATTN_ERROR_UNSUPPORTED: its newer fields would otherwise be ignored silently.
  *     A size smaller than QATTN_FWD_PARAMS_MIN_SIZE (the first struct that carried
- *     its size) is rejected with QATTN_ERROR_INVALID_ARGUMENT. */
+ *     its size) is rejected with QATTN_ERROR_INVALID_ARGUMENT, and so is a size that
+ *     is not one of the struct's layouts (192 or 216 bytes on LP64): it would end
+ *     inside a field. */
 typedef struct qattn_fwd_params {
   size_t struct_size;   /* sizeof(qattn_fwd_params); set by qattn_fwd_params_init */
   qattn_tensor q, k, v; /* inputs: q (B, Hq, Nq, d), k and v (B, Hkv, Nkv, d) */

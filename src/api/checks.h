@@ -8,6 +8,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <span>
+#include <string>
 
 #include "api/error.h"
 #include "api/validate.h"
@@ -130,6 +132,23 @@ qattn_status read_struct(const char* fn, const Params* p, Params* out, const cha
   std::memcpy(out, p, size);  // fields only ever appended: the caller's prefix is ours
   out->struct_size = sizeof(Params);
   return QATTN_OK;
+}
+
+// read_struct for a struct that has had several layouts: the size must also be one of
+// them (`layouts`, in bytes), so that no field is read in part (half of a pointer).
+template <typename Params>
+qattn_status read_struct(const char* fn, const Params* p, Params* out, const char* type,
+                         std::span<const std::size_t> layouts, const char* init_name,
+                         void (*init)(Params*)) {
+  if (auto s = read_struct(fn, p, out, type, layouts.front(), init_name, init); s) return s;
+  const std::size_t size = p->struct_size;
+  for (std::size_t layout : layouts)
+    if (size == layout) return QATTN_OK;
+  std::string sizes;
+  for (std::size_t layout : layouts) sizes += (sizes.empty() ? "" : " or ") + std::to_string(layout);
+  return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": params->struct_size = ", size,
+              " ends inside a field; allowed: the size of one of ", type, "'s layouts (", sizes,
+              " bytes here; set by ", init_name, ")");
 }
 
 }  // namespace qattn::api::checks

@@ -313,8 +313,14 @@ using namespace checks;
 
 // ---- the forward -----------------------------------------------------------------------
 
+// The layouts qattn_fwd_params has had: 0.1.0's, then with the masks beyond causal.
+constexpr std::array<std::size_t, 2> kFwdParamsLayouts{QATTN_FWD_PARAMS_MIN_SIZE,
+                                                       sizeof(qattn_fwd_params)};
+static_assert(offsetof(qattn_fwd_params, kv_lengths) == QATTN_FWD_PARAMS_MIN_SIZE,
+              "the masks' fields start where the first layout ends");
+
 qattn_status read_params(const char* fn, const qattn_fwd_params* p, qattn_fwd_params* out) {
-  return read_struct(fn, p, out, "qattn_fwd_params", QATTN_FWD_PARAMS_MIN_SIZE,
+  return read_struct(fn, p, out, "qattn_fwd_params", std::span<const std::size_t>(kFwdParamsLayouts),
                      "qattn_fwd_params_init", &qattn_fwd_params_init);
 }
 

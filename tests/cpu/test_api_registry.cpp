@@ -308,6 +308,14 @@ TEST(Abi, StructSizeIsChecked) {
   EXPECT_TRUE(contains(qattn_last_error_message(), "qattn_fwd_params_init"));
   p.struct_size = QATTN_FWD_PARAMS_MIN_SIZE - 1;
   EXPECT_EQ(qattn_fwd_workspace_size(&p, &bytes), QATTN_ERROR_INVALID_ARGUMENT);
+  // A size between two layouts ends inside a field (here half of kv_lengths): refused,
+  // so no pointer is ever read in part.
+  for (std::size_t size : {QATTN_FWD_PARAMS_MIN_SIZE + 4, sizeof(qattn_fwd_params) - 4}) {
+    p.struct_size = size;
+    EXPECT_EQ(qattn_fwd_workspace_size(&p, &bytes), QATTN_ERROR_INVALID_ARGUMENT) << size;
+    EXPECT_TRUE(contains(qattn_last_error_message(), "ends inside a field"))
+        << qattn_last_error_message();
+  }
 
   // A caller compiled against a newer header (a larger struct) is refused, not misread.
   struct Newer {
