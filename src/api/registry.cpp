@@ -74,8 +74,8 @@ bool has_mask(const qattn_fwd_params&) { return true; }
 bool has_mask(const qattn_bwd_params&) { return true; }
 bool has_mask(const KvCall& c) { return c.decode; }
 
-// The mask features beyond causal a call uses (MaskBit). Only the forward has them; the
-// backward and the KV-cache calls have none of the fields.
+// The mask features beyond causal a forward call uses (MaskBit); the backward and the
+// KV-cache calls have none of the fields.
 uint32_t mask_features(const qattn_fwd_params& p) {
   uint32_t bits = 0;
   const bool window =
@@ -86,8 +86,6 @@ uint32_t mask_features(const qattn_fwd_params& p) {
     bits |= kMaskTopLeft;
   return bits;
 }
-uint32_t mask_features(const qattn_bwd_params&) { return 0; }
-uint32_t mask_features(const KvCall&) { return 0; }
 
 // Why a family whose masks lack `missing` (bits of mask_features(p)) declines the call.
 std::string features_reason(uint32_t missing, const qattn_fwd_params& p) {
@@ -97,10 +95,6 @@ std::string features_reason(uint32_t missing, const qattn_fwd_params& p) {
   if ((missing & kMaskKeyPadding) != 0) return "has no key-padding kernel (kv_lengths is set)";
   return cat("has no top-left aligned mask (alignment = QATTN_ALIGN_TOP_LEFT with seqlen_q = ",
              p.seqlen_q, " != seqlen_kv = ", p.seqlen_kv, ")");
-}
-template <typename Params>
-std::string features_reason(uint32_t, const Params&) {
-  return {};  // no features: never called
 }
 
 // The call, in the unsupported message.
@@ -137,8 +131,9 @@ std::string reason(const Family& f, const Params& p, const Arch* arch) {
   const uint32_t mask = p.causal != 0 ? kMaskCausal : kMaskNone;
   if (has_mask(p) && (f.masks & mask) == 0)
     return cat("has no ", p.causal != 0 ? "causal" : "unmasked", " kernel");
-  if (const uint32_t missing = mask_features(p) & ~f.masks; missing != 0)
-    return features_reason(missing, p);
+  if constexpr (std::is_same_v<Params, qattn_fwd_params>)
+    if (const uint32_t missing = mask_features(p) & ~f.masks; missing != 0)
+      return features_reason(missing, p);
   if (p.head_dim < f.min_head_dim || p.head_dim > f.max_head_dim)
     return cat("head_dim = ", p.head_dim, " is not supported yet; allowed: ", f.min_head_dim, "..",
                f.max_head_dim);

@@ -13,6 +13,7 @@ constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 // P = 0; a row with no visible key gets all zeros and lse = -inf.
 struct RowSoftmax {
   std::vector<double> p;
+  std::vector<bool> seen;  // the row's visible keys (kept across rows: no allocation per row)
   double lse = kNegInf;
 };
 
@@ -21,7 +22,8 @@ void row_softmax(const float* qrow, const Tensor4& k, int b, int h, int hkv, int
                  RowSoftmax& out) {
   const int nkv = k.n, d = k.d;
   out.p.assign(nkv, 0.0);
-  std::vector<bool> seen(nkv, false);
+  std::vector<bool>& seen = out.seen;
+  seen.assign(nkv, false);
   double m = kNegInf;
   bool any_visible = false, any_nan = false;
   for (int j = 0; j < nkv; ++j) {

@@ -22,8 +22,13 @@ using qattn::common::kCausalTailRounds;
 using qattn::common::item_place;
 using qattn::common::ItemPlace;
 using qattn::common::kCausalGroupL2Bytes;
-using qattn::common::kv_tiles_for_block;
+using qattn::common::kv_tile_span;
 using qattn::common::mean_kv_tiles_per_item;
+
+// Causal (bottom-right) or no mask, every key.
+qattn::numerics::KeyRule plain_rule(int nq, int nkv, bool causal) {
+  return qattn::numerics::make_key_rule(nq, nkv, causal, false, -1, -1, nkv);
+}
 
 void check_order(int num_m_blocks, int heads, bool causal, int group, int tail) {
   SCOPED_TRACE("blocks=" + std::to_string(num_m_blocks) + " heads=" + std::to_string(heads) +
@@ -137,19 +142,19 @@ TEST(WorkOrder, KvTilesPerBlockCountTheVisibleTiles) {
         for (int r = m * 128; r < std::min(nq, (m + 1) * 128); ++r)
           for (int k = 0; k < nkv; ++k)
             if (!causal || k <= r + (nkv - nq)) tiles = std::max(tiles, k / 128 + 1);
-        ASSERT_EQ(kv_tiles_for_block(nq, nkv, causal, m), tiles) << "block " << m;
+        ASSERT_EQ(kv_tile_span(plain_rule(nq, nkv, causal), nq, m).count, tiles) << "block " << m;
         sum += tiles;
       }
-      EXPECT_DOUBLE_EQ(mean_kv_tiles_per_item(nq, nkv, causal, blocks),
+      EXPECT_DOUBLE_EQ(mean_kv_tiles_per_item(plain_rule(nq, nkv, causal), nq, blocks),
                        static_cast<double>(sum) / blocks);
     }
   }
   // The launch's threshold (16, launch.cu) against the benchmark grid: non-causal 2K and
   // causal 4K reach it, causal 2K (8.5) and 1K do not.
-  EXPECT_EQ(mean_kv_tiles_per_item(2048, 2048, false, 16), 16.0);
-  EXPECT_EQ(mean_kv_tiles_per_item(2048, 2048, true, 16), 8.5);
-  EXPECT_EQ(mean_kv_tiles_per_item(4096, 4096, true, 32), 16.5);
-  EXPECT_EQ(mean_kv_tiles_per_item(1024, 1024, false, 8), 8.0);
+  EXPECT_EQ(mean_kv_tiles_per_item(plain_rule(2048, 2048, false), 2048, 16), 16.0);
+  EXPECT_EQ(mean_kv_tiles_per_item(plain_rule(2048, 2048, true), 2048, 16), 8.5);
+  EXPECT_EQ(mean_kv_tiles_per_item(plain_rule(4096, 4096, true), 4096, 32), 16.5);
+  EXPECT_EQ(mean_kv_tiles_per_item(plain_rule(1024, 1024, false), 1024, 8), 8.0);
 }
 
 }  // namespace

@@ -222,9 +222,9 @@ TEST(Sage2Forward, ManyItemsPerCtaEqualOneHeadLaunches) {
       }
 }
 
-// Causal with Nq > Nkv: the first 4 blocks see no key at all (items with no KV tile,
-// written by the consumers without a turn), the fifth partly; d = 72 ends rows inside a
-// 16-byte chunk.
+// Causal with Nq > Nkv: the first 4 blocks see no key at all (each runs one fully
+// masked KV tile: scheduler.cuh, item_tiles), the fifth partly; d = 72 ends rows inside
+// a 16-byte chunk.
 TEST(Sage2Forward, BlocksThatSeeNoKey) {
   QATTN_SKIP_WITHOUT_GPU();
   Sage2Case c;

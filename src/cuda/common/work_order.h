@@ -82,13 +82,6 @@ QATTN_HD TileSpan kv_tile_span(const numerics::KeyRule& rule, int seqlen_q, int 
   return {first, last_key / groups::kKvTile - first + 1};
 }
 
-// Number of KV tiles a query block must visit under causal (bottom-right) or no mask.
-QATTN_HD int kv_tiles_for_block(int seqlen_q, int seqlen_kv, bool causal, int m_block) {
-  return kv_tile_span(numerics::make_key_rule(seqlen_q, seqlen_kv, causal, false, -1, -1, seqlen_kv),
-                      seqlen_q, m_block)
-      .count;
-}
-
 // The mean tile count over a grid's query blocks under `rule` (key padding aside: the
 // lengths are on the device): the SA2 launch chooses the attention kernel's register
 // split by it (sage2_fwd/launch.cu).
@@ -100,11 +93,6 @@ inline double mean_kv_tiles_per_item(const numerics::KeyRule& rule, int seqlen_q
   long long tiles = 0;
   for (int m = 0; m < num_m_blocks; ++m) tiles += kv_tile_span(rule, seqlen_q, m).count;
   return static_cast<double>(tiles) / num_m_blocks;
-}
-inline double mean_kv_tiles_per_item(int seqlen_q, int seqlen_kv, bool causal, int num_m_blocks) {
-  return mean_kv_tiles_per_item(
-      numerics::make_key_rule(seqlen_q, seqlen_kv, causal, false, -1, -1, seqlen_kv), seqlen_q,
-      num_m_blocks);
 }
 
 // L2 that a causal group's K/V may take (the H200 has 50 MB; the rest holds Q and O).
