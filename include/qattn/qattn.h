@@ -106,8 +106,8 @@ typedef enum qattn_alignment {
  *     QATTN_ERROR_UNSUPPORTED: its newer fields would otherwise be ignored silently.
  *     A size smaller than QATTN_FWD_PARAMS_MIN_SIZE (the first struct that carried
  *     its size) is rejected with QATTN_ERROR_INVALID_ARGUMENT, and so is a size that
- *     is not one of the struct's layouts (192 or 216 bytes on LP64): it would end
- *     inside a field. */
+ *     is not one of the struct's layouts (192, 216 or 264 bytes on LP64): it would
+ *     end inside a field. */
 typedef struct qattn_fwd_params {
   size_t struct_size;   /* sizeof(qattn_fwd_params); set by qattn_fwd_params_init */
   qattn_tensor q, k, v; /* inputs: q (B, Hq, Nq, d), k and v (B, Hkv, Nkv, d) */
@@ -150,7 +150,27 @@ typedef struct qattn_fwd_params {
                                 causal set, any window_right acts as 0) */
   int32_t alignment;         /* a qattn_alignment: where D(i), the diagonal of causal and of
                                 the window, sits when seqlen_q != seqlen_kv */
+  /* ---- an arbitrary mask (appended after the masks above; 264 bytes on LP64) ----
+   * PyTorch SDPA's boolean attn_mask: query i of (batch b, query head h) sees key j iff
+   * the byte at attn_mask + b*stride_b + h*stride_h + i*stride_q + j*stride_k is
+   * nonzero. Strides are in bytes and may be 0, which broadcasts that dimension (a
+   * (B, 1, 1, Nkv) padding mask has stride_h = stride_q = 0), as SDPA broadcasts. The
+   * kernel reads the mask once to find the 128 x 128 tiles it hides entirely (skipped,
+   * never loaded) and those it shows entirely (run without a test), and tests elements
+   * only in the others. Rows that see no key get O = 0 and LSE = -inf. In this version
+   * it combines with none of causal, window and kv_lengths (write them into the mask,
+   * or use those fields alone: they need no mask read). */
+  int32_t attn_mask_type; /* a qattn_mask_type; QATTN_MASK_NONE (default): no attn_mask */
+  int32_t reserved1;      /* must be 0 */
+  const void* attn_mask;  /* device memory, any alignment; read only */
+  int64_t attn_mask_stride_b, attn_mask_stride_h, attn_mask_stride_q, attn_mask_stride_k;
 } qattn_fwd_params;
+
+/* The kinds of attn_mask. */
+typedef enum qattn_mask_type {
+  QATTN_MASK_NONE = 0,
+  QATTN_MASK_BOOL = 1 /* one byte per (query, key): nonzero = visible (SDPA's bool mask) */
+} qattn_mask_type;
 
 /* The smallest struct_size accepted: the size of the first layout that carried its
  * size (this one, 192 bytes on LP64). It stays this value as fields are appended. */

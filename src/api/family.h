@@ -36,6 +36,7 @@ enum MaskBit : uint32_t {
   // Top-left alignment where it changes the mask: seqlen_q != seqlen_kv with causal or a
   // window.
   kMaskTopLeft = 1u << 4,
+  kMaskBool = 1u << 5,  // attn_mask_type = QATTN_MASK_BOOL: an arbitrary boolean mask
 };
 
 // Which kernels of a forward to run: all, or (bench hooks) the attention kernel alone

@@ -84,6 +84,7 @@ uint32_t mask_features(const qattn_fwd_params& p) {
   if (p.kv_lengths != nullptr) bits |= kMaskKeyPadding;
   if (p.alignment == QATTN_ALIGN_TOP_LEFT && p.seqlen_q != p.seqlen_kv && (p.causal != 0 || window))
     bits |= kMaskTopLeft;
+  if (p.attn_mask_type == QATTN_MASK_BOOL) bits |= kMaskBool;
   return bits;
 }
 
@@ -93,6 +94,7 @@ std::string features_reason(uint32_t missing, const qattn_fwd_params& p) {
     return cat("has no sliding-window kernel (window_left = ", p.window_left,
                ", window_right = ", p.window_right, ")");
   if ((missing & kMaskKeyPadding) != 0) return "has no key-padding kernel (kv_lengths is set)";
+  if ((missing & kMaskBool) != 0) return "has no attn_mask kernel (attn_mask_type = QATTN_MASK_BOOL)";
   return cat("has no top-left aligned mask (alignment = QATTN_ALIGN_TOP_LEFT with seqlen_q = ",
              p.seqlen_q, " != seqlen_kv = ", p.seqlen_kv, ")");
 }
@@ -106,7 +108,8 @@ std::string describe(const qattn_fwd_params& p) {
                  ? cat(", window (", p.window_left, ", ", p.window_right, ")")
                  : std::string(),
              (features & kMaskKeyPadding) != 0 ? ", key padding" : "",
-             (features & kMaskTopLeft) != 0 ? ", top-left" : "");
+             (features & kMaskTopLeft) != 0 ? ", top-left" : "",
+             (features & kMaskBool) != 0 ? ", boolean attn_mask" : "");
 }
 
 std::string describe(const qattn_bwd_params& p) {

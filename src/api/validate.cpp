@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string_view>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -42,9 +43,19 @@ Span array_span(const void* data, std::size_t bytes) {
   return {addr, addr + bytes};
 }
 
+// Bytes from the attn_mask pointer to one past its last element read: every stride is
+// >= 0 (checked), so the last element is the one at the largest indices. 0 without a mask.
+std::size_t attn_mask_bytes(const qattn_fwd_params& p) {
+  if (p.attn_mask_type == QATTN_MASK_NONE) return 0;
+  const int64_t last = (p.batch - 1) * p.attn_mask_stride_b + (p.heads_q - 1) * p.attn_mask_stride_h +
+                       (p.seqlen_q - 1) * p.attn_mask_stride_q +
+                       (p.seqlen_kv - 1) * p.attn_mask_stride_k;
+  return static_cast<std::size_t>(last + 1);
+}
+
 // The forward's buffers, in the order the checks name them.
 struct ForwardBuffers {
-  std::array<Named, 4> inputs;   // q, k, v, kv_lengths
+  std::array<Named, 5> inputs;   // q, k, v, kv_lengths, attn_mask
   std::array<Named, 2> outputs;  // o, lse
 };
 
@@ -53,10 +64,13 @@ ForwardBuffers buffers_of(const qattn_fwd_params& p) {
       {{{"q", span_of(p.q, p.batch, p.heads_q, p.seqlen_q, p.head_dim)},
         {"k", span_of(p.k, p.batch, p.heads_kv, p.seqlen_kv, p.head_dim)},
         {"v", span_of(p.v, p.batch, p.heads_kv, p.seqlen_kv, p.head_dim)},
-        {"kv_lengths", {}, false}}},
+        {"kv_lengths", {}, false},
+        {"attn_mask", {}, false}}},
       {{{"o", span_of(p.o, p.batch, p.heads_q, p.seqlen_q, p.head_dim)}, {"lse", {}, false}}}};
   if (p.kv_lengths != nullptr)
     b.inputs[3] = {"kv_lengths", array_span(p.kv_lengths, kv_lengths_bytes(p))};
+  if (p.attn_mask_type != QATTN_MASK_NONE)
+    b.inputs[4] = {"attn_mask", array_span(p.attn_mask, attn_mask_bytes(p))};
   if (p.lse != nullptr) b.outputs[1] = {"lse", array_span(p.lse, lse_bytes(p))};
   return b;
 }
@@ -236,6 +250,41 @@ qattn_status check_window_alignment(const char* fn, const qattn_fwd_params& p) {
   return QATTN_OK;
 }
 
+// The forward's attn_mask (qattn.h): a known type, and with a mask a pointer and strides
+// >= 0 whose last element's offset fits in 2^62 bytes (so the span arithmetic cannot
+// overflow); without one the pointer and the strides are not read. Its combination
+// with causal, window and kv_lengths is the families' to accept (registry.cpp).
+qattn_status check_attn_mask(const char* fn, const qattn_fwd_params& p) {
+  if (auto s = check_reserved(fn, "reserved1", p.reserved1, "qattn_fwd_params_init"); s) return s;
+  if (p.attn_mask_type != QATTN_MASK_NONE && p.attn_mask_type != QATTN_MASK_BOOL)
+    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": attn_mask_type = ", p.attn_mask_type,
+                "; allowed: QATTN_MASK_NONE (0) or QATTN_MASK_BOOL (1)");
+  if (p.attn_mask_type == QATTN_MASK_NONE) return QATTN_OK;
+  if (p.attn_mask == nullptr)
+    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn,
+                ": attn_mask is NULL with attn_mask_type = QATTN_MASK_BOOL; allowed: a device "
+                "pointer to the mask's bytes");
+  constexpr int64_t kMaxMaskBytes = int64_t{1} << 62;
+  int64_t last = 0;
+  for (auto [name, stride, extent] :
+       {std::tuple{"attn_mask_stride_b", p.attn_mask_stride_b, int64_t{p.batch}},
+        std::tuple{"attn_mask_stride_h", p.attn_mask_stride_h, int64_t{p.heads_q}},
+        std::tuple{"attn_mask_stride_q", p.attn_mask_stride_q, int64_t{p.seqlen_q}},
+        std::tuple{"attn_mask_stride_k", p.attn_mask_stride_k, int64_t{p.seqlen_kv}}}) {
+    int64_t part = 0;
+    if (stride < 0 || !mul(extent - 1, stride, &part) || !add(last, part, &last) ||
+        last >= kMaxMaskBytes)
+      return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": ", name, " = ", stride,
+                  stride < 0 ? " is negative" : " makes the mask span 2^62 bytes or more",
+                  "; allowed: a stride in bytes >= 0 (0 broadcasts the dimension)");
+  }
+  const auto addr = reinterpret_cast<uintptr_t>(p.attn_mask);
+  if (addr > UINTPTR_MAX - static_cast<uintptr_t>(last + 1))
+    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn,
+                ": attn_mask runs past the end of the address space (data + strides)");
+  return QATTN_OK;
+}
+
 qattn_status check_int(const char* fn, const char* name, int value, int lo, int hi,
                        const char* why) {
   if (value < lo || value > hi)
@@ -313,9 +362,14 @@ using namespace checks;
 
 // ---- the forward -----------------------------------------------------------------------
 
-// The layouts qattn_fwd_params has had: 0.1.0's, then with the masks beyond causal.
-constexpr std::array<std::size_t, 2> kFwdParamsLayouts{QATTN_FWD_PARAMS_MIN_SIZE,
-                                                       sizeof(qattn_fwd_params)};
+// The layouts qattn_fwd_params has had: 0.1.0's, then with the masks beyond causal,
+// then with attn_mask.
+constexpr std::array<std::size_t, 3> kFwdParamsLayouts{
+    QATTN_FWD_PARAMS_MIN_SIZE, offsetof(qattn_fwd_params, attn_mask_type),
+    sizeof(qattn_fwd_params)};
+static_assert(offsetof(qattn_fwd_params, attn_mask_type) ==
+                  offsetof(qattn_fwd_params, alignment) + sizeof(int32_t),
+              "attn_mask's fields start where the second layout ends");
 static_assert(offsetof(qattn_fwd_params, kv_lengths) == QATTN_FWD_PARAMS_MIN_SIZE,
               "the masks' fields start where the first layout ends");
 
@@ -332,6 +386,7 @@ qattn_status validate_forward(const char* fn, const qattn_fwd_params& p) {
                 "; allowed: QATTN_SCHEME_SAGE2_8B (0)");
   if (auto s = check_shape_mask_scale(fn, p); s) return s;
   if (auto s = check_window_alignment(fn, p); s) return s;
+  if (auto s = check_attn_mask(fn, p); s) return s;
   if (auto s = check_reserved(fn, "reserved0", p.reserved0, "qattn_fwd_params_init"); s) return s;
   if (p.scheme == QATTN_SCHEME_SAGE2_8B) {
     const int32_t gran = p.sage2.granularity;
@@ -379,11 +434,12 @@ std::size_t view_span_bytes(const qattn_tensor& t, int64_t batch, int64_t heads,
   return static_cast<std::size_t>((last + 1) * kElemBytes);
 }
 
-std::array<BufferSpan, 7> buffer_spans(const qattn_fwd_params& p, const void* workspace) {
+std::array<BufferSpan, 8> buffer_spans(const qattn_fwd_params& p, const void* workspace) {
   return {{{"q.data", p.q.data, view_span_bytes(p.q, p.batch, p.heads_q, p.seqlen_q, p.head_dim)},
            {"k.data", p.k.data, view_span_bytes(p.k, p.batch, p.heads_kv, p.seqlen_kv, p.head_dim)},
            {"v.data", p.v.data, view_span_bytes(p.v, p.batch, p.heads_kv, p.seqlen_kv, p.head_dim)},
            {"kv_lengths", p.kv_lengths, p.kv_lengths != nullptr ? kv_lengths_bytes(p) : 0},
+           {"attn_mask", p.attn_mask, attn_mask_bytes(p)},
            {"o.data", p.o.data, view_span_bytes(p.o, p.batch, p.heads_q, p.seqlen_q, p.head_dim)},
            {"lse", p.lse, p.lse != nullptr ? lse_bytes(p) : 0},
            {"workspace", workspace, forward_workspace_bytes(p)}}};

@@ -80,7 +80,7 @@ struct BufferSpan {
 // The buffers of a call with validated parameters: q, k, v, kv_lengths (the inputs),
 // o, lse, workspace (the bytes the call uses, forward_workspace_bytes, not the size the
 // caller passed).
-std::array<BufferSpan, 7> buffer_spans(const qattn_fwd_params& p, const void* workspace);
+std::array<BufferSpan, 8> buffer_spans(const qattn_fwd_params& p, const void* workspace);
 // The backward's: q, k, v, o, dout, lse, dq, dk, dv, workspace.
 std::array<BufferSpan, 10> buffer_spans(const qattn_bwd_params& p, const void* workspace);
 

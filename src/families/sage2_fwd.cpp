@@ -40,6 +40,17 @@ std::string check_limits(const qattn_fwd_params& p) {
   if (items > int64_t{INT32_MAX})
     return api::cat("batch * heads_q * ceil(seqlen_q / ", q_tile, ") = ", items,
                     "; allowed: at most 2^31 - 1 (its work items are numbered in an int)");
+  if (p.attn_mask_type != QATTN_MASK_NONE) {
+    // The mask is the whole rule in this version: the tile lists know no other.
+    if (p.causal != 0 || p.window != 0 || p.kv_lengths != nullptr)
+      return "takes an attn_mask alone (causal, window and kv_lengths must be off: write "
+             "them into the mask)";
+    // The mask pass's grid: query blocks and slices are grid dimensions.
+    const int64_t slices = sage2::mask_slices(p);
+    if (nq_pad / q_tile > 65535 || slices > 65535)
+      return api::cat("an attn_mask with ", nq_pad / q_tile, " query blocks and ", slices,
+                      " (batch, head) slices; allowed: at most 65535 of each");
+  }
   return {};
 }
 
@@ -63,7 +74,7 @@ constexpr api::ForwardFamily kFamily{
     .max_head_dim = 128,  // 64 and 128 natively, others zero-padded to the next of them
     .dtypes = (1u << QATTN_DTYPE_FP16) | (1u << QATTN_DTYPE_BF16),
     .masks = api::kMaskNone | api::kMaskCausal | api::kMaskWindow | api::kMaskKeyPadding |
-             api::kMaskTopLeft,
+             api::kMaskTopLeft | api::kMaskBool,
     .check_limits = &check_limits,
     .workspace_bytes = &workspace_bytes,
     .launch = kLaunch,

@@ -44,7 +44,10 @@ namespace qattn::sage2 {
 
 // kPolyChunks (d=128 only): the softmax's exps of that many column chunks in each 8 on the
 // FMA pipe (numerics::exp2_poly) instead of MUFU; 0 or 1 (launch.cu chooses).
-template <int D, typename T, int kConsumerRegs, int kQuantWarps = 2, int kPolyChunks = 0>
+// kAttnMask: the kernel of a boolean attn_mask (attn_mask.cuh), its own instantiation so
+// that the others' machine code is the measured one.
+template <int D, typename T, int kConsumerRegs, int kQuantWarps = 2, int kPolyChunks = 0,
+          bool kAttnMask = false>
 __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
     sage2_fwd_kernel(const __grid_constant__ CUtensorMap tm_q,
                      const __grid_constant__ CUtensorMap tm_k,
@@ -105,7 +108,8 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
     // Two loader threads with separate loops, so each fits the warpgroup's registers.
     if (threadIdx.x == kQLoader)
       q_loader<D>(p, s, s.side_in, bar, &tm_q, num_items, want_q_dot_c, q_slot_bytes);
-    if (threadIdx.x == kKvLoader) kv_loader<D>(p, s.k, s.k_scale, s.v, bar, &tm_k, &tm_vt);
+    if (threadIdx.x == kKvLoader)
+      kv_loader<D, kAttnMask>(p, s.k, s.k_scale, s.v, bar, &tm_k, &tm_vt);
     return;
   }
 
@@ -205,7 +209,7 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
     const SlotItem si = bar.item[slot];
     const common::KeyMask mask = item_mask(si.kv_len);
     const int first_row = si.m_block * Tr::kBlockM + cw * 64;
-    const common::TileSpan span = item_tiles(p, si);
+    const common::TileSpan span = item_tiles<kAttnMask>(p, si);
     w = Item{si.m_block, si.bh_q,    span.count,
              next_local, next_iter,  span.first, mask.unmasked_until(first_row)};
     ++next_local;
@@ -224,14 +228,25 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
   auto issue_pv = [&](int st, float(&acc_o)[kOAcc]) {
     pv_mma<D, Tr::kVSwizzle, Tr::kBlockN>(acc_o, a_p, cs.v[st]);
   };
+  // kAttnMask: the attn_mask's list entry of tile `it` of item w (the K/V loader's copy
+  // with the stage), read by the whole warp before its lanes 0-3 free the stage (which
+  // the loader then refills with the next entry). 0 in the other kernels.
+  auto tile_entry = [&](const Item& w, int it) {
+    int entry = 0;
+    if constexpr (kAttnMask) {
+      entry = bar.tile_entry[w.stage(it)];
+      __syncwarp();
+    }
+    return entry;
+  };
   // Scores and online softmax of tile `it` of item w from acc_s (its Q·Kᵀ must be
   // complete); frees its K stage and leaves 448·P in x. qk (tile_scale) is computed by
-  // the caller while the MMAs it waits on run.
+  // the caller while the MMAs it waits on run; entry: tile_entry(w, it).
   auto softmax_tile = [&](const Item& w, int it, float qk, Softmax& sm, float(&x)[kS],
-                          float(&alpha_out)[2]) {
+                          float(&alpha_out)[2], int entry) {
     hopper::fence_operands(acc_s);
     if (lane < 4) hopper::mbarrier_arrive(&bar.k_empty[w.stage(it)]);
-    const int kv0 = (w.kv_first + it) * Tr::kBlockN;
+    const int kv0 = (kAttnMask ? entry & kMaskTileBits : w.kv_first + it) * Tr::kBlockN;
     // The raw products go to the softmax (OnlineSoftmax::step); masked ones become
     // kMaskedScore in place.
     // The item's key-padding length from its slot (not kept in registers: the d=128
@@ -242,6 +257,9 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
     const bool masked = D == 128 ? kv0 > w.unmasked_until || kv0 < mask.unmasked_from(row_first(w))
                                  : mask.needed(kv0, row_first(w));  // a measured choice
     if (masked) mask.apply(acc_s, fc, kv0, w.m_block * Tr::kBlockM + row_in_block(0));
+    if constexpr (kAttnMask)
+        apply_attn_mask(acc_s, p.mask, entry, w.bh_q, fc, kv0,
+                        w.m_block * Tr::kBlockM + row_in_block(0));
     sm.step(acc_s, qk, x, alpha_out);
   };
 
@@ -294,7 +312,7 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
     wait_ahead(cur, 0);
     hopper::wgmma_wait<0>();
     float x[kS];
-    softmax_tile(cur, 0, qk, sm_cur, x, alpha);
+    softmax_tile(cur, 0, qk, sm_cur, x, alpha, tile_entry(cur, 0));
     pack_p_fragments(x, a_p);
   }
 
@@ -323,8 +341,9 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
     if constexpr (has_next) {
       // The softmax of the next tile runs while P·V(it) still computes; its P waits in x
       // until P·V(it) has finished reading a_p.
+      const int entry = tile_entry(nw, nit);
       hopper::wgmma_wait<1>();
-      softmax_tile(nw, nit, qk_next, sm_next, x, alpha_next);
+      softmax_tile(nw, nit, qk_next, sm_next, x, alpha_next, entry);
     }
     hopper::wgmma_wait<0>();
     hopper::fence_operands(acc_o);

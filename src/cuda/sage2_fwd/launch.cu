@@ -28,6 +28,26 @@ numerics::KeyRule key_rule(const qattn_fwd_params& p) {
                                  p.window != 0 ? p.window_right : -1, p.seqlen_kv);
 }
 
+// A boolean attn_mask as the kernel and its pass read it (tiles null without one).
+AttnMaskView mask_view(const qattn_fwd_params& p, const WorkspaceLayout& w, void* ws) {
+  AttnMaskView m{};
+  if (p.attn_mask_type == QATTN_MASK_NONE) return m;
+  m.data = static_cast<const uint8_t*>(p.attn_mask);
+  // Strides of dimensions of one are never multiplied by a non-zero index.
+  m.stride_b = p.batch > 1 ? p.attn_mask_stride_b : 0;
+  m.stride_h = p.heads_q > 1 ? p.attn_mask_stride_h : 0;
+  m.stride_q = p.seqlen_q > 1 ? p.attn_mask_stride_q : 0;
+  m.stride_k = p.seqlen_kv > 1 ? p.attn_mask_stride_k : 0;
+  m.tiles = reinterpret_cast<const int*>(static_cast<uint8_t*>(ws) + w.mask_tiles);
+  m.bits = reinterpret_cast<unsigned*>(static_cast<uint8_t*>(ws) + w.mask_bits);
+  m.list_len = static_cast<int>(w.kv_tiles()) + 1;
+  m.per_batch = mask_per_batch(p);
+  m.per_head = mask_per_head(p);
+  m.heads_q = p.heads_q;
+  m.num_m_blocks = w.nq_pad / kQTile;
+  return m;
+}
+
 template <typename T>
 InputView<T> view(const qattn_tensor& t) {
   return {static_cast<const T*>(t.data), t.stride_b, t.stride_h, t.stride_n};
@@ -134,6 +154,7 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
   ap.causal = p.causal;
   ap.keys = key_rule(p);
   ap.kv_lengths = p.kv_lengths;
+  ap.mask = mask_view(p, w, ws);
 
   ap.num_m_blocks = w.nq_pad / Tr::kBlockM;
   if (D == 64 && split == RegisterSplit::kConsumers240PolyExp)
@@ -152,15 +173,19 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
   if (split == RegisterSplit::kConsumers240PolyExp)
     kernel = sage2_fwd_kernel<D, T, 240, 2, D == 128 ? 1 : 0>;
   if (four_warps) kernel = sage2_fwd_kernel<D, T, 232, 4>;
-  const int threads = four_warps ? kCtaThreads<4> : kCtaThreads<2>;
+  // A boolean attn_mask: its own kernel, in the 232-register shape whose loader has the
+  // registers for the list lookups (attn_mask.cuh).
+  const bool attn_mask = p.attn_mask_type != QATTN_MASK_NONE;
+  if (attn_mask) kernel = sage2_fwd_kernel<D, T, 232, 2, 0, true>;
+  const int threads = four_warps && !attn_mask ? kCtaThreads<4> : kCtaThreads<2>;
   constexpr int smem = static_cast<int>(sizeof(SharedStorage<D>)) + 1024;
   int num_sms = 0;
   if (auto e = hopper::current_device_sms(&num_sms); e != cudaSuccess) return e;
   // Per kernel shape (kAuto was resolved above; the others are 1-4).
   static_assert(static_cast<int>(RegisterSplit::kConsumers240PolyExp) == 4);
-  static std::atomic<unsigned long long> configured[4] = {0, 0, 0, 0};
+  static std::atomic<unsigned long long> configured[5] = {0, 0, 0, 0, 0};
   if (auto e = hopper::once_per_context(
-          configured[static_cast<int>(split) - 1],
+          configured[attn_mask ? 4 : static_cast<int>(split) - 1],
           [&] {
             return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
           });
@@ -196,6 +221,13 @@ template <typename T>
 cudaError_t run(const qattn_fwd_params& p, void* ws, cudaStream_t stream, bool quantize,
                 bool keep_q, RegisterSplit split) {
   const WorkspaceLayout w = workspace_layout(p, keep_q);
+  // The mask's tile lists first: the kernels after it in the stream start once it ended.
+  if (quantize && p.attn_mask_type != QATTN_MASK_NONE)
+    if (auto e = launch_attn_mask_tiles(mask_view(p, w, ws), p.seqlen_q, p.seqlen_kv,
+                                        w.mask_slices,
+                                        static_cast<uint8_t*>(ws) + w.mask_classes, stream);
+        e != cudaSuccess)
+      return e;
   if (w.head_dim_padded == 64) {
     if (quantize)
       if (auto e = quantize_d<T, 64>(p, w, ws, stream); e != cudaSuccess) return e;

@@ -83,6 +83,9 @@ struct Barriers {
   uint64_t k_full[kStages], k_empty[kStages];
   uint64_t v_full[kStages], v_empty[kStages];
   float block_amax[2 * 4];  // the four-warp quantizer's per-block amax (quantize_q_row)
+  // With an attn_mask: each K stage's tile-list entry (attn_mask.cuh), written by the K/V
+  // loader before the stage's k_full and read by the consumers before its k_empty.
+  int tile_entry[kStages];
 
   // One thread, before the CTA's first __syncthreads.
   __device__ __forceinline__ void init() {

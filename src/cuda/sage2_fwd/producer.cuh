@@ -85,7 +85,7 @@ __device__ __forceinline__ void q_loader(const AttentionParams& p, SharedStorage
 // It takes the three rings, addressed by the caller, rather than the storage: each stage
 // address is then the ring's base + stage, as in the kernel's own code (given the
 // storage, the compiler split the offsets otherwise and scheduled the kernel differently).
-template <int D, typename Bar>
+template <int D, bool kAttnMask, typename Bar>
 __device__ __forceinline__ void kv_loader(const AttentionParams& p,
                                           decltype(SharedStorage<D>::k)& k_stages,
                                           decltype(SharedStorage<D>::k_scale)& k_scales,
@@ -105,16 +105,25 @@ __device__ __forceinline__ void kv_loader(const AttentionParams& p,
     // after this, or this loader could miss a phase and wait on the wrong one.
     hopper::mbarrier_arrive(&bar.qin_free[buf]);
     if (w.m_block < 0) break;
-    const common::TileSpan span = item_tiles(p, w);
+    const common::TileSpan span = item_tiles<kAttnMask>(p, w);
     const int kv_slice = w.kv_slice, kv_end = span.first + span.count;
 #pragma unroll 1  // rolled: this warpgroup runs at 40 (or 24) registers
-    for (int it = span.first; it < kv_end; ++it, kv.advance()) {
+    for (int i = span.first; i < kv_end; ++i, kv.advance()) {
+      // kAttnMask: the tile is entry i of the item's list (looked up per tile, as the K
+      // scale below: nothing 64-bit stays live across the loop).
+      int it = i, entry = 0;
+      if constexpr (kAttnMask) {
+        const AttnMaskView m = p.mask;  // by value: no address of the kernel parameter
+        entry = __ldg(m.list(w.m_block, w.bh_q) + 1 + i);
+        it = entry & kMaskTileBits;
+      }
       // Addressed per tile: a 64-bit pointer kept live across the loop spills at 24.
       const float* k_scale =
           p.k_scale + (static_cast<int64_t>(kv_slice) * (p.nkv_pad / groups::kKvTile) + it) *
                           groups::kKThreadGroupsPerTile;
       const int st = kv.index();
       hopper::mbarrier_wait(&bar.k_empty[st], kv.empty_phase());
+      if constexpr (kAttnMask) bar.tile_entry[st] = entry;  // the consumers read it after k_full
       hopper::mbarrier_arrive_expect_tx(&bar.k_full[st], Tr::kKBytes + sizeof(k_scales[st]));
       // K/V are re-read by every query block of the head: keep them in L2.
       hopper::tma_load_3d(k_stages[st], tm_k, &bar.k_full[st], 0, it * Tr::kBlockN, kv_slice,

@@ -66,8 +66,15 @@ __device__ __forceinline__ int item_kv_len(const AttentionParams& p, int b) {
 // item they wait on no item but the one after it: the Q slot and the 16-bit buffer of
 // the later ones come free only with that item's output (an empty item, skipped,
 // made them wait on one: a hang).
+// With an attn_mask the tiles are the item's list (attn_mask.cuh): the loaders and the
+// consumers count its entries instead of a span (it has at least one).
+template <bool kAttnMask>
 __device__ __forceinline__ common::TileSpan item_tiles(const AttentionParams& p,
                                                        const SlotItem& w) {
+  if constexpr (kAttnMask) {
+    const AttnMaskView m = p.mask;  // a copy: a kernel parameter's address would put p on the stack
+    return {0, __ldg(m.list(w.m_block, w.bh_q))};
+  }
   numerics::KeyRule rule = p.keys;
   rule.kv_len = w.kv_len;
   const common::TileSpan span = common::kv_tile_span(rule, p.seqlen_q, w.m_block);

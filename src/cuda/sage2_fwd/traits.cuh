@@ -7,6 +7,7 @@
 
 #include "cuda/common/work_order.h"
 #include "cuda/hopper/swizzle.h"
+#include "cuda/sage2_fwd/attn_mask.cuh"
 #include "cuda/sage2_fwd/q_tile.cuh"
 #include "numerics/key_range.h"
 #include "numerics/mma_groups.h"
@@ -39,6 +40,7 @@ struct AttentionParams {
   int causal_tail;    // causal: blocks per head in the order's tail (work_order.h)
   int* item_counter;  // [0]: items handed out past the first gridDim.x, [1]: CTAs done;
                       // zero at launch, and put back to zero by the last CTA
+  AttnMaskView mask;  // a boolean attn_mask's tile lists (mask.tiles null without one)
 };
 
 // Registers per thread after setmaxnreg. The CTA can only redistribute what it was

@@ -18,7 +18,10 @@ struct WorkspaceLayout {
   int head_dim_padded = 0;  // 64 or 128
   int nq_pad = 0, nkv_pad = 0;
   std::size_t q_i8 = 0, q_scale = 0, q_dot_c = 0, k_i8 = 0, k_scale = 0, k_mean = 0, vt_f8 = 0,
-              v_amax = 0, v_over = 0, item_counter = 0, total = 0;
+              v_amax = 0, v_over = 0, item_counter = 0, mask_tiles = 0, mask_bits = 0, mask_classes = 0,
+              total = 0;
+  // attn_mask: its slices (1, B or Hq or B·Hq: the dimensions it does not broadcast).
+  int mask_slices = 0;
   // Element counts per (batch, head) slice.
   std::size_t q_scales_per_head() const {
     return static_cast<std::size_t>(nq_pad) / groups::kQBlock * groups::kQThreadGroupsPerBlock;
@@ -30,6 +33,18 @@ struct WorkspaceLayout {
 };
 
 inline int padded_head_dim(int d) { return d <= 64 ? 64 : 128; }
+
+// Whether an attn_mask has a slice per batch entry / per query head (a stride of 0, or
+// a dimension of one, broadcasts).
+inline bool mask_per_batch(const qattn_fwd_params& p) {
+  return p.batch > 1 && p.attn_mask_stride_b != 0;
+}
+inline bool mask_per_head(const qattn_fwd_params& p) {
+  return p.heads_q > 1 && p.attn_mask_stride_h != 0;
+}
+inline int mask_slices(const qattn_fwd_params& p) {
+  return (mask_per_batch(p) ? p.batch : 1) * (mask_per_head(p) ? p.heads_q : 1);
+}
 
 // keep_q: also room for the quantized Q, its scales and q·c, which the attention kernel
 // otherwise keeps in shared memory only (the GPU tests read them back).
@@ -62,6 +77,16 @@ inline WorkspaceLayout workspace_layout(const qattn_fwd_params& p, bool keep_q =
   // the statistics kernel zeroes it at the start of each forward: no memset is needed.
   w.v_over = take(bkv * D * sizeof(std::uint32_t));
   w.item_counter = take(2 * sizeof(int));
+  // attn_mask (attn_mask.cuh): per slice and query block a tile list (a count, then up to
+  // one entry per KV tile), per slice a bit per (row, key), and the classes its pass
+  // writes first (a byte per tile).
+  if (p.attn_mask_type != QATTN_MASK_NONE) {
+    w.mask_slices = mask_slices(p);
+    const std::size_t blocks = static_cast<std::size_t>(w.mask_slices) * (w.nq_pad / kQTile);
+    w.mask_tiles = take(blocks * (w.kv_tiles() + 1) * sizeof(int));
+    w.mask_bits = take(blocks * kQTile * (w.nkv_pad / 8));
+    w.mask_classes = take(blocks * w.kv_tiles());
+  }
   w.total = off;
   return w;
 }
