@@ -10,7 +10,7 @@ KV cache sees its keys aligned bottom-right.
 
 On an sm_90 GPU (test_gpu_*, skipped elsewhere with the reason): "qattn" against "sdpa"
 in fp16 and bf16, with the calls meant for qattn's kernel under set_fallback("raise") and
-the kernel calls counted. Needs torch, qattn._C and transformers (skipped without it).
+the kernel calls counted. Needs torch, qattn._C and transformers 5.x (skipped without it).
 """
 
 import inspect
@@ -23,7 +23,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 qattn = pytest.importorskip("qattn")
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", minversion="5.0")  # the 5.x API (caches, set_attn_implementation)
 
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, StaticCache  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402

@@ -1,4 +1,5 @@
-"""qattn under Hugging Face diffusers' attention (written against diffusers 0.42).
+"""qattn under Hugging Face diffusers' attention (tested with diffusers 0.42; the dispatcher
+backend needs the attention dispatcher, diffusers 0.35 on).
 
     import qattn.integrations.diffusers as qattn_df
     report = qattn_df.apply(pipe)        # a pipeline, or a model / module of one
@@ -46,6 +47,7 @@ diffusers is imported when a function here is called, not when this module is.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Optional
 
@@ -296,7 +298,10 @@ def register_backend() -> bool:
         except ValueError:
             member = _add_enum_member(names, BACKEND.upper(), BACKEND)
         checks = [getattr(dispatch, c) for c in ("_check_device", "_check_shape") if hasattr(dispatch, c)]
-        registry.register(member, constraints=checks, supports_context_parallel=False)(dispatch_attention)
+        options = {}
+        if "supports_context_parallel" in inspect.signature(registry.register).parameters:
+            options["supports_context_parallel"] = False  # the argument is newer than the registry
+        registry.register(member, constraints=checks, **options)(dispatch_attention)
         if registry._backends.get(member) is not dispatch_attention or names(BACKEND) is not member:
             raise RuntimeError("the registry did not keep the backend")
     except Exception as error:  # noqa: BLE001 (any mismatch with the internals counts)

@@ -1,5 +1,7 @@
-"""qattn as an attention implementation of Hugging Face transformers (>= 4.48, the
-AttentionInterface; written against 5.x).
+"""qattn as an attention implementation of Hugging Face transformers 5.x (tested with
+5.24; register() needs AttentionInterface and masking_utils, transformers 4.53 on), for
+the models whose attention goes through transformers' AttentionInterface (nearly every
+model in 5.x).
 
     import qattn.integrations.transformers as qattn_tf
     qattn_tf.register()                  # once per process: the name "qattn"
