@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "cuda/sage2_fwd/launch.h"
@@ -69,6 +70,10 @@ int main(int argc, char** argv) {
   const char* window_env = std::getenv("KT_WINDOW");
   if (window_env != nullptr) std::sscanf(window_env, "%d,%d", &window_left, &window_right);
   const char* kv_len_env = std::getenv("KT_KV_LEN");
+  // KT_BOOL_MASK=causal|half|docs: a boolean attn_mask of (N, N) bytes broadcast over
+  // batch and heads: the causal triangle, the first N/2 keys, or documents of 1024 tokens
+  // (causal within each).
+  const char* bool_mask_env = std::getenv("KT_BOOL_MASK");
   for (const Cfg& c : cfgs) {
     const int hkv = hkv_env != nullptr ? std::atoi(hkv_env) : c.h;
     const size_t elems = size_t(c.b) * c.h * c.n * c.d, kv_elems = size_t(c.b) * hkv * c.n * c.d;
@@ -100,6 +105,22 @@ int main(int argc, char** argv) {
       cudaMalloc(&kv_lens, c.b * sizeof(int));
       cudaMemcpy(kv_lens, lens.data(), c.b * sizeof(int), cudaMemcpyHostToDevice);
       p.kv_lengths = kv_lens;
+    }
+    uint8_t* bool_mask = nullptr;
+    if (bool_mask_env != nullptr) {
+      const std::string kind = bool_mask_env;
+      std::vector<uint8_t> m(size_t(c.n) * c.n);
+      for (int i = 0; i < c.n; ++i)
+        for (int j = 0; j < c.n; ++j)
+          m[size_t(i) * c.n + j] = kind == "causal" ? j <= i
+                                   : kind == "half" ? j < c.n / 2
+                                                    : (i / 1024 == j / 1024 && j <= i);
+      cudaMalloc(&bool_mask, m.size());
+      cudaMemcpy(bool_mask, m.data(), m.size(), cudaMemcpyHostToDevice);
+      p.attn_mask_type = QATTN_MASK_BOOL;
+      p.attn_mask = bool_mask;
+      p.attn_mask_stride_q = c.n;
+      p.attn_mask_stride_k = 1;
     }
     const int64_t sn = c.d, sh = int64_t(c.n) * c.d, sb = sh * c.h, sb_kv = sh * hkv;
     p.q = {q, sb, sh, sn};
@@ -146,6 +167,7 @@ int main(int argc, char** argv) {
     cudaFree(o);
     cudaFree(ws);
     cudaFree(kv_lens);
+    cudaFree(bool_mask);
   }
   return 0;
 }

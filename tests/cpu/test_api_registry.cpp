@@ -310,7 +310,8 @@ TEST(Abi, StructSizeIsChecked) {
   EXPECT_EQ(qattn_fwd_workspace_size(&p, &bytes), QATTN_ERROR_INVALID_ARGUMENT);
   // A size between two layouts ends inside a field (here half of kv_lengths): refused,
   // so no pointer is ever read in part.
-  for (std::size_t size : {QATTN_FWD_PARAMS_MIN_SIZE + 4, sizeof(qattn_fwd_params) - 4}) {
+  for (std::size_t size : {QATTN_FWD_PARAMS_MIN_SIZE + 4, offsetof(qattn_fwd_params, attn_mask) + 4,
+                           sizeof(qattn_fwd_params) - 4}) {
     p.struct_size = size;
     EXPECT_EQ(qattn_fwd_workspace_size(&p, &bytes), QATTN_ERROR_INVALID_ARGUMENT) << size;
     EXPECT_TRUE(contains(qattn_last_error_message(), "ends inside a field"))
@@ -386,10 +387,15 @@ TEST(Abi, LayoutKeepsItsPromises) {
   // No tail padding in either layout: a field appended later cannot land inside an
   // older struct_size. The masks beyond causal start right where the first layout ends.
   EXPECT_EQ(offsetof(qattn_fwd_params, kv_lengths), QATTN_FWD_PARAMS_MIN_SIZE);
-  EXPECT_EQ(offsetof(qattn_fwd_params, alignment) + sizeof(int32_t), sizeof(qattn_fwd_params));
+  // attn_mask's fields start where the second layout (with the masks) ends.
+  EXPECT_EQ(offsetof(qattn_fwd_params, alignment) + sizeof(int32_t),
+            offsetof(qattn_fwd_params, attn_mask_type));
+  EXPECT_EQ(offsetof(qattn_fwd_params, attn_mask_stride_k) + sizeof(int64_t),
+            sizeof(qattn_fwd_params));
   if constexpr (sizeof(void*) == 8) {  // the sizes qattn.h states for LP64
     EXPECT_EQ(QATTN_FWD_PARAMS_MIN_SIZE, 192u);
-    EXPECT_EQ(sizeof(qattn_fwd_params), 216u);
+    EXPECT_EQ(offsetof(qattn_fwd_params, attn_mask_type), 216u);
+    EXPECT_EQ(sizeof(qattn_fwd_params), 264u);
   }
   qattn_fwd_params p = valid_params();
   p.reserved0 = 1;

@@ -45,6 +45,15 @@ struct Sage2Case {
   int window_left = -1, window_right = -1;
   bool top_left = false;
   std::vector<int> kv_lengths;
+  // A boolean attn_mask (qattn.h), bytes of shape (mask_b, mask_h, mask_q, Nkv), each of
+  // the three 1 (broadcast: stride 0) or the full extent; empty: none.
+  std::vector<uint8_t> bool_mask;
+  int mask_b = 1, mask_h = 1, mask_q = 1;
+  uint8_t mask_at(int b, int h, int i, int j) const {
+    const std::size_t at = ((static_cast<std::size_t>(mask_b == 1 ? 0 : b) * mask_h +
+                             (mask_h == 1 ? 0 : h)) * mask_q + (mask_q == 1 ? 0 : i)) * seqlen_kv + j;
+    return bool_mask[at];
+  }
 
   std::string describe() const {
     return "B=" + std::to_string(batch) + " Hq=" + std::to_string(heads_q) +
@@ -63,6 +72,9 @@ struct Sage2Case {
       m += " kv_lengths=";
       for (int l : kv_lengths) m += std::to_string(l) + ",";
     }
+    if (!bool_mask.empty())
+      m += " bool_mask=(" + std::to_string(mask_b) + "," + std::to_string(mask_h) + "," +
+           std::to_string(mask_q) + "," + std::to_string(seqlen_kv) + ")";
     return m;
   }
   // The same masks for the reference and the emulator.
@@ -73,6 +85,14 @@ struct Sage2Case {
     ap.window_left = window_left;
     ap.window_right = window_right;
     ap.kv_lengths = kv_lengths;
+    if (!bool_mask.empty()) {  // the reference's form: additive 0 / -inf, rows expanded
+      ap.attn_mask = Tensor4(mask_b, mask_h, seqlen_q, seqlen_kv);
+      for (int b = 0; b < mask_b; ++b)
+        for (int h = 0; h < mask_h; ++h)
+          for (int i = 0; i < seqlen_q; ++i)
+            for (int j = 0; j < seqlen_kv; ++j)
+              ap.attn_mask.at(b, h, i, j) = mask_at(b, h, i, j) ? 0.f : -INFINITY;
+    }
     return ap;
   }
 };
@@ -137,6 +157,13 @@ inline qattn_fwd_params make_params(const Sage2Case& c) {
   p.window_left = c.window_left;
   p.window_right = c.window_right;
   p.alignment = c.top_left ? QATTN_ALIGN_TOP_LEFT : QATTN_ALIGN_BOTTOM_RIGHT;
+  if (!c.bool_mask.empty()) {  // the data pointer is the device copy's (run_sage2)
+    p.attn_mask_type = QATTN_MASK_BOOL;
+    p.attn_mask_stride_k = 1;
+    p.attn_mask_stride_q = c.mask_q == 1 ? 0 : c.seqlen_kv;
+    p.attn_mask_stride_h = c.mask_h == 1 ? 0 : int64_t{c.mask_q} * c.seqlen_kv;
+    p.attn_mask_stride_b = c.mask_b == 1 ? 0 : int64_t{c.mask_h} * c.mask_q * c.seqlen_kv;
+  }
   return p;
 }
 
@@ -197,6 +224,11 @@ inline Sage2Result run_sage2(const Sage2Case& c, const InputHook& hook = {}) {
   if (!c.kv_lengths.empty()) {
     dlens.upload(std::vector<int32_t>(c.kv_lengths.begin(), c.kv_lengths.end()));
     p.kv_lengths = dlens.ptr;
+  }
+  DeviceBuffer<uint8_t> dmask(std::max<std::size_t>(c.bool_mask.size(), 1));
+  if (!c.bool_mask.empty()) {
+    dmask.upload(c.bool_mask);
+    p.attn_mask = dmask.ptr;
   }
   const std::size_t ws_bytes = sage2::workspace_bytes(p, c.keep_q);
   DeviceBuffer<uint8_t> ws(ws_bytes);

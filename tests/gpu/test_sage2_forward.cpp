@@ -78,6 +78,13 @@ void check_case(const Sage2Case& c) {
   EXPECT_EQ(nans(r.lse), 0) << "NaN in the LSE";
   const AttentionParams ap = c.attention_params();
   const auto ref = reference::attention_forward(r.q, r.k, r.v, ap);
+  if (std::all_of(ref.o.data.begin(), ref.o.data.end(), [](double x) { return x == 0.0; })) {
+    // No row sees a key (a random mask can hide them all): O must be exactly zero and
+    // every LSE -inf; CosSim is undefined there.
+    EXPECT_TRUE(std::all_of(r.o.data.begin(), r.o.data.end(), [](float x) { return x == 0.f; }));
+    for (float x : r.lse) EXPECT_TRUE(std::isinf(x) && x < 0) << x;
+    return;
+  }
   const auto m =
       metrics::compare(std::span<const float>(r.o.data), std::span<const double>(ref.o.data));
   if (m.cos_sim < kMinCos && r.o.data.size() <= kSmallOutput) {
@@ -336,6 +343,10 @@ void check_against_emulation(Sage2Case c, const test::InputHook& hook = {},
         << "q_dot_c " << i;
 
   const auto emu = emulate::sage2_attend(qz);
+  if (std::all_of(emu.o.data.begin(), emu.o.data.end(), [](float x) { return x == 0.f; })) {
+    EXPECT_EQ(r.o.data, emu.o.data) << "no row sees a key: O must be zero";  // CosSim: 0/0
+    return;
+  }
   const auto m =
       metrics::compare(std::span<const float>(r.o.data), std::span<const float>(emu.o.data));
   EXPECT_GE(m.cos_sim, min_cos) << "rel_l1=" << m.rel_l1;
@@ -751,6 +762,114 @@ TEST(Sage2Masks, EverySplitGivesTheSameBits) {
   }
 }
 
+
+// ---- boolean attn_mask -----------------------------------------------------------------
+
+// Masks of each kind of tile: random elements (every tile cut), block-diagonal documents
+// (hidden, visible and cut tiles), key padding as (B, 1, 1, Nkv) with a length of 0 (rows
+// that see no key), and per-head masks (1, Hq, Nq, Nkv) with some fully hidden rows.
+enum class MaskPattern { Random, Documents, Padding, PerHead };
+
+void add_bool_mask(Sage2Case& c, MaskPattern pattern, std::mt19937_64& rng) {
+  auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  c.mask_b = pattern == MaskPattern::Random || pattern == MaskPattern::Padding ? c.batch : 1;
+  c.mask_h = pattern == MaskPattern::PerHead ? c.heads_q : 1;
+  c.mask_q = pattern == MaskPattern::Padding ? 1 : c.seqlen_q;
+  c.bool_mask.assign(std::size_t(c.mask_b) * c.mask_h * c.mask_q * c.seqlen_kv, 0);
+  std::vector<int> doc_end;  // documents: boundaries over the longer of the two sequences
+  for (int at = 0; at < std::max(c.seqlen_q, c.seqlen_kv);) doc_end.push_back(at += pick(1, 400));
+  auto doc = [&](int pos) { return std::upper_bound(doc_end.begin(), doc_end.end(), pos) - doc_end.begin(); };
+  for (int b = 0; b < c.mask_b; ++b) {
+    const int len = pick(0, 3) == 0 ? 0 : pick(1, c.seqlen_kv);
+    for (int h = 0; h < c.mask_h; ++h) {
+      const int hidden_row = pick(0, c.seqlen_q - 1);
+      for (int i = 0; i < c.mask_q; ++i)
+        for (int j = 0; j < c.seqlen_kv; ++j) {
+          bool visible = false;
+          switch (pattern) {
+            case MaskPattern::Random: visible = pick(0, 3) != 0; break;
+            case MaskPattern::Documents: visible = doc(i) == doc(j) && j <= i + (h % 2); break;
+            case MaskPattern::Padding: visible = j < len; break;
+            case MaskPattern::PerHead: visible = i != hidden_row && (j + h) % (h + 2) != 0; break;
+          }
+          c.bool_mask[((std::size_t(b) * c.mask_h + h) * c.mask_q + i) * c.seqlen_kv + j] =
+              visible ? static_cast<uint8_t>(pick(1, 255)) : 0;  // any nonzero byte is visible
+        }
+    }
+  }
+}
+
+// Each pattern against the emulation (quantized tensors bit for bit, O and the LSE to
+// rounding) and against FP64 within the scheme's bounds, on fixed and random shapes.
+TEST(Sage2BoolMask, MatchEmulationAndReference) {
+  QATTN_SKIP_WITHOUT_GPU();
+  const uint64_t seed = test::fresh_seed();
+  std::mt19937_64 rng(seed);
+  std::vector<Sage2Case> cases;
+  for (MaskPattern pattern : {MaskPattern::Random, MaskPattern::Documents, MaskPattern::Padding,
+                              MaskPattern::PerHead}) {
+    Sage2Case c;  // fixed: d=128 bf16 HND, tails on both sides
+    c.batch = 2;
+    c.seqlen_q = 700;
+    c.seqlen_kv = 900;
+    add_bool_mask(c, pattern, rng);
+    cases.push_back(c);
+    Sage2Case r = random_emulation_case(rng, 600, 900);  // and a random shape
+    r.batch = 1 + rng() % 3;
+    r.layout = rng() % 2 ? Layout::NHD : Layout::HND;
+    add_bool_mask(r, pattern, rng);
+    cases.push_back(r);
+  }
+  for (const Sage2Case& c : cases) {
+    check_against_emulation(c);
+    check_case(c);
+    if (HasFailure()) {
+      ADD_FAILURE() << test::seed_trace(seed);
+      return;
+    }
+  }
+}
+
+// A boolean mask that is the causal mask (top-left) or a window runs the same arithmetic
+// on the same tiles as those rules: the same bits, tile skipping included.
+TEST(Sage2BoolMask, EqualsTheRuleItSpells) {
+  QATTN_SKIP_WITHOUT_GPU();
+  for (int d : {64, 128}) {
+    Sage2Case rule;
+    rule.seed = test::fresh_seed();
+    rule.head_dim = d;
+    rule.batch = 2;
+    rule.heads_q = 4;
+    rule.heads_kv = 2;
+    rule.seqlen_q = 1000;
+    rule.seqlen_kv = 1300;
+    rule.split = sage2::RegisterSplit::kConsumers232;  // the mask kernel's shape
+    for (int variant = 0; variant < 2; ++variant) {
+      rule.causal = variant == 0;
+      rule.top_left = variant == 0;
+      rule.window_left = variant == 0 ? -1 : 300;
+      rule.window_right = variant == 0 ? -1 : 20;
+      Sage2Case masked = rule;
+      masked.causal = false;
+      masked.top_left = false;
+      masked.window_left = masked.window_right = -1;
+      masked.mask_q = masked.seqlen_q;
+      masked.bool_mask.assign(std::size_t(masked.seqlen_q) * masked.seqlen_kv, 0);
+      const auto keys = numerics::make_key_rule(rule.seqlen_q, rule.seqlen_kv, rule.causal,
+                                                rule.top_left, rule.window_left, rule.window_right,
+                                                rule.seqlen_kv);
+      for (int i = 0; i < masked.seqlen_q; ++i)
+        for (int j = keys.first_key(i); j <= keys.last_key(i); ++j)
+          masked.bool_mask[std::size_t(i) * masked.seqlen_kv + j] = 1;
+      SCOPED_TRACE(masked.describe());
+      const auto a = test::run_sage2(rule), b = test::run_sage2(masked);
+      ASSERT_EQ(a.status, 0);
+      ASSERT_EQ(b.status, 0);
+      EXPECT_EQ(a.o.data, b.o.data) << "O";
+      EXPECT_EQ(std::memcmp(a.lse.data(), b.lse.data(), a.lse.size() * sizeof(float)), 0) << "LSE";
+    }
+  }
+}
 
 // More items than SMs, most of whose rows see no key (one partial KV tile): every CTA
 // runs several items in a row, empty ones among them. Such an item runs one fully

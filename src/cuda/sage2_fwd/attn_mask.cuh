@@ -26,7 +26,7 @@ struct AttnMaskView {
   const uint8_t* data;                             // the caller's bytes (the pass reads them)
   int64_t stride_b, stride_h, stride_q, stride_k;  // bytes; 0 broadcasts
   const int* tiles;  // per slice and query block: [count, entries...], list_len ints
-  unsigned* bits;    // per slice, row (nq_pad) and KV tile: 4 words (tile_words), 1 = visible
+  unsigned* bits;    // per slice, row (nq_pad) and KV tile: 4 words (tile_words)
   int list_len;      // 1 + the KV tiles of the call
   int per_batch, per_head;  // whether the mask has its own slice per b / per query head
   int heads_q, num_m_blocks;
@@ -48,22 +48,21 @@ struct AttnMaskView {
   }
 };
 
-// Hides the elements of a cut tile that the mask hides (masked ones become
-// kMaskedScore; a hidden tile hides all): one word per row of the thread (g, g + 8)
-// holds its 32 bits, so two loads and a shift and a LOP3 per element, with two
-// registers live (the consumers have few to spare). row0: the thread's upper row.
+// Hides the elements of a tile that the mask hides (they become kMaskedScore): one word
+// per row of the thread (g, g + 8) holds its 32 bits of the tile (two loads),
+// then a shift and a LOP3 per element, with two registers live (the consumers have few
+// to spare). row0: the thread's upper row in the sequence.
 template <int kCols>
 __device__ __forceinline__ void apply_attn_mask(int32_t (&s)[kCols], AttnMaskView m,
                                                 int entry, int bh_q, common::FragCoord fc,
                                                 int kv0, int row0) {
-  const int slice = m.slice(bh_q), tile = kv0 / groups::kKvTile;
-  unsigned w[2] = {0u, 0u};  // a hidden tile: every bit 0
+  // A hidden tile: every bit 0; the others: their bits (all set inside the sequences
+  // where the tile is fully visible; rows and keys past them are hidden anyway).
+  unsigned w[2] = {0u, 0u};
   if ((entry & kMaskTileHidden) == 0) {
-    w[0] = w[1] = ~0u;
-    if (entry & kMaskTileCut) {
-      w[0] = __ldg(m.bits + m.tile_words(slice, row0, tile) + fc.t);
-      w[1] = __ldg(m.bits + m.tile_words(slice, row0 + 8, tile) + fc.t);
-    }
+    const int slice = m.slice(bh_q), tile = kv0 / groups::kKvTile;
+    w[0] = __ldg(m.bits + m.tile_words(slice, row0, tile) + fc.t);
+    w[1] = __ldg(m.bits + m.tile_words(slice, row0 + 8, tile) + fc.t);
   }
 #pragma unroll
   for (int i = 0; i < kCols; ++i) {

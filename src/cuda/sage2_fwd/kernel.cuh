@@ -257,9 +257,20 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
     const bool masked = D == 128 ? kv0 > w.unmasked_until || kv0 < mask.unmasked_from(row_first(w))
                                  : mask.needed(kv0, row_first(w));  // a measured choice
     if (masked) mask.apply(acc_s, fc, kv0, w.m_block * Tr::kBlockM + row_in_block(0));
-    if constexpr (kAttnMask)
-        apply_attn_mask(acc_s, p.mask, entry, w.bh_q, fc, kv0,
-                        w.m_block * Tr::kBlockM + row_in_block(0));
+    // kAttnMask: the element test on the tiles the mask cuts (or hides). d=64 branches
+    // around it; at d=128 a branch spilled 88-132 bytes, so every tile runs it, with all
+    // bits set where the tile is fully visible.
+    const int attn_row0 = w.m_block * Tr::kBlockM + row_in_block(0);
+    if constexpr (kAttnMask && D == 64) {
+      if (entry & (kMaskTileCut | kMaskTileHidden)) {
+        apply_attn_mask(acc_s, p.mask, entry, w.bh_q, fc, kv0, attn_row0);
+        sm.step(acc_s, qk, x, alpha_out);
+      } else {
+        sm.step(acc_s, qk, x, alpha_out);
+      }
+      return;
+    }
+    if constexpr (kAttnMask) apply_attn_mask(acc_s, p.mask, entry, w.bh_q, fc, kv0, attn_row0);
     sm.step(acc_s, qk, x, alpha_out);
   };
 
