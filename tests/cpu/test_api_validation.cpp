@@ -379,6 +379,83 @@ TEST(ApiValidation, KvLengthsMustNotOverlapOutputs) {
   EXPECT_EQ(o.message.find("overlaps"), std::string::npos) << o.message;
 }
 
+// ---- attn_mask ----------------------------------------------------------------------
+
+// A (B, Hq, Nq, Nkv) boolean mask of the valid_params shape, contiguous bytes, at fake(8).
+qattn_fwd_params with_bool_mask(qattn_fwd_params p) {
+  p.attn_mask_type = QATTN_MASK_BOOL;
+  p.attn_mask = fake(8);
+  p.attn_mask_stride_k = 1;
+  p.attn_mask_stride_q = p.seqlen_kv;
+  p.attn_mask_stride_h = int64_t{p.seqlen_q} * p.seqlen_kv;
+  p.attn_mask_stride_b = int64_t{p.heads_q} * p.seqlen_q * p.seqlen_kv;
+  return p;
+}
+
+TEST(ApiValidation, AttnMaskFields) {
+  qattn_fwd_params p = with_bool_mask(valid_params());
+  EXPECT_EQ(size_of(p).status, QATTN_OK) << size_of(p).message;
+  qattn_fwd_params bad = p;
+  bad.attn_mask_type = 2;
+  EXPECT_REJECTS(size_of(bad), QATTN_ERROR_INVALID_ARGUMENT, "attn_mask_type = 2",
+                 "QATTN_MASK_NONE (0) or QATTN_MASK_BOOL (1)");
+  bad = p;
+  bad.attn_mask = nullptr;
+  EXPECT_REJECTS(size_of(bad), QATTN_ERROR_INVALID_ARGUMENT, "attn_mask is NULL");
+  bad = p;
+  bad.reserved1 = 3;
+  EXPECT_REJECTS(size_of(bad), QATTN_ERROR_INVALID_ARGUMENT, "reserved1 = 3");
+  for (int64_t qattn_fwd_params::*stride :
+       {&qattn_fwd_params::attn_mask_stride_b, &qattn_fwd_params::attn_mask_stride_h,
+        &qattn_fwd_params::attn_mask_stride_q, &qattn_fwd_params::attn_mask_stride_k}) {
+    bad = p;
+    bad.*stride = -1;
+    EXPECT_REJECTS(size_of(bad), QATTN_ERROR_INVALID_ARGUMENT, "is negative", "0 broadcasts");
+    bad.*stride = int64_t{1} << 62;  // the span reaches 2^62 bytes
+    EXPECT_REJECTS(size_of(bad), QATTN_ERROR_INVALID_ARGUMENT, "2^62 bytes");
+  }
+  // Every stride 0: one byte broadcast to every (b, h, i, j); no alignment is asked for.
+  bad = p;
+  bad.attn_mask_stride_b = bad.attn_mask_stride_h = bad.attn_mask_stride_q =
+      bad.attn_mask_stride_k = 0;
+  bad.attn_mask = static_cast<char*>(fake(8)) + 3;
+  EXPECT_EQ(size_of(bad).status, QATTN_OK) << size_of(bad).message;
+  // Without a mask the pointer and the strides are not read.
+  bad.attn_mask_type = QATTN_MASK_NONE;
+  bad.attn_mask = nullptr;
+  bad.attn_mask_stride_q = -5;
+  EXPECT_EQ(size_of(bad).status, QATTN_OK) << size_of(bad).message;
+  // The mask is an input: apart from o (and the LSE and the workspace).
+  bad = p;
+  bad.attn_mask = static_cast<char*>(p.o.data) + 100;
+  EXPECT_REJECTS(size_of(bad), QATTN_ERROR_INVALID_ARGUMENT, "o overlaps attn_mask");
+  bad.attn_mask = p.k.data;  // inside an input: only read
+  EXPECT_EQ(size_of(bad).status, QATTN_OK) << size_of(bad).message;
+}
+
+// In this version the mask is the whole rule: with causal, a window or key padding the
+// family declines (UNSUPPORTED, with the reason), and the mask's own workspace grows with
+// its slices.
+TEST(ApiValidation, AttnMaskAloneAndItsWorkspace) {
+  const qattn_fwd_params p = with_bool_mask(valid_params());
+  for (int variant = 0; variant < 3; ++variant) {
+    qattn_fwd_params c = p;
+    if (variant == 0) c.causal = 1;
+    if (variant == 1) {
+      c.window = 1;
+      c.window_left = 10;
+    }
+    if (variant == 2) c.kv_lengths = lengths_at(7);
+    EXPECT_REJECTS(size_of(c), QATTN_ERROR_UNSUPPORTED, "attn_mask alone",
+                   "write them into the mask");
+  }
+  qattn_fwd_params broadcast = p;
+  broadcast.attn_mask_stride_b = broadcast.attn_mask_stride_h = 0;
+  const std::size_t plain = need(valid_params()), one = need(broadcast), per_head = need(p);
+  EXPECT_GT(one, plain);
+  EXPECT_GT(per_head, one);  // 2 x 8 slices against 1
+}
+
 // ---- strides, alignment, overlap ---------------------------------------------------
 
 TEST(ApiValidation, StridesMustBePositiveMultiplesOf8) {
@@ -683,11 +760,12 @@ TEST(ApiSpans, EveryBufferOfACall) {
   const std::size_t q_bytes = std::size_t{2} * s.batch * s.heads_q * s.seqlen_q * s.head_dim;
   const std::size_t kv_bytes = std::size_t{2} * s.batch * s.heads_kv * s.seqlen_kv * s.head_dim;
   const std::size_t lse_bytes = std::size_t{4} * s.batch * s.heads_q * s.seqlen_q;
-  const std::array<std::tuple<const char*, const void*, std::size_t>, 7> want{{
+  const std::array<std::tuple<const char*, const void*, std::size_t>, 8> want{{
       {"q.data", fake(1), q_bytes},
       {"k.data", fake(2), kv_bytes},
       {"v.data", fake(3), kv_bytes},
       {"kv_lengths", nullptr, 0},  // absent here
+      {"attn_mask", nullptr, 0},   // and here
       {"o.data", fake(4), q_bytes},
       {"lse", fake(5), lse_bytes},
       {"workspace", fake(6), need(p)},  // what the call uses, not what the caller passed
@@ -702,9 +780,9 @@ TEST(ApiSpans, EveryBufferOfACall) {
   qattn_fwd_params no_lse = p;
   no_lse.lse = nullptr;
   const auto without = qattn::api::buffer_spans(no_lse, fake(6));
-  EXPECT_STREQ(without[5].name, "lse");
-  EXPECT_EQ(without[5].data, nullptr);
-  EXPECT_EQ(without[5].bytes, 0u);
+  EXPECT_STREQ(without[6].name, "lse");
+  EXPECT_EQ(without[6].data, nullptr);
+  EXPECT_EQ(without[6].bytes, 0u);
   // Key-padding lengths: batch int32, checked on the device like every other buffer.
   qattn_fwd_params padded = p;
   padded.kv_lengths = static_cast<const int32_t*>(fake(7));
@@ -712,6 +790,19 @@ TEST(ApiSpans, EveryBufferOfACall) {
   EXPECT_STREQ(with[3].name, "kv_lengths");
   EXPECT_EQ(with[3].data, fake(7));
   EXPECT_EQ(with[3].bytes, std::size_t{4} * s.batch);
+  // A boolean attn_mask: from its pointer to its last byte, broadcast dimensions (stride
+  // 0) adding nothing; here (B, 1, Nq, Nkv) with rows of Nkv + 12 bytes.
+  qattn_fwd_params masked = p;
+  masked.attn_mask_type = QATTN_MASK_BOOL;
+  masked.attn_mask = fake(8);
+  masked.attn_mask_stride_k = 1;
+  masked.attn_mask_stride_q = s.seqlen_kv + 12;
+  masked.attn_mask_stride_b = int64_t{s.seqlen_q} * (s.seqlen_kv + 12);
+  const auto with_mask = qattn::api::buffer_spans(masked, fake(6));
+  EXPECT_STREQ(with_mask[4].name, "attn_mask");
+  EXPECT_EQ(with_mask[4].data, fake(8));
+  EXPECT_EQ(with_mask[4].bytes,
+            std::size_t(s.batch * s.seqlen_q - 1) * (s.seqlen_kv + 12) + s.seqlen_kv);
 }
 
 // ---- the C++ layer -----------------------------------------------------------------

@@ -6,6 +6,7 @@
 
 #include <random>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -183,6 +184,38 @@ TEST(WorkspaceLayout, RandomShapes) {
     const int hkv = 1 + int(rng() % 8);
     check(params(1 + int(rng() % 4), hkv * (1 + int(rng() % 4)), hkv, 1 + int(rng() % 20000),
                  1 + int(rng() % 20000), 8 * (1 + int(rng() % 16))));
+  }
+}
+
+}  // namespace
+
+namespace {
+
+// A boolean attn_mask adds three regions after the counters, per (mask slice, query
+// block): its tile list (1 + Nkv_pad/128 ints), its bits (128 rows x Nkv_pad bits) and
+// the pass's classes (a byte per KV tile); the regions before them do not move. Slices:
+// B when the mask has a batch stride, times Hq when it has a head stride.
+TEST(WorkspaceLayout, AttnMaskRegionsAfterTheCounters) {
+  for (auto [b, hq, nq, nkv, sb, sh] : {std::tuple{1, 1, 1, 1, 0, 0}, std::tuple{3, 4, 700, 900, 1, 0},
+                                        std::tuple{2, 8, 129, 4097, 0, 1},
+                                        std::tuple{2, 2, 300, 300, 1, 1}, std::tuple{1, 4, 50, 60, 1, 1}}) {
+    qattn_fwd_params p = params(b, hq, hq, nq, nkv, 128);
+    const WorkspaceLayout plain = workspace_layout(p);
+    p.attn_mask_type = QATTN_MASK_BOOL;
+    p.attn_mask_stride_b = sb;
+    p.attn_mask_stride_h = sh;
+    const WorkspaceLayout w = workspace_layout(p);
+    SCOPED_TRACE("B=" + std::to_string(b) + " Hq=" + std::to_string(hq) + " sb=" +
+                 std::to_string(sb) + " sh=" + std::to_string(sh));
+    EXPECT_EQ(w.item_counter, plain.item_counter);
+    EXPECT_EQ(w.mask_tiles, plain.total);
+    const std::size_t slices = (sb != 0 && b > 1 ? b : 1) * (sh != 0 && hq > 1 ? hq : 1);
+    EXPECT_EQ(std::size_t(w.mask_slices), slices);
+    const std::size_t blocks = slices * ((nq + 127) / 128), tiles = (nkv + 127) / 128;
+    auto up = [](std::size_t x) { return (x + 255) / 256 * 256; };
+    EXPECT_EQ(w.mask_bits, w.mask_tiles + up(blocks * (tiles + 1) * 4));
+    EXPECT_EQ(w.mask_classes, w.mask_bits + up(blocks * 128 * tiles * 16));
+    EXPECT_EQ(w.total, w.mask_classes + up(blocks * tiles));
   }
 }
 
