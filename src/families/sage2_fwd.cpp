@@ -50,6 +50,11 @@ std::string check_limits(const qattn_fwd_params& p) {
     if (nq_pad / q_tile > 65535 || slices > 65535)
       return api::cat("an attn_mask with ", nq_pad / q_tile, " query blocks and ", slices,
                       " (batch, head) slices; allowed: at most 65535 of each");
+    // The tile lists are indexed with an int (attn_mask.cuh, list_at).
+    const int64_t list_ints = slices * (nq_pad / q_tile) * (nkv_pad / kv_tile + 1);
+    if (list_ints > int64_t{INT32_MAX})
+      return api::cat("an attn_mask whose tile lists take ", list_ints,
+                      " ints; allowed: below 2^31 (slices x query blocks x (KV tiles + 1))");
   }
   return {};
 }

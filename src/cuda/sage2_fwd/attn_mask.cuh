@@ -7,6 +7,8 @@
 // mask's bits, which the pass also writes: a bit per (row, key)).
 #pragma once
 
+#include <cuda_runtime.h>
+
 #include <cstdint>
 
 #include "cuda/common/fragment.cuh"
@@ -35,9 +37,10 @@ struct AttnMaskView {
     const int b = bh_q / heads_q, hq = bh_q % heads_q;
     return (per_batch ? b : 0) * (per_head ? heads_q : 1) + (per_head ? hq : 0);
   }
-  // The list of the item with query block m_block of (b, hq) = bh_q.
-  __host__ __device__ __forceinline__ const int* list(int m_block, int bh_q) const {
-    return tiles + (static_cast<int64_t>(slice(bh_q)) * num_m_blocks + m_block) * list_len;
+  // Where the list of the item with query block m_block of (b, hq) = bh_q starts in
+  // `tiles` (an int: the family keeps every list below 2^31 ints).
+  __host__ __device__ __forceinline__ int list_at(int m_block, int bh_q) const {
+    return (slice(bh_q) * num_m_blocks + m_block) * list_len;
   }
   // The bits of a row of a slice for one KV tile: four words, one per fragment column
   // group t, holding the visibility of keys 8j + 2t + e of the tile at bit 2j + e (the
@@ -48,18 +51,18 @@ struct AttnMaskView {
   }
 };
 
-// Hides the elements of a tile that the mask hides (they become kMaskedScore): one word
-// per row of the thread (g, g + 8) holds its 32 bits of the tile (two loads),
-// then a shift and a LOP3 per element, with two registers live (the consumers have few
-// to spare). row0: the thread's upper row in the sequence.
+// Hides the elements of a tile that the mask hides (they become kMaskedScore): for a
+// cut tile one word per row of the thread (g, g + 8) holds its 32 bits of the tile (two
+// loads, two registers live: the consumers have few to spare); a visible tile takes all
+// ones, a hidden one all zeros. Then a shift and a LOP3 per element. row0: the thread's
+// upper row in the sequence.
 template <int kCols>
 __device__ __forceinline__ void apply_attn_mask(int32_t (&s)[kCols], AttnMaskView m,
                                                 int entry, int bh_q, common::FragCoord fc,
                                                 int kv0, int row0) {
-  // A hidden tile: every bit 0; the others: their bits (all set inside the sequences
-  // where the tile is fully visible; rows and keys past them are hidden anyway).
-  unsigned w[2] = {0u, 0u};
-  if ((entry & kMaskTileHidden) == 0) {
+  const unsigned fill = entry & kMaskTileHidden ? 0u : ~0u;
+  unsigned w[2] = {fill, fill};
+  if (entry & kMaskTileCut) {
     const int slice = m.slice(bh_q), tile = kv0 / groups::kKvTile;
     w[0] = __ldg(m.bits + m.tile_words(slice, row0, tile) + fc.t);
     w[1] = __ldg(m.bits + m.tile_words(slice, row0 + 8, tile) + fc.t);
@@ -72,10 +75,6 @@ __device__ __forceinline__ void apply_attn_mask(int32_t (&s)[kCols], AttnMaskVie
     s[i] = (s[i] & keep) | (scores::kMaskedScore & ~keep);
   }
 }
-
-}  // namespace qattn::sage2
-
-namespace qattn::sage2 {
 
 // Enqueues the classification of the mask's tiles and the lists (attn_mask_tiles.cu):
 // `classes` is workspace of slices x num_m_blocks x (list_len - 1) bytes.

@@ -16,9 +16,9 @@ enum : uint8_t { kHidden = 0, kVisible = 1, kCut = 2 };
 
 // One CTA per (KV tile, query block, slice): the tile's bits in the consumers' order
 // (AttnMaskView::tile_words) and whether any element inside (seqlen_q, seqlen_kv) is
-// visible and any hidden. A warp takes a row: its four ballots over 32 consecutive keys
-// (one byte each) are the row's bits by key, which lanes 0-3 regroup per column group t.
-// Bits outside (seqlen_q, seqlen_kv) are 0.
+// visible and any hidden. A warp takes a row: ballots over its 128 keys give the row's
+// bits, which lanes 0-3 regroup per column group t. Bits outside (seqlen_q, seqlen_kv)
+// are 0.
 __global__ void __launch_bounds__(kClassifyThreads)
     classify_tiles(AttnMaskView m, int seqlen_q, int seqlen_kv, uint8_t* classes) {
   const int tile = blockIdx.x, m_block = blockIdx.y, slice = blockIdx.z;
@@ -29,26 +29,47 @@ __global__ void __launch_bounds__(kClassifyThreads)
   const int rows = min(kTile, seqlen_q - m_block * kTile);
   const int cols = min(kTile, seqlen_kv - tile * kTile);
   bool any_visible = false, any_hidden = false;
+  // Rows of whole 4-byte words (keys contiguous, every row start 4-byte aligned, Nkv a
+  // multiple of 4): a lane reads keys 4l .. 4l + 3 of the row in one load.
+  const bool words = m.stride_k == 1 && seqlen_kv % 4 == 0 &&
+                     ((reinterpret_cast<uintptr_t>(m.data) | m.stride_b | m.stride_h | m.stride_q) & 3) == 0;
   for (int r = warp; r < kTile; r += kClassifyThreads / 32) {
     const int64_t row = int64_t{m_block} * kTile + r;
-    unsigned by_key[kTile / 32];
+    const uint8_t* at = base + row * m.stride_q + int64_t{tile} * kTile * m.stride_k;
+    unsigned word = 0;  // lanes 0-3: column group t = lane, keys 8j + 2t + e at bit 2j + e
+    if (words) {
+      const bool inside = r < rows && 4 * lane < cols;  // cols is a multiple of 4 here
+      const unsigned bytes = inside ? __ldg(reinterpret_cast<const unsigned*>(at) + lane) : 0u;
+      unsigned by_byte[4];  // bit l: key 4l + b visible
 #pragma unroll
-    for (int q = 0; q < kTile / 32; ++q) {
-      const int c = 32 * q + lane;
-      const bool inside = r < rows && c < cols;
-      const bool visible =
-          inside && __ldg(base + row * m.stride_q + (int64_t{tile} * kTile + c) * m.stride_k) != 0;
-      any_visible |= visible;
-      any_hidden |= inside && !visible;
-      by_key[q] = __ballot_sync(0xffffffffu, visible);
-    }
-    if (lane < 4) {  // t = lane: keys 8j + 2t + e at bit 2j + e
-      unsigned word = 0;
+      for (int b = 0; b < 4; ++b) {
+        const bool visible = ((bytes >> (8 * b)) & 0xffu) != 0;
+        any_visible |= visible;
+        any_hidden |= inside && !visible;
+        by_byte[b] = __ballot_sync(0xffffffffu, visible);
+      }
+      // Key 8j + 2t + e is byte 2 (t % 2) + e of lane 2j + t / 2.
+#pragma unroll
+      for (int j = 0; j < kTile / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          word |= ((by_byte[2 * (lane % 2) + e] >> (2 * j + lane / 2)) & 1u) << (2 * j + e);
+    } else {
+      unsigned by_key[kTile / 32];  // bit c: key 32q + c visible, a byte read per key
+#pragma unroll
+      for (int q = 0; q < kTile / 32; ++q) {
+        const int c = 32 * q + lane;
+        const bool inside = r < rows && c < cols;
+        const bool visible = inside && __ldg(at + c * m.stride_k) != 0;
+        any_visible |= visible;
+        any_hidden |= inside && !visible;
+        by_key[q] = __ballot_sync(0xffffffffu, visible);
+      }
 #pragma unroll
       for (int j = 0; j < kTile / 8; ++j)
         word |= ((by_key[j / 4] >> ((j % 4) * 8 + 2 * lane)) & 3u) << (2 * j);
-      m.bits[m.tile_words(slice, static_cast<int>(row), tile) + lane] = word;
     }
+    if (lane < 4) m.bits[m.tile_words(slice, static_cast<int>(row), tile) + lane] = word;
   }
   any_visible = __syncthreads_or(any_visible);
   any_hidden = __syncthreads_or(any_hidden);
@@ -63,7 +84,7 @@ __global__ void __launch_bounds__(32) write_lists(AttnMaskView m, int kv_tiles,
   const int m_block = blockIdx.x, slice = blockIdx.y, lane = threadIdx.x;
   const int64_t at = static_cast<int64_t>(slice) * gridDim.x + m_block;
   const uint8_t* cls = classes + at * kv_tiles;
-  int* list = const_cast<int*>(m.tiles) + at * m.list_len;
+  int* list = const_cast<int*>(m.tiles) + at * m.list_len;  // = m.list_at(...)
   int count = 0;
   for (int t0 = 0; t0 < kv_tiles; t0 += 32) {
     const int t = t0 + lane;

@@ -107,14 +107,19 @@ __device__ __forceinline__ void kv_loader(const AttentionParams& p,
     if (w.m_block < 0) break;
     const common::TileSpan span = item_tiles<kAttnMask>(p, w);
     const int kv_slice = w.kv_slice, kv_end = span.first + span.count;
+    // kAttnMask: where the item's tile list starts (an int, not a pointer).
+    int list_at = 0;
+    if constexpr (kAttnMask) {
+      const AttnMaskView m = p.mask;  // by value: no address of the kernel parameter
+      list_at = m.list_at(w.m_block, w.bh_q) + 1;
+    }
 #pragma unroll 1  // rolled: this warpgroup runs at 40 (or 24) registers
     for (int i = span.first; i < kv_end; ++i, kv.advance()) {
-      // kAttnMask: the tile is entry i of the item's list (looked up per tile, as the K
-      // scale below: nothing 64-bit stays live across the loop).
+      // kAttnMask: the tile is entry i of the item's list (loaded before the wait, so
+      // its latency hides behind it).
       int it = i, entry = 0;
       if constexpr (kAttnMask) {
-        const AttnMaskView m = p.mask;  // by value: no address of the kernel parameter
-        entry = __ldg(m.list(w.m_block, w.bh_q) + 1 + i);
+        entry = __ldg(p.mask.tiles + list_at + i);
         it = entry & kMaskTileBits;
       }
       // Addressed per tile: a 64-bit pointer kept live across the loop spills at 24.

@@ -73,7 +73,7 @@ __device__ __forceinline__ common::TileSpan item_tiles(const AttentionParams& p,
                                                        const SlotItem& w) {
   if constexpr (kAttnMask) {
     const AttnMaskView m = p.mask;  // a copy: a kernel parameter's address would put p on the stack
-    return {0, __ldg(m.list(w.m_block, w.bh_q))};
+    return {0, __ldg(m.tiles + m.list_at(w.m_block, w.bh_q))};
   }
   numerics::KeyRule rule = p.keys;
   rule.kv_len = w.kv_len;
