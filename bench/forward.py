@@ -16,7 +16,9 @@ Mask shapes: the baselines get the same mask as a boolean attn_mask (SDPA's cuDN
 backend, or its memory-efficient one where cuDNN refuses the mask: the row's note says
 which; SDPA's FlashAttention takes no mask), and one more method runs beside them:
   qattn_same_work  qattn without a mask on the work the mask leaves (key padding to L:
-                   the first L keys), so that the mask's own cost shows
+                   the first L keys), so that the mask's own cost shows; for a boolean
+                   padding mask, the same mask given as kv_lengths
+The boolean-mask shapes (mask "bool") run qattn through its SDPA drop-in with the mask.
 TOPS of a masked shape count only the visible (query, key) pairs: 4·B·Hq·pairs·d / s.
 
 Timing: CUDA events around every call, after warm-up; the median of each of two
@@ -69,9 +71,14 @@ class Shape:
     causal: bool
     window: Tuple[int, int] = (-1, -1)  # sliding window (left, right); -1: no bound
     kv_len: int = 0  # key padding: every batch entry's keys from kv_len on hidden; 0: none
+    # A boolean attn_mask given to every method: "padding" (B, 1, 1, N), the first N/2 keys
+    # of each batch entry; "documents" (N, N), causal packed documents of 1024 tokens.
+    bool_mask: str = ""
 
     @property
     def mask(self) -> str:
+        if self.bool_mask:
+            return "bool"
         if self.kv_len:
             return "key_padding"
         if self.window != (-1, -1):
@@ -119,12 +126,16 @@ def model_shapes(quick: bool) -> List[Shape]:
 
 def mask_shapes(quick: bool) -> List[Shape]:
     shapes = [Shape("key_padding", 4, 32, 32, 8192, 128, False, kv_len=4096),
-              Shape("sliding_window", 1, 32, 8, 16384, 128, True, window=(4096, 0))]
+              Shape("sliding_window", 1, 32, 8, 16384, 128, True, window=(4096, 0)),
+              Shape("bool_padding", 4, 32, 32, 8192, 128, False, bool_mask="padding"),
+              Shape("bool_documents", 1, 32, 8, 8192, 128, False, bool_mask="documents")]
     if quick:
         return shapes
     return shapes + [
         Shape("key_padding", 4, 32, 32, 4096, 64, False, kv_len=3000),
         Shape("sliding_window", 4, 32, 32, 8192, 128, False, window=(512, 512)),
+        Shape("bool_padding", 4, 32, 32, 4096, 64, False, bool_mask="padding"),
+        Shape("bool_documents", 1, 32, 8, 16384, 128, False, bool_mask="documents"),
     ]
 
 
@@ -136,6 +147,9 @@ def visible_pairs(s: Shape) -> float:
         return s.n * (s.n + 1) / 2.0
     if s.kv_len:
         return float(s.n) * s.kv_len
+    if s.bool_mask:
+        m = sdpa_mask(s)
+        return float(m.expand(s.batch, 1, s.n, s.n).sum()) / s.batch
     i = torch.arange(s.n, dtype=torch.float64)
     left, right = s.window
     lo = (i - left).clamp(min=0) if left >= 0 else torch.zeros_like(i)
@@ -152,6 +166,12 @@ def tera_ops(s: Shape) -> float:
 
 def sdpa_mask(s: Shape):
     """The shape's mask as SDPA's boolean attn_mask (True = attend), or None."""
+    if s.bool_mask == "padding":
+        return (torch.arange(s.n, device="cuda") < s.n // 2).view(1, 1, 1, s.n).expand(s.batch, 1, 1, s.n)
+    if s.bool_mask == "documents":
+        i = torch.arange(s.n, device="cuda")[:, None]
+        j = torch.arange(s.n, device="cuda")[None, :]
+        return ((i // 1024 == j // 1024) & (j <= i)).view(1, 1, s.n, s.n)
     if s.kv_len:
         return (torch.arange(s.n, device="cuda") < s.kv_len).view(1, 1, 1, s.n).expand(s.batch, 1, 1, s.n)
     if s.window == (-1, -1):
@@ -281,13 +301,27 @@ def measure_shape(s: Shape, args, l2_bytes: int) -> List[Row]:
         mask_kwargs["window_size"] = s.window
     if s.kv_len:
         mask_kwargs["kv_lengths"] = torch.full((s.batch,), s.kv_len, dtype=torch.int32, device="cuda")
-    if "qattn" in args.methods:
+    if "qattn" in args.methods and s.bool_mask:  # the SDPA drop-in with the same boolean mask
+        fn = lambda i: qattn.scaled_dot_product_attention(  # noqa: E731
+            *sets[i % n_sets], attn_mask=attn_mask, enable_gqa=gqa)
+        out = fn(0)
+        medians, iters = time_fn(fn, **timing)
+        r = row("qattn", medians, iters, "boolean attn_mask through the SDPA drop-in")
+        if ref is not None:
+            r.cossim_vs_cudnn = cossim(out, ref)
+    elif "qattn" in args.methods:
         fn = lambda i: qattn.attention(*sets[i % n_sets], is_causal=s.causal, **mask_kwargs)  # noqa: E731
         out = fn(0)
         medians, iters = time_fn(fn, **timing)
         r = row("qattn", medians, iters, f"{n_sets} rotating input sets" if n_sets > 1 else "")
         if ref is not None:
             r.cossim_vs_cudnn = cossim(out, ref)
+    if "qattn_same_work" in args.methods and s.bool_mask == "padding":
+        lengths = torch.full((s.batch,), s.n // 2, dtype=torch.int32, device="cuda")
+        fn = lambda i: qattn.attention(*sets[i % n_sets], kv_lengths=lengths)  # noqa: E731
+        fn(0)
+        medians, iters = time_fn(fn, **timing)
+        row("qattn_same_work", medians, iters, "the same mask as kv_lengths (no mask read)")
     if "qattn_same_work" in args.methods and s.kv_len:
         cut = [(q, k[:, :, :s.kv_len], v[:, :, :s.kv_len]) for q, k, v in sets]
         fn = lambda i: qattn.attention(*cut[i % n_sets], is_causal=s.causal)  # noqa: E731
