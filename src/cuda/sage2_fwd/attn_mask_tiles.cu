@@ -33,6 +33,8 @@ __global__ void __launch_bounds__(kClassifyThreads)
   // multiple of 4): a lane reads keys 4l .. 4l + 3 of the row in one load.
   const bool words = m.stride_k == 1 && seqlen_kv % 4 == 0 &&
                      ((reinterpret_cast<uintptr_t>(m.data) | m.stride_b | m.stride_h | m.stride_q) & 3) == 0;
+  // Four rows in flight per warp: the loop is bound by load latency, not bandwidth.
+#pragma unroll 4
   for (int r = warp; r < kTile; r += kClassifyThreads / 32) {
     const int64_t row = int64_t{m_block} * kTile + r;
     const uint8_t* at = base + row * m.stride_q + int64_t{tile} * kTile * m.stride_k;
