@@ -4,9 +4,12 @@
 //
 // A tensor is passed as (data_ptr, stride_b, stride_h, stride_n) in elements, the
 // shape as (batch, heads_q, heads_kv, seqlen_q, seqlen_kv, head_dim), the forward's
-// masks beyond causal as (kv_lengths, window_left, window_right, alignment) with
+// masks beyond causal as (kv_lengths, window_left, window_right, alignment, attn_mask,
+// attn_mask_stride_b, attn_mask_stride_h, attn_mask_stride_q, attn_mask_stride_k) with
 // kv_lengths a device int32 pointer (0 = NULL), a window side -1 for no bound (both -1:
-// no window) and alignment a qattn_alignment; the backward
+// no window), alignment a qattn_alignment, and attn_mask a device pointer to SDPA's
+// boolean mask, one byte per (query, key) with byte strides >= 0 (0 broadcasts; the
+// pointer 0 = no attn_mask, QATTN_MASK_NONE, else QATTN_MASK_BOOL); the backward
 // (bwd_workspace_size, bwd) takes the same forms for its tensors. The KV-cache calls
 // take the cache as (format, heads_kv, head_dim, page_size, num_pages,
 // max_pages_per_seq, k_smoothing, pages) and the sequences as (block_tables, lengths,
@@ -32,7 +35,8 @@ namespace {
 
 using TensorArg = std::tuple<std::uintptr_t, int64_t, int64_t, int64_t>;
 using ShapeArg = std::tuple<int, int, int, int, int, int>;
-using MaskArg = std::tuple<std::uintptr_t, int, int, int>;
+using MaskArg = std::tuple<std::uintptr_t, int, int, int, std::uintptr_t, int64_t, int64_t,
+                           int64_t, int64_t>;
 using CacheArg = std::tuple<int, int, int, int, int, int, int, std::uintptr_t>;
 using SeqsArg =
     std::tuple<std::uintptr_t, std::uintptr_t, std::uintptr_t, std::uintptr_t, std::uintptr_t>;
@@ -41,8 +45,8 @@ qattn_tensor tensor(const TensorArg& t) {
   return {reinterpret_cast<void*>(std::get<0>(t)), std::get<1>(t), std::get<2>(t), std::get<3>(t)};
 }
 
-// qattn_fwd_params_init's: every key, no window, bottom-right.
-const MaskArg kNoMask{0, -1, -1, QATTN_ALIGN_BOTTOM_RIGHT};
+// qattn_fwd_params_init's: every key, no window, bottom-right, no attn_mask.
+const MaskArg kNoMask{0, -1, -1, QATTN_ALIGN_BOTTOM_RIGHT, 0, 0, 0, 0, 0};
 
 qattn_fwd_params make_params(const TensorArg& q, const TensorArg& k, const TensorArg& v,
                              const TensorArg& o, std::uintptr_t lse, int dtype,
@@ -61,8 +65,13 @@ qattn_fwd_params make_params(const TensorArg& q, const TensorArg& k, const Tenso
   p.sm_scale = sm_scale;
   p.sage2.granularity = granularity;
   p.kv_lengths = reinterpret_cast<const int32_t*>(std::get<0>(mask));
-  std::tie(std::ignore, p.window_left, p.window_right, p.alignment) = mask;
+  std::uintptr_t attn_mask = 0;
+  std::tie(std::ignore, p.window_left, p.window_right, p.alignment, attn_mask,
+           p.attn_mask_stride_b, p.attn_mask_stride_h, p.attn_mask_stride_q,
+           p.attn_mask_stride_k) = mask;
   p.window = p.window_left != -1 || p.window_right != -1 ? 1 : 0;  // (-1, -1): none
+  p.attn_mask = reinterpret_cast<const void*>(attn_mask);
+  p.attn_mask_type = attn_mask != 0 ? QATTN_MASK_BOOL : QATTN_MASK_NONE;  // 0: none
   return p;
 }
 
@@ -162,7 +171,10 @@ NB_MODULE(_C, m) {
       "q"_a, "k"_a, "v"_a, "o"_a, "lse"_a, "dtype"_a, "shape"_a, "causal"_a, "sm_scale"_a,
       "granularity"_a, "mask"_a = kNoMask,
       "Validates the parameters; returns (status, workspace bytes). mask: (kv_lengths, "
-      "window_left, window_right, alignment), default no mask beyond causal.");
+      "window_left, window_right, alignment, attn_mask, attn_mask_stride_b, "
+      "attn_mask_stride_h, attn_mask_stride_q, attn_mask_stride_k), attn_mask a device "
+      "pointer to one byte per (query, key), nonzero = visible, strides in bytes (0 "
+      "broadcasts), 0 = none; default no mask beyond causal.");
 
   m.def(
       "forward",
@@ -182,7 +194,8 @@ NB_MODULE(_C, m) {
       "q"_a, "k"_a, "v"_a, "o"_a, "lse"_a, "dtype"_a, "shape"_a, "causal"_a, "sm_scale"_a,
       "granularity"_a, "workspace"_a, "workspace_bytes"_a, "stream"_a, "attention_only"_a = false,
       "mask"_a = kNoMask,
-      "Enqueues the forward on the stream (a cudaStream_t as an int); returns the status.");
+      "Enqueues the forward on the stream (a cudaStream_t as an int); returns the status. "
+      "mask as for workspace_size.");
 
   m.def(
       "bwd_workspace_size",

@@ -3,7 +3,7 @@
     import qattn
     o = qattn.scaled_dot_product_attention(q, k, v, is_causal=True)  # F.scaled_dot_product_attention's signature
     o = qattn.attention(q, k, v, is_causal=True, layout="NHD")       # qattn's own options (layout, LSE, alignment,
-                                                                     # window_size, kv_lengths)
+                                                                     # window_size, kv_lengths, attn_mask)
     o = qattn.sageattn(q, k, v, tensor_layout="NHD")                 # drop-in for SageAttention's sageattn
 
 Inference with a quantized paged KV cache (docs/kv-cache.md; qattn.kv_cache's docstring

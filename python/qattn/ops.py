@@ -12,11 +12,14 @@ autograd formula is the custom op "qattn::attention_backward" (the SageBwd INT8
 backward through the C ABI). Both have fake implementations, so torch.compile traces
 forward and backward. Inference keeps the direct call of "qattn::attention".
 
-Masks beyond causal (a sliding window, key-padding lengths, top-left alignment) are the
-last arguments of every op, with defaults that mean "none", so that a call using none
-of them dispatches just the arguments of a plain causal or unmasked call. The forward
-runs all of them in the kernel; SageBwd runs none of them, so the backward of a call
-that uses one follows the fallback mode (fallback.py).
+Masks beyond causal (a sliding window, key-padding lengths, top-left alignment, and a
+boolean attn_mask, SDPA's, True = attend) are the last arguments of every op, with
+defaults that mean "none", so that a call using none of them dispatches just the
+arguments of a plain causal or unmasked call. The forward runs all of them in the
+kernel (the attn_mask alone: the library takes it with none of causal, the window and
+kv_lengths; it is passed as a stride-0 broadcast view, never copied); SageBwd runs none
+of them, so the backward of a call that uses one follows the fallback mode
+(fallback.py).
 """
 
 # No `from __future__ import annotations`: torch.library reads the real annotations.
@@ -44,9 +47,10 @@ _ALIGNMENTS = ("top_left", "bottom_right")
 _ALIGNMENT_CODES = {"bottom_right": _C.ALIGN_BOTTOM_RIGHT, "top_left": _C.ALIGN_TOP_LEFT}
 _INT32_MAX = 2**31 - 1
 _LENGTH_DTYPES = (torch.int32, torch.int64)
-# The ops' mask arguments and their defaults: every key, no window, bottom-right (the C
-# ABI's qattn_fwd_params_init).
-_NO_MASK = {"kv_lengths": None, "window_left": -1, "window_right": -1, "alignment": "bottom_right"}
+# The ops' mask arguments, in the ops' order, and their defaults: every key, no window,
+# bottom-right, no attn_mask (the C ABI's qattn_fwd_params_init).
+_NO_MASK = {"kv_lengths": None, "window_left": -1, "window_right": -1, "alignment": "bottom_right",
+            "attn_mask": None}
 
 
 # ---- shape checks (run on real and on fake tensors) ----------------------------------
@@ -157,9 +161,48 @@ def _check_kv_lengths(kv_lengths, q, layout: str) -> None:
                       "q's device")
 
 
-def _check_mask(q, layout: str, kv_lengths, window_left, window_right, alignment) -> None:
+def _check_attn_mask(attn_mask, q, k, layout: str) -> None:
+    """attn_mask: None, or SDPA's boolean mask (True = the query sees the key), a
+    torch.bool tensor on q's device whose shape broadcasts to (B, Hq, Nq, Nkv) by
+    PyTorch's rules ((Nkv,), (Nq, Nkv), (B, 1, 1, Nkv), ...), in either layout (the mask
+    is never in NHD order). q, k and v have passed _check_inputs."""
+    if attn_mask is None:
+        return
+    if not isinstance(attn_mask, torch.Tensor):
+        raise invalid(f"attn_mask is a {type(attn_mask).__name__}; allowed: None or a torch.bool "
+                      "tensor broadcastable to (B, Hq, Nq, Nkv) on q's device")
+    if attn_mask.dtype != torch.bool:
+        raise invalid(f"attn_mask.dtype = {attn_mask.dtype}; allowed: torch.bool (True = the "
+                      "query sees the key); an additive float mask is not taken (qattn."
+                      "scaled_dot_product_attention runs one on PyTorch's SDPA)")
+    b, hq, nq, _ = _bhnd(q, layout)
+    target = (b, hq, nq, _bhnd(k, layout)[2])
+    shape = tuple(attn_mask.shape)
+    if len(shape) > 4 or any(s != 1 and s != t for s, t in zip(reversed(shape), reversed(target))):
+        raise invalid(f"attn_mask has shape {shape}; allowed: a shape broadcastable to (B, Hq, "
+                      f"Nq, Nkv) = {target}, e.g. (Nq, Nkv), (B, 1, 1, Nkv) or (B, Hq, Nq, Nkv)")
+    if attn_mask.device != q.device:
+        raise invalid(f"attn_mask is on {attn_mask.device} but q is on {q.device}; allowed: "
+                      "q's device")
+
+
+def _attn_mask_alone(attn_mask, others) -> None:
+    """The library takes an attn_mask with no other mask; `others` are (name, set) pairs
+    of the other masks, named as the caller gave them."""
+    if attn_mask is None:
+        return
+    given = [name for name, on in others if on]
+    if given:
+        raise invalid(f"attn_mask with {' and '.join(given)}; allowed: an attn_mask alone (write "
+                      "the causal rule, the window or the key padding into the mask, or leave "
+                      "attn_mask out: those masks run without one)")
+
+
+def _check_mask(q, k, layout: str, is_causal, kv_lengths, window_left, window_right, alignment,
+                attn_mask=None) -> None:
     """The ops' mask arguments (qattn.h's rules): each window side -1 or a number of keys,
-    an alignment by name, kv_lengths as _check_kv_lengths says."""
+    an alignment by name, kv_lengths as _check_kv_lengths says, attn_mask as
+    _check_attn_mask says and alone (no causal, window or kv_lengths with it)."""
     for name, side in (("window_left", window_left), ("window_right", window_right)):
         if not (_is_int(side) and -1 <= side <= _INT32_MAX):
             raise invalid(f"{name} = {side!r}; allowed: -1 (no bound) or a number of keys in "
@@ -167,9 +210,17 @@ def _check_mask(q, layout: str, kv_lengths, window_left, window_right, alignment
     if alignment not in _ALIGNMENTS:
         raise invalid(f"alignment = {alignment!r}; allowed: 'top_left' or 'bottom_right'")
     _check_kv_lengths(kv_lengths, q, layout)
+    _check_attn_mask(attn_mask, q, k, layout)
+    _attn_mask_alone(attn_mask, (
+        ("is_causal=True", bool(is_causal)),
+        (f"a window (window_left = {window_left}, window_right = {window_right})",
+         window_left != -1 or window_right != -1),
+        ("kv_lengths", kv_lengths is not None),
+    ))
 
 
-def _mask_options(kv_lengths=None, window_left=-1, window_right=-1, alignment="bottom_right") -> dict:
+def _mask_options(kv_lengths=None, window_left=-1, window_right=-1, alignment="bottom_right",
+                  attn_mask=None) -> dict:
     """The mask arguments that differ from their defaults, as keywords for the ops and
     _run: an empty dict for a call with no mask beyond causal, which then passes just
     the arguments of a plain call."""
@@ -178,6 +229,8 @@ def _mask_options(kv_lengths=None, window_left=-1, window_right=-1, alignment="b
                         ("alignment", alignment)):
         if value != _NO_MASK[name]:
             options[name] = value
+    if attn_mask is not None:
+        options["attn_mask"] = attn_mask
     return options
 
 
@@ -216,9 +269,11 @@ class _Call:
     """Everything one C call needs, with the buffers kept alive."""
 
     def __init__(self, q, k, v, is_causal, scale, layout, return_lse, granularity,
-                 kv_lengths=None, window_left=-1, window_right=-1, alignment="bottom_right"):
+                 kv_lengths=None, window_left=-1, window_right=-1, alignment="bottom_right",
+                 attn_mask=None):
         _check_inputs(q, k, v, layout, scale, granularity)
-        _check_mask(q, layout, kv_lengths, window_left, window_right, alignment)
+        _check_mask(q, k, layout, is_causal, kv_lengths, window_left, window_right, alignment,
+                    attn_mask)
         b, hq, nq, d = _bhnd(q, layout)
         _, hkv, nkv, _ = _bhnd(k, layout)
         d_pad = -(-d // _ROW_MULTIPLE) * _ROW_MULTIPLE
@@ -244,11 +299,18 @@ class _Call:
             # kernel clamps to [0, Nkv] too).
             kv_lengths = kv_lengths.clamp(0, nkv).to(torch.int32)
         self.kv_lengths = None if kv_lengths is None else kv_lengths.contiguous()
+        # The mask as a (B, Hq, Nq, Nkv) view: broadcast dimensions get stride 0, nothing
+        # is copied. A bool is one byte, so its element strides are the C ABI's byte
+        # strides; any stride >= 0 is taken (a transposed or sliced mask as well).
+        self.attn_mask = None if attn_mask is None else attn_mask.expand(b, hq, nq, nkv)
+        m = self.attn_mask
         self.mask = (
             0 if self.kv_lengths is None else self.kv_lengths.data_ptr(),
             window_left,
             window_right,
             _ALIGNMENT_CODES[alignment],
+            0 if m is None else m.data_ptr(),
+            *((0, 0, 0, 0) if m is None else m.stride()),
         )
         status, self.ws_bytes = _C.workspace_size(*self.args, self.mask)
         check(status)
@@ -321,18 +383,22 @@ def _attention_op(
     window_left: int = -1,
     window_right: int = -1,
     alignment: str = "bottom_right",
+    attn_mask: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """is_causal and the window are aligned as `alignment` says (the C ABI's default,
-    "bottom_right", unless given); kv_lengths is a (B,) int32/int64 tensor or None."""
+    "bottom_right", unless given); kv_lengths is a (B,) int32/int64 tensor or None;
+    attn_mask a torch.bool tensor broadcastable to (B, Hq, Nq, Nkv) (True = attend) or
+    None, alone (with none of is_causal, the window and kv_lengths)."""
     return _run(q, k, v, is_causal, scale, layout, return_lse, granularity,
-                **_mask_options(kv_lengths, window_left, window_right, alignment))
+                **_mask_options(kv_lengths, window_left, window_right, alignment, attn_mask))
 
 
 @_attention_op.register_fake
 def _attention_fake(q, k, v, is_causal, scale, layout, return_lse, granularity, kv_lengths=None,
-                    window_left=-1, window_right=-1, alignment="bottom_right"):
+                    window_left=-1, window_right=-1, alignment="bottom_right", attn_mask=None):
     _check_inputs(q, k, v, layout, scale, granularity)
-    _check_mask(q, layout, kv_lengths, window_left, window_right, alignment)
+    _check_mask(q, k, layout, is_causal, kv_lengths, window_left, window_right, alignment,
+                attn_mask)
     b, hq, nq, _ = _bhnd(q, layout)
     o = q.new_empty(q.shape)
     lse = q.new_empty((b, hq, nq) if return_lse else (0,), dtype=torch.float32)
@@ -340,19 +406,22 @@ def _attention_fake(q, k, v, is_causal, scale, layout, return_lse, granularity, 
 
 
 def _keep_mask(ctx, mask_inputs):
-    """Keeps an op's mask inputs for its backward: the options other than kv_lengths in
-    ctx.mask_sides; returns kv_lengths (None or a tensor), for save_for_backward."""
+    """Keeps an op's mask inputs for its backward: the options other than the tensors in
+    ctx.mask_sides; returns (kv_lengths, attn_mask), each None or a tensor, for
+    save_for_backward."""
     mask = _mask_inputs(mask_inputs)
-    kv_lengths = mask.pop("kv_lengths", None)
+    tensors = mask.pop("kv_lengths", None), mask.pop("attn_mask", None)
     ctx.mask_sides = mask
-    return kv_lengths
+    return tensors
 
 
-def _kept_mask(ctx, kv_lengths) -> dict:
-    """The mask options _keep_mask kept, with the saved kv_lengths."""
+def _kept_mask(ctx, kv_lengths, attn_mask) -> dict:
+    """The mask options _keep_mask kept, with the saved kv_lengths and attn_mask."""
     mask = dict(ctx.mask_sides)
     if kv_lengths is not None:
         mask["kv_lengths"] = kv_lengths
+    if attn_mask is not None:
+        mask["attn_mask"] = attn_mask
     return mask
 
 
@@ -364,7 +433,7 @@ def _input_grads(ctx, grads):
 def _attention_setup(ctx, inputs, output):
     q, k, v, is_causal, scale, layout, return_lse, granularity, *mask = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, _keep_mask(ctx, mask))
+    ctx.save_for_backward(q, k, v, o, lse, *_keep_mask(ctx, mask))
     ctx.options = (is_causal, scale, layout, return_lse, granularity)
 
 
@@ -373,9 +442,9 @@ def _attention_backward(ctx, grad_o, grad_lse):
     (qattn.attention takes qattn::attention_train when autograd records). The backward
     needs the per-block forward's O and LSE; a call that did not produce them runs that
     forward again first."""
-    q, k, v, o, lse, kv_lengths = ctx.saved_tensors
+    q, k, v, o, lse, kv_lengths, attn_mask = ctx.saved_tensors
     is_causal, scale, layout, return_lse, granularity = ctx.options
-    mask = _kept_mask(ctx, kv_lengths)
+    mask = _kept_mask(ctx, kv_lengths, attn_mask)
     if not (return_lse and granularity == "per_block"):
         o, lse = torch.ops.qattn.attention(q, k, v, is_causal, scale, layout, True, "per_block",
                                            **mask)
@@ -400,35 +469,37 @@ def _attention_train_op(
     window_left: int = -1,
     window_right: int = -1,
     alignment: str = "bottom_right",
+    attn_mask: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The training forward: O and the (B, Hq, Nq) LSE with per-block Q/K groups.
     lse_grad says whether the caller sees the LSE (then its gradient is honoured). The
     mask arguments as for qattn::attention."""
     return _run(q, k, v, is_causal, scale, layout, True, "per_block",
-                **_mask_options(kv_lengths, window_left, window_right, alignment))
+                **_mask_options(kv_lengths, window_left, window_right, alignment, attn_mask))
 
 
 @_attention_train_op.register_fake
 def _attention_train_fake(q, k, v, is_causal, scale, layout, lse_grad, kv_lengths=None,
-                          window_left=-1, window_right=-1, alignment="bottom_right"):
+                          window_left=-1, window_right=-1, alignment="bottom_right",
+                          attn_mask=None):
     return _attention_fake(q, k, v, is_causal, scale, layout, True, "per_block", kv_lengths,
-                           window_left, window_right, alignment)
+                           window_left, window_right, alignment, attn_mask)
 
 
 def _train_setup(ctx, inputs, output):
     q, k, v, is_causal, scale, layout, lse_grad, *mask = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, _keep_mask(ctx, mask))
+    ctx.save_for_backward(q, k, v, o, lse, *_keep_mask(ctx, mask))
     ctx.options = (is_causal, scale, layout, lse_grad)
 
 
 def _train_backward(ctx, grad_o, grad_lse):
-    q, k, v, o, lse, kv_lengths = ctx.saved_tensors
+    q, k, v, o, lse, kv_lengths, attn_mask = ctx.saved_tensors
     is_causal, scale, layout, lse_grad = ctx.options
     # An LSE the caller never saw gets a gradient of zeros from autograd: skipping it
     # saves the two extra calls its term costs (see _backward_cuda).
     grads = _call_backward(grad_o, q, k, v, o, lse, grad_lse if lse_grad else None,
-                           is_causal, scale, layout, **_kept_mask(ctx, kv_lengths))
+                           is_causal, scale, layout, **_kept_mask(ctx, kv_lengths, attn_mask))
     return _input_grads(ctx, grads)
 
 
@@ -536,15 +607,17 @@ def _attention_backward_op(
     window_left: int = -1,
     window_right: int = -1,
     alignment: str = "bottom_right",
+    attn_mask: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of qattn::attention_train: dq like q, dk and dv like k (summed over
     each KV head's query heads), each contiguous in `layout`. is_causal and the mask
     arguments as in the forward. On CUDA the SageBwd kernel; off CUDA (and where SageBwd
     or the library declines, under the fallback mode: any mask beyond bottom-right
-    causal) the exact attention gradients in FP32."""
+    causal, an attn_mask included) the exact attention gradients in FP32."""
     _check_backward(grad_o, q, k, v, o, lse, grad_lse, layout, scale, format, dov)
-    _check_mask(q, layout, kv_lengths, window_left, window_right, alignment)
-    mask = _mask_options(kv_lengths, window_left, window_right, alignment)
+    _check_mask(q, k, layout, is_causal, kv_lengths, window_left, window_right, alignment,
+                attn_mask)
+    mask = _mask_options(kv_lengths, window_left, window_right, alignment, attn_mask)
     if q.device.type != "cuda":
         return _backward_math(grad_o, q, k, v, grad_lse, is_causal, scale, layout, **mask)
     same = q.device.index == torch.cuda.current_device()
@@ -556,9 +629,10 @@ def _attention_backward_op(
 @_attention_backward_op.register_fake
 def _attention_backward_fake(grad_o, q, k, v, o, lse, grad_lse, is_causal, scale, layout,
                              format, dov, deterministic, kv_lengths=None, window_left=-1,
-                             window_right=-1, alignment="bottom_right"):
+                             window_right=-1, alignment="bottom_right", attn_mask=None):
     _check_backward(grad_o, q, k, v, o, lse, grad_lse, layout, scale, format, dov)
-    _check_mask(q, layout, kv_lengths, window_left, window_right, alignment)
+    _check_mask(q, k, layout, is_causal, kv_lengths, window_left, window_right, alignment,
+                attn_mask)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -581,10 +655,10 @@ def _check_backward(grad_o, q, k, v, o, lse, grad_lse, layout, scale, format, do
 
 
 def _sagebwd_declines(q, k, layout, is_causal, kv_lengths=None, window_left=-1, window_right=-1,
-                      alignment="bottom_right") -> Optional[Tuple[str, str]]:
+                      alignment="bottom_right", attn_mask=None) -> Optional[Tuple[str, str]]:
     """None where SageBwd runs the call's mask; otherwise (reason key, why). SageBwd, and
     qattn_bwd_params, know causal aligned bottom-right only: no window, no key padding, no
-    top-left alignment where it changes the mask (Nq != Nkv)."""
+    top-left alignment where it changes the mask (Nq != Nkv), no attn_mask."""
     nq, nkv = _bhnd(q, layout)[2], _bhnd(k, layout)[2]
     window = window_left >= 0 or (not is_causal and window_right >= 0)
     seen = []
@@ -595,6 +669,8 @@ def _sagebwd_declines(q, k, layout, is_causal, kv_lengths=None, window_left=-1, 
         seen.append(("kv_lengths", "key-padding lengths (kv_lengths)"))
     if alignment == "top_left" and nq != nkv and (is_causal or window):
         seen.append(("top_left", f"a top-left aligned mask with Nq = {nq} != Nkv = {nkv}"))
+    if attn_mask is not None:
+        seen.append(("attn_mask", "a boolean attn_mask"))
     if not seen:
         return None
     return (f"mask {'+'.join(key for key, _ in seen)}",
@@ -666,12 +742,13 @@ _MATH_CHUNK = 1 << 25  # FP32 elements of one score block (128 MiB) in _backward
 
 
 def _visible_keys(i0, i1, nq, nkv, device, is_causal, kv_lengths=None, window_left=-1,
-                  window_right=-1, alignment="bottom_right"):
+                  window_right=-1, alignment="bottom_right", attn_mask=None, heads=None):
     """Which keys query rows i0..i1-1 see, by qattn.h's rule: a boolean tensor that
     broadcasts against scores (B, Hkv, g, rows, Nkv), or None for every key. Row i's
     diagonal key is D(i) = i + Nkv - Nq (bottom-right) or i (top-left); it sees key j iff
-    j <= D(i) + right (right = 0 with causal), j >= D(i) - window_left, and j <
-    kv_lengths[b], each where set."""
+    j <= D(i) + right (right = 0 with causal), j >= D(i) - window_left, j <
+    kv_lengths[b], and attn_mask[b, h, i, j] (broadcast to (B, Hq, Nq, Nkv); heads = (B,
+    Hkv, g) splits Hq), each where set."""
     i = torch.arange(i0, i1, device=device)[:, None]
     j = torch.arange(nkv, device=device)[None, :]
     diag = i + (nkv - nq if alignment == "bottom_right" else 0)
@@ -684,6 +761,11 @@ def _visible_keys(i0, i1, nq, nkv, device, is_causal, kv_lengths=None, window_le
     if kv_lengths is not None:
         lengths = kv_lengths.to(device=device, dtype=torch.int64).clamp(0, nkv)
         rules.append(j < lengths.reshape(-1, 1, 1, 1, 1))
+    if attn_mask is not None:
+        b, hkv, g = heads
+        # A view: the broadcast dimensions keep stride 0 and the head split needs none.
+        m = attn_mask.to(device).expand(b, hkv * g, nq, nkv)[:, :, i0:i1]
+        rules.append(m.unflatten(1, (hkv, g)))
     seen = None
     for rule in rules:
         seen = rule if seen is None else seen & rule
@@ -696,8 +778,8 @@ def _backward_math(grad_o, q, k, v, grad_lse, is_causal, scale, layout, **mask):
     implementation runs below autograd, so this is PyTorch's SDPA math written out
     (tests compare it with autograd through F.scaled_dot_product_attention), over
     blocks of query rows to bound the memory. Causal is bottom-right aligned unless
-    `mask` (the mask arguments, _mask_options) says otherwise; a row that sees no key
-    has output 0, hence gradient 0."""
+    `mask` (the mask arguments, _mask_options, a boolean attn_mask among them) says
+    otherwise; a row that sees no key has output 0, hence gradient 0."""
     if layout == "NHD":
         q, k, v, grad_o = (t.transpose(1, 2) for t in (q, k, v, grad_o))
     b, hq, nq, d = q.shape
@@ -715,7 +797,7 @@ def _backward_math(grad_o, q, k, v, grad_lse, is_causal, scale, layout, **mask):
     for i0 in range(0, nq, rows):
         i1 = min(nq, i0 + rows)
         s = torch.matmul(qf[..., i0:i1, :], kf.transpose(-1, -2)) * sm
-        seen = _visible_keys(i0, i1, nq, nkv, q.device, is_causal, **mask)
+        seen = _visible_keys(i0, i1, nq, nkv, q.device, is_causal, heads=(b, hkv, g), **mask)
         if seen is not None:
             s = s.masked_fill(~seen, -math.inf)
         m = s.amax(-1, keepdim=True)
@@ -808,6 +890,7 @@ def attention(
     causal_alignment: str = "top_left",
     window_size: Tuple[int, int] = (-1, -1),
     kv_lengths: Optional[torch.Tensor] = None,
+    attn_mask: Optional[torch.Tensor] = None,
 ):
     """SageAttention2-8b attention (INT8 Q·Kᵀ, FP8 P·V) on a Hopper GPU.
 
@@ -832,6 +915,14 @@ def attention(
     device: batch entry b sees keys j < kv_lengths[b] only (a right-padded batch; the
     padding keys' values never matter, they are left out of K's and V's quantization
     too). Values are read on the device, below 0 counting as 0 and above Nkv as Nkv.
+    attn_mask: None or SDPA's boolean mask, a torch.bool tensor on q's device whose
+    shape broadcasts to (B, Hq, Nq, Nkv) ((Nq, Nkv), (B, 1, 1, Nkv), ...; in either
+    layout the mask is (B, H, Nq, Nkv)): query i of batch entry b and head h sees key j
+    iff attn_mask[b, h, i, j] is True. It is read in place (broadcast dimensions stay
+    stride 0, any strides). It combines with none of is_causal, window_size and
+    kv_lengths: write those rules into the mask (kv_lengths alone is cheaper for key
+    padding: no mask read, and the padding keys are left out of the quantization, which
+    the keys an attn_mask hides are not). A float (additive) mask is not taken.
     Every mask runs in one kernel call. A row that sees no key gives output 0 and LSE
     -inf.
 
@@ -847,24 +938,30 @@ def attention(
     return_lse=True the LSE's gradient is honoured too, at the cost of one more forward
     and backward call. Top-left causal with Nq > Nkv is then two forward calls and one
     copy of the output. Options: qattn.set_backward_options; a backward the library
-    declines follows qattn.set_fallback's mode. SageBwd runs no window and no kv_lengths:
-    a training call with either has qattn's forward, and its backward follows that mode
-    ("warn": the exact FP32 gradients with a QattnFallbackWarning once, "raise":
-    QattnUnsupportedError).
+    declines follows qattn.set_fallback's mode. SageBwd runs no window, no kv_lengths and
+    no attn_mask: a training call with one has qattn's forward, and its backward follows
+    that mode ("warn": the exact FP32 gradients with a QattnFallbackWarning once,
+    "raise": QattnUnsupportedError).
     """
     if causal_alignment not in _ALIGNMENTS:
         raise invalid(f"causal_alignment = {causal_alignment!r}; allowed: 'top_left' or 'bottom_right'")
     window_left, window_right = _window_sides(window_size)
-    if kv_lengths is not None:  # checked before the dispatcher sees a non-tensor
+    _attn_mask_alone(attn_mask, (
+        ("is_causal=True", bool(is_causal)),
+        (f"window_size = {tuple(window_size)!r}", window_left != -1 or window_right != -1),
+        ("kv_lengths", kv_lengths is not None),
+    ))
+    if kv_lengths is not None or attn_mask is not None:  # checked before the dispatcher sees a non-tensor
         _check_inputs(q, k, v, layout, scale, granularity)
         _check_kv_lengths(kv_lengths, q, layout)
+        _check_attn_mask(attn_mask, q, k, layout)
     lengths = _seq_lengths(q, k, layout)
     window = window_left >= 0 or (not is_causal and window_right >= 0)
     # The alignment reaches the ops only where it changes the mask, so that a call it
     # does not change keeps the arguments (and SageBwd) of a plain causal call.
     aligned = lengths is not None and lengths[0] != lengths[1] and (is_causal or window)
     mask = _mask_options(kv_lengths, window_left, window_right,
-                         causal_alignment if aligned else "bottom_right")
+                         causal_alignment if aligned else "bottom_right", attn_mask)
     if set(mask) == {"alignment"} and min(lengths) > 0 and _records_autograd(q, k, v):
         o, lse = _top_left(q, k, v, scale, layout, return_lse, granularity)  # causal, top-left
     else:

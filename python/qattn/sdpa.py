@@ -3,9 +3,13 @@ signature and semantics, run on qattn's SageAttention2-8b kernel where qattn sup
 call and on PyTorch's SDPA where it does not.
 
 What runs on qattn: query (B, Hq, Nq, d), key and value (B, Hkv, Nkv, d) of one shape;
-float16 or bfloat16 on a CUDA GPU of compute capability 9.0; d <= 128; no attn_mask;
-dropout_p 0; scale None or positive; Hq == Hkv, Hkv == 1 (SDPA broadcasts it), or
-enable_gqa with Hq a multiple of Hkv. Everything else goes to PyTorch's SDPA: with a
+float16 or bfloat16 on a CUDA GPU of compute capability 9.0; d <= 128; attn_mask None or
+boolean (True = the query sees the key, SDPA's meaning) on query's device with 2 to 4
+dimensions that broadcast to (B, Hq, Nq, Nkv), without is_causal; dropout_p 0; scale None or
+positive; Hq == Hkv, Hkv == 1 (SDPA broadcasts it), or enable_gqa with Hq a multiple of
+Hkv. A boolean mask runs in qattn's kernel as it is given (broadcast dimensions are
+never copied); a row it leaves with no key gives 0, as SDPA's math backend does. A
+float (additive) attn_mask, and everything else, goes to PyTorch's SDPA: with a
 QattnFallbackWarning once per reason (the default, "warn"), or as a
 QattnUnsupportedError ("raise"); see set_fallback. Meta tensors take qattn's op, whose
 fake implementation gives the shapes.
@@ -76,7 +80,16 @@ def _decline(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> Opt
     if type(is_causal) is not bool or type(enable_gqa) is not bool:
         return "arguments", "is_causal or enable_gqa is not a bool"
     if attn_mask is not None:
-        return "attn_mask", "an attn_mask is given; qattn runs no mask but is_causal"
+        if not isinstance(attn_mask, torch.Tensor):
+            return "attn_mask", "attn_mask is not a tensor"
+        if attn_mask.dtype != torch.bool:
+            return "attn_mask float", (
+                "a float attn_mask; qattn's kernel takes boolean masks (True = attend)"
+            )
+        if attn_mask.requires_grad:
+            return "attn_mask grad", "attn_mask requires grad; qattn gives no mask gradient"
+        if is_causal:  # SDPA refuses the pair; its error is the answer
+            return "attn_mask", "attn_mask with is_causal"
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or dropout_p != 0:
         return "dropout_p", f"dropout_p = {dropout_p!r}; qattn has no dropout"
     if scale is not None and not ops.scale_ok(scale):
@@ -119,6 +132,20 @@ def _decline(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> Opt
         return "empty", f"an empty dimension: query {tuple(q.shape)}, key {tuple(k.shape)}"
     if d > _MAX_HEAD_DIM:
         return "head_dim", f"head dim {d}; qattn takes 1..{_MAX_HEAD_DIM}"
+    if attn_mask is not None:
+        if attn_mask.is_nested or attn_mask.layout != torch.strided:
+            return "attn_mask layout", "attn_mask is nested or not strided"
+        target = (b, hq, nq, nkv)
+        shape = tuple(attn_mask.shape)
+        # SDPA takes masks of 2 to 4 dimensions (a 0-D or 1-D one raises its error).
+        if not 2 <= len(shape) <= 4 or any(
+            s != 1 and s != t for s, t in zip(reversed(shape), reversed(target))
+        ):
+            return "attn_mask shape", (
+                f"attn_mask {shape} does not broadcast to (B, Hq, Nq, Nkv) = {target}"
+            )
+        if attn_mask.device != dev:
+            return "attn_mask device", f"attn_mask is on {attn_mask.device}, query on {dev}"
     return None
 
 
@@ -153,8 +180,10 @@ def scaled_dot_product_attention(
 
     is_causal aligns the mask top-left as SDPA does: query i sees keys j <= i, also when
     Nq != Nkv (for the bottom-right rule of a KV cache, call qattn.attention with
-    causal_alignment="bottom_right"). scale None is 1/sqrt(d). enable_gqa: Hq must be a
-    multiple of Hkv, and query head h reads key/value head h // (Hq / Hkv).
+    causal_alignment="bottom_right"). attn_mask: a boolean mask (True = attend) that
+    broadcasts to (B, Hq, Nq, Nkv) runs in qattn's kernel; a float (additive) one goes
+    to SDPA. scale None is 1/sqrt(d). enable_gqa: Hq must be a multiple of Hkv, and
+    query head h reads key/value head h // (Hq / Hkv).
 
     A call qattn cannot run goes to PyTorch's SDPA with a QattnFallbackWarning once per
     reason, or raises QattnUnsupportedError under qattn.set_fallback("raise"); a call
@@ -163,12 +192,15 @@ def scaled_dot_product_attention(
     """
     declined = _decline(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if declined is None:
+        # A boolean attn_mask is passed on only when given: a call without one keeps the
+        # arguments of a plain call.
+        mask = {} if attn_mask is None else {"attn_mask": attn_mask}
         if torch.compiler.is_compiling():
             return ops.attention(query, key, value, is_causal=is_causal, scale=scale,
-                                 causal_alignment="top_left")
+                                 causal_alignment="top_left", **mask)
         try:
             return ops.attention(query, key, value, is_causal=is_causal, scale=scale,
-                                 causal_alignment="top_left")
+                                 causal_alignment="top_left", **mask)
         except QattnError as error:
             # The library's own limits (e.g. sizes past its bounds): SDPA runs the call.
             if error.status not in (_C.ERROR_INVALID_ARGUMENT, _C.ERROR_UNSUPPORTED):

@@ -69,10 +69,23 @@ def test_forward_stops_before_the_device_without_a_usable_gpu():
     assert str(nbytes) in _C.last_error_message()
 
 
-# ---- the masks beyond causal: (kv_lengths, window_left, window_right, alignment) ---------
+# ---- the masks beyond causal: (kv_lengths, window_left, window_right, alignment,
+# attn_mask, attn_mask_stride_b, attn_mask_stride_h, attn_mask_stride_q, attn_mask_stride_k)
 
 
-NO_MASK = (0, -1, -1, 0)
+NO_ATTN_MASK = (0, 0, 0, 0, 0)
+NO_MASK = (0, -1, -1, 0) + NO_ATTN_MASK
+
+
+def m(kv_lengths, left, right, alignment):
+    """A mask tuple without an attn_mask."""
+    return (kv_lengths, left, right, alignment) + NO_ATTN_MASK
+
+
+def bool_mask(ptr=7 << 40, sb=0, sh=0, sq=500, sk=1):
+    """A mask tuple with only an attn_mask (strides in bytes; default a (Nq, Nkv) mask of
+    args()'s 300 x 500, broadcast over batch and heads)."""
+    return (0, -1, -1, 0, ptr, sb, sh, sq, sk)
 
 
 def test_mask_defaults_to_none_and_constants():
@@ -84,8 +97,8 @@ def test_mask_defaults_to_none_and_constants():
 
 @pytest.mark.parametrize(
     "mask",
-    [(7 << 40, -1, -1, 0), (0, 64, 0, 1), (0, 0, 0, 0), (0, -1, 5, 1), (7 << 40, 100, 100, 1),
-     (0, 2**31 - 1, -1, 0)],
+    [m(7 << 40, -1, -1, 0), m(0, 64, 0, 1), m(0, 0, 0, 0), m(0, -1, 5, 1), m(7 << 40, 100, 100, 1),
+     m(0, 2**31 - 1, -1, 0)],
 )
 def test_valid_masks(mask):
     for causal in (0, 1):
@@ -97,13 +110,16 @@ def test_valid_masks(mask):
 @pytest.mark.parametrize(
     "mask,words",
     [
-        ((0, -2, -1, 0), ["window_left = -2", "-1 (no bound", "number of keys >= 0"]),
-        ((0, -1, -7, 0), ["window_right = -7"]),
-        ((0, -1, -1, 2), ["alignment = 2", "QATTN_ALIGN_BOTTOM_RIGHT (0)", "QATTN_ALIGN_TOP_LEFT (1)"]),
-        ((0, -1, -1, -1), ["alignment = -1"]),
-        (((7 << 40) + 2, -1, -1, 0), ["kv_lengths", "4-byte aligned", "(batch,) int32"]),
-        ((4 << 40, -1, -1, 0), ["o overlaps kv_lengths"]),  # o's first bytes
-        ((5 << 40, -1, -1, 0), ["lse overlaps kv_lengths"]),
+        (m(0, -2, -1, 0), ["window_left = -2", "-1 (no bound", "number of keys >= 0"]),
+        (m(0, -1, -7, 0), ["window_right = -7"]),
+        (m(0, -1, -1, 2), ["alignment = 2", "QATTN_ALIGN_BOTTOM_RIGHT (0)", "QATTN_ALIGN_TOP_LEFT (1)"]),
+        (m(0, -1, -1, -1), ["alignment = -1"]),
+        (m((7 << 40) + 2, -1, -1, 0), ["kv_lengths", "4-byte aligned", "(batch,) int32"]),
+        (m(4 << 40, -1, -1, 0), ["o overlaps kv_lengths"]),  # o's first bytes
+        (m(5 << 40, -1, -1, 0), ["lse overlaps kv_lengths"]),
+        (bool_mask(sb=-1), ["attn_mask_stride_b = -1", ">= 0"]),
+        (bool_mask(sk=-3), ["attn_mask_stride_k = -3"]),
+        (bool_mask(ptr=4 << 40), ["o overlaps attn_mask"]),
     ],
 )
 def test_binding_reports_the_mask_parameter(mask, words):
@@ -115,12 +131,38 @@ def test_binding_reports_the_mask_parameter(mask, words):
 
 
 def test_kv_lengths_may_share_an_input_but_not_the_workspace():
-    mask = (1 << 40, -1, -1, 0)  # inside q: inputs are only read
+    mask = m(1 << 40, -1, -1, 0)  # inside q: inputs are only read
     status, nbytes = _C.workspace_size(*args(), mask)
     assert status == _C.OK, _C.last_error_message()
-    status = _C.forward(*args(), 7 << 40, nbytes, 0, False, (7 << 40, -1, -1, 0))
+    status = _C.forward(*args(), 7 << 40, nbytes, 0, False, m(7 << 40, -1, -1, 0))
     assert status == _C.ERROR_INVALID_ARGUMENT
     assert "workspace overlaps kv_lengths" in _C.last_error_message()
+
+
+@pytest.mark.parametrize("mask", [
+    bool_mask(),  # (Nq, Nkv), broadcast over batch and heads
+    bool_mask(sb=0, sh=0, sq=0, sk=1),  # one row for every query: (Nkv,)
+    bool_mask(sb=8 * 300 * 500, sh=300 * 500),  # (B, Hq, Nq, Nkv), contiguous
+    bool_mask(sq=1, sk=300),  # transposed
+    bool_mask(ptr=(7 << 40) + 3),  # any alignment
+    bool_mask(ptr=1 << 40),  # inside q: inputs are only read
+])
+def test_valid_attn_masks(mask):
+    status, nbytes = _C.workspace_size(*args(), mask)
+    assert status == _C.OK, _C.last_error_message()
+    assert nbytes > 0
+
+
+@pytest.mark.parametrize("causal,mask,what", [
+    (1, bool_mask(), "head_dim 64, causal,"),  # the call, as the message describes it
+    (0, bool_mask()[:1] + (64, -1, 0) + bool_mask()[4:], "window (64, -1)"),
+    (0, (7 << 40,) + bool_mask(ptr=8 << 40)[1:], "key padding"),
+])
+def test_attn_mask_alone_is_the_librarys_rule(causal, mask, what):
+    status, _ = _C.workspace_size(*args(causal=causal), mask)
+    message = _C.last_error_message()
+    assert status == _C.ERROR_UNSUPPORTED, message
+    assert "takes an attn_mask alone" in message and what in message, message
 
 
 def test_error_type_carries_status_and_message():

@@ -198,15 +198,17 @@ def test_ops_name_bad_mask_arguments():
 
 
 MASK_SCHEMA = ('Tensor? kv_lengths=None', 'window_left=-1', 'window_right=-1',
-               'str alignment="bottom_right"')
+               'str alignment="bottom_right"', 'Tensor? attn_mask=None')
 
 
 @pytest.mark.parametrize("op", ["attention", "attention_train", "attention_backward"])
 def test_schemas_carry_the_mask_arguments_last_with_defaults(op):
     schema = str(getattr(torch.ops.qattn, op).default._schema)
     args = schema[schema.index("(") + 1 : schema.index(") ->")].split(", ")
-    assert [a.split(" ")[-1] for a in args[-4:]] == [m.split(" ")[-1] for m in MASK_SCHEMA], schema
-    assert all(a.split(" ")[0] in ("int", "SymInt") for a in args[-3:-1]), schema
+    n = len(MASK_SCHEMA)
+    assert [a.split(" ")[-1] for a in args[-n:]] == [m.split(" ")[-1] for m in MASK_SCHEMA], schema
+    assert all(a.split(" ")[0] in ("int", "SymInt") for a in args[-n + 1:-n + 3]), schema
+    assert args[-1].split(" ")[0] == "Tensor?" and args[-n].split(" ")[0] == "Tensor?", schema
 
 
 @pytest.mark.parametrize("layout", ["HND", "NHD"])

@@ -128,7 +128,9 @@ def test_environment_variable_with_a_bad_value_fails_the_import():
 # support but SDPA does; (change, reason key).
 BF16 = dict(dtype=torch.bfloat16)
 DECLINED = [
-    (dict(attn_mask=torch.ones(64, 80, dtype=torch.bool).tril()), "attn_mask"),
+    # An additive mask (a boolean one runs on qattn: test_attn_mask.py).
+    (dict(attn_mask=torch.zeros(64, 80, dtype=torch.bfloat16).masked_fill(
+        ~torch.ones(64, 80, dtype=torch.bool).tril(), float("-inf"))), "attn_mask float"),
     (dict(dropout_p=0.1), "dropout_p"),
     (dict(scale=-0.25), "scale"),
     (dict(scale=0.0), "scale"),
@@ -194,6 +196,11 @@ def bad_calls():
     return {
         "query is a list": ([[1.0]], q, q, {}),
         "attn_mask is a list": (q, q, q, dict(attn_mask=[1])),
+        "attn_mask with is_causal": (q, q, q, dict(attn_mask=torch.ones(8, 8, dtype=torch.bool),
+                                                   is_causal=True)),
+        "1-D bool attn_mask": (q, q, q, dict(attn_mask=torch.ones(8, dtype=torch.bool))),
+        "bool attn_mask of a shape that does not broadcast": (
+            q, q, q, dict(attn_mask=torch.ones(3, 8, dtype=torch.bool))),
         "dropout_p is a str": (q, q, q, dict(dropout_p="0")),
         "is_causal is an int": (q, q, q, dict(is_causal=1)),
         "enable_gqa is an int": (q, q, q, dict(enable_gqa=1)),

@@ -132,17 +132,19 @@ def test_top_left_split_makes_no_host_synchronization():
 # ---- the fallback --------------------------------------------------------------------------
 
 
-def test_attn_mask_and_dropout_fall_back_to_sdpa():
+def test_float_attn_mask_and_dropout_fall_back_to_sdpa():
+    # A boolean mask runs on qattn (test_attn_mask.py); an additive one goes to SDPA.
     qattn.set_fallback("warn")
     q, k, v = qkv(1, 4, 4, 256, 256, 64, seed=61)
-    mask = torch.rand(256, 256, device=DEV, generator=torch.Generator(device=DEV).manual_seed(62)) > 0.3
+    keep = torch.rand(256, 256, device=DEV, generator=torch.Generator(device=DEV).manual_seed(62)) > 0.3
+    mask = torch.zeros(256, 256, device=DEV, dtype=q.dtype).masked_fill(~keep, float("-inf"))
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         o = qattn.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         torch.manual_seed(63)
         od = qattn.scaled_dot_product_attention(q, k, v, dropout_p=0.2)
     reasons = [str(w.message) for w in record if issubclass(w.category, QattnFallbackWarning)]
-    assert len(reasons) == 2 and "attn_mask" in reasons[0] and "dropout_p" in reasons[1], reasons
+    assert len(reasons) == 2 and "a float attn_mask" in reasons[0] and "dropout_p" in reasons[1], reasons
     torch.testing.assert_close(o, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), rtol=0, atol=0)
     torch.manual_seed(63)
     torch.testing.assert_close(od, F.scaled_dot_product_attention(q, k, v, dropout_p=0.2), rtol=0, atol=0)
