@@ -352,9 +352,11 @@ void check_against_emulation(Sage2Case c, const test::InputHook& hook = {},
   EXPECT_GE(m.cos_sim, min_cos) << "rel_l1=" << m.rel_l1;
   EXPECT_LE(m.rel_l1, 5e-3);
   // The row sums are sums of the cast P (step 7), so where ex2.approx and std::exp2 put
-  // a P on either side of an E4M3 rounding boundary, l moves by one code: at most
-  // 32 / (2·448) relative (a second P next to the row max, whose P is exactly 448), i.e.
-  // 0.035 in the LSE. Such flips are rare; the mean stays at the level of FP32 rounding.
+  // a P on either side of an E4M3 rounding boundary, l moves by one code. The largest
+  // relative move is a P in [256, 448), whose code step is 32, beside the row max (P =
+  // 448 exactly): 32 / (448 + 256), i.e. ln(1 + 32/704) = 0.0445 in the LSE (a row of a
+  // few keys, e.g. a window of 3, reached 0.0354). Such flips are rare; the mean stays at
+  // the level of FP32 rounding.
   double lse_err = 0, lse_sum = 0;
   std::size_t rows = 0;
   for (std::size_t i = 0; i < emu.lse.size(); ++i)
@@ -364,7 +366,7 @@ void check_against_emulation(Sage2Case c, const test::InputHook& hook = {},
       lse_sum += e;
       ++rows;
     }
-  EXPECT_LE(lse_err, 0.035);
+  EXPECT_LE(lse_err, 0.0445);
   EXPECT_LE(lse_sum / std::max<std::size_t>(rows, 1), 2e-4) << "max " << lse_err;
 }
 
