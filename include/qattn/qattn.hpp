@@ -216,6 +216,18 @@ class ForwardParams {
     p_.alignment = static_cast<int32_t>(a);
     return *this;
   }
+  // A boolean attn_mask (qattn.h): device bytes, nonzero = the query sees the key, with
+  // strides in bytes for (b, h, query, key); 0 broadcasts a dimension. NULL: none.
+  ForwardParams& bool_mask(const void* mask, int64_t stride_b, int64_t stride_h,
+                           int64_t stride_q, int64_t stride_k) {
+    p_.attn_mask_type = mask != nullptr ? QATTN_MASK_BOOL : QATTN_MASK_NONE;
+    p_.attn_mask = mask;
+    p_.attn_mask_stride_b = stride_b;
+    p_.attn_mask_stride_h = stride_h;
+    p_.attn_mask_stride_q = stride_q;
+    p_.attn_mask_stride_k = stride_k;
+    return *this;
+  }
 
   const qattn_fwd_params& raw() const { return p_; }
   qattn_fwd_params& raw() { return p_; }

@@ -866,6 +866,16 @@ TEST(ApiCpp, BuilderSetsEveryField) {
   EXPECT_EQ(p.window_right, -1);
   EXPECT_EQ(p.kv_lengths, fake(6));
   EXPECT_EQ(p.alignment, QATTN_ALIGN_TOP_LEFT);
+  EXPECT_EQ(p.attn_mask_type, QATTN_MASK_NONE);
+  fp.bool_mask(fake(7), 0, 0, 512, 1);
+  EXPECT_EQ(p.attn_mask_type, QATTN_MASK_BOOL);
+  EXPECT_EQ(p.attn_mask, fake(7));
+  EXPECT_EQ(p.attn_mask_stride_b, 0);
+  EXPECT_EQ(p.attn_mask_stride_h, 0);
+  EXPECT_EQ(p.attn_mask_stride_q, 512);
+  EXPECT_EQ(p.attn_mask_stride_k, 1);
+  fp.bool_mask(nullptr, 0, 0, 0, 0);
+  EXPECT_EQ(p.attn_mask_type, QATTN_MASK_NONE);
 }
 
 }  // namespace
