@@ -460,11 +460,25 @@ def test_drop_in_declines_what_its_kernel_does_not_take(op_calls):
     grad = torch.zeros(64, 80, requires_grad=True)  # a float mask that requires grad
     assert sdpa._decline(q, k, k, grad, 0.0, False, None, False)[0] == "attn_mask float"
     assert sdpa._decline(q, k, k, ok, 0.0, False, None, False) is None
-    # SDPA's own error for a mask with is_causal, in either mode.
+    # A mask with is_causal is SDPA's to answer, in either mode: its error where it raises
+    # one (PyTorch >= 2.12 on every device), else its result (2.11's CPU path).
+    try:
+        expect = F.scaled_dot_product_attention(q, k, k, attn_mask=ok, is_causal=True)
+    except RuntimeError as error:
+        expect = error
     for mode in ("warn", "raise"):
         qattn.set_fallback(mode)
-        with pytest.raises(RuntimeError, match="attn_mask should not be set when is_causal"):
-            qattn.scaled_dot_product_attention(q, k, k, attn_mask=ok, is_causal=True)
+        fallback._warned.clear()
+        if isinstance(expect, RuntimeError):
+            with pytest.raises(RuntimeError, match="attn_mask"):
+                qattn.scaled_dot_product_attention(q, k, k, attn_mask=ok, is_causal=True)
+        elif mode == "warn":
+            with pytest.warns(QattnFallbackWarning):
+                got = qattn.scaled_dot_product_attention(q, k, k, attn_mask=ok, is_causal=True)
+            torch.testing.assert_close(got, expect, rtol=0, atol=0)
+        else:
+            with pytest.raises(QattnUnsupportedError):
+                qattn.scaled_dot_product_attention(q, k, k, attn_mask=ok, is_causal=True)
     assert not op_calls
 
 
