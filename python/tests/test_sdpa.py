@@ -220,14 +220,18 @@ def test_invalid_calls_raise_torchs_own_error(request, mode, device, case):
     if device == "supported":
         request.getfixturevalue("cpu_counts_as_supported")
     q, k, v, kw = bad_calls()[case]
-    with pytest.raises(Exception) as theirs:
+    try:
         F.scaled_dot_product_attention(q, k, v, **kw)
+    except Exception as error:  # noqa: BLE001 - whatever SDPA raises, the drop-in must too
+        theirs = error
+    else:  # e.g. a mask with is_causal: PyTorch 2.11's SDPA computes it, later ones raise
+        pytest.skip("this PyTorch's SDPA accepts the call (test_attn_mask checks the drop-in matches)")
     qattn.set_fallback(mode)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        with pytest.raises(type(theirs.value)) as ours:
+        with pytest.raises(type(theirs)) as ours:
             qattn.scaled_dot_product_attention(q, k, v, **kw)
-    assert type(ours.value) is type(theirs.value) and str(ours.value) == str(theirs.value)
+    assert type(ours.value) is type(theirs) and str(ours.value) == str(theirs)
     assert not fallback_warnings(record)
 
 
