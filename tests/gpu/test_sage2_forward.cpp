@@ -626,6 +626,28 @@ TEST(Sage2Forward, NaNInputsGiveNaNOutputs) {
 
 // ---- masks beyond causal: sliding windows, key padding, top-left alignment -------------
 
+// A random shape for a masked case: up to 600 x 900, one to three batch entries, either
+// layout.
+Sage2Case random_masked_shape(std::mt19937_64& rng) {
+  Sage2Case c = random_emulation_case(rng, 600, 900);
+  c.batch = 1 + rng() % 3;
+  c.layout = rng() % 2 ? Layout::NHD : Layout::HND;
+  return c;
+}
+
+// Each case against the emulation and FP64, stopping at the first that fails (with the
+// seed that reproduces the random ones).
+void check_masked_cases(const std::vector<Sage2Case>& cases, uint64_t seed) {
+  for (const Sage2Case& c : cases) {
+    check_against_emulation(c);
+    check_case(c);
+    if (::testing::Test::HasFailure()) {
+      ADD_FAILURE() << test::seed_trace(seed);
+      return;
+    }
+  }
+}
+
 // A random mask for a case: a window side or two (some wider than the sequence, some
 // zero), key-padding lengths with 0, tails and full lengths, either alignment.
 void add_random_masks(Sage2Case& c, std::mt19937_64& rng) {
@@ -679,20 +701,11 @@ TEST(Sage2Masks, MatchEmulationAndReference) {
   const uint64_t seed = test::fresh_seed();
   std::mt19937_64 rng(seed);
   for (int i = 0; i < 8; ++i) {
-    Sage2Case c = random_emulation_case(rng, 600, 900);
-    c.batch = 1 + rng() % 3;
-    c.layout = rng() % 2 ? Layout::NHD : Layout::HND;
+    Sage2Case c = random_masked_shape(rng);
     add_random_masks(c, rng);
     cases.push_back(c);
   }
-  for (const Sage2Case& c : cases) {
-    check_against_emulation(c);
-    check_case(c);
-    if (HasFailure()) {
-      ADD_FAILURE() << test::seed_trace(seed);
-      return;
-    }
-  }
+  check_masked_cases(cases, seed);
 }
 
 // Key padding hides keys from the quantization too: NaN and 60000 in every padding key
@@ -816,20 +829,11 @@ TEST(Sage2BoolMask, MatchEmulationAndReference) {
     c.seqlen_kv = 900;
     add_bool_mask(c, pattern, rng);
     cases.push_back(c);
-    Sage2Case r = random_emulation_case(rng, 600, 900);  // and a random shape
-    r.batch = 1 + rng() % 3;
-    r.layout = rng() % 2 ? Layout::NHD : Layout::HND;
+    Sage2Case r = random_masked_shape(rng);  // and a random shape
     add_bool_mask(r, pattern, rng);
     cases.push_back(r);
   }
-  for (const Sage2Case& c : cases) {
-    check_against_emulation(c);
-    check_case(c);
-    if (HasFailure()) {
-      ADD_FAILURE() << test::seed_trace(seed);
-      return;
-    }
-  }
+  check_masked_cases(cases, seed);
 }
 
 // A boolean mask that is the causal mask (top-left) or a window runs the same arithmetic
