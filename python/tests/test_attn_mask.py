@@ -42,10 +42,10 @@ qattn = pytest.importorskip("qattn")
 torch = pytest.importorskip("torch")
 
 import torch.nn.functional as F  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from qattn import QattnError, QattnFallbackWarning, QattnUnsupportedError, _C, fallback, ops, sdpa  # noqa: E402
 
+from op_log import OpLog  # noqa: E402
 from tolerances import LSE_ATOL, MAX_REL_L1, MIN_COSSIM  # noqa: E402
 
 FRESH_SEED = int(os.environ.get("QATTN_TEST_SEED", random.SystemRandom().randrange(1 << 31)))
@@ -227,25 +227,6 @@ def test_compile_fullgraph_traces_a_masked_call_forward_and_backward():
 
 
 # ---- which op a call takes, with which mask ---------------------------------------------------
-
-
-class OpLog(TorchDispatchMode):
-    """Records the qattn ops a call dispatches, each with every argument by name (the
-    defaults filled in)."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.namespace == "qattn":
-            schema = func._schema.arguments
-            bound = {a.name: a.default_value for a in schema}
-            bound.update(zip([a.name for a in schema], args))
-            bound.update(kwargs)
-            self.calls.append((func.__name__.split(".")[0], bound))
-        return func(*args, **kwargs)
 
 
 def other_masks(bound):
