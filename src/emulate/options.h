@@ -13,6 +13,9 @@ enum class QkFormat {
   Int8,  // scale = amax/127, values in [-127, 127] (SageAttention2-8b)
   Int4,  // scale = amax/7, values in [-7, 7] (SageAttention2-4b)
   Fp32,  // no quantization: a check of the tiling and the online softmax alone
+  Fp16,  // Q (− q̄) and K − c rounded to IEEE half, exact products, FP32 accumulation:
+         // a 16-bit Q·Kᵀ (with KSmoothing::None on FP16 inputs: the caller's values)
+  Bf16,  // the same in bfloat16
 };
 
 // Scale groups of Q and K (and of V) are numerics::Granularity (numerics/quantize.h):

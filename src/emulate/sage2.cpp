@@ -39,9 +39,11 @@ void validate_options(const Sage2Options& o, const Tensor4& k) {
     case QkFormat::Int8:
     case QkFormat::Int4:
     case QkFormat::Fp32:
+    case QkFormat::Fp16:
+    case QkFormat::Bf16:
       break;
     default:
-      fail("options.qk_format: expected Int8, Int4 or Fp32");
+      fail("options.qk_format: expected Int8, Int4, Fp32, Fp16 or Bf16");
   }
   if (!is_qk_granularity(o.granularity)) {
     fail("options.granularity: expected PerTensor, PerBlock, PerWarp, PerThread or PerToken");
@@ -141,7 +143,11 @@ Sage2Quantized quantize_sage2(const Tensor4& q, const Tensor4& k, const Tensor4&
   z.attn_mask = params.attn_mask;
   z.options = options;
   const Granularity gran = options.granularity;
-  const bool int_qk = options.qk_format != QkFormat::Fp32;
+  const bool int_qk = options.qk_format == QkFormat::Int8 || options.qk_format == QkFormat::Int4;
+  // The float Q·Kᵀ formats: the operands' rounding (none for Fp32).
+  float (*round_qk)(float) = options.qk_format == QkFormat::Fp16   ? numerics::fp16_round
+                             : options.qk_format == QkFormat::Bf16 ? numerics::bf16_round
+                                                                   : detail::identity;
   const numerics::IntFormat fmt =
       options.qk_format == QkFormat::Int4 ? numerics::IntFormat::Int4 : numerics::IntFormat::Int8;
   const std::size_t bhq = static_cast<std::size_t>(B) * Hq, bhk = static_cast<std::size_t>(B) * Hkv;
@@ -184,6 +190,7 @@ Sage2Quantized quantize_sage2(const Tensor4& q, const Tensor4& k, const Tensor4&
     }
   } else {
     z.k_f32 = ks;
+    for (float& x : z.k_f32) x = round_qk(x);
     z.k_token_scale.assign(bhk * nkv_pad, 1.0f);
   }
 
@@ -238,6 +245,7 @@ Sage2Quantized quantize_sage2(const Tensor4& q, const Tensor4& k, const Tensor4&
     }
   } else {
     z.q_f32 = qs;
+    for (float& x : z.q_f32) x = round_qk(x);
     z.q_row_scale.assign(bhq * nq_pad, z.scale_log2);
   }
   // The high-precision half of Q smoothing: scale_log2 · q̄·(k_j - c), in double.
@@ -341,7 +349,9 @@ Sage2Quantized quantize_sage2_8b(const Tensor4& q, const Tensor4& k, const Tenso
 
 void sage2_views_from_workspace(Sage2Quantized& z) {
   const PvFormat vf = z.options.v_format.value_or(z.options.pv_format);
-  if (z.options.qk_format == QkFormat::Fp32 || z.options.granularity == Granularity::PerToken) {
+  const bool int_qk =
+      z.options.qk_format == QkFormat::Int8 || z.options.qk_format == QkFormat::Int4;
+  if (!int_qk || z.options.granularity == Granularity::PerToken) {
     fail("sage2_views_from_workspace: qz.options: needs INT8/INT4 Q·Kᵀ and a kernel granularity");
   }
   if (vf != PvFormat::E4M3 && vf != PvFormat::E5M2 && vf != PvFormat::Int8) {
@@ -388,7 +398,8 @@ void sage2_views_from_workspace(Sage2Quantized& z) {
 EmulatedForward sage2_attend(const Sage2Quantized& z) {
   const int B = z.batch, Hq = z.heads_q, Hkv = z.heads_kv, Nq = z.seqlen_q, Nkv = z.seqlen_kv;
   const int d = z.head_dim, D = z.head_dim_padded, nq_pad = z.nq_pad, nkv_pad = z.nkv_pad;
-  const bool int_qk = z.options.qk_format != QkFormat::Fp32;
+  const bool int_qk =
+      z.options.qk_format == QkFormat::Int8 || z.options.qk_format == QkFormat::Int4;
   const bool q_smooth = z.options.q_smoothing == QSmoothing::BlockMean;
   if (B <= 0 || Hq <= 0 || Hkv <= 0 || Hq % Hkv != 0 || Nq <= 0 || Nkv <= 0 || d <= 0 || D < d ||
       nq_pad < Nq || nkv_pad < Nkv || nq_pad % kPadMultiple != 0 || nkv_pad % kPadMultiple != 0) {

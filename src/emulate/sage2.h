@@ -87,8 +87,9 @@ struct Sage2Quantized {
   // ---- what the emulator computes from (not in the workspace) ----------------------
   std::vector<float> q_row_scale;    // (B, Hq, Nq_pad): each row's Q scale (log2 folded)
   std::vector<float> k_token_scale;  // (B, Hkv, Nkv_pad): each token's K scale
-  std::vector<float> q_f32;          // (B, Hq, Nq_pad, D) QkFormat::Fp32 only: Q (- q̄)
-  std::vector<float> k_f32;          // (B, Hkv, Nkv_pad, D) QkFormat::Fp32 only: K - c
+  std::vector<float> q_f32;          // (B, Hq, Nq_pad, D) float Q·Kᵀ formats only (Fp32,
+                                     // Fp16, Bf16): Q (- q̄), in that format
+  std::vector<float> k_f32;          // (B, Hkv, Nkv_pad, D) float formats only: K - c
   std::vector<float> v_value;        // (B, Hkv, Nkv_pad, D): decoded V before v_scale,
                                      // token order
   std::vector<float> q_mean;         // (B, Hq, Nq_pad/64, D) QSmoothing::BlockMean: q̄
