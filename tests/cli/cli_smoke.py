@@ -33,6 +33,12 @@ REQUIRED = {
     "sagebwd_dq_term": {"paper", "qattn", "qattn_fp8"},
     "schemes": {"sa2_8b", "sa2_4b", "sa3_nvfp4", "fp8_per_tensor", "sagebwd"},
 }
+# The precision guard's studies (issue 22): every family with each scheme / mode.
+FAMILIES = ("gaussian", "large_logits", "heavy_tail", "outlier_channels", "attention_sink")
+REQUIRED["precision_schemes"] = {f"{f}/{v}" for f in FAMILIES for v in (
+    "fast", "int8qk_fp16pv", "fp16qk_e4m3pv", "fp16qk_e4m3p_fp16v", "fp16qk_fp16p_e4m3v", "precise",
+    "bf16qk_bf16pv")}
+REQUIRED["precision_guard"] = {f"{f}/{m}" for f in FAMILIES for m in ("fast", "auto", "precise")}
 TEMPERATURES = [1.0, 0.5]
 
 
@@ -85,6 +91,16 @@ def accuracy_json(binary):
     sweep = {f"{s}@{t:g}" for s in ("two_level", "direct") for t in TEMPERATURES}
     check(sweep <= seen.get("entropy_sweep", set()),
           f"entropy_sweep: variants {sorted(sweep - seen.get('entropy_sweep', set()))} missing")
+    for row in rows:
+        if row["study"] in ("precision_guard", "precision_logit_sweep"):
+            check(isinstance(row.get("flagged"), (int, float)) and 0.0 <= row["flagged"] <= 1.0,
+                  f"{row['study']}/{row['variant']}: flagged = {row.get('flagged')}")
+    guard = report.get("precision_guard", {})
+    check(abs(guard.get("threshold_nats", 0.0) - 0.0625 / math.sqrt(8 * math.log(2))) < 1e-12,
+          f"precision_guard.threshold_nats = {guard.get('threshold_nats')}")
+    check({g["inputs"] for g in guard.get("inputs", [])} >= set(FAMILIES),
+          f"precision_guard.inputs: {guard.get('inputs')}")
+    check(report.get("targets"), "no precision targets")
     dq = {(r["study"], r["variant"]) for r in rows if r["tensor"] == "dq"}
     for study in ("sagebwd_dov", "sagebwd_format"):
         check(all((study, v) in dq for v in REQUIRED[study]), f"{study}: no dq rows for every variant")
@@ -115,7 +131,33 @@ README_COS = {
     ("schemes", "sa3_nvfp4", "o"): 0.98160, ("schemes", "fp8_per_tensor", "o"): 0.99654,
     ("schemes", "sagebwd", "o"): 0.99971, ("schemes", "sagebwd", "dq"): 0.99733,
     ("schemes", "sagebwd", "dk"): 0.99799, ("schemes", "sagebwd", "dv"): 0.99859,
+    # docs/accuracy-report.md, "The precision guard": fast / auto / precise per family,
+    # and the quantizations alone that decided "precise".
+    ("precision_guard", "gaussian/fast", "o"): 0.99927,
+    ("precision_guard", "gaussian/auto", "o"): 0.99927,
+    ("precision_guard", "gaussian/precise", "o"): 1.00000,
+    ("precision_guard", "large_logits/fast", "o"): 0.99908,
+    ("precision_guard", "large_logits/auto", "o"): 1.00000,
+    ("precision_guard", "large_logits/precise", "o"): 1.00000,
+    ("precision_guard", "heavy_tail/fast", "o"): 0.99909,
+    ("precision_guard", "heavy_tail/auto", "o"): 1.00000,
+    ("precision_guard", "heavy_tail/precise", "o"): 1.00000,
+    ("precision_guard", "outlier_channels/fast", "o"): 0.91946,
+    ("precision_guard", "outlier_channels/auto", "o"): 1.00000,
+    ("precision_guard", "outlier_channels/precise", "o"): 1.00000,
+    ("precision_guard", "attention_sink/fast", "o"): 0.99963,
+    ("precision_guard", "attention_sink/auto", "o"): 0.99963,
+    ("precision_guard", "attention_sink/precise", "o"): 1.00000,
+    ("precision_schemes", "large_logits/int8qk_fp16pv", "o"): 0.99943,
+    ("precision_schemes", "large_logits/fp16qk_e4m3pv", "o"): 0.99965,
+    ("precision_schemes", "large_logits/fp16qk_e4m3p_fp16v", "o"): 0.99999,
+    ("precision_schemes", "large_logits/fp16qk_fp16p_e4m3v", "o"): 0.99966,
+    ("precision_schemes", "gaussian/int8qk_fp16pv", "o"): 0.99992,
+    ("precision_schemes", "gaussian/fp16qk_e4m3pv", "o"): 0.99935,
 }
+# The guard's flags on the default report (docs/accuracy-report.md).
+README_FLAGGED = {"gaussian": 0.0, "large_logits": 1.0, "heavy_tail": 1.0, "outlier_channels": 1.0,
+                  "attention_sink": 0.0}
 # Band around each value: the table rounds to 5 decimals (+-5e-6), and the report is
 # deterministic for a seed (mt19937_64 and Box-Muller in IEEE double; the emulators'
 # float arithmetic has one defined order), so only a libm that rounds exp/log
@@ -178,6 +220,14 @@ def accuracy_default(binary):
         if d["holds"] != expect:
             bad.append(f"{claim}: {'holds' if d['holds'] else 'fails'} ({d['better_cos']:.6f} vs "
                        f"{d['worse_cos']:.6f}); the README says it {'holds' if expect else 'fails'}")
+    flagged = {a["variant"].split("/")[0]: a["flagged"] for a in report["ablations"]
+               if a["study"] == "precision_guard" and a["variant"].endswith("/auto")}
+    for family, want in README_FLAGGED.items():
+        if flagged.get(family) != want:
+            bad.append(f"precision_guard/{family}: flagged {flagged.get(family)}, README {want}")
+    for t in report["targets"]:
+        if not t["holds"]:
+            bad.append(f"target {t['claim']!r} fails: {t['metric']} {t['value']} vs {t['bound']}")
     check(not bad, "the default report disagrees with the README:\n  " + "\n  ".join(bad))
     print(f"ok: {len(README_COS)} CosSim values within {COS_BAND:g} of the README, "
           f"{len(HOLDING_CLAIMS)} directions hold and {len(FAILING_CLAIMS)} fail as it says")
@@ -210,6 +260,8 @@ def bad_options(binary):
         (["accuracy", "--temperatures", "1,,2"], "--temperatures"),
         (["accuracy", "--temperatures", "1,"], "--temperatures"),
         (["accuracy", "--temperatures", "1,0"], "--temperatures"),
+        (["accuracy", "--logit-scales", "8,0"], "--logit-scales"),
+        (["accuracy", "--logit-scales", "8,,2"], "--logit-scales"),
         (["bench", "--warmup", "-1"], "--warmup"),
         (["bench", "--iters", "0"], "--iters"),
         (["bench", "--batch", "0"], "--batch"),

@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "emulate/fp8_per_tensor.h"
+#include "emulate/precision.h"
 #include "emulate/sage2.h"
 #include "emulate/sage3.h"
 #include "emulate/sagebwd.h"
@@ -50,6 +51,9 @@ struct HeadOut {
   std::vector<float> o, dq, dk, dv;
   std::vector<float> p;        // dequantized softmax rows (p_quant_softmax)
   std::vector<float> p_trace;  // distinct dequantized P values (sorted) when traced
+  // The precision runs: the guard's σ of the head (nats) and whether it is flagged.
+  double guard_sigma = 0.0;
+  int flagged = -1;  // -1: not a precision run
 };
 
 enum class Which { O, DQ, DK, DV, P };
@@ -73,7 +77,7 @@ const char* which_name(Which w) {
 using RunFn = std::function<HeadOut(const HeadIn&)>;
 
 struct Run {
-  int temp = 0;  // index into the suite's temperature list
+  int input = 0;  // index into the suite's input sets (InputSets)
   RunFn fn;
   std::vector<HeadOut> heads;
 };
@@ -82,6 +86,7 @@ struct RowSpec {
   std::string study, variant;
   Which which;
   int run;
+  int flag_run = -1;  // a precision run whose heads' flags the row reports; -1: none
 };
 
 struct RefHead {
@@ -201,6 +206,18 @@ RunFn softmax_p(emulate::PScaling scaling) {
   };
 }
 
+// One precision mode of the guard (emulate/precision.h) on the head's FP16 inputs.
+RunFn precision_run(emulate::Precision p) {
+  return [p](const HeadIn& in) {
+    emulate::PrecisionForward f = emulate::attention_with_precision(in.q, in.k, in.v, {}, p);
+    HeadOut out;
+    out.o = std::move(f.fwd.o.data);
+    out.guard_sigma = f.guard.sigma_nats.at(0);
+    out.flagged = f.guard.flagged.at(0);
+    return out;
+  };
+}
+
 RunFn fp8_per_tensor() {
   return [](const HeadIn& in) {
     HeadOut out;
@@ -215,16 +232,17 @@ class Plan {
  public:
   // A run shared by every row that names the same key (e.g. SA3's default appears in
   // four studies) is computed once.
-  int run(const std::string& key, int temp, RunFn fn) {
-    const std::string full = key + "@" + std::to_string(temp);
+  int run(const std::string& key, int input, RunFn fn) {
+    const std::string full = key + "@" + std::to_string(input);
     auto it = index_.find(full);
     if (it != index_.end()) return it->second;
-    runs.push_back(Run{temp, std::move(fn), {}});
+    runs.push_back(Run{input, std::move(fn), {}});
     index_[full] = static_cast<int>(runs.size()) - 1;
     return index_[full];
   }
-  void row(const std::string& study, const std::string& variant, Which w, int run_index) {
-    rows.push_back({study, variant, w, run_index});
+  void row(const std::string& study, const std::string& variant, Which w, int run_index,
+           int flag_run = -1) {
+    rows.push_back({study, variant, w, run_index, flag_run});
   }
 
   std::vector<Run> runs;
@@ -234,13 +252,147 @@ class Plan {
   std::map<std::string, int> index_;
 };
 
+// ---- the input sets ----------------------------------------------------------------------
+
+// One set of synthetic inputs (emulate/synthetic.h): a temperature of the Gaussian
+// recipe, or one of the precision studies' families.
+struct InputDef {
+  double temperature = 1.0;
+  emulate::InputFamily family = emulate::InputFamily::Gaussian;
+  double logit_scale = 1.0;  // LargeLogits' λ (1 for the other families)
+  bool operator==(const InputDef&) const = default;
+};
+
+// The inputs to generate, each once: the study temperature first (index 0), then the
+// sweeps' temperatures, then the precision studies' families as build_plan asks for
+// them. sweep_t[i] is config.temperatures[i]'s index.
+struct InputSets {
+  std::vector<InputDef> defs;
+  std::vector<int> sweep_t;
+
+  int add(InputDef d) {
+    using emulate::InputFamily;
+    // LargeLogits at λ = 1 is the Gaussian recipe (q × 1): the very same tensors.
+    if (d.family == InputFamily::LargeLogits && d.logit_scale == 1.0)
+      d.family = InputFamily::Gaussian;
+    if (d.family != InputFamily::LargeLogits) d.logit_scale = 1.0;
+    auto it = std::find(defs.begin(), defs.end(), d);
+    if (it != defs.end()) return static_cast<int>(it - defs.begin());
+    defs.push_back(d);
+    return static_cast<int>(defs.size()) - 1;
+  }
+};
+
+InputSets input_sets_of(const SuiteConfig& config) {
+  InputSets s;
+  s.add({config.study_temperature});
+  for (double t : config.temperatures) s.sweep_t.push_back(s.add({t}));
+  return s;
+}
+
+// What the precision studies need after the runs: per input set of theirs, the auto
+// run whose heads carry the guard's statistic.
+struct GuardSet {
+  std::string label;
+  double logit_scale = 1.0;
+  int input = 0, auto_run = 0;
+};
+
+struct TargetSpec {
+  std::string claim, study, variant, metric;
+  double bound;
+  bool at_least;
+};
+
+struct PrecisionPlan {
+  std::vector<GuardSet> sets;
+  std::vector<TargetSpec> targets;
+};
+
 // Runs whose P values the facts count.
 struct Traced {
   int kernel_direct = -1, kernel_two_level = -1, softmax_direct = -1, softmax_two_level = -1;
 };
 
-void build_plan(Plan& plan, int study_t, const std::vector<int>& sweep_t,
-                const std::vector<double>& temps, Traced* traced) {
+// The precision guard (issue 22, emulate/precision.h): which error dominates on each
+// input family (precision_schemes), fast / auto / precise per family (precision_guard),
+// and the three across logit scales (precision_logit_sweep).
+void build_precision_plan(Plan& plan, InputSets& sets, const SuiteConfig& config,
+                          PrecisionPlan* pp) {
+  using emulate::InputFamily;
+  using emulate::Precision;
+  const double t = config.study_temperature;
+  const double lambda = emulate::SyntheticSpec{}.large_logit_scale;
+  const InputFamily families[] = {InputFamily::Gaussian, InputFamily::LargeLogits,
+                                  InputFamily::HeavyTail, InputFamily::OutlierChannels,
+                                  InputFamily::AttentionSink};
+  auto fast = [&](int in) { return plan.run("prec/fast", in, precision_run(Precision::Fast)); };
+  auto automatic = [&](int in) {
+    return plan.run("prec/auto", in, precision_run(Precision::Auto));
+  };
+  auto precise = [&](int in) {
+    return plan.run("prec/precise", in, precision_run(Precision::Precise));
+  };
+
+  // Each quantization alone, with the other products in FP16 (exact on FP16 inputs).
+  emulate::Sage2Options qk8 = emulate::fast_options();
+  qk8.pv_format = PvFormat::Fp16;
+  emulate::Sage2Options pv8;
+  pv8.qk_format = QkFormat::Fp16;
+  pv8.k_smoothing = KSmoothing::None;
+  emulate::Sage2Options p8 = pv8, v8 = pv8;
+  p8.v_format = PvFormat::Fp16;
+  v8.pv_format = PvFormat::Fp16;
+  v8.v_format = PvFormat::E4M3;
+  const std::pair<const char*, emulate::Sage2Options> alone[] = {{"int8qk_fp16pv", qk8},
+                                                                 {"fp16qk_e4m3pv", pv8},
+                                                                 {"fp16qk_e4m3p_fp16v", p8},
+                                                                 {"fp16qk_fp16p_e4m3v", v8}};
+  for (InputFamily f : families) {
+    const int in = sets.add({t, f, f == InputFamily::LargeLogits ? lambda : 1.0});
+    const std::string fam = emulate::family_name(f);
+    plan.row("precision_schemes", fam + "/fast", Which::O, fast(in));
+    for (const auto& [name, o] : alone) {
+      plan.row("precision_schemes", fam + "/" + name, Which::O,
+               plan.run(fmt::format("prec/{}", name), in, sa2(o)));
+    }
+    plan.row("precision_schemes", fam + "/precise", Which::O, precise(in));
+    plan.row("precision_schemes", fam + "/bf16qk_bf16pv", Which::O,
+             plan.run("prec/bf16", in, sa2(emulate::precise_options(emulate::InputDtype::Bf16))));
+  }
+  for (InputFamily f : families) {
+    const int in = sets.add({t, f, f == InputFamily::LargeLogits ? lambda : 1.0});
+    const std::string fam = emulate::family_name(f);
+    const int a = automatic(in);
+    plan.row("precision_guard", fam + "/fast", Which::O, fast(in), a);
+    plan.row("precision_guard", fam + "/auto", Which::O, a, a);
+    plan.row("precision_guard", fam + "/precise", Which::O, precise(in), a);
+    pp->sets.push_back({fam, f == InputFamily::LargeLogits ? lambda : 1.0, in, a});
+    pp->targets.push_back({"precise CosSim >= 0.9999 on " + fam, "precision_guard",
+                           fam + "/precise", "cos", 0.9999, true});
+  }
+  pp->targets.push_back({"auto CosSim >= 0.999 on large_logits", "precision_guard",
+                         "large_logits/auto", "cos", 0.999, true});
+  pp->targets.push_back({"auto flags every large_logits head", "precision_guard",
+                         "large_logits/auto", "flagged", 1.0, true});
+  pp->targets.push_back(
+      {"auto flags no gaussian head", "precision_guard", "gaussian/auto", "flagged", 0.0, false});
+  for (double l : config.logit_scales) {
+    const int in = sets.add({t, InputFamily::LargeLogits, l});
+    const std::string at = fmt::format("@{:g}", l);
+    const int a = automatic(in);
+    plan.row("precision_logit_sweep", "fast" + at, Which::O, fast(in), a);
+    plan.row("precision_logit_sweep", "auto" + at, Which::O, a, a);
+    plan.row("precision_logit_sweep", "precise" + at, Which::O, precise(in), a);
+    pp->sets.push_back({"large_logits" + at, l, in, a});
+  }
+}
+
+void build_plan(Plan& plan, InputSets& sets, const SuiteConfig& config, Traced* traced,
+                PrecisionPlan* precision) {
+  const int study_t = 0;
+  const std::vector<int> sweep_t = sets.sweep_t;
+  auto temp_of = [&](int t) { return sets.defs[t].temperature; };
   using emulate::PScaling;
   const auto nv = Fp4Format::NvFp4, mx = Fp4Format::MxFp4;
   const auto two = PScaling::TwoLevel, direct = PScaling::Direct;
@@ -338,7 +490,7 @@ void build_plan(Plan& plan, int study_t, const std::vector<int>& sweep_t,
 
   // From diffuse to peaked attention.
   for (int t : sweep_t) {
-    const std::string at = "@" + temp_label(temps[t]);
+    const std::string at = "@" + temp_label(temp_of(t));
     plan.row("entropy_sweep", "two_level" + at, Which::O,
              plan.run("sa3/nv/two/kq", t,
                       sa3(nv, two, kmean, qmean, t == study_t ? PTrace::On : PTrace::Off)));
@@ -347,7 +499,7 @@ void build_plan(Plan& plan, int study_t, const std::vector<int>& sweep_t,
                       sa3(nv, direct, kmean, qmean, t == study_t ? PTrace::On : PTrace::Off)));
   }
   for (int t : sweep_t) {
-    const std::string at = "@" + temp_label(temps[t]);
+    const std::string at = "@" + temp_label(temp_of(t));
     plan.row("p_format_sweep", "e4m3" + at, Which::O, pv_run(PvFormat::E4M3, PvFormat::Fp16, t));
     plan.row("p_format_sweep", "int8" + at, Which::O, pv_run(PvFormat::Int8, PvFormat::Fp16, t));
   }
@@ -362,6 +514,8 @@ void build_plan(Plan& plan, int study_t, const std::vector<int>& sweep_t,
   plan.row("schemes", "fp8_per_tensor", Which::O, plan.run("fp8pt", study_t, fp8_per_tensor()));
   for (Which w : {Which::O, Which::DQ, Which::DK, Which::DV})
     plan.row("schemes", "sagebwd", w, bwd);
+
+  build_precision_plan(plan, sets, config, precision);
 }
 
 struct CheckSpec {
@@ -463,10 +617,10 @@ void run_parallel(std::vector<std::function<void()>>& tasks, int threads) {
 
 const std::vector<std::string>& study_order() {
   static const std::vector<std::string> order = {
-      "fp4_format",     "p_scaling",       "p_quant_softmax",     "smoothing_fp4",
-      "pv_format",      "pv_format_joint", "qk_granularity_int4", "sagebwd_dov",
-      "sagebwd_format", "sagebwd_dq_term", "entropy_sweep",     "p_format_sweep",
-      "schemes"};
+      "fp4_format",     "p_scaling",         "p_quant_softmax",     "smoothing_fp4",
+      "pv_format",      "pv_format_joint",   "qk_granularity_int4", "sagebwd_dov",
+      "sagebwd_format", "sagebwd_dq_term",   "entropy_sweep",       "p_format_sweep",
+      "schemes",        "precision_schemes", "precision_guard",     "precision_logit_sweep"};
   return order;
 }
 
@@ -494,6 +648,16 @@ std::string study_description(const std::string& s) {
     return "the normalized softmax rows P quantized to NVFP4 on their own (error of P itself)";
   }
   if (s == "schemes") return "every scheme with its own defaults";
+  if (s == "precision_schemes") {
+    return "per input family: SA2-8b (fast), each of its quantizations alone (the other "
+           "products FP16), the precise scheme (FP16 Q·Kᵀ and P·V) and BF16";
+  }
+  if (s == "precision_guard") {
+    return "per input family: fast, auto (precise on the heads the guard flags) and precise";
+  }
+  if (s == "precision_logit_sweep") {
+    return "fast / auto / precise on the large-logit recipe at each logit scale (q × λ)";
+  }
   return s;
 }
 
@@ -523,6 +687,10 @@ void validate(const SuiteConfig& c) {
   for (double t : c.temperatures) {
     if (!std::isfinite(t) || t <= 0.0) fail(fmt::format("--temperatures: {} is not > 0", t));
   }
+  if (c.logit_scales.empty()) fail("--logit-scales must list at least one scale");
+  for (double l : c.logit_scales) {
+    if (!std::isfinite(l) || l <= 0.0) fail(fmt::format("--logit-scales: {} is not > 0", l));
+  }
   if (!std::isfinite(c.study_temperature) || c.study_temperature <= 0.0) {
     fail(fmt::format("--study-temperature must be > 0, got {}", c.study_temperature));
   }
@@ -534,26 +702,6 @@ void validate(const SuiteConfig& c) {
 }
 
 namespace {
-
-// The temperatures to generate: the study temperature first, then the sweep's (each
-// once); sweep_t[i] is config.temperatures[i]'s index among them.
-struct Temperatures {
-  std::vector<double> temps;
-  std::vector<int> sweep_t;
-};
-
-Temperatures temperatures_of(const SuiteConfig& config) {
-  Temperatures t{{config.study_temperature}, {}};
-  for (double x : config.temperatures) {
-    auto it = std::find(t.temps.begin(), t.temps.end(), x);
-    if (it == t.temps.end()) {
-      t.temps.push_back(x);
-      it = t.temps.end() - 1;
-    }
-    t.sweep_t.push_back(static_cast<int>(it - t.temps.begin()));
-  }
-  return t;
-}
 
 // Peak bytes of run_suite: the sizes of what it holds at once, per head (float inputs
 // q, k, v, dO per temperature; the FP64 reference O per temperature, and at the study
@@ -582,11 +730,12 @@ double physical_memory_bytes() {
 
 double estimate_peak_bytes(const SuiteConfig& config) {
   validate(config);
-  const Temperatures t = temperatures_of(config);
+  InputSets sets = input_sets_of(config);
   Plan plan;
   Traced traced;
-  build_plan(plan, 0, t.sweep_t, t.temps, &traced);
-  return peak_bytes(config, plan, t.temps.size());
+  PrecisionPlan precision;
+  build_plan(plan, sets, config, &traced, &precision);
+  return peak_bytes(config, plan, sets.defs.size());
 }
 
 SuiteResult run_suite(const SuiteConfig& config) {
@@ -596,17 +745,17 @@ SuiteResult run_suite(const SuiteConfig& config) {
   result.config = config;
   count_format_facts(result.facts);
 
-  const Temperatures tt = temperatures_of(config);
-  const std::vector<double>& temps = tt.temps;
-  const std::vector<int>& sweep_t = tt.sweep_t;
-  const int study_t = 0;
-
+  InputSets sets = input_sets_of(config);
   Plan plan;
   Traced traced;
-  build_plan(plan, study_t, sweep_t, temps, &traced);
+  PrecisionPlan precision;
+  build_plan(plan, sets, config, &traced, &precision);
+  const std::vector<InputDef>& defs = sets.defs;
+  const std::vector<int>& sweep_t = sets.sweep_t;
+  const int study_t = 0;
   // Refuse before allocating: a run past the machine's memory would end in bad_alloc
   // (or the OOM killer) after minutes, naming no option.
-  const double need = peak_bytes(config, plan, temps.size()), have = physical_memory_bytes();
+  const double need = peak_bytes(config, plan, defs.size()), have = physical_memory_bytes();
   if (have > 0 && need > have) {
     throw std::invalid_argument(fmt::format(
         "--batch {} x --heads {} at --seq-len {}, --head-dim {} needs about {:.1f} GiB (every "
@@ -619,14 +768,18 @@ SuiteResult run_suite(const SuiteConfig& config) {
   const int nheads = config.batch * config.heads;
   const int n = config.seq_len, d = config.head_dim;
   const std::size_t head_elems = static_cast<std::size_t>(n) * d;
-  std::vector<std::vector<HeadIn>> inputs(temps.size());
-  for (std::size_t t = 0; t < temps.size(); ++t) {
+  std::vector<std::vector<HeadIn>> inputs(defs.size());
+  for (std::size_t t = 0; t < defs.size(); ++t) {
     emulate::SyntheticSpec s;
     s.batch = config.batch;
     s.heads_q = s.heads_kv = config.heads;
     s.seq_q = s.seq_kv = n;
     s.head_dim = d;
-    s.temperature = temps[t];
+    s.temperature = defs[t].temperature;
+    s.family = defs[t].family;
+    if (defs[t].family == emulate::InputFamily::LargeLogits) {
+      s.large_logit_scale = defs[t].logit_scale;
+    }
     s.seed = config.seed;
     const emulate::SyntheticInputs full = emulate::make_synthetic(s);
     for (int b = 0; b < config.batch; ++b) {
@@ -644,10 +797,10 @@ SuiteResult run_suite(const SuiteConfig& config) {
 
   // Tasks: the references (with the backward at the study temperature, the costliest
   // first), then every run on every head.
-  std::vector<std::vector<RefHead>> refs(temps.size(), std::vector<RefHead>(nheads));
+  std::vector<std::vector<RefHead>> refs(defs.size(), std::vector<RefHead>(nheads));
   std::vector<std::function<void()>> tasks;
   const double sm_scale = 1.0 / std::sqrt(static_cast<double>(d));
-  for (std::size_t t = 0; t < temps.size(); ++t) {
+  for (std::size_t t = 0; t < defs.size(); ++t) {
     for (int h = 0; h < nheads; ++h) {
       tasks.push_back([&, t, h] {
         const HeadIn& in = inputs[t][h];
@@ -669,7 +822,7 @@ SuiteResult run_suite(const SuiteConfig& config) {
     for (int h = 0; h < nheads; ++h) {
       tasks.push_back([&, r, h] {
         Run& run = plan.runs[r];
-        run.heads[h] = run.fn(inputs[run.temp][h]);
+        run.heads[h] = run.fn(inputs[run.input][h]);
       });
     }
   }
@@ -698,21 +851,28 @@ SuiteResult run_suite(const SuiteConfig& config) {
     std::vector<double> ref;
     for (int h = 0; h < nheads; ++h) {
       const auto& o = out_of(run.heads[h], row.which);
-      const auto& r = ref_of(refs[run.temp][h], row.which);
+      const auto& r = ref_of(refs[run.input][h], row.which);
       out.insert(out.end(), o.begin(), o.end());
       ref.insert(ref.end(), r.begin(), r.end());
     }
     const metrics::ErrorMetrics m = metrics::compare(out, ref);
-    result.ablations.push_back(
-        {row.study, row.variant, which_name(row.which), m.cos_sim, m.rel_l1, m.rmse});
+    AblationRow a{row.study, row.variant, which_name(row.which), m.cos_sim, m.rel_l1, m.rmse, {}};
+    if (row.flag_run >= 0) {
+      const std::vector<HeadOut>& heads = plan.runs[row.flag_run].heads;
+      a.flagged =
+          static_cast<double>(std::count_if(heads.begin(), heads.end(),
+                                            [](const HeadOut& x) { return x.flagged == 1; })) /
+          nheads;
+    }
+    result.ablations.push_back(std::move(a));
   }
 
   std::vector<CheckSpec> checks(std::begin(kChecks), std::end(kChecks));
   std::vector<std::string> names;  // storage for the generated checks' strings
   names.reserve(3 * sweep_t.size());
   for (int t : sweep_t) {
-    const std::string at = "@" + temp_label(temps[t]);
-    names.push_back("E4M3 above INT8 for P (V in FP16), T = " + temp_label(temps[t]));
+    const std::string at = "@" + temp_label(defs[t].temperature);
+    names.push_back("E4M3 above INT8 for P (V in FP16), T = " + temp_label(defs[t].temperature));
     names.push_back("e4m3" + at);
     names.push_back("int8" + at);
     const std::size_t b = names.size() - 3;
@@ -737,6 +897,29 @@ SuiteResult run_suite(const SuiteConfig& config) {
   };
   result.study_entropy = mean_entropy(study_t);
   for (int t : sweep_t) result.normalized_entropy.push_back(mean_entropy(t));
+
+  // The precision guard's statistic per input set, and issue 22's targets.
+  result.guard_threshold_nats = emulate::guard_threshold_nats();
+  for (const GuardSet& g : precision.sets) {
+    GuardSummary sum{g.label, g.logit_scale, mean_entropy(g.input), INFINITY, 0.0, 0.0};
+    int flagged = 0;
+    for (const HeadOut& h : plan.runs[g.auto_run].heads) {
+      sum.sigma_min = std::min(sum.sigma_min, h.guard_sigma);
+      sum.sigma_max = std::max(sum.sigma_max, h.guard_sigma);
+      flagged += h.flagged == 1;
+    }
+    sum.flagged = static_cast<double>(flagged) / nheads;
+    result.guard.push_back(sum);
+  }
+  for (const TargetSpec& t : precision.targets) {
+    TargetCheck tc{t.claim, t.study, t.variant, t.metric, NAN, t.bound, t.at_least, false};
+    for (const AblationRow& a : result.ablations) {
+      if (a.study != t.study || a.variant != t.variant) continue;
+      tc.value = t.metric == "cos" ? a.cos : a.flagged.value_or(NAN);
+    }
+    tc.holds = t.at_least ? tc.value >= t.bound : tc.value <= t.bound;
+    result.targets.push_back(tc);
+  }
 
   result.facts.p_distinct_direct = distinct_over_heads(plan.runs[traced.softmax_direct]);
   result.facts.p_distinct_two_level = distinct_over_heads(plan.runs[traced.softmax_two_level]);

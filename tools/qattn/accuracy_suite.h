@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -32,13 +33,37 @@ struct SuiteConfig {
   // The temperature of every study but the sweeps (1: the generator's natural scale).
   double study_temperature = 1.0;
   std::vector<double> temperatures = {1.0, 0.5, 0.25, 0.125, 0.0625};  // the sweeps
-  int threads = 0;                                                     // 0: one per hardware thread
+  // The precision guard's sweep: the LargeLogits family at each logit scale λ (q × λ;
+  // λ = 1 is the Gaussian family, 8 the large_logits family of the other studies).
+  std::vector<double> logit_scales = {1.0, 2.0, 4.0, 8.0, 16.0, 32.0};
+  int threads = 0;  // 0: one per hardware thread
 };
 
 // One row of the report: a scheme variant's output (or gradient) against the reference.
 struct AblationRow {
   std::string study, variant, tensor;
   double cos = 0.0, l1 = 0.0, rmse = 0.0;
+  // The precision studies: the fraction of the inputs' heads that the guard flags.
+  std::optional<double> flagged;
+};
+
+// The precision guard's statistic on one input set (emulate/precision.h).
+struct GuardSummary {
+  std::string inputs;        // the family, or "large_logits@λ" in the sweep
+  double logit_scale = 1.0;  // λ of the LargeLogits recipe (1 for the other families)
+  double entropy = 0.0;      // mean normalized attention entropy of the exact softmax
+  double sigma_min = 0.0;    // the guard's σ (nats) over the set's heads: min, max
+  double sigma_max = 0.0;
+  double flagged = 0.0;  // fraction of the heads flagged (σ > threshold)
+};
+
+// A target of issue 22 on this run: `metric` of `study`/`variant` at least (or at
+// most) `bound`.
+struct TargetCheck {
+  std::string claim, study, variant, metric;
+  double value = 0.0, bound = 0.0;
+  bool at_least = true;
+  bool holds = false;
 };
 
 // A paper direction checked on this run: `better` should beat `worse` on CosSim.
@@ -70,6 +95,9 @@ struct SuiteResult {
   SuiteFacts facts;
   std::vector<AblationRow> ablations;
   std::vector<DirectionCheck> directions;
+  double guard_threshold_nats = 0.0;
+  std::vector<GuardSummary> guard;  // one per input set of the precision studies
+  std::vector<TargetCheck> targets;
   std::vector<double> normalized_entropy;  // per config.temperatures entry
   double study_entropy = 0.0;              // at config.study_temperature
   double seconds = 0.0;                    // wall time of run_suite

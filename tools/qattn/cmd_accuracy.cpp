@@ -1,6 +1,7 @@
 // `qattn accuracy`: the ablation suite of accuracy_suite.h as readable tables and JSON.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -27,6 +28,17 @@ std::string generator_line() {
       g.k_bias_std, g.q_bias_std);
 }
 
+// The precision studies' input families in one line (emulate/synthetic.h has the recipes).
+std::string families_line() {
+  const emulate::SyntheticSpec g;
+  return fmt::format(
+      "gaussian; large_logits q x {:g}; heavy_tail z ~ Student-t({}) at unit variance; "
+      "outlier_channels max(1, d/32) channels k x {:g} / q x 1/{:g} and as many q x {:g} / "
+      "k x 1/{:g}; attention_sink k_0 += ln(N)·T·sqrt(d)·b_q/|b_q|^2",
+      g.large_logit_scale, g.student_t_dof, g.outlier_gain, g.outlier_gain, g.outlier_gain,
+      g.outlier_gain);
+}
+
 struct AccuracyArgs {
   SuiteConfig config;
   std::string json_path;  // empty: no JSON; "-": standard output
@@ -43,6 +55,7 @@ nlohmann::json to_json(const SuiteResult& r) {
                  {"seed", c.seed},
                  {"study_temperature", c.study_temperature},
                  {"temperatures", c.temperatures},
+                 {"logit_scales", c.logit_scales},
                  {"threads", r.threads_used},
                  {"generator", generator_line()}};
   const SuiteFacts& f = r.facts;
@@ -63,12 +76,10 @@ nlohmann::json to_json(const SuiteResult& r) {
   j["facts"]["entropy_by_temperature"] = sweep;
   json ab = json::array();
   for (const AblationRow& a : r.ablations) {
-    ab.push_back({{"study", a.study},
-                  {"variant", a.variant},
-                  {"tensor", a.tensor},
-                  {"cos", a.cos},
-                  {"l1", a.l1},
-                  {"rmse", a.rmse}});
+    json row = {{"study", a.study}, {"variant", a.variant}, {"tensor", a.tensor},
+                {"cos", a.cos},     {"l1", a.l1},           {"rmse", a.rmse}};
+    if (a.flagged) row["flagged"] = *a.flagged;
+    ab.push_back(row);
   }
   j["ablations"] = ab;
   json dirs = json::array();
@@ -83,6 +94,28 @@ nlohmann::json to_json(const SuiteResult& r) {
                     {"holds", d.holds}});
   }
   j["directions"] = dirs;
+  json guard = json::array();
+  for (const GuardSummary& g : r.guard) {
+    guard.push_back({{"inputs", g.inputs},
+                     {"logit_scale", g.logit_scale},
+                     {"normalized_entropy", g.entropy},
+                     {"sigma_min_nats", g.sigma_min},
+                     {"sigma_max_nats", g.sigma_max},
+                     {"flagged", g.flagged}});
+  }
+  j["precision_guard"] = {{"threshold_nats", r.guard_threshold_nats}, {"inputs", guard}};
+  json targets = json::array();
+  for (const TargetCheck& t : r.targets) {
+    targets.push_back({{"claim", t.claim},
+                       {"study", t.study},
+                       {"variant", t.variant},
+                       {"metric", t.metric},
+                       {"value", t.value},
+                       {"bound", t.bound},
+                       {"at_least", t.at_least},
+                       {"holds", t.holds}});
+  }
+  j["targets"] = targets;
   j["seconds"] = r.seconds;
   return j;
 }
@@ -94,7 +127,8 @@ void print_tables(std::FILE* out, const SuiteResult& r) {
              "inputs: batch {} x heads {} x seq {} x head_dim {}, seed {}, study temperature {:g} "
              "(normalized attention entropy {:.3f})\n",
              c.batch, c.heads, c.seq_len, c.head_dim, c.seed, c.study_temperature, r.study_entropy);
-  fmt::print(out, "generator: {}\n\n", generator_line());
+  fmt::print(out, "generator: {}\n", generator_line());
+  fmt::print(out, "families (precision studies): {}\n\n", families_line());
 
   const SuiteFacts& f = r.facts;
   fmt::print(out, "facts\n");
@@ -112,12 +146,29 @@ void print_tables(std::FILE* out, const SuiteResult& r) {
 
   for (const std::string& study : study_order()) {
     fmt::print(out, "{}: {}\n", study, study_description(study));
-    fmt::print(out, "  {:<18} {:<6} {:>10} {:>10} {:>10}\n", "variant", "tensor", "CosSim",
-               "rel L1", "RMSE");
+    std::size_t width = 18;  // the variant column: wider for the precision studies' names
+    bool flagged = false;
     for (const AblationRow& a : r.ablations) {
       if (a.study != study) continue;
-      fmt::print(out, "  {:<18} {:<6} {:>10.6f} {:>10.5f} {:>10.3e}\n", a.variant, a.tensor, a.cos,
-                 a.l1, a.rmse);
+      width = std::max(width, a.variant.size());
+      flagged = flagged || a.flagged.has_value();
+    }
+    fmt::print(out, "  {:<{}} {:<6} {:>10} {:>10} {:>10}{}\n", "variant", width, "tensor", "CosSim",
+               "rel L1", "RMSE", flagged ? "    flagged" : "");
+    for (const AblationRow& a : r.ablations) {
+      if (a.study != study) continue;
+      fmt::print(out, "  {:<{}} {:<6} {:>10.6f} {:>10.5f} {:>10.3e}", a.variant, width, a.tensor,
+                 a.cos, a.l1, a.rmse);
+      if (a.flagged) fmt::print(out, " {:>10.2f}", *a.flagged);
+      fmt::print(out, "\n");
+    }
+    if (study == "precision_logit_sweep") {
+      fmt::print(out, "  guard σ (nats; threshold {:.4f}), min-max over heads, and entropy:\n",
+                 r.guard_threshold_nats);
+      for (const GuardSummary& g : r.guard) {
+        fmt::print(out, "    {:<20} σ {:>9.4f} - {:<9.4f} flagged {:.2f}  entropy {:.3f}\n",
+                   g.inputs, g.sigma_min, g.sigma_max, g.flagged, g.entropy);
+      }
     }
     if (study == "entropy_sweep" || study == "p_format_sweep") {
       fmt::print(out, "  temperature -> normalized entropy:");
@@ -133,6 +184,11 @@ void print_tables(std::FILE* out, const SuiteResult& r) {
   for (const DirectionCheck& d : r.directions) {
     fmt::print(out, "  [{}] {:<62} {:.6f} vs {:.6f}\n", d.holds ? "holds" : "FAILS", d.claim,
                d.better_cos, d.worse_cos);
+  }
+  fmt::print(out, "\nprecision targets (issue 22)\n");
+  for (const TargetCheck& t : r.targets) {
+    fmt::print(out, "  [{}] {:<62} {} {:.6f} ({} {:g})\n", t.holds ? "holds" : "FAILS", t.claim,
+               t.metric, t.value, t.at_least ? ">=" : "<=", t.bound);
   }
   fmt::print(out, "\n{:.1f} s on {} threads\n", r.seconds, r.threads_used);
 }
@@ -215,6 +271,9 @@ Runner add_accuracy(CLI::App& app) {
   sub->add_option("--seed", c.seed, "generator seed")->capture_default_str()->check(uint64_value());
   add_positive_list(sub, "--temperatures", c.temperatures,
                     "temperatures of the sweeps (comma-separated; logits are divided by T)");
+  add_positive_list(sub, "--logit-scales", c.logit_scales,
+                    "logit scales of the precision guard's sweep (comma-separated; q is "
+                    "multiplied by each)");
   sub->add_option("--study-temperature", c.study_temperature,
                   "temperature of every study but the sweeps")
       ->capture_default_str();
