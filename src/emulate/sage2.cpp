@@ -509,4 +509,62 @@ EmulatedForward sage2_attention(const Tensor4& q, const Tensor4& k, const Tensor
   return sage2_attend(quantize_sage2(q, k, v, params, options));
 }
 
+namespace {
+
+// Sequence b's options: a given K mean is the (Hkv, d) slice of sequence b.
+Sage2Options sequence_options(const Sage2Options& o, int b, int hkv, int d) {
+  Sage2Options r = o;
+  if (o.k_smoothing == KSmoothing::Given) {
+    const std::size_t n = static_cast<std::size_t>(hkv) * d;
+    r.k_mean.assign(o.k_mean.begin() + static_cast<std::ptrdiff_t>(b * n),
+                    o.k_mean.begin() + static_cast<std::ptrdiff_t>((b + 1) * n));
+  }
+  return r;
+}
+
+}  // namespace
+
+std::vector<Sage2Quantized> quantize_sage2_varlen(const PackedTensor& q, const PackedTensor& k,
+                                                  const PackedTensor& v,
+                                                  const VarlenLayout& layout,
+                                                  const AttentionParams& params,
+                                                  const Sage2Options& options) {
+  validate_varlen_args("quantize_sage2_varlen", q, k, v, layout, params);
+  const int batch = layout.batch();
+  if (options.k_smoothing == KSmoothing::Given &&
+      options.k_mean.size() != static_cast<std::size_t>(batch) * k.h * k.d)
+    fail("quantize_sage2_varlen: options.k_mean: KSmoothing::Given needs batch*Hkv*d = " +
+         std::to_string(static_cast<std::size_t>(batch) * k.h * k.d) + " values, got " +
+         std::to_string(options.k_mean.size()));
+  std::vector<Sage2Quantized> out(static_cast<std::size_t>(batch));
+  for (int b = 0; b < batch; ++b) {
+    const int nq = layout.len_q(b), nkv = layout.len_k(b);
+    if (nq == 0 || nkv == 0) continue;
+    out[b] = quantize_sage2(unpack_sequence(q, layout.q_start(b), nq),
+                            unpack_sequence(k, layout.k_start(b), nkv),
+                            unpack_sequence(v, layout.k_start(b), nkv), params,
+                            sequence_options(options, b, k.h, k.d));
+  }
+  return out;
+}
+
+EmulatedVarlenForward sage2_varlen_attention(const PackedTensor& q, const PackedTensor& k,
+                                             const PackedTensor& v, const VarlenLayout& layout,
+                                             const AttentionParams& params,
+                                             const Sage2Options& options) {
+  const std::vector<Sage2Quantized> z = quantize_sage2_varlen(q, k, v, layout, params, options);
+  EmulatedVarlenForward out{PackedTensor(q.total, q.h, q.d),
+                            std::vector<float>(static_cast<std::size_t>(q.h) * q.total, kNegInf)};
+  for (int b = 0; b < layout.batch(); ++b) {
+    if (z[b].batch == 0) continue;  // no rows, or rows that see no key: O = 0, LSE = -inf
+    const EmulatedForward e = sage2_attend(z[b]);
+    const int q0 = layout.q_start(b), nq = layout.len_q(b);
+    pack_sequence(e.o, q0, out.o);
+    for (int h = 0; h < q.h; ++h)
+      std::copy_n(e.lse.data() + static_cast<std::size_t>(h) * nq, nq,
+                  out.lse.data() + static_cast<std::size_t>(h) * q.total + q0);
+  }
+  return out;
+}
+
 }  // namespace qattn::emulate

@@ -21,6 +21,7 @@
 #include "numerics/key_range.h"
 #include "numerics/mma_groups.h"
 #include "reference/tensor.h"
+#include "reference/varlen.h"
 
 namespace qattn::emulate {
 
@@ -141,5 +142,37 @@ EmulatedForward sage2_attend(const Sage2Quantized& qz);
 // quantize_sage2 followed by sage2_attend.
 EmulatedForward sage2_attention(const Tensor4& q, const Tensor4& k, const Tensor4& v,
                                 const AttentionParams& params, const Sage2Options& options = {});
+
+// ---- packed variable-length batches (reference/varlen.h) ---------------------------
+//
+// The contract of a varlen kernel: each sequence is quantized and attended alone, as the
+// batch-1 call of quantize_sage2 / sage2_attend with Nq = len_q(b), Nkv = len_k(b) and
+// the call's mask rule (causal and the window aligned per sequence). So the K smoothing
+// mean is over one sequence's keys (its 256-token sample when it has more), and no
+// scale group, Q block, KV tile or V amax reaches into another sequence. A kernel's
+// workspace for sequence b holds exactly quantize_sage2_varlen(...)[b]'s tensors.
+
+// O (total_q, Hq, d) and the natural-log LSE (Hq, total_q), FlashAttention's varlen
+// layout; rows of a sequence without keys have O = 0 and LSE = -inf.
+struct EmulatedVarlenForward {
+  PackedTensor o;
+  std::vector<float> lse;
+};
+
+// Per sequence b its quantized tensors (a batch of one); a sequence with len_q(b) = 0 or
+// len_k(b) = 0 has nothing to quantize and gets an empty entry (batch = 0). With
+// KSmoothing::Given, options.k_mean holds (batch, Hkv, d) vectors, one set per sequence.
+// Throws std::invalid_argument as validate_varlen_args and quantize_sage2 do.
+std::vector<Sage2Quantized> quantize_sage2_varlen(const PackedTensor& q, const PackedTensor& k,
+                                                  const PackedTensor& v,
+                                                  const VarlenLayout& layout,
+                                                  const AttentionParams& params,
+                                                  const Sage2Options& options = {});
+
+// quantize_sage2_varlen, then sage2_attend per sequence, packed back.
+EmulatedVarlenForward sage2_varlen_attention(const PackedTensor& q, const PackedTensor& k,
+                                             const PackedTensor& v, const VarlenLayout& layout,
+                                             const AttentionParams& params,
+                                             const Sage2Options& options = {});
 
 }  // namespace qattn::emulate

@@ -82,6 +82,61 @@ ForwardResult attention_forward(const Tensor4& q, const Tensor4& k, const Tensor
   return r;
 }
 
+VarlenForwardResult attention_forward_varlen(const PackedTensor& q, const PackedTensor& k,
+                                             const PackedTensor& v, const VarlenLayout& layout,
+                                             const AttentionParams& params) {
+  const double sm_scale =
+      validate_varlen_args("attention_forward_varlen", q, k, v, layout, params);
+  const int group = q.h / k.h, d = q.d;
+  VarlenForwardResult r{PackedTensord(q.total, q.h, d),
+                        std::vector<double>(static_cast<std::size_t>(q.h) * q.total, kNegInf)};
+  std::vector<double> s;
+  for (int b = 0; b < layout.batch(); ++b) {
+    const int nq = layout.len_q(b), nkv = layout.len_k(b), q0 = layout.q_start(b),
+              k0 = layout.k_start(b);
+    // The rule of the sequence as a call of its own (no key padding: kv_len = nkv).
+    const numerics::KeyRule rule =
+        numerics::make_key_rule(nq, nkv, params.mask == Mask::Causal,
+                                params.alignment == Diagonal::TopLeft, params.window_left,
+                                params.window_right, nkv);
+    for (int h = 0; h < q.h; ++h) {
+      const int hkv = h / group;
+      for (int i = 0; i < nq; ++i) {
+        const numerics::KeyRange keys = rule.keys(i);
+        if (keys.empty()) continue;  // O = 0, LSE = -inf
+        const float* qrow = q.row(q0 + i, h);
+        s.assign(static_cast<std::size_t>(keys.last - keys.first + 1), 0.0);
+        double m = kNegInf;
+        bool any_nan = false;
+        for (int j = keys.first; j <= keys.last; ++j) {
+          const float* krow = k.row(k0 + j, hkv);
+          double acc = 0.0;
+          for (int c = 0; c < d; ++c) acc += static_cast<double>(qrow[c]) * krow[c];
+          const double x = acc * sm_scale;
+          s[j - keys.first] = x;
+          if (std::isnan(x)) any_nan = true;
+          if (x > m) m = x;
+        }
+        if (any_nan) m = std::numeric_limits<double>::quiet_NaN();
+        double l = 0.0;
+        for (double& x : s) {
+          x = std::exp(x - m);
+          l += x;
+        }
+        double* orow = r.o.row(q0 + i, h);
+        for (int j = keys.first; j <= keys.last; ++j) {
+          const double p = s[j - keys.first] / l;
+          if (p == 0.0) continue;  // as attention_forward: an underflowed P adds nothing
+          const float* vrow = v.row(k0 + j, hkv);
+          for (int c = 0; c < d; ++c) orow[c] += p * vrow[c];
+        }
+        r.lse[static_cast<std::size_t>(h) * q.total + q0 + i] = m + std::log(l);
+      }
+    }
+  }
+  return r;
+}
+
 BackwardResult attention_backward(const Tensor4& q, const Tensor4& k, const Tensor4& v,
                                   const Tensor4& dout, const AttentionParams& params) {
   const double sm_scale = validate_attention_args("attention_backward", q, k, v, params);

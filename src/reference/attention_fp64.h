@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "reference/tensor.h"
+#include "reference/varlen.h"
 
 namespace qattn::reference {
 
@@ -25,9 +26,25 @@ struct BackwardResult {
   Tensor4d dv;  // (B, Hkv, Nkv, d), summed over the query heads of each KV group
 };
 
+// A packed variable-length forward (reference/varlen.h): O is (total_q, Hq, d) and the
+// LSE (Hq, total_q), FlashAttention's varlen layout of it.
+struct VarlenForwardResult {
+  PackedTensord o;
+  std::vector<double> lse;
+};
+
 // Throws std::invalid_argument (naming the parameter) on a bad shape or sm_scale.
 ForwardResult attention_forward(const Tensor4& q, const Tensor4& k, const Tensor4& v,
                                 const AttentionParams& params = {});
+
+// The forward of a packed batch: each sequence b alone, with its own rule
+// (params.key_rule of a call with Nq = len_q(b), Nkv = len_k(b); causal and the window
+// bottom-right aligned unless params.alignment says top-left). Equals attention_forward
+// on each sequence as a batch of one; a sequence without keys gives O = 0, LSE = -inf.
+// Throws std::invalid_argument as validate_varlen_args does.
+VarlenForwardResult attention_forward_varlen(const PackedTensor& q, const PackedTensor& k,
+                                             const PackedTensor& v, const VarlenLayout& layout,
+                                             const AttentionParams& params = {});
 
 // Gradients of sum(O * dO) with respect to q, k, v. `dout` has q's shape.
 BackwardResult attention_backward(const Tensor4& q, const Tensor4& k, const Tensor4& v,
