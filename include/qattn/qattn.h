@@ -106,7 +106,7 @@ typedef enum qattn_alignment {
  *     QATTN_ERROR_UNSUPPORTED: its newer fields would otherwise be ignored silently.
  *     A size smaller than QATTN_FWD_PARAMS_MIN_SIZE (the first struct that carried
  *     its size) is rejected with QATTN_ERROR_INVALID_ARGUMENT, and so is a size that
- *     is not one of the struct's layouts (192, 216 or 264 bytes on LP64): it would
+ *     is not one of the struct's layouts (192, 216, 264 or 288 bytes on LP64): it would
  *     end inside a field. */
 typedef struct qattn_fwd_params {
   size_t struct_size;   /* sizeof(qattn_fwd_params); set by qattn_fwd_params_init */
@@ -164,6 +164,40 @@ typedef struct qattn_fwd_params {
   int32_t reserved1;      /* must be 0 */
   const void* attn_mask;  /* device memory, any alignment; read only */
   int64_t attn_mask_stride_b, attn_mask_stride_h, attn_mask_stride_q, attn_mask_stride_k;
+  /* ---- packed variable-length batches (appended after attn_mask; 288 bytes on LP64) ----
+   * FlashAttention's flash_attn_varlen_func convention. With cu_seqlens_q and
+   * cu_seqlens_k set, the call is a pack of `batch` sequences whose tokens lie one after
+   * another along N:
+   *   - q, k, v and o are (1, H, total, d) views: seqlen_q is total_q, the number of
+   *     packed query tokens, seqlen_kv is total_k, and stride_b is ignored (a
+   *     (total, H, d) tensor is stride_n = H*d, stride_h = d); lse, when set, is
+   *     (Hq, total_q) FP32, contiguous (FlashAttention's varlen LSE);
+   *   - sequence b owns the query tokens cu_seqlens_q[b] .. cu_seqlens_q[b+1] - 1 and the
+   *     keys cu_seqlens_k[b] .. cu_seqlens_k[b+1] - 1; each array holds batch + 1 int32
+   *     offsets, the first 0, never decreasing, the last the total; a sequence may be
+   *     empty (no keys: its rows get O = 0 and LSE = -inf);
+   *   - every rule applies per sequence as if it were a call of its own with seqlen_q =
+   *     len_q(b) and seqlen_kv = len_k(b): causal and the window are aligned per sequence
+   *     (bottom-right by default, FlashAttention's varlen rule; top-left with alignment),
+   *     and the quantization is per sequence (the K smoothing mean is over the
+   *     sequence's own keys; no scale group, Q block or KV tile reaches into another
+   *     sequence).
+   * The offsets live in device memory and the library never reads device memory on the
+   * host (it does not synchronize), so their values are not checked by the call: a
+   * varlen kernel clamps every offset to [0, total] and every sequence's end to at least
+   * its start, so a bad array gives wrong rows, never an access outside the buffers.
+   * The Python layer (qattn.varlen_attention) checks the values. kv_lengths and
+   * attn_mask are not taken with a packed batch (QATTN_ERROR_INVALID_ARGUMENT).
+   * No kernel family runs a packed batch in this version: such a call is
+   * QATTN_ERROR_UNSUPPORTED, its message naming the family's reason
+   * (qattn.varlen_attention runs it meanwhile with one kernel call per sequence). */
+  const int32_t* cu_seqlens_q; /* (batch + 1,) int32 device array, 4-byte aligned; NULL
+                                  (default): not a packed batch */
+  const int32_t* cu_seqlens_k; /* the keys' offsets, as cu_seqlens_q; set both or neither */
+  int32_t max_seqlen_q;        /* with cu_seqlens: 1..seqlen_q, at least the longest query
+                                  sequence (a kernel sizes its grid with it); 0 without */
+  int32_t max_seqlen_k;        /* with cu_seqlens: 1..seqlen_kv, at least the longest key
+                                  sequence; 0 without */
 } qattn_fwd_params;
 
 /* The kinds of attn_mask. */

@@ -229,6 +229,20 @@ class ForwardParams {
     return *this;
   }
 
+  // A packed variable-length batch (qattn.h): (batch + 1) int32 device offsets of the
+  // queries and the keys, and bounds of the longest sequences. The builder's batch is
+  // then the number of sequences and seqlen_q, seqlen_kv the packed totals; give the
+  // tensors as (total, H, d) NHD views (Layout::kNHD, whose stride_b is ignored here).
+  // NULL offsets (both) and 0 lengths clear it.
+  ForwardParams& varlen(const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k,
+                        int32_t max_seqlen_q, int32_t max_seqlen_k) {
+    p_.cu_seqlens_q = cu_seqlens_q;
+    p_.cu_seqlens_k = cu_seqlens_k;
+    p_.max_seqlen_q = max_seqlen_q;
+    p_.max_seqlen_k = max_seqlen_k;
+    return *this;
+  }
+
   const qattn_fwd_params& raw() const { return p_; }
   qattn_fwd_params& raw() { return p_; }
   // The first error the builder met (ok when none); workspace_size and forward return it.

@@ -24,7 +24,8 @@ struct Arch {
 
 // The masks a call may ask for, as bits of a family's masks. A call is either unmasked
 // or causal (the params' causal: kMaskNone or kMaskCausal), and may use any of the
-// features beyond causal on top (qattn_fwd_params' window, kv_lengths, alignment); a
+// features beyond causal on top (qattn_fwd_params' window, kv_lengths, alignment,
+// attn_mask, cu_seqlens); a
 // family runs the call only when it declares every bit the call uses.
 enum MaskBit : uint32_t {
   kMaskNone = 1u << 0,
@@ -37,6 +38,10 @@ enum MaskBit : uint32_t {
   // window.
   kMaskTopLeft = 1u << 4,
   kMaskBool = 1u << 5,  // attn_mask_type = QATTN_MASK_BOOL: an arbitrary boolean mask
+  // cu_seqlens_q/cu_seqlens_k: a packed variable-length batch, every rule per sequence.
+  // A family declares it only with a kernel that walks the sequences itself (one launch,
+  // per-sequence quantization), never by looping over launches.
+  kMaskVarlen = 1u << 6,
 };
 
 // Which kernels of a forward to run: all, or (bench hooks) the attention kernel alone

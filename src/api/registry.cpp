@@ -82,14 +82,23 @@ uint32_t mask_features(const qattn_fwd_params& p) {
       p.window != 0 && (p.window_left >= 0 || (p.causal == 0 && p.window_right >= 0));
   if (window) bits |= kMaskWindow;
   if (p.kv_lengths != nullptr) bits |= kMaskKeyPadding;
-  if (p.alignment == QATTN_ALIGN_TOP_LEFT && p.seqlen_q != p.seqlen_kv && (p.causal != 0 || window))
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  // In a packed batch the lengths are per sequence, on the device: any sequence may have
+  // len_q != len_k, so top-left alignment matters wherever causal or a window is set.
+  if (p.alignment == QATTN_ALIGN_TOP_LEFT && (varlen || p.seqlen_q != p.seqlen_kv) &&
+      (p.causal != 0 || window))
     bits |= kMaskTopLeft;
   if (p.attn_mask_type == QATTN_MASK_BOOL) bits |= kMaskBool;
+  if (varlen) bits |= kMaskVarlen;
   return bits;
 }
 
 // Why a family whose masks lack `missing` (bits of mask_features(p)) declines the call.
 std::string features_reason(uint32_t missing, const qattn_fwd_params& p) {
+  if ((missing & kMaskVarlen) != 0)
+    return cat("has no packed variable-length kernel (cu_seqlens_q/cu_seqlens_k are set, ",
+               p.batch, " sequences); qattn.varlen_attention in Python runs one call per "
+               "sequence meanwhile");
   if ((missing & kMaskWindow) != 0)
     return cat("has no sliding-window kernel (window_left = ", p.window_left,
                ", window_right = ", p.window_right, ")");
@@ -109,7 +118,8 @@ std::string describe(const qattn_fwd_params& p) {
                  : std::string(),
              (features & kMaskKeyPadding) != 0 ? ", key padding" : "",
              (features & kMaskTopLeft) != 0 ? ", top-left" : "",
-             (features & kMaskBool) != 0 ? ", boolean attn_mask" : "");
+             (features & kMaskBool) != 0 ? ", boolean attn_mask" : "",
+             (features & kMaskVarlen) != 0 ? ", packed variable-length batch" : "");
 }
 
 std::string describe(const qattn_bwd_params& p) {

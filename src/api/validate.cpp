@@ -33,6 +33,20 @@ std::size_t lse_bytes(const Params& p) {
   return static_cast<std::size_t>(int64_t{p.batch} * p.heads_q * p.seqlen_q) * sizeof(float);
 }
 
+// A packed variable-length batch (qattn.h): cu_seqlens set. Its tensors are (1, H, total,
+// d) views, so the batch extent of every view (and of the LSE) is 1.
+bool packed(const qattn_fwd_params& p) { return p.cu_seqlens_q != nullptr; }
+int64_t view_batch(const qattn_fwd_params& p) { return packed(p) ? 1 : p.batch; }
+
+std::size_t lse_bytes(const qattn_fwd_params& p) {
+  return static_cast<std::size_t>(view_batch(p) * p.heads_q * p.seqlen_q) * sizeof(float);
+}
+
+// Each cu_seqlens array: batch + 1 int32 offsets.
+std::size_t cu_seqlens_bytes(const qattn_fwd_params& p) {
+  return static_cast<std::size_t>(int64_t{p.batch} + 1) * sizeof(int32_t);
+}
+
 // The forward's key-padding lengths: one int32 per batch entry.
 std::size_t kv_lengths_bytes(const qattn_fwd_params& p) {
   return static_cast<std::size_t>(p.batch) * sizeof(int32_t);
@@ -55,22 +69,29 @@ std::size_t attn_mask_bytes(const qattn_fwd_params& p) {
 
 // The forward's buffers, in the order the checks name them.
 struct ForwardBuffers {
-  std::array<Named, 5> inputs;   // q, k, v, kv_lengths, attn_mask
+  std::array<Named, 7> inputs;   // q, k, v, kv_lengths, attn_mask, cu_seqlens_q, cu_seqlens_k
   std::array<Named, 2> outputs;  // o, lse
 };
 
 ForwardBuffers buffers_of(const qattn_fwd_params& p) {
+  const int64_t vb = view_batch(p);
   ForwardBuffers b{
-      {{{"q", span_of(p.q, p.batch, p.heads_q, p.seqlen_q, p.head_dim)},
-        {"k", span_of(p.k, p.batch, p.heads_kv, p.seqlen_kv, p.head_dim)},
-        {"v", span_of(p.v, p.batch, p.heads_kv, p.seqlen_kv, p.head_dim)},
+      {{{"q", span_of(p.q, vb, p.heads_q, p.seqlen_q, p.head_dim)},
+        {"k", span_of(p.k, vb, p.heads_kv, p.seqlen_kv, p.head_dim)},
+        {"v", span_of(p.v, vb, p.heads_kv, p.seqlen_kv, p.head_dim)},
         {"kv_lengths", {}, false},
-        {"attn_mask", {}, false}}},
-      {{{"o", span_of(p.o, p.batch, p.heads_q, p.seqlen_q, p.head_dim)}, {"lse", {}, false}}}};
+        {"attn_mask", {}, false},
+        {"cu_seqlens_q", {}, false},
+        {"cu_seqlens_k", {}, false}}},
+      {{{"o", span_of(p.o, vb, p.heads_q, p.seqlen_q, p.head_dim)}, {"lse", {}, false}}}};
   if (p.kv_lengths != nullptr)
     b.inputs[3] = {"kv_lengths", array_span(p.kv_lengths, kv_lengths_bytes(p))};
   if (p.attn_mask_type != QATTN_MASK_NONE)
     b.inputs[4] = {"attn_mask", array_span(p.attn_mask, attn_mask_bytes(p))};
+  if (p.cu_seqlens_q != nullptr)
+    b.inputs[5] = {"cu_seqlens_q", array_span(p.cu_seqlens_q, cu_seqlens_bytes(p))};
+  if (p.cu_seqlens_k != nullptr)
+    b.inputs[6] = {"cu_seqlens_k", array_span(p.cu_seqlens_k, cu_seqlens_bytes(p))};
   if (p.lse != nullptr) b.outputs[1] = {"lse", array_span(p.lse, lse_bytes(p))};
   return b;
 }
@@ -285,6 +306,54 @@ qattn_status check_attn_mask(const char* fn, const qattn_fwd_params& p) {
   return QATTN_OK;
 }
 
+// A packed variable-length batch (qattn.h): both offset arrays or neither; the max
+// lengths 0 without them and within 1..the totals with them; neither kv_lengths (whose
+// role cu_seqlens_k has) nor attn_mask (whose (Nq, Nkv) indexing a pack does not define)
+// with them; each array 4-byte aligned and inside the address space. Host arithmetic on
+// the fields and the addresses only: the offsets themselves are device memory, never read
+// here (a varlen kernel clamps them).
+qattn_status check_varlen(const char* fn, const qattn_fwd_params& p) {
+  const bool has_q = p.cu_seqlens_q != nullptr, has_k = p.cu_seqlens_k != nullptr;
+  if (has_q != has_k)
+    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": ", has_q ? "cu_seqlens_q" : "cu_seqlens_k",
+                " is set but ", has_q ? "cu_seqlens_k" : "cu_seqlens_q",
+                " is NULL; allowed: both (a packed variable-length batch) or neither");
+  if (!has_q) {
+    for (auto [name, value] :
+         {std::pair{"max_seqlen_q", p.max_seqlen_q}, std::pair{"max_seqlen_k", p.max_seqlen_k}})
+      if (value != 0)
+        return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": ", name, " = ", value,
+                    " without cu_seqlens_q and cu_seqlens_k; allowed: 0 (the max lengths "
+                    "belong to a packed batch)");
+    return QATTN_OK;
+  }
+  if (auto s = check_int(fn, "max_seqlen_q", p.max_seqlen_q, 1, p.seqlen_q,
+                         " (1..seqlen_q, the packed query tokens: at least the longest query "
+                         "sequence, at most their total)");
+      s)
+    return s;
+  if (auto s = check_int(fn, "max_seqlen_k", p.max_seqlen_k, 1, p.seqlen_kv,
+                         " (1..seqlen_kv, the packed keys: at least the longest key sequence, "
+                         "at most their total)");
+      s)
+    return s;
+  if (p.kv_lengths != nullptr)
+    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn,
+                ": kv_lengths is set with cu_seqlens_q/cu_seqlens_k; allowed: kv_lengths NULL "
+                "in a packed batch (cu_seqlens_k gives each sequence its keys)");
+  if (p.attn_mask_type != QATTN_MASK_NONE)
+    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn,
+                ": attn_mask_type = QATTN_MASK_BOOL with cu_seqlens_q/cu_seqlens_k; allowed: "
+                "no attn_mask in a packed batch (not combinable in this version)");
+  for (auto [name, data] : {std::pair{"cu_seqlens_q", p.cu_seqlens_q},
+                            std::pair{"cu_seqlens_k", p.cu_seqlens_k}})
+    if (auto s = check_array(fn, name, data, cu_seqlens_bytes(p), kCuSeqlensAlign,
+                             "NULL or a (batch + 1,) int32 device array");
+        s)
+      return s;
+  return QATTN_OK;
+}
+
 qattn_status check_int(const char* fn, const char* name, int value, int lo, int hi,
                        const char* why) {
   if (value < lo || value > hi)
@@ -364,9 +433,15 @@ using namespace checks;
 
 // The layouts qattn_fwd_params has had: 0.1.0's, then with the masks beyond causal,
 // then with attn_mask.
-constexpr std::array<std::size_t, 3> kFwdParamsLayouts{
+constexpr std::array<std::size_t, 4> kFwdParamsLayouts{
     QATTN_FWD_PARAMS_MIN_SIZE, offsetof(qattn_fwd_params, attn_mask_type),
-    sizeof(qattn_fwd_params)};
+    offsetof(qattn_fwd_params, cu_seqlens_q), sizeof(qattn_fwd_params)};
+static_assert(offsetof(qattn_fwd_params, cu_seqlens_q) ==
+                  offsetof(qattn_fwd_params, attn_mask_stride_k) + sizeof(int64_t),
+              "the packed batch's fields start where the third layout ends");
+static_assert(sizeof(qattn_fwd_params) ==
+                  offsetof(qattn_fwd_params, max_seqlen_k) + sizeof(int32_t),
+              "the fourth layout ends without tail padding");
 static_assert(offsetof(qattn_fwd_params, attn_mask_type) ==
                   offsetof(qattn_fwd_params, alignment) + sizeof(int32_t),
               "attn_mask's fields start where the second layout ends");
@@ -378,7 +453,8 @@ qattn_status read_params(const char* fn, const qattn_fwd_params* p, qattn_fwd_pa
                      "qattn_fwd_params_init", &qattn_fwd_params_init);
 }
 
-qattn_status validate_forward(const char* fn, const qattn_fwd_params& p) {
+qattn_status validate_forward(const char* fn, const qattn_fwd_params& p,
+                              std::span<const ForwardFamily* const> families) {
   // ---- scalars ----
   if (auto s = check_dtype(fn, p.dtype); s) return s;
   if (p.scheme != QATTN_SCHEME_SAGE2_8B)
@@ -387,6 +463,7 @@ qattn_status validate_forward(const char* fn, const qattn_fwd_params& p) {
   if (auto s = check_shape_mask_scale(fn, p); s) return s;
   if (auto s = check_window_alignment(fn, p); s) return s;
   if (auto s = check_attn_mask(fn, p); s) return s;
+  if (auto s = check_varlen(fn, p); s) return s;
   if (auto s = check_reserved(fn, "reserved0", p.reserved0, "qattn_fwd_params_init"); s) return s;
   if (p.scheme == QATTN_SCHEME_SAGE2_8B) {
     const int32_t gran = p.sage2.granularity;
@@ -398,16 +475,14 @@ qattn_status validate_forward(const char* fn, const qattn_fwd_params& p) {
 
   // ---- a kernel family for it (on some device: the device is checked at launch) ----
   qattn_status support = QATTN_OK;
-  if (select_family(fn, p, nullptr, &support) == nullptr) return support;
+  if (select_family(fn, p, nullptr, &support, families) == nullptr) return support;
 
-  // ---- tensors ----
-  const int64_t d = p.head_dim;
-  if (auto st = check_tensor(fn, "q", p.q, p.batch, p.heads_q, p.seqlen_q, d, false); st) return st;
-  if (auto st = check_tensor(fn, "k", p.k, p.batch, p.heads_kv, p.seqlen_kv, d, false); st)
-    return st;
-  if (auto st = check_tensor(fn, "v", p.v, p.batch, p.heads_kv, p.seqlen_kv, d, false); st)
-    return st;
-  if (auto st = check_tensor(fn, "o", p.o, p.batch, p.heads_q, p.seqlen_q, d, true); st) return st;
+  // ---- tensors (a packed batch's are (1, H, total, d) views) ----
+  const int64_t d = p.head_dim, vb = view_batch(p);
+  if (auto st = check_tensor(fn, "q", p.q, vb, p.heads_q, p.seqlen_q, d, false); st) return st;
+  if (auto st = check_tensor(fn, "k", p.k, vb, p.heads_kv, p.seqlen_kv, d, false); st) return st;
+  if (auto st = check_tensor(fn, "v", p.v, vb, p.heads_kv, p.seqlen_kv, d, false); st) return st;
+  if (auto st = check_tensor(fn, "o", p.o, vb, p.heads_q, p.seqlen_q, d, true); st) return st;
   if (auto st = check_lse(fn, p, p.lse, /*required=*/false); st) return st;
   if (auto st = check_kv_lengths(fn, p); st) return st;
   const ForwardBuffers b = buffers_of(p);
@@ -417,13 +492,17 @@ qattn_status validate_forward(const char* fn, const qattn_fwd_params& p) {
   });
 }
 
-std::size_t forward_workspace_bytes(const qattn_fwd_params& p) { return workspace_bytes_for(p); }
+std::size_t forward_workspace_bytes(const qattn_fwd_params& p,
+                                   std::span<const ForwardFamily* const> families) {
+  return workspace_bytes_for(p, families);
+}
 
 qattn_status validate_workspace(const char* fn, const qattn_fwd_params& p, const void* workspace,
-                                std::size_t workspace_bytes) {
+                                std::size_t workspace_bytes,
+                                std::span<const ForwardFamily* const> families) {
   const ForwardBuffers b = buffers_of(p);
-  return check_workspace(fn, "qattn_fwd_workspace_size", forward_workspace_bytes(p), workspace,
-                         workspace_bytes, join(b.inputs, b.outputs));
+  return check_workspace(fn, "qattn_fwd_workspace_size", forward_workspace_bytes(p, families),
+                         workspace, workspace_bytes, join(b.inputs, b.outputs));
 }
 
 std::size_t view_span_bytes(const qattn_tensor& t, int64_t batch, int64_t heads, int64_t seqlen,
@@ -434,13 +513,16 @@ std::size_t view_span_bytes(const qattn_tensor& t, int64_t batch, int64_t heads,
   return static_cast<std::size_t>((last + 1) * kElemBytes);
 }
 
-std::array<BufferSpan, 8> buffer_spans(const qattn_fwd_params& p, const void* workspace) {
-  return {{{"q.data", p.q.data, view_span_bytes(p.q, p.batch, p.heads_q, p.seqlen_q, p.head_dim)},
-           {"k.data", p.k.data, view_span_bytes(p.k, p.batch, p.heads_kv, p.seqlen_kv, p.head_dim)},
-           {"v.data", p.v.data, view_span_bytes(p.v, p.batch, p.heads_kv, p.seqlen_kv, p.head_dim)},
+std::array<BufferSpan, 10> buffer_spans(const qattn_fwd_params& p, const void* workspace) {
+  const int64_t vb = view_batch(p);
+  return {{{"q.data", p.q.data, view_span_bytes(p.q, vb, p.heads_q, p.seqlen_q, p.head_dim)},
+           {"k.data", p.k.data, view_span_bytes(p.k, vb, p.heads_kv, p.seqlen_kv, p.head_dim)},
+           {"v.data", p.v.data, view_span_bytes(p.v, vb, p.heads_kv, p.seqlen_kv, p.head_dim)},
            {"kv_lengths", p.kv_lengths, p.kv_lengths != nullptr ? kv_lengths_bytes(p) : 0},
            {"attn_mask", p.attn_mask, attn_mask_bytes(p)},
-           {"o.data", p.o.data, view_span_bytes(p.o, p.batch, p.heads_q, p.seqlen_q, p.head_dim)},
+           {"cu_seqlens_q", p.cu_seqlens_q, p.cu_seqlens_q != nullptr ? cu_seqlens_bytes(p) : 0},
+           {"cu_seqlens_k", p.cu_seqlens_k, p.cu_seqlens_k != nullptr ? cu_seqlens_bytes(p) : 0},
+           {"o.data", p.o.data, view_span_bytes(p.o, vb, p.heads_q, p.seqlen_q, p.head_dim)},
            {"lse", p.lse, p.lse != nullptr ? lse_bytes(p) : 0},
            {"workspace", workspace, forward_workspace_bytes(p)}}};
 }

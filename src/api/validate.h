@@ -10,6 +10,9 @@
 #include <cstddef>
 #include <cstdint>
 
+#include <span>
+
+#include "api/registry.h"
 #include "qattn/qattn.h"
 
 namespace qattn::api {
@@ -22,6 +25,7 @@ inline constexpr int64_t kStrideMultiple = 8;    // elements: 16 bytes of a 16-b
 inline constexpr int64_t kMaxStrideBytes = int64_t{1} << 40;  // cuTensorMapEncode limit
 inline constexpr std::size_t kLseAlign = alignof(float);
 inline constexpr std::size_t kKvLengthsAlign = alignof(int32_t);
+inline constexpr std::size_t kCuSeqlensAlign = alignof(int32_t);
 inline constexpr std::size_t kWorkspaceAlign = 256;
 inline constexpr float kMaxSmScale = QATTN_MAX_SM_SCALE;  // qattn.h derives it
 // Above this many rows, an output whose strides interleave rows is reported as not
@@ -36,17 +40,25 @@ qattn_status read_params(const char* fn, const qattn_fwd_params* p, qattn_fwd_pa
 // Checks every field of p, a struct read_params filled (see qattn.h for the rules):
 // the scalars, then that some kernel family runs the call on some device (registry.h;
 // QATTN_ERROR_UNSUPPORTED otherwise), then the tensors. On failure records a message
-// that starts with `fn` and names the parameter and its allowed values.
-qattn_status validate_forward(const char* fn, const qattn_fwd_params& p);
+// that starts with `fn` and names the parameter and its allowed values. `families`: the
+// registry's list (tests pass declarations of their own, e.g. one that runs a call no
+// family of this build runs, to reach the checks after the family's).
+qattn_status validate_forward(const char* fn, const qattn_fwd_params& p,
+                              std::span<const ForwardFamily* const> families =
+                                  forward_families());
 
 // Workspace bytes for validated parameters: the largest need of the families that run
 // them (registry.h).
-std::size_t forward_workspace_bytes(const qattn_fwd_params& p);
+std::size_t forward_workspace_bytes(const qattn_fwd_params& p,
+                                   std::span<const ForwardFamily* const> families =
+                                       forward_families());
 
 // Checks the workspace pointer, size and alignment, and that it overlaps none of the
 // tensors, for validated parameters.
 qattn_status validate_workspace(const char* fn, const qattn_fwd_params& p, const void* workspace,
-                                std::size_t workspace_bytes);
+                                std::size_t workspace_bytes,
+                                std::span<const ForwardFamily* const> families =
+                                    forward_families());
 
 // A copy of validated parameters with the defaults made explicit (sm_scale 0 becomes
 // 1/sqrt(head_dim)).
@@ -77,10 +89,10 @@ struct BufferSpan {
   std::size_t bytes;
 };
 
-// The buffers of a call with validated parameters: q, k, v, kv_lengths (the inputs),
-// o, lse, workspace (the bytes the call uses, forward_workspace_bytes, not the size the
-// caller passed).
-std::array<BufferSpan, 8> buffer_spans(const qattn_fwd_params& p, const void* workspace);
+// The buffers of a call with validated parameters: q, k, v, kv_lengths, attn_mask,
+// cu_seqlens_q, cu_seqlens_k (the inputs), o, lse, workspace (the bytes the call uses,
+// forward_workspace_bytes, not the size the caller passed).
+std::array<BufferSpan, 10> buffer_spans(const qattn_fwd_params& p, const void* workspace);
 // The backward's: q, k, v, o, dout, lse, dq, dk, dv, workspace.
 std::array<BufferSpan, 10> buffer_spans(const qattn_bwd_params& p, const void* workspace);
 

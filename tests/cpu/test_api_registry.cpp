@@ -390,12 +390,15 @@ TEST(Abi, LayoutKeepsItsPromises) {
   // attn_mask's fields start where the second layout (with the masks) ends.
   EXPECT_EQ(offsetof(qattn_fwd_params, alignment) + sizeof(int32_t),
             offsetof(qattn_fwd_params, attn_mask_type));
+  // The packed batch's fields start where the third layout (with attn_mask) ends.
   EXPECT_EQ(offsetof(qattn_fwd_params, attn_mask_stride_k) + sizeof(int64_t),
-            sizeof(qattn_fwd_params));
+            offsetof(qattn_fwd_params, cu_seqlens_q));
+  EXPECT_EQ(offsetof(qattn_fwd_params, max_seqlen_k) + sizeof(int32_t), sizeof(qattn_fwd_params));
   if constexpr (sizeof(void*) == 8) {  // the sizes qattn.h states for LP64
     EXPECT_EQ(QATTN_FWD_PARAMS_MIN_SIZE, 192u);
     EXPECT_EQ(offsetof(qattn_fwd_params, attn_mask_type), 216u);
-    EXPECT_EQ(sizeof(qattn_fwd_params), 264u);
+    EXPECT_EQ(offsetof(qattn_fwd_params, cu_seqlens_q), 264u);
+    EXPECT_EQ(sizeof(qattn_fwd_params), 288u);
   }
   qattn_fwd_params p = valid_params();
   p.reserved0 = 1;
@@ -406,7 +409,8 @@ TEST(Abi, LayoutKeepsItsPromises) {
   EXPECT_EQ(sizeof(qattn_fwd_params{}.sage2.granularity), 4u);
   for (std::size_t size :
        {sizeof(qattn_fwd_params{}.window), sizeof(qattn_fwd_params{}.window_left),
-        sizeof(qattn_fwd_params{}.window_right), sizeof(qattn_fwd_params{}.alignment)})
+        sizeof(qattn_fwd_params{}.window_right), sizeof(qattn_fwd_params{}.alignment),
+        sizeof(qattn_fwd_params{}.max_seqlen_q), sizeof(qattn_fwd_params{}.max_seqlen_k)})
     EXPECT_EQ(size, 4u);
 }
 

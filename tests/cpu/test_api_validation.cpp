@@ -760,12 +760,14 @@ TEST(ApiSpans, EveryBufferOfACall) {
   const std::size_t q_bytes = std::size_t{2} * s.batch * s.heads_q * s.seqlen_q * s.head_dim;
   const std::size_t kv_bytes = std::size_t{2} * s.batch * s.heads_kv * s.seqlen_kv * s.head_dim;
   const std::size_t lse_bytes = std::size_t{4} * s.batch * s.heads_q * s.seqlen_q;
-  const std::array<std::tuple<const char*, const void*, std::size_t>, 8> want{{
+  const std::array<std::tuple<const char*, const void*, std::size_t>, 10> want{{
       {"q.data", fake(1), q_bytes},
       {"k.data", fake(2), kv_bytes},
       {"v.data", fake(3), kv_bytes},
       {"kv_lengths", nullptr, 0},  // absent here
       {"attn_mask", nullptr, 0},   // and here
+      {"cu_seqlens_q", nullptr, 0},  // not a packed batch (test_api_varlen_validation.cpp)
+      {"cu_seqlens_k", nullptr, 0},
       {"o.data", fake(4), q_bytes},
       {"lse", fake(5), lse_bytes},
       {"workspace", fake(6), need(p)},  // what the call uses, not what the caller passed
@@ -780,9 +782,9 @@ TEST(ApiSpans, EveryBufferOfACall) {
   qattn_fwd_params no_lse = p;
   no_lse.lse = nullptr;
   const auto without = qattn::api::buffer_spans(no_lse, fake(6));
-  EXPECT_STREQ(without[6].name, "lse");
-  EXPECT_EQ(without[6].data, nullptr);
-  EXPECT_EQ(without[6].bytes, 0u);
+  EXPECT_STREQ(without[8].name, "lse");
+  EXPECT_EQ(without[8].data, nullptr);
+  EXPECT_EQ(without[8].bytes, 0u);
   // Key-padding lengths: batch int32, checked on the device like every other buffer.
   qattn_fwd_params padded = p;
   padded.kv_lengths = static_cast<const int32_t*>(fake(7));
