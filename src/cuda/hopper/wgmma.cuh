@@ -136,6 +136,83 @@ __device__ __forceinline__ void wgmma_m64n72k32_e4m3_rs_init(float (&d)[36], con
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
 
+#define QATTN_WGMMA_D16(C, d) QATTN_WGMMA_D8(C, d, 0), QATTN_WGMMA_D8(C, d, 8)
+#define QATTN_WGMMA_REGS16 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+#define QATTN_WGMMA_REGS32 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, " \
+  "%17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+
+// The SageBwd products (cuda/sagebwd/dkdv_wgmma.cuh). kAcc = false overwrites D (the
+// first k-step), true accumulates.
+// D(64x64, s32) (+)= A(64x32, s8, smem) * B(64x32, s8, smem, K-major)
+template <bool kAcc>
+__device__ __forceinline__ void wgmma_m64n64k32_s8_ss(int32_t (&d)[32], uint64_t desc_a,
+                                                      uint64_t desc_b) {
+  if constexpr (kAcc)
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 " QATTN_WGMMA_REGS32
+                 ", %32, %33, 1;\n"
+                 : QATTN_WGMMA_D32("+r", d)
+                 : "l"(desc_a), "l"(desc_b));
+  else
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 " QATTN_WGMMA_REGS32
+                 ", %32, %33, 0;\n"
+                 : QATTN_WGMMA_D32("=r", d)
+                 : "l"(desc_a), "l"(desc_b));
+}
+// D(64x32, s32) (+)= A(64x32, s8, smem) * B(32x32, s8, smem, K-major)
+template <bool kAcc>
+__device__ __forceinline__ void wgmma_m64n32k32_s8_ss(int32_t (&d)[16], uint64_t desc_a,
+                                                      uint64_t desc_b) {
+  if constexpr (kAcc)
+    asm volatile("wgmma.mma_async.sync.aligned.m64n32k32.s32.s8.s8 " QATTN_WGMMA_REGS16
+                 ", %16, %17, 1;\n"
+                 : QATTN_WGMMA_D16("+r", d)
+                 : "l"(desc_a), "l"(desc_b));
+  else
+    asm volatile("wgmma.mma_async.sync.aligned.m64n32k32.s32.s8.s8 " QATTN_WGMMA_REGS16
+                 ", %16, %17, 0;\n"
+                 : QATTN_WGMMA_D16("=r", d)
+                 : "l"(desc_a), "l"(desc_b));
+}
+// D(64x64, s32) (+)= A(64x32, s8, registers) * B(64x32, s8, smem, K-major)
+template <bool kAcc>
+__device__ __forceinline__ void wgmma_m64n64k32_s8_rs(int32_t (&d)[32], const uint32_t (&a)[4],
+                                                      uint64_t desc_b) {
+  if constexpr (kAcc)
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 " QATTN_WGMMA_REGS32
+                 ", {%32, %33, %34, %35}, %36, 1;\n"
+                 : QATTN_WGMMA_D32("+r", d)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+  else
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 " QATTN_WGMMA_REGS32
+                 ", {%32, %33, %34, %35}, %36, 0;\n"
+                 : QATTN_WGMMA_D32("=r", d)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+// D(64x64, f32) (+)= A(64x16, bf16 or f16, smem) * B(64x16, same, smem, K-major)
+template <bool kBf16, bool kAcc>
+__device__ __forceinline__ void wgmma_m64n64k16_f32_ss(float (&d)[32], uint64_t desc_a,
+                                                       uint64_t desc_b) {
+#define QATTN_WGMMA_16BIT(TY, SC, C)                                                         \
+  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " QATTN_WGMMA_REGS32 \
+               ", %32, %33, " SC ", 1, 1, 0, 0;\n"                                          \
+               : QATTN_WGMMA_D32(C, d)                                                      \
+               : "l"(desc_a), "l"(desc_b))
+  if constexpr (kBf16 && kAcc)
+    QATTN_WGMMA_16BIT("bf16", "1", "+f");
+  else if constexpr (kBf16)
+    QATTN_WGMMA_16BIT("bf16", "0", "=f");
+  else if constexpr (kAcc)
+    QATTN_WGMMA_16BIT("f16", "1", "+f");
+  else
+    QATTN_WGMMA_16BIT("f16", "0", "=f");
+#undef QATTN_WGMMA_16BIT
+}
+
+#undef QATTN_WGMMA_D16
+#undef QATTN_WGMMA_REGS16
+#undef QATTN_WGMMA_REGS32
 #undef QATTN_WGMMA_D8
 #undef QATTN_WGMMA_D32
 #undef QATTN_WGMMA_D64

@@ -10,6 +10,7 @@
 #include <cmath>
 
 #include "cuda/hopper/per_device.h"
+#include "cuda/sagebwd/dkdv_wgmma.cuh"
 #include "cuda/sagebwd/kernels.cuh"
 #include "cuda/sagebwd/prepare.cuh"
 #include "cuda/sagebwd/workspace.h"
@@ -90,9 +91,10 @@ cudaError_t run(const Args& a, bool deterministic, cudaStream_t stream) {
     q<<<dim3(a.nq_pad / kQBlockRows, a.heads_q, a.batch), kThreads, L::kDqBytes, stream>>>(a);
   } else {
     static std::atomic<unsigned long long> done{0};
-    auto kv = dkdv_kernel<T, D, kQuantDov, true>;
-    if (auto e = set_smem(kv, L::kDkdvBytes, done); e != cudaSuccess) return e;
-    kv<<<kv_grid, kThreads, L::kDkdvBytes, stream>>>(a);
+    using W = WgSmem<D, kQuantDov>;
+    auto kv = dkdv_wgmma_kernel<T, D, kQuantDov>;
+    if (auto e = set_smem(kv, W::kBytes, done); e != cudaSuccess) return e;
+    kv<<<kv_grid, kThreads, W::kBytes, stream>>>(a);
   }
   if (auto e = cudaGetLastError(); e != cudaSuccess) return e;
   return launch_dq_finalize<T, D>(a, stream);

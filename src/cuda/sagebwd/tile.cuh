@@ -131,68 +131,58 @@ struct TileOperands {
   int q0, j0;                // first query row / token of the tile
 };
 
-// Steps 1-4 for warp `warp`; `red` holds 2·kWarps floats. Ends after a __syncthreads.
-template <typename T, int D, bool kQuantDov>
-__device__ __forceinline__ void tile_step(const Args& a, const TileOperands& op, int warp,
-                                          int lane, float* red, TileFrags& f) {
-  using S = Strides<D>;
+// Step 1's element-wise part: P = exp2(Sᵀ·s_q·s_k·sm_scale·log2 e − lse2) from the INT32
+// scores of the warp's 16 KV rows (rows 16·warp + g (+8), Q columns 8n + 2t (+1)); 0 where
+// the token is past Nkv or above the causal horizon.
+__device__ __forceinline__ void scores_to_p(const Args& a, const TileOperands& op,
+                                            const int (&acc)[kNBlocksQ][4], int warp, int lane,
+                                            float (&p)[kNBlocksQ][4]) {
   const int g = lane >> 2, t = lane & 3;
-  // Sᵀ = K̂ Q̂ᵀ -> P.
-  float p[kNBlocksQ][4];
-  {
-    int acc[kNBlocksQ][4] = {};
-    mma_rows_x64_s8<D / 32>(acc, op.k8 + 16 * warp * S::kI8, S::kI8, op.q8, S::kI8, lane);
-    // x = S·log2 e in one FMA with the LSE: sc folds the two scales and sm_scale·log2 e.
-    const float sc = op.s_qk * a.scale_log2;
-    // A tile inside the sequence and wholly under the causal horizon needs no mask.
-    const bool full = op.j0 + kKvTileRows <= a.nkv &&
-                      (!a.causal || op.j0 + kKvTileRows - 1 <= op.q0 + a.nkv - a.nq);
+  // x = S·log2 e in one FMA with the LSE: sc folds the two scales and sm_scale·log2 e.
+  const float sc = op.s_qk * a.scale_log2;
+  // A tile inside the sequence and wholly under the causal horizon needs no mask.
+  const bool full = op.j0 + kKvTileRows <= a.nkv &&
+                    (!a.causal || op.j0 + kKvTileRows - 1 <= op.q0 + a.nkv - a.nq);
+#pragma unroll
+  for (int n = 0; n < kNBlocksQ; ++n) {
+    const float2 l2 = *reinterpret_cast<const float2*>(op.lse2 + 8 * n + 2 * t);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float x = fmaf(i2f_exact(acc[n][e]), sc, -((e & 1) ? l2.y : l2.x));
+      p[n][e] = common::exp2_approx(x);
+    }
+  }
+  if (!full) {
 #pragma unroll
     for (int n = 0; n < kNBlocksQ; ++n) {
-      const float2 l2 = *reinterpret_cast<const float2*>(op.lse2 + 8 * n + 2 * t);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float x = fmaf(i2f_exact(acc[n][e]), sc, -((e & 1) ? l2.y : l2.x));
-        p[n][e] = common::exp2_approx(x);
-      }
-    }
-    if (!full) {
-#pragma unroll
-      for (int n = 0; n < kNBlocksQ; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int j = op.j0 + 16 * warp + g + (e >> 1) * 8;  // token
-          const int i = op.q0 + 8 * n + 2 * t + (e & 1);      // query row
-          const bool vis = j < a.nkv && (!a.causal || j <= i + a.nkv - a.nq);
-          if (!vis) p[n][e] = 0.0f;
-        }
+        const int j = op.j0 + 16 * warp + g + (e >> 1) * 8;  // token
+        const int i = op.q0 + 8 * n + 2 * t + (e & 1);      // query row
+        const bool vis = j < a.nkv && (!a.causal || j <= i + a.nkv - a.nq);
+        if (!vis) p[n][e] = 0.0f;
       }
     }
   }
-  // dPᵀ = V dOᵀ -> dS = P ∘ (dP − delta).
+}
+
+// Steps 2-4's element-wise part: dS = P ∘ (dP − delta), the tile's P and |dS| maxima over
+// the kWarps warps (`red`: 2·kWarps floats, one __syncthreads), their scales and P̂ᵀ, dŜᵀ as
+// INT8 A fragments.
+__device__ __forceinline__ void finish_tile(const TileOperands& op, const float (&p)[kNBlocksQ][4],
+                                            const float (&dp)[kNBlocksQ][4], int warp, int lane,
+                                            float* red, TileFrags& f) {
+  const int t = lane & 3;
   float ds[kNBlocksQ][4];
   float amax_p = 0.0f, amax_ds = 0.0f;
-  {
-    float dp[kNBlocksQ][4] = {};
-    if constexpr (kQuantDov) {
-      int acc[kNBlocksQ][4] = {};
-      mma_rows_x64_s8<D / 32>(acc, op.v + 16 * warp * S::kI8, S::kI8, op.dov, S::kI8, lane);
 #pragma unroll
-      for (int n = 0; n < kNBlocksQ; ++n)
+  for (int n = 0; n < kNBlocksQ; ++n) {
+    const float2 dl = *reinterpret_cast<const float2*>(op.delta + 8 * n + 2 * t);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) dp[n][e] = i2f_exact(acc[n][e]) * op.s_dov;
-    } else {
-      mma_rows_16<T, D / 16, kNBlocksQ>(dp, op.v + 16 * warp * S::k16, S::k16, op.dov, S::k16, lane);
-    }
-#pragma unroll
-    for (int n = 0; n < kNBlocksQ; ++n) {
-      const float2 dl = *reinterpret_cast<const float2*>(op.delta + 8 * n + 2 * t);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        ds[n][e] = p[n][e] * (dp[n][e] - ((e & 1) ? dl.y : dl.x));
-        amax_p = fmaxf(amax_p, p[n][e]);
-        amax_ds = fmaxf(amax_ds, fabsf(ds[n][e]));
-      }
+    for (int e = 0; e < 4; ++e) {
+      ds[n][e] = p[n][e] * (dp[n][e] - ((e & 1) ? dl.y : dl.x));
+      amax_p = fmaxf(amax_p, p[n][e]);
+      amax_ds = fmaxf(amax_ds, fabsf(ds[n][e]));
     }
   }
   amax_p = warp_max(amax_p);
@@ -211,6 +201,34 @@ __device__ __forceinline__ void tile_step(const Args& a, const TileOperands& op,
   f.s_ds = numerics::linear_scale(amax_ds, common::kInt8Max);
   to_a_frags(p, int8_multiplier(amax_p), f.p);
   to_a_frags(ds, int8_multiplier(amax_ds), f.ds);
+}
+
+// Steps 1-4 for warp `warp` with mma.sync; `red` holds 2·kWarps floats. Ends after a
+// __syncthreads.
+template <typename T, int D, bool kQuantDov>
+__device__ __forceinline__ void tile_step(const Args& a, const TileOperands& op, int warp,
+                                          int lane, float* red, TileFrags& f) {
+  using S = Strides<D>;
+  // Sᵀ = K̂ Q̂ᵀ -> P.
+  float p[kNBlocksQ][4];
+  {
+    int acc[kNBlocksQ][4] = {};
+    mma_rows_x64_s8<D / 32>(acc, op.k8 + 16 * warp * S::kI8, S::kI8, op.q8, S::kI8, lane);
+    scores_to_p(a, op, acc, warp, lane, p);
+  }
+  // dPᵀ = V dOᵀ.
+  float dp[kNBlocksQ][4] = {};
+  if constexpr (kQuantDov) {
+    int acc[kNBlocksQ][4] = {};
+    mma_rows_x64_s8<D / 32>(acc, op.v + 16 * warp * S::kI8, S::kI8, op.dov, S::kI8, lane);
+#pragma unroll
+    for (int n = 0; n < kNBlocksQ; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dp[n][e] = i2f_exact(acc[n][e]) * op.s_dov;
+  } else {
+    mma_rows_16<T, D / 16, kNBlocksQ>(dp, op.v + 16 * warp * S::k16, S::k16, op.dov, S::k16, lane);
+  }
+  finish_tile(op, p, dp, warp, lane, red, f);
 }
 
 // C[16 KV rows × D] += A(the warp's P̂ᵀ or dŜᵀ) · B(D rows of 64 permuted Q rows)ᵀ, scaled:

@@ -1,0 +1,386 @@
+// The dK/dV kernel of the SageBwd backward on wgmma (sm_90a): the same work, order and
+// codes as dkdv_kernel (kernels.cuh), with the five products issued as warpgroup MMAs.
+//
+// One CTA of two warpgroups per (KV tile j, KV head, batch); warpgroup c owns KV rows
+// 64c..64c+63 of the tile, so warp w (0..7) owns rows 16w..16w+15 exactly as in the
+// mma.sync kernel, and the m64nN accumulator puts every (row, column) in the register
+// the m16n8 accumulator did: tile.cuh's element-wise steps serve both kernels unchanged.
+// Per Q block of every query head of the group:
+//   Sᵀ  = K̂_c·Q̂ᵀ      m64n64k32 s8, both from shared memory
+//   dPᵀ = V_c·dOᵀ     m64n64k16 bf16/f16 (or s8 with the quantized dO·Vᵀ)
+//   P, dS, the tile's maxima over both warpgroups, P̂ᵀ/dŜᵀ as register A fragments
+//   dV_c += P̂ᵀ·dÔ     m64n64k32 s8, A from registers; B = dÔᵀ rows (π order, permute.cuh)
+//   dK_c += dŜᵀ·Q̂     likewise with Q̂ᵀ
+//   dQ[:, half c] = dŜ·K̂   m64n(D/2)k32 s8: dŜ staged Q-row-major in shared memory
+// Each INT32 product carries its own per-tile scale, so it lands in a fresh temporary and
+// is folded into the FP32 accumulator (dK, dV: registers for the whole item; dQ: global
+// FP32 reductions, as the mma.sync kernel does).
+//
+// Operands reach shared memory by cp.async from every thread, written in the wgmma
+// swizzled layouts (rows of one swizzle span; 16-bit rows of 128 channels as two boxes of
+// 64), two stages of the Q side in flight. wgmma reads 8-bit operands K-major only: every
+// product above reads rows whose reduction dimension is contiguous, which the workspace
+// already stores (workspace.h).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "cuda/hopper/sync.cuh"
+#include "cuda/hopper/wgmma.cuh"
+#include "cuda/sagebwd/kernels.cuh"
+#include "cuda/sagebwd/tile.cuh"
+
+namespace qattn::sagebwd {
+
+using hopper::Swizzle;
+
+// The byte offset inside a swizzled tile at which logical offset o (row · span + byte)
+// lives: the 16-byte chunk index XOR the row index within the swizzle atom (CUTLASS's
+// Swizzle<B, 4, 3>). Tiles start on 1024-byte boundaries.
+template <Swizzle S>
+__device__ __forceinline__ uint32_t swizzled(uint32_t o) {
+  constexpr uint32_t mask = S == Swizzle::k128B ? 7 : S == Swizzle::k64B ? 3 : 1;
+  return o ^ (((o >> 7) & mask) << 4);
+}
+
+// The swizzle of rows of `bytes` bytes (64 or 128).
+template <int kBytes>
+inline constexpr Swizzle kSwizzleOf = kBytes == 128 ? Swizzle::k128B : Swizzle::k64B;
+
+// Copies `rows` rows of `row_bytes` into a swizzled tile; rows longer than the span go
+// to consecutive boxes of rows × span bytes (16-bit rows of 128 channels).
+template <Swizzle S>
+__device__ __forceinline__ void copy_tile(uint32_t dst, const void* src, int64_t src_stride,
+                                          int rows, int row_bytes) {
+  constexpr int kSpan = static_cast<int>(hopper::swizzle_bytes(S));
+  const int per_row = row_bytes / 16;
+  for (int c = threadIdx.x; c < rows * per_row; c += kThreads) {
+    const int r = c / per_row, k = 16 * (c % per_row);
+    const uint32_t box = static_cast<uint32_t>(k / kSpan) * rows * kSpan;
+    common::cp_async_16(dst + box + swizzled<S>(r * kSpan + k % kSpan),
+                        static_cast<const uint8_t*>(src) + r * src_stride + k);
+  }
+}
+
+template <int D, bool kQuantDov>
+struct WgSmem {
+  static constexpr int kRowI8 = D;                       // bytes of an INT8 row of D
+  static constexpr int kRowV = kQuantDov ? D : 2 * D;    // bytes of a V or dO row
+  static constexpr Swizzle kSwI8 = kSwizzleOf<D>;
+  static constexpr Swizzle kSwV = kQuantDov ? kSwizzleOf<D> : Swizzle::k128B;
+  // K side (once per CTA).
+  static constexpr int kK8 = 0;                                  // 128 × D
+  static constexpr int kKt = kK8 + kKvTileRows * D;              // D × 128 tokens (σ: natural)
+  static constexpr int kV = kKt + D * kKvTileRows;               // 128 × kRowV
+  static constexpr int kKSide = kV + kKvTileRows * kRowV;
+  // One Q-side stage.
+  static constexpr int kQ8 = 0;                                  // 64 × D
+  static constexpr int kDo = kQ8 + kQBlockRows * D;              // 64 × kRowV
+  static constexpr int kQt = kDo + kQBlockRows * kRowV;          // D × 64 (π order)
+  static constexpr int kDot = kQt + D * kQBlockRows;             // D × 64 (π order)
+  static constexpr int kLse2 = kDot + D * kQBlockRows;           // 64 floats
+  static constexpr int kDelta = kLse2 + kQBlockRows * 4;         // 64 floats
+  static constexpr int kStage = (kDelta + kQBlockRows * 4 + 1023) / 1024 * 1024;
+  static constexpr int kStages = 2;
+  static constexpr int kQSide = kKSide;                          // first stage
+  static constexpr int kDs = kQSide + kStages * kStage;          // 64 Q rows × 128 tokens
+  static constexpr int kRed = kDs + kQBlockRows * kKvTileRows;   // 2·kWarps floats
+  static constexpr int kBytes = kRed + 2 * kWarps * 4 + 1024;    // + alignment slack
+  static_assert(kKSide % 1024 == 0 && kStage % 1024 == 0, "wgmma tiles on 1024-byte bounds");
+};
+
+template <int D, bool kQuantDov>
+__device__ __forceinline__ void wg_load_k_side(const Args& a, uint32_t base, int64_t bhk,
+                                               int tile) {
+  using L = WgSmem<D, kQuantDov>;
+  const int j0 = tile * kKvTileRows;
+  copy_tile<L::kSwI8>(base + L::kK8, a.k_i8 + (bhk * a.nkv_pad + j0) * D, D, kKvTileRows, D);
+  copy_tile<Swizzle::k128B>(base + L::kKt, a.kt_i8 + bhk * D * a.nkv_pad + j0, a.nkv_pad, D,
+                            kKvTileRows);
+  const void* v = kQuantDov ? static_cast<const void*>(a.v_i8) : a.v_16;
+  copy_tile<L::kSwV>(base + L::kV,
+                     static_cast<const uint8_t*>(v) + (bhk * a.nkv_pad + j0) * L::kRowV, L::kRowV,
+                     kKvTileRows, L::kRowV);
+}
+
+template <int D, bool kQuantDov>
+__device__ __forceinline__ void wg_load_q_side(const Args& a, uint32_t base, int64_t bhq, int blk) {
+  using L = WgSmem<D, kQuantDov>;
+  const int q0 = blk * kQBlockRows;
+  const void* dov = kQuantDov ? static_cast<const void*>(a.do_i8) : a.do_16;
+  copy_tile<L::kSwI8>(base + L::kQ8, a.q_i8 + (bhq * a.nq_pad + q0) * D, D, kQBlockRows, D);
+  copy_tile<L::kSwV>(base + L::kDo,
+                     static_cast<const uint8_t*>(dov) + (bhq * a.nq_pad + q0) * L::kRowV,
+                     L::kRowV, kQBlockRows, L::kRowV);
+  copy_tile<Swizzle::k64B>(base + L::kQt, a.qt_i8 + bhq * D * a.nq_pad + q0, a.nq_pad, D,
+                           kQBlockRows);
+  copy_tile<Swizzle::k64B>(base + L::kDot, a.dot_i8 + bhq * D * a.nq_pad + q0, a.nq_pad, D,
+                           kQBlockRows);
+  for (int c = threadIdx.x; c < 2 * kQBlockRows / 4; c += kThreads) {
+    const float* src = c < kQBlockRows / 4 ? a.lse2 : a.delta;
+    const int k = c % (kQBlockRows / 4);
+    common::cp_async_16(base + L::kLse2 + 16 * c, src + bhq * a.nq_pad + q0 + 4 * k);
+  }
+}
+
+// A k-major shared tile's descriptor, at byte `offset` from a 1024-aligned base.
+template <Swizzle S>
+__device__ __forceinline__ uint64_t desc_at(const uint8_t* base, uint32_t offset) {
+  return hopper::make_smem_desc<S>(base + offset);
+}
+
+// out[8h + j][e] += scale · tmp[4j + e]: a 64-column INT32 product into the FP32 rows.
+template <int kCols>
+__device__ __forceinline__ void merge_cols(float (&out)[kCols / 8][4], const int32_t (&tmp)[32],
+                                           int h, float scale) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      out[8 * h + j][e] = fmaf(i2f_exact(tmp[4 * j + e]), scale, out[8 * h + j][e]);
+}
+
+__device__ __forceinline__ void fence_frags(uint32_t (&af)[2][4]) {
+  hopper::fence_operands(af[0]);
+  hopper::fence_operands(af[1]);
+}
+
+template <typename T, int D, bool kQuantDov>
+__global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
+  using L = WgSmem<D, kQuantDov>;
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  constexpr int kHalves = D / 64;   // 64-column halves of dK, dV
+  constexpr int kDqCols = D / 2;    // dQ columns per warpgroup
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024u - (hopper::smem_addr(smem_raw) & 1023u)) & 1023u);
+  const uint32_t s_base = hopper::smem_addr(smem);
+  float* red = reinterpret_cast<float*>(smem + L::kRed);
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+  const int wg = warp / 4, w4 = warp % 4;
+  const int tile = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  const int j0 = tile * kKvTileRows, tiles = a.nkv_pad / kKvTileRows;
+  const int blocks = a.nq_pad / kQBlockRows;
+  const int64_t bhk = static_cast<int64_t>(b) * a.heads_kv + hk;
+  int first = 0;  // as dkdv_kernel: the first Q block whose causal horizon reaches j0
+  if (a.causal) {
+    const int x = j0 - (kQBlockRows - 1) - a.nkv + a.nq;
+    first = x <= 0 ? 0 : (x + kQBlockRows - 1) / kQBlockRows;
+  }
+  const int active = blocks - first, work = a.group * active;
+  const float s_k = a.k_scale[bhk * tiles + tile];
+  const float s_v = kQuantDov ? a.v_scale[bhk * tiles + tile] : 0.0f;
+
+  wg_load_k_side<D, kQuantDov>(a, s_base, bhk, tile);
+  auto stage_off = [&](int w) { return static_cast<uint32_t>(L::kQSide + (w & 1) * L::kStage); };
+  auto bhq_of = [&](int w) { return static_cast<int64_t>(b) * a.heads_q + hk * a.group + w / active; };
+  if (work > 0) wg_load_q_side<D, kQuantDov>(a, s_base + stage_off(0), bhq_of(0), first);
+  common::cp_async_commit();
+
+  // The K side's descriptors: this warpgroup's 64 KV rows of K̂ and V; its D/2 rows of K̂ᵀ.
+  const uint64_t d_k8 = desc_at<L::kSwI8>(smem, L::kK8 + 64 * wg * L::kRowI8);
+  const uint64_t d_kt = desc_at<Swizzle::k128B>(smem, L::kKt + kDqCols * wg * kKvTileRows);
+  const uint64_t d_ds = desc_at<Swizzle::k128B>(smem, L::kDs);
+  // 16-bit V: boxes of 128 rows × 64 channels; this warpgroup's rows start 64 rows in.
+  const uint64_t d_v = desc_at<L::kSwV>(
+      smem, L::kV + 64 * wg * (kQuantDov ? L::kRowV : 128));
+
+  float dk[D / 8][4] = {}, dv[D / 8][4] = {};
+  for (int w = 0; w < work; ++w) {
+    common::cp_async_wait<0>();
+    hopper::fence_proxy_async();  // this thread's cp.async bytes, before wgmma reads them
+    __syncthreads();
+    if (w + 1 < work)
+      wg_load_q_side<D, kQuantDov>(a, s_base + stage_off(w + 1), bhq_of(w + 1), first + (w + 1) % active);
+    common::cp_async_commit();
+
+    const int blk = first + w % active;
+    const int64_t bhq = bhq_of(w);
+    const uint32_t st = stage_off(w);
+    const float* st_f = reinterpret_cast<const float*>(smem + st);
+    const float s_q = a.q_scale[bhq * blocks + blk], s_do = a.do_scale[bhq * blocks + blk];
+    TileOperands op{};
+    op.lse2 = st_f + L::kLse2 / 4;
+    op.delta = st_f + L::kDelta / 4;
+    op.s_qk = s_q * s_k;
+    op.s_dov = s_do * s_v;
+    op.q0 = blk * kQBlockRows;
+    op.j0 = j0;
+
+    // Sᵀ and dPᵀ, issued together.
+    int acc[kNBlocksQ][4];
+    float dp[kNBlocksQ][4];
+    auto& acc_flat = reinterpret_cast<int32_t(&)[32]>(acc);
+    auto& dp_flat = reinterpret_cast<float(&)[32]>(dp);
+    hopper::wgmma_fence();
+    {
+      const uint64_t d_q8 = desc_at<L::kSwI8>(smem, st + L::kQ8);
+      hopper::wgmma_m64n64k32_s8_ss<false>(acc_flat, d_k8, d_q8);
+#pragma unroll
+      for (int kk = 1; kk < D / 32; ++kk)
+        hopper::wgmma_m64n64k32_s8_ss<true>(acc_flat, hopper::desc_advance(d_k8, 32 * kk),
+                                            hopper::desc_advance(d_q8, 32 * kk));
+    }
+    int dpi[kNBlocksQ][4];
+    auto& dpi_flat = reinterpret_cast<int32_t(&)[32]>(dpi);
+    if constexpr (kQuantDov) {
+      const uint64_t d_do = desc_at<L::kSwV>(smem, st + L::kDo);
+      hopper::wgmma_m64n64k32_s8_ss<false>(dpi_flat, d_v, d_do);
+#pragma unroll
+      for (int kk = 1; kk < D / 32; ++kk)
+        hopper::wgmma_m64n64k32_s8_ss<true>(dpi_flat, hopper::desc_advance(d_v, 32 * kk),
+                                            hopper::desc_advance(d_do, 32 * kk));
+    } else {
+      // k-step kk: box kk / 4 (64 channels), 32 bytes per step inside it.
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t box = (kk / 4) * 128;
+        const uint64_t dv_k = hopper::desc_advance(d_v, 0) + ((box * kKvTileRows + 32 * (kk % 4)) >> 4);
+        const uint64_t do_k = desc_at<Swizzle::k128B>(smem, st + L::kDo + box * kQBlockRows + 32 * (kk % 4));
+        if (kk == 0)
+          hopper::wgmma_m64n64k16_f32_ss<kBf16, false>(dp_flat, dv_k, do_k);
+        else
+          hopper::wgmma_m64n64k16_f32_ss<kBf16, true>(dp_flat, dv_k, do_k);
+      }
+    }
+    hopper::wgmma_commit();
+    hopper::wgmma_wait<0>();
+    hopper::fence_operands(acc_flat);
+    if constexpr (kQuantDov) {
+      hopper::fence_operands(dpi_flat);
+#pragma unroll
+      for (int n = 0; n < kNBlocksQ; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dp[n][e] = i2f_exact(dpi[n][e]) * op.s_dov;
+    } else {
+      hopper::fence_operands(dp_flat);
+    }
+
+    float p[kNBlocksQ][4];
+    scores_to_p(a, op, acc, warp, lane, p);
+    TileFrags f;
+    finish_tile(op, p, dp, warp, lane, red, f);
+
+    // dŜ, Q-row-major, for dQ = dŜ·K̂ (the mma.sync kernel's store_ds_rows, swizzled).
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int tok = 16 * warp + g + (r & 1) * 8;
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int qc = 32 * kk + k_slot_row(16 * (r >> 1) + 4 * t + u);
+          smem[L::kDs + swizzled<Swizzle::k128B>(qc * kKvTileRows + tok)] =
+              static_cast<uint8_t>(f.ds[kk][r] >> (8 * u));
+        }
+      }
+    hopper::fence_proxy_async();
+    __syncthreads();
+
+    // dV += P̂ᵀ·dÔ, dK += dŜᵀ·Q̂ by 64-column halves, then dQ; two INT32 temporaries, each
+    // merged as soon as its product is done while the next one runs.
+    const float sc_dv = f.s_p * s_do, sc_dk = a.sm_scale * (f.s_ds * s_q);
+    const float sc_dq = a.sm_scale * (f.s_ds * s_k);
+    const uint64_t d_dot = desc_at<Swizzle::k64B>(smem, st + L::kDot);
+    const uint64_t d_qt = desc_at<Swizzle::k64B>(smem, st + L::kQt);
+    auto product_kv = [&](int32_t(&tmp)[32], const uint32_t(&af)[2][4], uint64_t d_b, int h) {
+      // Half h: rows 64h.. of the D × 64 tile (64 bytes each).
+      const uint64_t d_h = hopper::desc_advance(d_b, 64 * 64 * h);
+      hopper::wgmma_fence();
+      hopper::wgmma_m64n64k32_s8_rs<false>(tmp, af[0], d_h);
+      hopper::wgmma_m64n64k32_s8_rs<true>(tmp, af[1], hopper::desc_advance(d_h, 32));
+      hopper::wgmma_commit();
+    };
+    int32_t ta[32], tb[32];
+    int32_t tq[kDqCols / 2];
+    auto product_dq = [&]() {
+      hopper::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kKvTileRows / 32; ++kk) {
+        const uint64_t da = hopper::desc_advance(d_ds, 32 * kk);
+        const uint64_t db = hopper::desc_advance(d_kt, 32 * kk);
+        if constexpr (kDqCols == 64) {
+          if (kk == 0)
+            hopper::wgmma_m64n64k32_s8_ss<false>(reinterpret_cast<int32_t(&)[32]>(tq), da, db);
+          else
+            hopper::wgmma_m64n64k32_s8_ss<true>(reinterpret_cast<int32_t(&)[32]>(tq), da, db);
+        } else {
+          if (kk == 0)
+            hopper::wgmma_m64n32k32_s8_ss<false>(reinterpret_cast<int32_t(&)[16]>(tq), da, db);
+          else
+            hopper::wgmma_m64n32k32_s8_ss<true>(reinterpret_cast<int32_t(&)[16]>(tq), da, db);
+        }
+      }
+      hopper::wgmma_commit();
+    };
+    if constexpr (kHalves == 2) {
+      product_kv(ta, f.p, d_dot, 0);
+      product_kv(tb, f.p, d_dot, 1);
+      hopper::wgmma_wait<1>();
+      hopper::fence_operands(ta);
+      merge_cols<D>(dv, ta, 0, sc_dv);
+      product_kv(ta, f.ds, d_qt, 0);
+      hopper::wgmma_wait<1>();
+      fence_frags(f.p);  // the fragments stay allocated until their last reader is done
+      hopper::fence_operands(tb);
+      merge_cols<D>(dv, tb, 1, sc_dv);
+      product_kv(tb, f.ds, d_qt, 1);
+      hopper::wgmma_wait<1>();
+      hopper::fence_operands(ta);
+      merge_cols<D>(dk, ta, 0, sc_dk);
+      product_dq();
+      hopper::wgmma_wait<1>();
+      fence_frags(f.ds);
+      hopper::fence_operands(tb);
+      merge_cols<D>(dk, tb, 1, sc_dk);
+    } else {
+      product_kv(ta, f.p, d_dot, 0);
+      product_kv(tb, f.ds, d_qt, 0);
+      hopper::wgmma_wait<1>();
+      fence_frags(f.p);
+      hopper::fence_operands(ta);
+      merge_cols<D>(dv, ta, 0, sc_dv);
+      product_dq();
+      hopper::wgmma_wait<1>();
+      fence_frags(f.ds);
+      hopper::fence_operands(tb);
+      merge_cols<D>(dk, tb, 0, sc_dk);
+    }
+    hopper::wgmma_wait<0>();
+    hopper::fence_operands(tq);
+    // dQ rows 16·w4 + g (+8) of the block, columns kDqCols·wg + 8j + 2t (+1).
+    float* dq = a.dq_acc + (bhq * a.nq_pad + op.q0 + 16 * w4 + g) * D + kDqCols * wg + 2 * t;
+#pragma unroll
+    for (int j = 0; j < kDqCols / 8; ++j)
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2)
+        common::red_add_v2(dq + 8 * h2 * D + 8 * j, i2f_exact(tq[4 * j + 2 * h2]) * sc_dq,
+                           i2f_exact(tq[4 * j + 2 * h2 + 1]) * sc_dq);
+  }
+
+  // dK_j, dV_j: rows 16·warp + g (+8), columns 8n + 2t (+1), as dkdv_kernel.
+#pragma unroll
+  for (int h2 = 0; h2 < 2; ++h2) {
+    const int tok = j0 + 16 * warp + g + 8 * h2;
+    if (tok >= a.nkv) continue;
+    T* dkr = static_cast<T*>(a.dk.data) + b * a.dk.sb + hk * a.dk.sh + static_cast<int64_t>(tok) * a.dk.sn;
+    T* dvr = static_cast<T*>(a.dv.data) + b * a.dv.sb + hk * a.dv.sh + static_cast<int64_t>(tok) * a.dv.sn;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = 8 * n + 2 * t + e;
+        if (col < a.d) {
+          store_out(dkr + col, dk[n][2 * h2 + e]);
+          store_out(dvr + col, dv[n][2 * h2 + e]);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace qattn::sagebwd
