@@ -5,6 +5,8 @@
     o = qattn.attention(q, k, v, is_causal=True, layout="NHD")       # qattn's own options (layout, LSE, alignment,
                                                                      # window_size, kv_lengths, attn_mask)
     o = qattn.sageattn(q, k, v, tensor_layout="NHD")                 # drop-in for SageAttention's sageattn
+    o = qattn.varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k,    # flash_attn_varlen_func's arguments:
+                               causal=True)                          # packed (total, H, d) sequences
 
 Inference with a quantized paged KV cache (docs/kv-cache.md; qattn.kv_cache's docstring
 has a generation loop):
@@ -69,6 +71,7 @@ else:
     )
     from .kv_cache import KVCache, decode  # noqa: F401
     from .sdpa import get_fallback, scaled_dot_product_attention, set_fallback  # noqa: F401
+    from .varlen import varlen_attention  # noqa: F401
 
     __all__ += [
         "KVCache",
@@ -81,4 +84,5 @@ else:
         "scaled_dot_product_attention",
         "set_backward_options",
         "set_fallback",
+        "varlen_attention",
     ]
