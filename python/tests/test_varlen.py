@@ -4,7 +4,7 @@ arguments).
 CPU parts (torch on the CPU and qattn._C): the signature against FlashAttention's, every
 named error of a bad call (tensors, offsets, max lengths, the options qattn has not), the
 FP32 math of the CPU path against an FP64 reference computed per sequence with a mask
-built element by element from the rule (causal and windows bottom-right or top-left per
+written here from the rule (causal and windows bottom-right or top-left per
 sequence, GQA, lengths 1, tails, empty sequences), its gradients against FP64 autograd,
 the fallback mode on the CPU, and the LSE's shape and layout.
 
@@ -76,16 +76,20 @@ def pack(lengths_q, lengths_k, hq, hkv, d, seed, dtype=torch.bfloat16, device="c
 
 
 def rule_mask(nq, nkv, causal, window, alignment):
-    """The visible keys of one sequence, element by element from qattn.h's rule."""
+    """The visible keys of one sequence, written from qattn.h's rule (not from
+    ops._visible_keys, which the CPU path uses): row i's diagonal key D(i) = i + nkv - nq
+    (bottom-right) or i; key j visible iff D(i) - left <= j <= D(i) + right where set."""
     left, right = window
     if causal:
         right = 0
-    seen = torch.zeros(nq, nkv, dtype=torch.bool)
-    for i in range(nq):
-        diag = i + (nkv - nq if alignment == "bottom_right" else 0)
-        for j in range(nkv):
-            ok = (right < 0 or j <= diag + right) and (left < 0 or j >= diag - left)
-            seen[i, j] = ok
+    i = torch.arange(nq)[:, None]
+    j = torch.arange(nkv)[None, :]
+    diag = i + (nkv - nq if alignment == "bottom_right" else 0)
+    seen = torch.ones(nq, nkv, dtype=torch.bool)
+    if right >= 0:
+        seen &= j <= diag + right
+    if left >= 0:
+        seen &= j >= diag - left
     return seen
 
 
