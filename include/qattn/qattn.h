@@ -186,7 +186,9 @@ typedef struct qattn_fwd_params {
    * host (it does not synchronize), so their values are not checked by the call: a
    * varlen kernel clamps every offset to [0, total] and every sequence's end to at least
    * its start, so a bad array gives wrong rows, never an access outside the buffers.
-   * The Python layer (qattn.varlen_attention) checks the values. kv_lengths and
+   * The same holds for a max length below a real length (a caller error the call cannot
+   * see): that sequence's output is unspecified, nothing outside the buffers is
+   * touched. The Python layer (qattn.varlen_attention) checks the values. kv_lengths and
    * attn_mask are not taken with a packed batch (QATTN_ERROR_INVALID_ARGUMENT).
    * No kernel family runs a packed batch in this version: such a call is
    * QATTN_ERROR_UNSUPPORTED, its message naming the family's reason
