@@ -18,7 +18,7 @@
 //
 // Operands reach shared memory by cp.async from every thread, written in the wgmma
 // swizzled layouts (rows of one swizzle span; 16-bit rows of 128 channels as two boxes of
-// 64), two stages of the Q side in flight. wgmma reads 8-bit operands K-major only: every
+// 64), three stages of the Q side in flight. wgmma reads 8-bit operands K-major only: every
 // product above reads rows whose reduction dimension is contiguous, which the workspace
 // already stores (workspace.h).
 #pragma once
@@ -51,19 +51,24 @@ __device__ __forceinline__ uint32_t swizzled(uint32_t o) {
 template <int kBytes>
 inline constexpr Swizzle kSwizzleOf = kBytes == 128 ? Swizzle::k128B : Swizzle::k64B;
 
-// Copies `rows` rows of `row_bytes` into a swizzled tile; rows longer than the span go
-// to consecutive boxes of rows × span bytes (16-bit rows of 128 channels).
-template <Swizzle S>
-__device__ __forceinline__ void copy_tile(uint32_t dst, const void* src, int64_t src_stride,
-                                          int rows, int row_bytes) {
+// Copies kRows rows of kRowBytes into a swizzled tile; rows longer than the span go to
+// consecutive boxes of kRows × span bytes (16-bit rows of 128 channels). Every thread
+// copies the same 16-byte column of rows r0, r0 + kRowsPerPass, ...: the passes step by
+// whole swizzle atoms, so the swizzled offset is the thread's own plus a constant.
+template <Swizzle S, int kRows, int kRowBytes>
+__device__ __forceinline__ void copy_tile(uint32_t dst, const void* src, int64_t src_stride) {
   constexpr int kSpan = static_cast<int>(hopper::swizzle_bytes(S));
-  const int per_row = row_bytes / 16;
-  for (int c = threadIdx.x; c < rows * per_row; c += kThreads) {
-    const int r = c / per_row, k = 16 * (c % per_row);
-    const uint32_t box = static_cast<uint32_t>(k / kSpan) * rows * kSpan;
-    common::cp_async_16(dst + box + swizzled<S>(r * kSpan + k % kSpan),
-                        static_cast<const uint8_t*>(src) + r * src_stride + k);
-  }
+  constexpr int kPerRow = kRowBytes / 16;
+  constexpr int kRowsPerPass = kThreads / kPerRow;
+  static_assert(kThreads % kPerRow == 0 && kRows % kRowsPerPass == 0 && kRowsPerPass % 8 == 0,
+                "whole passes of whole swizzle atoms");
+  const int r0 = threadIdx.x / kPerRow, k = 16 * (threadIdx.x % kPerRow);
+  const uint32_t to = dst + (k / kSpan) * kRows * kSpan + swizzled<S>(r0 * kSpan + k % kSpan);
+  const uint8_t* from = static_cast<const uint8_t*>(src) + r0 * src_stride + k;
+  const int64_t step = kRowsPerPass * src_stride;
+#pragma unroll
+  for (int i = 0; i < kRows / kRowsPerPass; ++i)
+    common::cp_async_16(to + i * kRowsPerPass * kSpan, from + i * step);
 }
 
 template <int D, bool kQuantDov>
@@ -85,7 +90,7 @@ struct WgSmem {
   static constexpr int kLse2 = kDot + D * kQBlockRows;           // 64 floats
   static constexpr int kDelta = kLse2 + kQBlockRows * 4;         // 64 floats
   static constexpr int kStage = (kDelta + kQBlockRows * 4 + 1023) / 1024 * 1024;
-  static constexpr int kStages = 2;
+  static constexpr int kStages = 3;
   static constexpr int kQSide = kKSide;                          // first stage
   static constexpr int kDs = kQSide + kStages * kStage;          // 64 Q rows × 128 tokens
   static constexpr int kRed = kDs + kQBlockRows * kKvTileRows;   // 2·kWarps floats
@@ -98,13 +103,12 @@ __device__ __forceinline__ void wg_load_k_side(const Args& a, uint32_t base, int
                                                int tile) {
   using L = WgSmem<D, kQuantDov>;
   const int j0 = tile * kKvTileRows;
-  copy_tile<L::kSwI8>(base + L::kK8, a.k_i8 + (bhk * a.nkv_pad + j0) * D, D, kKvTileRows, D);
-  copy_tile<Swizzle::k128B>(base + L::kKt, a.kt_i8 + bhk * D * a.nkv_pad + j0, a.nkv_pad, D,
-                            kKvTileRows);
+  copy_tile<L::kSwI8, kKvTileRows, D>(base + L::kK8, a.k_i8 + (bhk * a.nkv_pad + j0) * D, D);
+  copy_tile<Swizzle::k128B, D, kKvTileRows>(base + L::kKt, a.kt_i8 + bhk * D * a.nkv_pad + j0,
+                                            a.nkv_pad);
   const void* v = kQuantDov ? static_cast<const void*>(a.v_i8) : a.v_16;
-  copy_tile<L::kSwV>(base + L::kV,
-                     static_cast<const uint8_t*>(v) + (bhk * a.nkv_pad + j0) * L::kRowV, L::kRowV,
-                     kKvTileRows, L::kRowV);
+  copy_tile<L::kSwV, kKvTileRows, L::kRowV>(
+      base + L::kV, static_cast<const uint8_t*>(v) + (bhk * a.nkv_pad + j0) * L::kRowV, L::kRowV);
 }
 
 template <int D, bool kQuantDov>
@@ -112,26 +116,44 @@ __device__ __forceinline__ void wg_load_q_side(const Args& a, uint32_t base, int
   using L = WgSmem<D, kQuantDov>;
   const int q0 = blk * kQBlockRows;
   const void* dov = kQuantDov ? static_cast<const void*>(a.do_i8) : a.do_16;
-  copy_tile<L::kSwI8>(base + L::kQ8, a.q_i8 + (bhq * a.nq_pad + q0) * D, D, kQBlockRows, D);
-  copy_tile<L::kSwV>(base + L::kDo,
-                     static_cast<const uint8_t*>(dov) + (bhq * a.nq_pad + q0) * L::kRowV,
-                     L::kRowV, kQBlockRows, L::kRowV);
-  copy_tile<Swizzle::k64B>(base + L::kQt, a.qt_i8 + bhq * D * a.nq_pad + q0, a.nq_pad, D,
-                           kQBlockRows);
-  copy_tile<Swizzle::k64B>(base + L::kDot, a.dot_i8 + bhq * D * a.nq_pad + q0, a.nq_pad, D,
-                           kQBlockRows);
-  for (int c = threadIdx.x; c < 2 * kQBlockRows / 4; c += kThreads) {
+  copy_tile<L::kSwI8, kQBlockRows, D>(base + L::kQ8, a.q_i8 + (bhq * a.nq_pad + q0) * D, D);
+  copy_tile<L::kSwV, kQBlockRows, L::kRowV>(
+      base + L::kDo, static_cast<const uint8_t*>(dov) + (bhq * a.nq_pad + q0) * L::kRowV, L::kRowV);
+  copy_tile<Swizzle::k64B, D, kQBlockRows>(base + L::kQt, a.qt_i8 + bhq * D * a.nq_pad + q0,
+                                           a.nq_pad);
+  copy_tile<Swizzle::k64B, D, kQBlockRows>(base + L::kDot, a.dot_i8 + bhq * D * a.nq_pad + q0,
+                                           a.nq_pad);
+  if (const int c = threadIdx.x; c < 2 * kQBlockRows / 4) {  // lse2, then delta
     const float* src = c < kQBlockRows / 4 ? a.lse2 : a.delta;
-    const int k = c % (kQBlockRows / 4);
-    common::cp_async_16(base + L::kLse2 + 16 * c, src + bhq * a.nq_pad + q0 + 4 * k);
+    common::cp_async_16(base + L::kLse2 + 16 * c, src + bhq * a.nq_pad + q0 + 4 * (c % 16));
   }
 }
 
-// A k-major shared tile's descriptor, at byte `offset` from a 1024-aligned base.
-template <Swizzle S>
-__device__ __forceinline__ uint64_t desc_at(const uint8_t* base, uint32_t offset) {
-  return hopper::make_smem_desc<S>(base + offset);
-}
+// wgmma shared-memory descriptors of K-major swizzled tiles (hopper::make_smem_desc's
+// fields), built by integer adds: `lo` holds the 1024-aligned base's start-address field
+// (bits 0-13, address / 16) and LBO = 1; a tile `offset` bytes in adds offset / 16, which
+// never carries out of the field (shared memory is below 2^18 bytes).
+struct SmemDescs {
+  uint32_t lo;
+  template <Swizzle S>
+  __device__ __forceinline__ uint64_t at(uint32_t offset) const {
+    constexpr uint32_t hi = ((8 * hopper::swizzle_bytes(S)) >> 4) |
+                            (static_cast<uint32_t>(S) << 30);  // SBO, layout type
+    return (static_cast<uint64_t>(hi) << 32) | (lo + (offset >> 4));
+  }
+};
+
+// The (query head, Q block) of the CTA's work items in order: every query head of the
+// KV head's group, each over the Q blocks first..blocks-1 that see the tile.
+struct WorkCursor {
+  int h, blk;
+  __device__ __forceinline__ void advance(int first, int blocks) {
+    if (++blk == blocks) {
+      blk = first;
+      ++h;
+    }
+  }
+};
 
 // out[8h + j][e] += scale · tmp[4j + e]: a 64-column INT32 product into the FP32 rows.
 template <int kCols>
@@ -175,34 +197,52 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
   const float s_k = a.k_scale[bhk * tiles + tile];
   const float s_v = kQuantDov ? a.v_scale[bhk * tiles + tile] : 0.0f;
 
+  const int64_t bh0 = static_cast<int64_t>(b) * a.heads_q + hk * a.group;
+  auto stage_off = [&](int st) { return static_cast<uint32_t>(L::kQSide + st * L::kStage); };
+  auto load_q = [&](int st, const WorkCursor& c) {
+    wg_load_q_side<D, kQuantDov>(a, s_base + stage_off(st), bh0 + c.h, c.blk);
+  };
+  // Stages 0 and 1 before the loop; step w loads step w + 2's after its amax barrier, when
+  // every thread is past step w - 1, the last reader of that stage, and waits for step
+  // w + 1's before its dŜ barrier, which then also publishes those bytes.
+  WorkCursor cur{0, first}, ld = cur;
   wg_load_k_side<D, kQuantDov>(a, s_base, bhk, tile);
-  auto stage_off = [&](int w) { return static_cast<uint32_t>(L::kQSide + (w & 1) * L::kStage); };
-  auto bhq_of = [&](int w) { return static_cast<int64_t>(b) * a.heads_q + hk * a.group + w / active; };
-  if (work > 0) wg_load_q_side<D, kQuantDov>(a, s_base + stage_off(0), bhq_of(0), first);
+  if (work > 0) load_q(0, ld);
   common::cp_async_commit();
+  ld.advance(first, blocks);
+  if (work > 1) load_q(1, ld);
+  common::cp_async_commit();
+  ld.advance(first, blocks);
+  common::cp_async_wait<1>();
+  hopper::fence_proxy_async();  // this thread's cp.async bytes, before wgmma reads them
+  __syncthreads();
 
+  const SmemDescs desc{(1u << 16) | ((s_base & 0x3FFFFu) >> 4)};
   // The K side's descriptors: this warpgroup's 64 KV rows of K̂ and V; its D/2 rows of K̂ᵀ.
-  const uint64_t d_k8 = desc_at<L::kSwI8>(smem, L::kK8 + 64 * wg * L::kRowI8);
-  const uint64_t d_kt = desc_at<Swizzle::k128B>(smem, L::kKt + kDqCols * wg * kKvTileRows);
-  const uint64_t d_ds = desc_at<Swizzle::k128B>(smem, L::kDs);
+  const uint64_t d_k8 = desc.at<L::kSwI8>(L::kK8 + 64 * wg * L::kRowI8);
+  const uint64_t d_kt = desc.at<Swizzle::k128B>(L::kKt + kDqCols * wg * kKvTileRows);
+  const uint64_t d_ds = desc.at<Swizzle::k128B>(L::kDs);
   // 16-bit V: boxes of 128 rows × 64 channels; this warpgroup's rows start 64 rows in.
-  const uint64_t d_v = desc_at<L::kSwV>(
-      smem, L::kV + 64 * wg * (kQuantDov ? L::kRowV : 128));
+  const uint64_t d_v = desc.at<L::kSwV>(L::kV + 64 * wg * (kQuantDov ? L::kRowV : 128));
 
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
+  float s_q_next = 0.0f, s_do_next = 0.0f;
+  if (work > 0) {
+    s_q_next = a.q_scale[(bh0 + cur.h) * blocks + cur.blk];
+    s_do_next = a.do_scale[(bh0 + cur.h) * blocks + cur.blk];
+  }
+  int sidx = 0;  // the stage of step w: w mod kStages
   for (int w = 0; w < work; ++w) {
-    common::cp_async_wait<0>();
-    hopper::fence_proxy_async();  // this thread's cp.async bytes, before wgmma reads them
-    __syncthreads();
-    if (w + 1 < work)
-      wg_load_q_side<D, kQuantDov>(a, s_base + stage_off(w + 1), bhq_of(w + 1), first + (w + 1) % active);
-    common::cp_async_commit();
-
-    const int blk = first + w % active;
-    const int64_t bhq = bhq_of(w);
-    const uint32_t st = stage_off(w);
+    const int blk = cur.blk;
+    const int64_t bhq = bh0 + cur.h;
+    const uint32_t st = stage_off(sidx);
     const float* st_f = reinterpret_cast<const float*>(smem + st);
-    const float s_q = a.q_scale[bhq * blocks + blk], s_do = a.do_scale[bhq * blocks + blk];
+    const float s_q = s_q_next, s_do = s_do_next;
+    cur.advance(first, blocks);
+    if (w + 1 < work) {  // the next step's scales, read while this one runs
+      s_q_next = a.q_scale[(bh0 + cur.h) * blocks + cur.blk];
+      s_do_next = a.do_scale[(bh0 + cur.h) * blocks + cur.blk];
+    }
     TileOperands op{};
     op.lse2 = st_f + L::kLse2 / 4;
     op.delta = st_f + L::kDelta / 4;
@@ -211,24 +251,25 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
     op.q0 = blk * kQBlockRows;
     op.j0 = j0;
 
-    // Sᵀ and dPᵀ, issued together.
+    // Sᵀ, then dPᵀ: two groups, so P is computed while dPᵀ runs.
     int acc[kNBlocksQ][4];
     float dp[kNBlocksQ][4];
     auto& acc_flat = reinterpret_cast<int32_t(&)[32]>(acc);
     auto& dp_flat = reinterpret_cast<float(&)[32]>(dp);
     hopper::wgmma_fence();
     {
-      const uint64_t d_q8 = desc_at<L::kSwI8>(smem, st + L::kQ8);
+      const uint64_t d_q8 = desc.at<L::kSwI8>(st + L::kQ8);
       hopper::wgmma_m64n64k32_s8_ss<false>(acc_flat, d_k8, d_q8);
 #pragma unroll
       for (int kk = 1; kk < D / 32; ++kk)
         hopper::wgmma_m64n64k32_s8_ss<true>(acc_flat, hopper::desc_advance(d_k8, 32 * kk),
                                             hopper::desc_advance(d_q8, 32 * kk));
     }
+    hopper::wgmma_commit();
     int dpi[kNBlocksQ][4];
     auto& dpi_flat = reinterpret_cast<int32_t(&)[32]>(dpi);
     if constexpr (kQuantDov) {
-      const uint64_t d_do = desc_at<L::kSwV>(smem, st + L::kDo);
+      const uint64_t d_do = desc.at<L::kSwV>(st + L::kDo);
       hopper::wgmma_m64n64k32_s8_ss<false>(dpi_flat, d_v, d_do);
 #pragma unroll
       for (int kk = 1; kk < D / 32; ++kk)
@@ -240,7 +281,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
       for (int kk = 0; kk < D / 16; ++kk) {
         const uint32_t box = (kk / 4) * 128;
         const uint64_t dv_k = hopper::desc_advance(d_v, 0) + ((box * kKvTileRows + 32 * (kk % 4)) >> 4);
-        const uint64_t do_k = desc_at<Swizzle::k128B>(smem, st + L::kDo + box * kQBlockRows + 32 * (kk % 4));
+        const uint64_t do_k = desc.at<Swizzle::k128B>(st + L::kDo + box * kQBlockRows + 32 * (kk % 4));
         if (kk == 0)
           hopper::wgmma_m64n64k16_f32_ss<kBf16, false>(dp_flat, dv_k, do_k);
         else
@@ -248,8 +289,12 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
       }
     }
     hopper::wgmma_commit();
-    hopper::wgmma_wait<0>();
+    // P while dPᵀ runs.
+    hopper::wgmma_wait<1>();
     hopper::fence_operands(acc_flat);
+    float p[kNBlocksQ][4];
+    scores_to_p(a, op, acc, warp, lane, p);
+    hopper::wgmma_wait<0>();
     if constexpr (kQuantDov) {
       hopper::fence_operands(dpi_flat);
 #pragma unroll
@@ -259,11 +304,11 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
     } else {
       hopper::fence_operands(dp_flat);
     }
-
-    float p[kNBlocksQ][4];
-    scores_to_p(a, op, acc, warp, lane, p);
     TileFrags f;
     finish_tile(op, p, dp, warp, lane, red, f);
+    if (w + 2 < work) load_q(sidx == 0 ? L::kStages - 1 : sidx - 1, ld);  // (w + 2) mod 3
+    common::cp_async_commit();
+    ld.advance(first, blocks);
 
     // dŜ, Q-row-major, for dQ = dŜ·K̂ (the mma.sync kernel's store_ds_rows, swizzled).
 #pragma unroll
@@ -278,15 +323,16 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
               static_cast<uint8_t>(f.ds[kk][r] >> (8 * u));
         }
       }
-    hopper::fence_proxy_async();
+    common::cp_async_wait<1>();  // step w + 1's stage (the newest group is w + 2's)
+    hopper::fence_proxy_async();  // dŜ and those bytes, before wgmma reads them
     __syncthreads();
 
     // dV += P̂ᵀ·dÔ, dK += dŜᵀ·Q̂ by 64-column halves, then dQ; two INT32 temporaries, each
     // merged as soon as its product is done while the next one runs.
     const float sc_dv = f.s_p * s_do, sc_dk = a.sm_scale * (f.s_ds * s_q);
     const float sc_dq = a.sm_scale * (f.s_ds * s_k);
-    const uint64_t d_dot = desc_at<Swizzle::k64B>(smem, st + L::kDot);
-    const uint64_t d_qt = desc_at<Swizzle::k64B>(smem, st + L::kQt);
+    const uint64_t d_dot = desc.at<Swizzle::k64B>(st + L::kDot);
+    const uint64_t d_qt = desc.at<Swizzle::k64B>(st + L::kQt);
     auto product_kv = [&](int32_t(&tmp)[32], const uint32_t(&af)[2][4], uint64_t d_b, int h) {
       // Half h: rows 64h.. of the D × 64 tile (64 bytes each).
       const uint64_t d_h = hopper::desc_advance(d_b, 64 * 64 * h);
@@ -360,6 +406,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
       for (int h2 = 0; h2 < 2; ++h2)
         common::red_add_v2(dq + 8 * h2 * D + 8 * j, i2f_exact(tq[4 * j + 2 * h2]) * sc_dq,
                            i2f_exact(tq[4 * j + 2 * h2 + 1]) * sc_dq);
+    sidx = sidx == L::kStages - 1 ? 0 : sidx + 1;
   }
 
   // dK_j, dV_j: rows 16·warp + g (+8), columns 8n + 2t (+1), as dkdv_kernel.
