@@ -1,5 +1,6 @@
-// The dK/dV kernel of the SageBwd backward on wgmma (sm_90a): the same work, order and
-// codes as dkdv_kernel (kernels.cuh), with the five products issued as warpgroup MMAs.
+// The dK/dV kernel of the SageBwd backward on wgmma (sm_90a): the emulator's steps in its
+// order and codes (src/emulate/sagebwd.h), the five products as warpgroup MMAs. It
+// replaced an mma.sync kernel of the same data flow (bench/NOTES.md v23, v28).
 //
 // One CTA of two warpgroups per (KV tile j, KV head, batch); warpgroup c owns KV rows
 // 64c..64c+63 of the tile, so warp w (0..7) owns rows 16w..16w+15 exactly as in the
@@ -171,7 +172,9 @@ __device__ __forceinline__ void fence_frags(uint32_t (&af)[2][4]) {
   hopper::fence_operands(af[1]);
 }
 
-template <typename T, int D, bool kQuantDov>
+// kAtomicDq: also dQ, added into the FP32 accumulator with reductions; without it (the
+// deterministic mode) dq_kernel computes dQ and this kernel skips dŜ's staging and dQ.
+template <typename T, int D, bool kQuantDov, bool kAtomicDq>
 __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
   using L = WgSmem<D, kQuantDov>;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
@@ -188,7 +191,9 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
   const int j0 = tile * kKvTileRows, tiles = a.nkv_pad / kKvTileRows;
   const int blocks = a.nq_pad / kQBlockRows;
   const int64_t bhk = static_cast<int64_t>(b) * a.heads_kv + hk;
-  int first = 0;  // as dkdv_kernel: the first Q block whose causal horizon reaches j0
+  // Causal (bottom-right): block blk sees the tile when its last row's horizon
+  // q0 + 63 + nkv - nq reaches j0.
+  int first = 0;
   if (a.causal) {
     const int x = j0 - (kQBlockRows - 1) - a.nkv + a.nq;
     first = x <= 0 ? 0 : (x + kQBlockRows - 1) / kQBlockRows;
@@ -311,6 +316,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
     ld.advance(first, blocks);
 
     // dŜ, Q-row-major, for dQ = dŜ·K̂ (the mma.sync kernel's store_ds_rows, swizzled).
+    if constexpr (kAtomicDq)
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk)
 #pragma unroll
@@ -344,6 +350,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
     int32_t ta[32], tb[32];
     int32_t tq[kDqCols / 2];
     auto product_dq = [&]() {
+      if constexpr (!kAtomicDq) return;
       hopper::wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kKvTileRows / 32; ++kk) {
@@ -379,7 +386,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
       hopper::fence_operands(ta);
       merge_cols<D>(dk, ta, 0, sc_dk);
       product_dq();
-      hopper::wgmma_wait<1>();
+      hopper::wgmma_wait<kAtomicDq ? 1 : 0>();
       fence_frags(f.ds);
       hopper::fence_operands(tb);
       merge_cols<D>(dk, tb, 1, sc_dk);
@@ -391,12 +398,13 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
       hopper::fence_operands(ta);
       merge_cols<D>(dv, ta, 0, sc_dv);
       product_dq();
-      hopper::wgmma_wait<1>();
+      hopper::wgmma_wait<kAtomicDq ? 1 : 0>();
       fence_frags(f.ds);
       hopper::fence_operands(tb);
       merge_cols<D>(dk, tb, 0, sc_dk);
     }
     hopper::wgmma_wait<0>();
+    if constexpr (kAtomicDq) {
     hopper::fence_operands(tq);
     // dQ rows 16·w4 + g (+8) of the block, columns kDqCols·wg + 8j + 2t (+1).
     float* dq = a.dq_acc + (bhq * a.nq_pad + op.q0 + 16 * w4 + g) * D + kDqCols * wg + 2 * t;
@@ -406,10 +414,11 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
       for (int h2 = 0; h2 < 2; ++h2)
         common::red_add_v2(dq + 8 * h2 * D + 8 * j, i2f_exact(tq[4 * j + 2 * h2]) * sc_dq,
                            i2f_exact(tq[4 * j + 2 * h2 + 1]) * sc_dq);
+    }
     sidx = sidx == L::kStages - 1 ? 0 : sidx + 1;
   }
 
-  // dK_j, dV_j: rows 16·warp + g (+8), columns 8n + 2t (+1), as dkdv_kernel.
+  // dK_j, dV_j: rows 16·warp + g (+8), columns 8n + 2t (+1).
 #pragma unroll
   for (int h2 = 0; h2 < 2; ++h2) {
     const int tok = j0 + 16 * warp + g + 8 * h2;

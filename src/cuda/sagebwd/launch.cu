@@ -79,20 +79,20 @@ cudaError_t set_smem(Kernel kernel, int bytes, std::atomic<unsigned long long>& 
 template <typename T, int D, bool kQuantDov>
 cudaError_t run(const Args& a, bool deterministic, cudaStream_t stream) {
   using L = Smem<D, kQuantDov>;
+  using W = WgSmem<D, kQuantDov>;
   if (auto e = launch_prepare<T, D>(a, kQuantDov, stream); e != cudaSuccess) return e;
   const dim3 kv_grid(a.nkv_pad / kKvTileRows, a.heads_kv, a.batch);
   if (deterministic) {
     static std::atomic<unsigned long long> done_kv{0}, done_q{0};
-    auto kv = dkdv_kernel<T, D, kQuantDov, false>;
+    auto kv = dkdv_wgmma_kernel<T, D, kQuantDov, false>;
     auto q = dq_kernel<T, D, kQuantDov>;
-    if (auto e = set_smem(kv, L::kDkdvBytes, done_kv); e != cudaSuccess) return e;
+    if (auto e = set_smem(kv, W::kBytes, done_kv); e != cudaSuccess) return e;
     if (auto e = set_smem(q, L::kDqBytes, done_q); e != cudaSuccess) return e;
-    kv<<<kv_grid, kThreads, L::kDkdvBytes, stream>>>(a);
+    kv<<<kv_grid, kThreads, W::kBytes, stream>>>(a);
     q<<<dim3(a.nq_pad / kQBlockRows, a.heads_q, a.batch), kThreads, L::kDqBytes, stream>>>(a);
   } else {
     static std::atomic<unsigned long long> done{0};
-    using W = WgSmem<D, kQuantDov>;
-    auto kv = dkdv_wgmma_kernel<T, D, kQuantDov>;
+    auto kv = dkdv_wgmma_kernel<T, D, kQuantDov, true>;
     if (auto e = set_smem(kv, W::kBytes, done); e != cudaSuccess) return e;
     kv<<<kv_grid, kThreads, W::kBytes, stream>>>(a);
   }

@@ -1,6 +1,7 @@
-// One (Q block × KV tile) step of the SageBwd backward, shared by the dK/dV kernel and
-// the deterministic dQ kernel. Eight warps; warp w owns KV rows 16w..16w+15 of the tile
-// and computes the transposed products, KV rows × 64 Q columns:
+// One (Q block × KV tile) step of the SageBwd backward: the element-wise steps both
+// kernels share (scores_to_p, finish_tile) and the deterministic dQ kernel's mma.sync
+// products (tile_step). Eight warps; warp w owns KV rows 16w..16w+15 of the tile and the
+// transposed products, KV rows × 64 Q columns:
 //   Sᵀ  = K̂_j·Q̂_iᵀ (INT8)      -> P = exp2(Sᵀ·s_q·s_k·sm_scale·log2 e − lse2)
 //   dPᵀ = V_j·dO_iᵀ (16-bit, or INT8 with the quantized dO·Vᵀ)
 //   dS  = P ∘ (dP − delta)
@@ -229,29 +230,6 @@ __device__ __forceinline__ void tile_step(const Args& a, const TileOperands& op,
     mma_rows_16<T, D / 16, kNBlocksQ>(dp, op.v + 16 * warp * S::k16, S::k16, op.dov, S::k16, lane);
   }
   finish_tile(op, p, dp, warp, lane, red, f);
-}
-
-// C[16 KV rows × D] += A(the warp's P̂ᵀ or dŜᵀ) · B(D rows of 64 permuted Q rows)ᵀ, scaled:
-// out += scale · (INT32 product), 16 columns at a time.
-template <int D>
-__device__ __forceinline__ void accumulate_kv_rows(float (&out)[D / 8][4], const uint32_t (&af)[2][4],
-                                                   uint32_t bt_base, float scale, int lane) {
-  using S = Strides<D>;
-#pragma unroll
-  for (int nc = 0; nc < D / 16; ++nc) {
-    int tmp[2][4] = {};
-#pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
-      uint32_t b[4];
-      common::ldmatrix_x4(b, common::ldsm_b_addr(bt_base + 16 * nc * S::kQT + 32 * kk, S::kQT, lane));
-      common::mma_s8(tmp[0], af[kk], b[0], b[1]);
-      common::mma_s8(tmp[1], af[kk], b[2], b[3]);
-    }
-#pragma unroll
-    for (int m = 0; m < 2; ++m)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) out[2 * nc + m][e] = fmaf(i2f_exact(tmp[m][e]), scale, out[2 * nc + m][e]);
-  }
 }
 
 // dŜ (64 Q rows × 128 tokens, bytes) from the warps' dŜᵀ fragments.
