@@ -90,7 +90,8 @@ struct WgSmem {
   static constexpr int kDot = kQt + D * kQBlockRows;             // D × 64 (π order)
   static constexpr int kLse2 = kDot + D * kQBlockRows;           // 64 floats
   static constexpr int kDelta = kLse2 + kQBlockRows * 4;         // 64 floats
-  static constexpr int kStage = (kDelta + kQBlockRows * 4 + 1023) / 1024 * 1024;
+  static constexpr int kScales = kDelta + kQBlockRows * 4;       // s_q, s_dO of the block
+  static constexpr int kStage = (kScales + 8 + 1023) / 1024 * 1024;
   static constexpr int kStages = 3;
   static constexpr int kQSide = kKSide;                          // first stage
   static constexpr int kDs = kQSide + kStages * kStage;          // 64 Q rows × 128 tokens
@@ -127,6 +128,9 @@ __device__ __forceinline__ void wg_load_q_side(const Args& a, uint32_t base, int
   if (const int c = threadIdx.x; c < 2 * kQBlockRows / 4) {  // lse2, then delta
     const float* src = c < kQBlockRows / 4 ? a.lse2 : a.delta;
     common::cp_async_16(base + L::kLse2 + 16 * c, src + bhq * a.nq_pad + q0 + 4 * (c % 16));
+  } else if (c < 2 * kQBlockRows / 4 + 2) {  // the block's two scales
+    const float* src = c == 2 * kQBlockRows / 4 ? a.q_scale : a.do_scale;
+    common::cp_async_zfill<4>(base + L::kScales + 4 * (c & 1), src + bhq * (a.nq_pad / kQBlockRows) + blk, true);
   }
 }
 
@@ -231,23 +235,14 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
   const uint64_t d_v = desc.at<L::kSwV>(L::kV + 64 * wg * (kQuantDov ? L::kRowV : 128));
 
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
-  float s_q_next = 0.0f, s_do_next = 0.0f;
-  if (work > 0) {
-    s_q_next = a.q_scale[(bh0 + cur.h) * blocks + cur.blk];
-    s_do_next = a.do_scale[(bh0 + cur.h) * blocks + cur.blk];
-  }
   int sidx = 0;  // the stage of step w: w mod kStages
   for (int w = 0; w < work; ++w) {
     const int blk = cur.blk;
     const int64_t bhq = bh0 + cur.h;
     const uint32_t st = stage_off(sidx);
     const float* st_f = reinterpret_cast<const float*>(smem + st);
-    const float s_q = s_q_next, s_do = s_do_next;
+    const float s_q = st_f[L::kScales / 4], s_do = st_f[L::kScales / 4 + 1];
     cur.advance(first, blocks);
-    if (w + 1 < work) {  // the next step's scales, read while this one runs
-      s_q_next = a.q_scale[(bh0 + cur.h) * blocks + cur.blk];
-      s_do_next = a.do_scale[(bh0 + cur.h) * blocks + cur.blk];
-    }
     TileOperands op{};
     op.lse2 = st_f + L::kLse2 / 4;
     op.delta = st_f + L::kDelta / 4;
@@ -405,15 +400,21 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
     }
     hopper::wgmma_wait<0>();
     if constexpr (kAtomicDq) {
-    hopper::fence_operands(tq);
-    // dQ rows 16·w4 + g (+8) of the block, columns kDqCols·wg + 8j + 2t (+1).
-    float* dq = a.dq_acc + (bhq * a.nq_pad + op.q0 + 16 * w4 + g) * D + kDqCols * wg + 2 * t;
+      hopper::fence_operands(tq);
+      // dQ rows 16·w4 + g (+8) of the block, columns kDqCols·wg + 8j + 2t (+1). Every value
+      // first, then the reductions, all values live until the last: a reduction reads its
+      // registers late, and a register rewritten after it waits for that read.
+      float x[kDqCols / 2];
 #pragma unroll
-    for (int j = 0; j < kDqCols / 8; ++j)
+      for (int i = 0; i < kDqCols / 2; ++i) x[i] = i2f_exact(tq[i]) * sc_dq;
+      hopper::fence_operands(x);
+      float* dq = a.dq_acc + (bhq * a.nq_pad + op.q0 + 16 * w4 + g) * D + kDqCols * wg + 2 * t;
 #pragma unroll
-      for (int h2 = 0; h2 < 2; ++h2)
-        common::red_add_v2(dq + 8 * h2 * D + 8 * j, i2f_exact(tq[4 * j + 2 * h2]) * sc_dq,
-                           i2f_exact(tq[4 * j + 2 * h2 + 1]) * sc_dq);
+      for (int j = 0; j < kDqCols / 8; ++j)
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2)
+          common::red_add_v2(dq + 8 * h2 * D + 8 * j, x[4 * j + 2 * h2], x[4 * j + 2 * h2 + 1]);
+      hopper::fence_operands(x);  // each reduction keeps its own registers
     }
     sidx = sidx == L::kStages - 1 ? 0 : sidx + 1;
   }
