@@ -6,7 +6,7 @@
 // 128-token KV tile), columns to D (the head dim padded to 64 or 128).
 //   q_i8      int8  (B, Hq, Nq_pad, D)    Q, per Q block (scale amax/127)
 //   qt_i8     int8  (B, Hq, D, Nq_pad)    Qᵀ, rows permuted in groups of 16 (the
-//                                         register layout of P̂ᵀ/dŜᵀ, kernel.cuh)
+//                                         register layout of P̂ᵀ/dŜᵀ, permute.cuh)
 //   do_16     16-bit (B, Hq, Nq_pad, D)   dO in the inputs' format
 //   do_i8     int8  (B, Hq, Nq_pad, D)    dO per Q block (quantized dO·Vᵀ only)
 //   dot_i8    int8  (B, Hq, D, Nq_pad)    dOᵀ per Q block, permuted as qt_i8
@@ -15,7 +15,8 @@
 //                                         the smoothed log2 domain of the scores; +inf on
 //                                         padding rows (their P is 0)
 //   delta     float (B, Hq, Nq_pad)       D = rowsum(dO ∘ O)
-//   dq_acc    float (B, Hq, Nq_pad, D)    dQ accumulator (FP32 atomics)
+//   dq_acc    float (B, Hq, Nq_pad, D)    dQ accumulator (FP32 reductions, or the
+//                                         deterministic dQ kernel's plain stores)
 //   k_i8      int8  (B, Hkv, Nkv_pad, D)  smoothed K, per KV tile
 //   kt_i8     int8  (B, Hkv, D, Nkv_pad)  its transpose (dQ = dS·K reduces over tokens)
 //   v_16      16-bit (B, Hkv, Nkv_pad, D) V in the inputs' format
