@@ -21,6 +21,31 @@ which; SDPA's FlashAttention takes no mask), and one more method runs beside the
 The boolean-mask shapes (mask "bool") run qattn through its SDPA drop-in with the mask.
 TOPS of a masked shape count only the visible (query, key) pairs: 4·B·Hq·pairs·d / s.
 
+Varlen shapes (mask "varlen"; --varlen adds them to a run, --varlen-only runs them
+alone, ~30 s): one pack of sequences of very different lengths, VARLEN_LENGTHS
+(4096 .. 37 tokens) VARLEN_REPEATS times in an order shuffled by random.Random(VARLEN_SEED)
+(16 sequences, 16,330 tokens; the order is in the JSON's env), causal per sequence; the
+row's n is the longest sequence, batch = seqs the sequence count, tokens the real tokens.
+TOPS count the real work only, 4·Hq·d·Σ L(L+1)/2 (the exact visible pairs of each causal
+sequence, not a halved L²), for every method, the padded ones included. Methods:
+  qattn           qattn.varlen_attention on the pack (flash_attn_varlen_func's convention)
+  qattn_padded    qattn.attention over the right-padded batch (B = seqs, N = the longest)
+                  with kv_lengths; its padding query rows are computed too
+  sdpa_cudnn      SDPA over the right-padded batch with a boolean attn_mask (key padding
+                  and causal), cuDNN backend; where cuDNN refuses the mask that row is
+                  empty with the reason, and the next one is timed instead:
+  sdpa_efficient  the same call with SDPA's memory-efficient backend
+  flash_varlen    FlashAttention varlen on the pack: torch.ops.aten._flash_attention_forward
+                  with cum_seq_q/k (what torch.nn.attention.varlen.varlen_attn runs on its
+                  flash backend); a note where this torch has no such op
+  cudnn_varlen    cuDNN varlen on the pack: torch.ops.aten._cudnn_attention_forward with
+                  cum_seq_q/k, where torch itself would route varlen there (cuDNN >= 9.18,
+                  SM90/SM100); a note otherwise
+Every baseline's note names the CUDA kernels one call ran (from torch.profiler), so a
+row says which backend really ran. A varlen row's cossim_vs_cudnn is against cuDNN's
+output only (padded SDPA or cuDNN varlen, whichever ran); the note adds the CosSim to
+flash_varlen.
+
 Timing: CUDA events around every call, after warm-up; the median of each of two
 passes over the same configuration (both kept, to show the noise; `ms` is the lower
 one); random normal bf16 inputs; several input sets rotated when one set would fit in
@@ -29,15 +54,18 @@ L2. TOPS = 4·B·Hq·Nq·Nkv·d / s, halved for causal (Nq = Nkv everywhere here
 Run on the device from the repo root (after python/build_on_device.sh):
   PYTHONPATH=python python3 bench/forward.py --out $OUT            # full, ~3-5 min
   PYTHONPATH=python python3 bench/forward.py --quick --out $OUT    # ~1 min
+  PYTHONPATH=python python3 bench/forward.py --varlen-only --name forward-varlen --out $OUT  # ~30 s
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import math
 import os
+import random
 import subprocess
 import sys
 import time
@@ -56,8 +84,18 @@ except ImportError as e:  # --replot needs only matplotlib
     torch = None
     _import_error = e
 
-METHODS = ("qattn", "qattn_kernel", "sdpa_cudnn", "sdpa_flash", "qattn_same_work")
+METHODS = ("qattn", "qattn_kernel", "sdpa_cudnn", "sdpa_flash", "qattn_same_work",
+           "qattn_padded", "sdpa_efficient", "flash_varlen", "cudnn_varlen")
+TABLE_METHODS = METHODS[:5]  # always in the table; the varlen methods only where they ran
 L2_FALLBACK_BYTES = 60 << 20  # H200
+
+# The varlen pack: these lengths VARLEN_REPEATS times (16 sequences, 16,330 tokens), from
+# a whole 4K sequence down to one of 37 tokens (below every tile), seeded order.
+VARLEN_LENGTHS = (4096, 2048, 1024, 512, 256, 128, 64, 37)
+VARLEN_REPEATS = 2
+VARLEN_SEED = 0
+# cuDNN's varlen forward as torch's own varlen_attn gates it (cuDNN >= 9.18, SM90/SM100).
+CUDNN_VARLEN_MIN_VERSION = 91800
 
 
 @dataclass
@@ -74,9 +112,13 @@ class Shape:
     # A boolean attn_mask given to every method: "padding" (B, 1, 1, N), the first N/2 keys
     # of each batch entry; "documents" (N, N), causal packed documents of 1024 tokens.
     bool_mask: str = ""
+    # A varlen pack: the sequence lengths (Lq = Lk each); batch = len(lengths), n = the longest.
+    lengths: Tuple[int, ...] = ()
 
     @property
     def mask(self) -> str:
+        if self.lengths:
+            return "varlen"
         if self.bool_mask:
             return "bool"
         if self.kv_len:
@@ -84,6 +126,11 @@ class Shape:
         if self.window != (-1, -1):
             return "sliding_window"
         return "causal" if self.causal else "none"
+
+    @property
+    def tokens(self) -> int:
+        """Real query tokens: the pack's for varlen, B·N otherwise."""
+        return sum(self.lengths) if self.lengths else self.batch * self.n
 
 
 @dataclass
@@ -104,6 +151,8 @@ class Row:
     note: str = ""
     mask: str = "none"
     d_v: int = 0
+    tokens: int = 0  # real query tokens (varlen: the pack's, no padding; else B·N)
+    seqs: int = 0  # sequences (varlen: in the pack; else B)
 
 
 def standard_grid(quick: bool) -> List[Shape]:
@@ -139,8 +188,30 @@ def mask_shapes(quick: bool) -> List[Shape]:
     ]
 
 
+def varlen_lengths(seed: int = VARLEN_SEED) -> Tuple[int, ...]:
+    """The pack's sequence lengths: VARLEN_LENGTHS VARLEN_REPEATS times, seeded order."""
+    lengths = list(VARLEN_LENGTHS) * VARLEN_REPEATS
+    random.Random(seed).shuffle(lengths)
+    return tuple(lengths)
+
+
+def varlen_shapes(quick: bool) -> List[Shape]:
+    lengths = varlen_lengths()
+
+    def pack(name: str, heads_kv: int, d: int) -> Shape:
+        return Shape(name, len(lengths), 32, heads_kv, max(lengths), d, True, lengths=lengths)
+
+    shapes = [pack("varlen", 32, 128)]
+    if quick:
+        return shapes
+    return shapes + [pack("varlen", 32, 64), pack("varlen_gqa", 8, 128)]
+
+
 def visible_pairs(s: Shape) -> float:
-    """(query, key) pairs the shape's mask leaves visible, per head (Nq = Nkv = n)."""
+    """(query, key) pairs the shape's mask leaves visible, per head (Nq = Nkv = n); for a
+    varlen pack, per head summed over its sequences."""
+    if s.lengths:
+        return float(sum(n * (n + 1) // 2 if s.causal else n * n for n in s.lengths))
     if s.mask == "none":
         return float(s.n) * s.n
     if s.mask == "causal":
@@ -161,11 +232,20 @@ def tera_ops(s: Shape) -> float:
     if s.mask == "none" or s.mask == "causal":  # the grid's convention: causal halves
         ops = 4.0 * s.batch * s.heads * s.n * s.n * s.d
         return (ops / 2 if s.causal else ops) / 1e12
+    if s.lengths:  # the pack's real work, whoever pads it
+        return 4.0 * s.heads * visible_pairs(s) * s.d / 1e12
     return 4.0 * s.batch * s.heads * visible_pairs(s) * s.d / 1e12
 
 
 def sdpa_mask(s: Shape):
-    """The shape's mask as SDPA's boolean attn_mask (True = attend), or None."""
+    """The shape's mask as SDPA's boolean attn_mask (True = attend), or None; for a varlen
+    pack, the right-padded batch's (B, 1, N, N): key padding, and causal per sequence."""
+    if s.lengths:
+        i = torch.arange(s.n, device="cuda")[:, None]
+        j = torch.arange(s.n, device="cuda")[None, :]
+        lengths = torch.tensor(s.lengths, device="cuda").view(-1, 1, 1, 1)
+        m = j < lengths
+        return (m & (j <= i) if s.causal else m.expand(-1, 1, s.n, -1)).contiguous()
     if s.bool_mask == "padding":
         return (torch.arange(s.n, device="cuda") < s.n // 2).view(1, 1, 1, s.n).expand(s.batch, 1, 1, s.n)
     if s.bool_mask == "documents":
@@ -239,6 +319,8 @@ def cossim(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def measure_shape(s: Shape, args, l2_bytes: int) -> List[Row]:
+    if s.lengths:
+        return measure_varlen(s, args, l2_bytes)
     sets = input_sets(s, l2_bytes)
     n_sets = len(sets)
     gqa = s.heads != s.heads_kv
@@ -250,7 +332,7 @@ def measure_shape(s: Shape, args, l2_bytes: int) -> List[Row]:
         ms = min(medians) if medians else None
         r = Row(method, s.name, s.d, s.causal, s.n, s.batch, s.heads, s.heads_kv,
                 tera_ops(s) / (ms * 1e-3) if ms else None, ms, medians or [], iters, note=note,
-                mask=s.mask, d_v=s.d)
+                mask=s.mask, d_v=s.d, tokens=s.tokens, seqs=s.batch)
         rows.append(r)
         return r
 
@@ -337,6 +419,193 @@ def measure_shape(s: Shape, args, l2_bytes: int) -> List[Row]:
         medians, iters = time_fn(lambda i: run(), **timing)
         row("qattn_kernel", medians, iters, "one workspace (inputs quantized once)")
     del sets, base_sets, ref
+    torch.cuda.empty_cache()
+    return rows
+
+
+# ---- varlen ---------------------------------------------------------------------------
+
+
+def varlen_input_sets(s: Shape, l2_bytes: int, seed: int = 0):
+    """Random normal bf16 packed (q, k, v) sets, (tokens, H, d); several when one fits in L2."""
+    set_bytes = 2 * s.tokens * s.d * (s.heads + 2 * s.heads_kv)
+    count = 1 if set_bytes >= 2 * l2_bytes else min(8, math.ceil(3 * l2_bytes / set_bytes))
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [tuple(torch.randn(s.tokens, h, s.d, device="cuda", dtype=torch.bfloat16, generator=g)
+                  for h in (s.heads, s.heads_kv, s.heads_kv)) for _ in range(count)]
+
+
+def pad_pack(t: torch.Tensor, lengths: Tuple[int, ...], n: int, g) -> torch.Tensor:
+    """A packed (tokens, H, d) tensor as the right-padded (B, H, n, d) batch; the padding is
+    random normal too (no method may read it as zeros)."""
+    out = torch.randn(len(lengths), t.shape[1], n, t.shape[2], device=t.device, dtype=t.dtype, generator=g)
+    start = 0
+    for b, length in enumerate(lengths):
+        out[b, :, :length] = t[start:start + length].transpose(0, 1)
+        start += length
+    return out
+
+
+def unpad(o: torch.Tensor, lengths: Tuple[int, ...]) -> torch.Tensor:
+    """The real rows of a right-padded (B, H, n, d) output, packed as (tokens, H, d)."""
+    return torch.cat([o[b, :, :length].transpose(0, 1) for b, length in enumerate(lengths)])
+
+
+def kernel_names(fn: Callable[[int], object], top: int = 2) -> str:
+    """The CUDA kernels one call of fn runs, longest first (which backend really ran);
+    "" where the profiler gives none."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn(0)
+            torch.cuda.synchronize()
+        times = {}
+        for e in prof.key_averages():
+            t = getattr(e, "self_device_time_total", None)
+            t = getattr(e, "self_cuda_time_total", 0) if t is None else t
+            if t > 0:
+                times[e.key] = times.get(e.key, 0) + t
+        names = sorted(times, key=times.get, reverse=True)[:top]
+        return ", ".join(n if len(n) <= 90 else n[:87] + "..." for n in names)
+    except Exception as e:  # a diagnostic only: the row stays
+        return f"(kernel names unavailable: {type(e).__name__})"
+
+
+def aten_varlen_op(name: str):
+    """torch.ops.aten.<name> where its schema takes cum_seq_q/cum_seq_k, else None."""
+    try:
+        op = getattr(torch.ops.aten, name)
+        return op if "cum_seq_q" in str(op.default._schema) else None
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def cudnn_varlen_refusal() -> str:
+    """Why cuDNN varlen is not run here ("" where it is): torch's own gate."""
+    if aten_varlen_op("_cudnn_attention_forward") is None:
+        return f"torch {torch.__version__} has no aten._cudnn_attention_forward with cum_seq_q/k"
+    version = torch.backends.cudnn.version() or 0
+    major = torch.cuda.get_device_capability()[0]
+    if version < CUDNN_VARLEN_MIN_VERSION or major not in (9, 10):
+        return (f"cuDNN {version} on SM{major}x: torch routes varlen to cuDNN from cuDNN "
+                f"{CUDNN_VARLEN_MIN_VERSION} on SM90/SM100 only")
+    return ""
+
+
+def measure_varlen(s: Shape, args, l2_bytes: int) -> List[Row]:
+    """One varlen pack: packed methods on the pack, padded ones on the right-padded batch;
+    every TOPS from the pack's real work (tera_ops)."""
+    sets = varlen_input_sets(s, l2_bytes)
+    n_sets = len(sets)
+    gqa = s.heads != s.heads_kv
+    group = s.heads // s.heads_kv
+    timing = dict(warmup=args.warmup, min_iters=args.min_iters, max_iters=args.max_iters,
+                  budget_s=args.budget_s)
+    cu = torch.tensor([0] + [sum(s.lengths[:b + 1]) for b in range(s.batch)], dtype=torch.int32,
+                      device="cuda")
+    pack = f"{s.batch} sequences, {s.tokens} tokens, longest {s.n}"
+    padded = f"right-padded batch B={s.batch} N={s.n} ({s.batch * s.n} tokens)"
+    rows, outs = [], {}
+
+    def row(method, medians=None, iters=0, note=""):
+        ms = min(medians) if medians else None
+        r = Row(method, s.name, s.d, s.causal, s.n, s.batch, s.heads, s.heads_kv,
+                tera_ops(s) / (ms * 1e-3) if ms else None, ms, medians or [], iters, note=note,
+                mask=s.mask, d_v=s.d, tokens=s.tokens, seqs=s.batch)
+        rows.append(r)
+        return r
+
+    def timed(method, fn, note, kernels=False, unpadded=False):
+        """Times fn(i) and keeps its output, packed (unpadded: an untimed unpad first); a
+        RuntimeError (a backend refusing the call) leaves the row empty with the reason."""
+        try:
+            out = fn(0)
+            outs[method] = unpad(out, s.lengths) if unpadded else out
+            del out
+            medians, iters = time_fn(fn, **timing)
+        except RuntimeError as e:
+            outs.pop(method, None)
+            row(method, note=f"unavailable: {str(e).splitlines()[0][:200]}")
+            return False
+        if kernels:
+            note += f"; kernels: {kernel_names(fn)}"
+        row(method, medians, iters, note)
+        return True
+
+    # FlashAttention varlen and cuDNN varlen on the pack (K/V heads as given: both take GQA).
+    flash_op = aten_varlen_op("_flash_attention_forward")
+    if "flash_varlen" in args.methods:
+        flash_built = getattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)()
+        if flash_op is None or not flash_built:
+            row("flash_varlen", note=f"unavailable: torch {torch.__version__} has no FlashAttention "
+                                     "aten._flash_attention_forward with cum_seq_q/k")
+        else:
+            timed("flash_varlen",
+                  lambda i: flash_op(*sets[i % n_sets], cu, cu, s.n, s.n, 0.0, s.causal, False)[0],
+                  f"aten._flash_attention_forward with cum_seq_q/k on the pack ({pack})", kernels=True)
+    if "cudnn_varlen" in args.methods:
+        refusal = cudnn_varlen_refusal()
+        if refusal:
+            row("cudnn_varlen", note=f"not run: {refusal}")
+        else:
+            cudnn_op = aten_varlen_op("_cudnn_attention_forward")
+            timed("cudnn_varlen",
+                  lambda i: cudnn_op(*sets[i % n_sets], None, cu, cu, s.n, s.n, True, 0.0, s.causal)[0],
+                  f"aten._cudnn_attention_forward with cum_seq_q/k on the pack ({pack}), LSE on "
+                  "(as varlen_attn asks)", kernels=True)
+    torch.cuda.empty_cache()
+
+    if "qattn" in args.methods:
+        fn = lambda i: qattn.varlen_attention(*sets[i % n_sets], cu, cu, s.n, s.n, causal=s.causal)  # noqa: E731
+        timed("qattn", fn, f"qattn.varlen_attention on the pack ({pack}); host time included"
+              + (f"; {n_sets} rotating input sets" if n_sets > 1 else ""))
+
+    # The right-padded batch (HND, random padding), for SDPA with a mask and qattn with kv_lengths.
+    g = torch.Generator(device="cuda").manual_seed(1)
+    padded_sets = [tuple(pad_pack(t, s.lengths, s.n, g) for t in qkv) for qkv in sets]
+    if "sdpa_cudnn" in args.methods or "sdpa_efficient" in args.methods:
+        attn_mask = sdpa_mask(s)
+        base_sets = [(q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)) if gqa
+                     else (q, k, v) for q, k, v in padded_sets]
+        note = (f"SDPA over the {padded}, boolean attn_mask (B, 1, N, N): key padding"
+                + (" and causal" if s.causal else "") + ("; K/V expanded to Hq heads" if gqa else ""))
+        refused = ""
+        for method, backend in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
+                                ("sdpa_efficient", SDPBackend.EFFICIENT_ATTENTION)):
+            if method not in args.methods:
+                continue
+            if method == "sdpa_efficient" and "sdpa_cudnn" in args.methods and not refused:
+                break  # cuDNN ran: the memory-efficient backend is not timed too
+            def fn(i, backend=backend):
+                with sdpa_kernel(backend):  # this backend alone: SDPA raises where it refuses
+                    return F.scaled_dot_product_attention(*base_sets[i % n_sets], attn_mask=attn_mask)
+
+            ok = timed(method, fn, f"{note}; {backend.name} backend"
+                       + (f" (cuDNN refused the mask: {refused})" if refused else ""),
+                       kernels=True, unpadded=True)
+            if method == "sdpa_cudnn" and not ok:
+                refused = rows[-1].note[len("unavailable: "):][:120]
+        del base_sets, attn_mask
+        torch.cuda.empty_cache()
+    if "qattn_padded" in args.methods:
+        lengths = torch.tensor(s.lengths, dtype=torch.int32, device="cuda")
+        timed("qattn_padded",
+              lambda i: qattn.attention(*padded_sets[i % n_sets], is_causal=s.causal, kv_lengths=lengths),
+              f"qattn.attention over the {padded}, kv_lengths; the padding query rows are computed too",
+              unpadded=True)
+
+    # Every output against cuDNN's (the row's cossim_vs_cudnn) and FlashAttention's (in the note).
+    cudnn_ref = outs.get("sdpa_cudnn", outs.get("cudnn_varlen"))
+    for r in rows:
+        out = outs.get(r.method)
+        if out is None:
+            continue
+        if cudnn_ref is not None and r.method.startswith("qattn"):
+            r.cossim_vs_cudnn = cossim(out, cudnn_ref)
+        if "flash_varlen" in outs and r.method != "flash_varlen":
+            r.note += f"; CosSim to flash_varlen {cossim(out, outs['flash_varlen']):.5f}"
+    del sets, padded_sets, outs, cudnn_ref
     torch.cuda.empty_cache()
     return rows
 
@@ -429,20 +698,22 @@ def plot(rows: List[Row], path: Path, env: dict) -> None:
 
 
 def print_table(rows: List[Row]) -> None:
+    methods = list(TABLE_METHODS) + [m for m in METHODS[len(TABLE_METHODS):] if any(r.method == m for r in rows)]
+    width = {m: 14 if m in TABLE_METHODS else max(14, len(m) + 1) for m in methods}
     configs = []
     for r in rows:
         key = (r.shape, r.batch, r.heads, r.heads_kv, r.d, r.causal, r.n)
         if key not in configs:
             configs.append(key)
     print(f"\n{'shape':<16}{'B':>3}{'Hq':>4}{'Hkv':>4}{'d':>5}{'causal':>7}{'N':>7}"
-          + "".join(f"{m:>14}" for m in METHODS) + f"{'cos':>9}")
+          + "".join(f"{m:>{width[m]}}" for m in methods) + f"{'cos':>9}")
     for key in configs:
         cells, cos = [], ""
-        for m in METHODS:
+        for m in methods:
             r = next((r for r in rows if (r.shape, r.batch, r.heads, r.heads_kv, r.d, r.causal, r.n) == key
                       and r.method == m), None)
-            cells.append(f"{r.tops:14.1f}" if r and r.tops else f"{'-':>14}")
-            if r and r.cossim_vs_cudnn is not None:
+            cells.append(f"{r.tops:{width[m]}.1f}" if r and r.tops else f"{'-':>{width[m]}}")
+            if r and r.cossim_vs_cudnn is not None and not cos:  # qattn's first (varlen: not qattn_padded's)
                 cos = f"{r.cossim_vs_cudnn:9.5f}"
         shape, b, h, hkv, d, causal, n = key
         print(f"{shape:<16}{b:>3}{h:>4}{hkv:>4}{d:>5}{int(causal):>7}{n:>7}" + "".join(cells) + cos)
@@ -470,6 +741,8 @@ def main() -> int:
     ap.add_argument("--no-models", action="store_true", help="no model shapes")
     ap.add_argument("--no-masks", action="store_true", help="no mask shapes")
     ap.add_argument("--masks-only", action="store_true", help="the mask shapes alone")
+    ap.add_argument("--varlen", action="store_true", help="add the varlen shapes (packed sequences)")
+    ap.add_argument("--varlen-only", action="store_true", help="the varlen shapes alone (~30 s)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--min-iters", type=int, default=10)
     ap.add_argument("--max-iters", type=int, default=100)
@@ -503,6 +776,14 @@ def main() -> int:
     shapes += [] if args.no_masks else mask_shapes(args.quick)
     if args.masks_only:
         shapes = mask_shapes(args.quick)
+    if args.varlen_only:
+        shapes = []
+    if args.varlen or args.varlen_only:
+        shapes += varlen_shapes(args.quick)
+        env["varlen"] = {"lengths": list(varlen_lengths()), "recipe": f"{list(VARLEN_LENGTHS)} x {VARLEN_REPEATS}, "
+                         f"order shuffled by random.Random({VARLEN_SEED})", "causal": "per sequence",
+                         "tops": "4*Hq*d*sum L(L+1)/2 (exact visible pairs), the same for every method",
+                         "torch_varlen_attn": importlib.util.find_spec("torch.nn.attention.varlen") is not None}
 
     t0 = time.time()
     rows: List[Row] = []
@@ -515,8 +796,9 @@ def main() -> int:
         new = measure_shape(s, args, l2)
         rows += new
         summary = ", ".join(f"{r.method} {r.tops:.0f}" for r in new if r.tops)
+        pack = f" tokens={s.tokens}" if s.lengths else ""
         print(f"[{i + 1}/{len(shapes)} {time.time() - t0:5.0f}s] {s.name} B={s.batch} H={s.heads}/{s.heads_kv} "
-              f"N={s.n} d={s.d} causal={int(s.causal)}: {summary}", file=sys.stderr, flush=True)
+              f"N={s.n}{pack} d={s.d} causal={int(s.causal)}: {summary}", file=sys.stderr, flush=True)
 
     env["wall_s"] = round(time.time() - t0, 1)
     env["truncated"] = truncated
