@@ -370,7 +370,10 @@ def measure_shape(s: Shape, args, l2_bytes: int) -> List[Row]:
                 if masked:
                     notes.append(f"boolean attn_mask, {be.name} backend"
                                  + (f" (cuDNN: {errors[0]})" if errors else ""))
-                row(method, medians, iters, "; ".join(notes))
+                # A row is named after the backend that ran: cuDNN's refusal makes it
+                # SDPA's memory-efficient row, never a cuDNN one.
+                ran = "sdpa_efficient" if be == SDPBackend.EFFICIENT_ATTENTION else method
+                row(ran, medians, iters, "; ".join(notes))
                 break
             except RuntimeError as e:  # backend refuses the shape
                 errors.append(str(e).splitlines()[0][:120])
