@@ -310,20 +310,11 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
     common::cp_async_commit();
     ld.advance(first, blocks);
 
-    // dŜ, Q-row-major, for dQ = dŜ·K̂ (the mma.sync kernel's store_ds_rows, swizzled).
+    // dŜ, Q-row-major, for dQ = dŜ·K̂.
     if constexpr (kAtomicDq)
-#pragma unroll
-    for (int kk = 0; kk < 2; ++kk)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int tok = 16 * warp + g + (r & 1) * 8;
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          const int qc = 32 * kk + k_slot_row(16 * (r >> 1) + 4 * t + u);
-          smem[L::kDs + swizzled<Swizzle::k128B>(qc * kKvTileRows + tok)] =
-              static_cast<uint8_t>(f.ds[kk][r] >> (8 * u));
-        }
-      }
+      store_ds_rows(smem + L::kDs, f.ds, warp, lane, [](int qc, int tok) {
+        return swizzled<Swizzle::k128B>(qc * kKvTileRows + tok);
+      });
     common::cp_async_wait<1>();  // step w + 1's stage (the newest group is w + 2's)
     hopper::fence_proxy_async();  // dŜ and those bytes, before wgmma reads them
     __syncthreads();

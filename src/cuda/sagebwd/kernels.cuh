@@ -151,7 +151,8 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const Args a) {
     op.j0 = j * kKvTileRows;
     TileFrags f;
     tile_step<T, D, kQuantDov>(a, op, warp, lane, red, f);
-    store_ds_rows<D>(ds_bytes, f.ds, warp, lane);
+    store_ds_rows(ds_bytes, f.ds, warp, lane,
+                  [](int qc, int tok) { return qc * Strides<D>::kKvT + tok; });
     __syncthreads();
     dq_product<D>(s_ds, st + kKvTileRows * S::kI8, a.sm_scale * (f.s_ds * s_k), warp, lane,
                   [&](int n, int e, float x) { dq[n][e] += x; });

@@ -232,11 +232,12 @@ __device__ __forceinline__ void tile_step(const Args& a, const TileOperands& op,
   finish_tile(op, p, dp, warp, lane, red, f);
 }
 
-// dŜ (64 Q rows × 128 tokens, bytes) from the warps' dŜᵀ fragments.
-template <int D>
+// dŜ (64 Q rows × 128 tokens, bytes) from the warps' dŜᵀ fragments; byte (Q row qc,
+// token tok) goes to sds[at(qc, tok)] (the dQ kernel's padded rows, or the wgmma kernel's
+// swizzled tile).
+template <typename At>
 __device__ __forceinline__ void store_ds_rows(uint8_t* sds, const uint32_t (&af)[2][4], int warp,
-                                              int lane) {
-  using S = Strides<D>;
+                                              int lane, At&& at) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int kk = 0; kk < 2; ++kk) {
@@ -247,7 +248,7 @@ __device__ __forceinline__ void store_ds_rows(uint8_t* sds, const uint32_t (&af)
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
         const int qc = 32 * kk + k_slot_row(16 * (r >> 1) + 4 * t + u);
-        sds[qc * S::kKvT + tok] = static_cast<uint8_t>(af[kk][r] >> (8 * u));
+        sds[at(qc, tok)] = static_cast<uint8_t>(af[kk][r] >> (8 * u));
       }
     }
   }
