@@ -82,25 +82,31 @@ def _fp32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", x))[0]
 
 
-def _check_inputs(q, k, v, layout: str, scale: Optional[float], granularity: str) -> None:
-    if layout not in _LAYOUTS:
-        raise invalid(f"layout = {layout!r}; allowed: 'HND' (B, H, N, d) or 'NHD' (B, N, H, d)")
-    if granularity not in _GRANULARITIES:
-        raise invalid(f"granularity = {granularity!r}; allowed: {', '.join(_GRANULARITIES)}")
+def check_operands(q, k, v, ndim: int, shape_text: str, device_text: str) -> None:
+    """q, k, v: tensors of ndim dimensions (shape_text says which), one 16-bit float dtype,
+    one device (device_text says which is allowed)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise invalid(f"{name} is a {type(t).__name__}; allowed: a torch.Tensor")
-        if t.dim() != 4:
-            raise invalid(
-                f"{name} has {t.dim()} dimensions (shape {tuple(t.shape)}); allowed: 4, "
-                f"{'(B, H, N, d)' if layout == 'HND' else '(B, N, H, d)'} for layout {layout!r}"
-            )
+        if t.dim() != ndim:
+            raise invalid(f"{name} has {t.dim()} dimensions (shape {tuple(t.shape)}); allowed: "
+                          f"{ndim}, {shape_text}")
         if t.dtype not in _DTYPES:
             raise invalid(f"{name}.dtype = {t.dtype}; allowed: torch.float16 or torch.bfloat16")
         if t.dtype != q.dtype:
             raise invalid(f"{name}.dtype = {t.dtype} differs from q.dtype = {q.dtype}; allowed: one dtype")
         if t.device != q.device:
-            raise invalid(f"{name} is on {t.device} but q is on {q.device}; allowed: one CUDA device")
+            raise invalid(f"{name} is on {t.device} but q is on {q.device}; allowed: {device_text}")
+
+
+def _check_inputs(q, k, v, layout: str, scale: Optional[float], granularity: str) -> None:
+    if layout not in _LAYOUTS:
+        raise invalid(f"layout = {layout!r}; allowed: 'HND' (B, H, N, d) or 'NHD' (B, N, H, d)")
+    if granularity not in _GRANULARITIES:
+        raise invalid(f"granularity = {granularity!r}; allowed: {', '.join(_GRANULARITIES)}")
+    check_operands(q, k, v, 4,
+                   f"{'(B, H, N, d)' if layout == 'HND' else '(B, N, H, d)'} for layout {layout!r}",
+                   "one CUDA device")
     bq, hq, nq, d = _bhnd(q, layout)
     bk, hk, nk, dk = _bhnd(k, layout)
     bv, hv, nv, dv = _bhnd(v, layout)

@@ -39,22 +39,10 @@ import torch
 from . import fallback, ops
 from .errors import QattnUnsupportedError, invalid
 
-_DTYPES = (torch.float16, torch.bfloat16)
-
 
 def _check_tensors(q, k, v) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise invalid(f"{name} is a {type(t).__name__}; allowed: a torch.Tensor")
-        if t.dim() != 3:
-            raise invalid(f"{name} has {t.dim()} dimensions (shape {tuple(t.shape)}); allowed: 3, "
-                          "(total tokens, heads, head_dim), the sequences packed one after another")
-        if t.dtype not in _DTYPES:
-            raise invalid(f"{name}.dtype = {t.dtype}; allowed: torch.float16 or torch.bfloat16")
-        if t.dtype != q.dtype:
-            raise invalid(f"{name}.dtype = {t.dtype} differs from q.dtype = {q.dtype}; allowed: one dtype")
-        if t.device != q.device:
-            raise invalid(f"{name} is on {t.device} but q is on {q.device}; allowed: one device")
+    ops.check_operands(q, k, v, 3, "(total tokens, heads, head_dim), the sequences packed one "
+                       "after another", "one device")
     if tuple(k.shape) != tuple(v.shape):
         raise invalid(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ; allowed: the same shape")
     if k.shape[2] != q.shape[2]:
