@@ -34,13 +34,13 @@ torch = pytest.importorskip("torch")
 from qattn import QattnError, QattnFallbackWarning, QattnUnsupportedError, fallback, ops  # noqa: E402
 
 from op_log import OpLog  # noqa: E402
-from tolerances import LSE_ATOL, MAX_REL_L1, MIN_COSSIM  # noqa: E402
+from tolerances import (FALLBACK_GRAD_COS_MIN, FALLBACK_GRAD_REL_L1_MAX, LSE_ATOL,  # noqa: E402
+                        MAX_REL_L1, MIN_COSSIM)
 
 FRESH_SEED = int(os.environ.get("QATTN_TEST_SEED", random.SystemRandom().randrange(1 << 31)))
 print(f"test_masks.py: fresh seed {FRESH_SEED} (QATTN_TEST_SEED={FRESH_SEED} repeats it)")
 
-GRAD_COS_MIN = 0.99999
-GRAD_REL_L1_MAX = 2.0**-8
+GRAD_COS_MIN, GRAD_REL_L1_MAX = FALLBACK_GRAD_COS_MIN, FALLBACK_GRAD_REL_L1_MAX  # tolerances.py
 
 
 @pytest.fixture(autouse=True)
