@@ -280,7 +280,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
         const uint32_t box = (kk / 4) * 128;
-        const uint64_t dv_k = hopper::desc_advance(d_v, 0) + ((box * kKvTileRows + 32 * (kk % 4)) >> 4);
+        const uint64_t dv_k = hopper::desc_advance(d_v, box * kKvTileRows + 32 * (kk % 4));
         const uint64_t do_k = desc.at<Swizzle::k128B>(st + L::kDo + box * kQBlockRows + 32 * (kk % 4));
         if (kk == 0)
           hopper::wgmma_m64n64k16_f32_ss<kBf16, false>(dp_flat, dv_k, do_k);
