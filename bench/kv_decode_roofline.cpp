@@ -7,12 +7,16 @@
 //     bench/kv_decode_roofline.cpp build/libqattn.a -o kv_decode_roofline
 //   ./kv_decode_roofline            # the grid below, one line per case, and the
 //                                   # append of a 32K-token prefill per format
+//   ./kv_decode_roofline --splits N # the decodes with N key chunks instead of the
+//                                   # library's choice (0), no appends
 // The pool holds the byte 0x11 everywhere (a finite value in every format); the speed
 // does not depend on the values.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
+#include <string_view>
 #include <vector>
 
 #include "qattn/qattn.h"
@@ -37,7 +41,8 @@ float time_ms(cudaStream_t s, int iters, auto&& body) {
   return ms / iters;
 }
 
-int run(int format, int batch, int context, int heads_q, int heads_kv, int d, int nq) {
+int run(int format, int batch, int context, int heads_q, int heads_kv, int d, int nq,
+        int splits) {
   qattn_kv_cache c;
   qattn_kv_cache_init(&c);
   c.format = format;
@@ -87,6 +92,7 @@ int run(int format, int batch, int context, int heads_q, int heads_kv, int d, in
   p.heads_q = heads_q;
   p.nq = nq;
   p.max_length = context;
+  p.num_splits = splits;
   size_t ws_bytes = 0;
   qattn_kv_decode_workspace_size(&p, &ws_bytes);
   if (ws_bytes) cudaMalloc(&ws, ws_bytes);
@@ -101,9 +107,9 @@ int run(int format, int batch, int context, int heads_q, int heads_kv, int d, in
       time_ms(s, 20, [&] { cudaMemcpyAsync(copy, pool, pool_bytes, cudaMemcpyDeviceToDevice, s); });
   // A copy reads and writes each byte: its read rate is 2x bytes / time.
   std::printf(
-      "%-6s B %3d L %6d Hq %3d Hkv %2d d %3d nq %2d | %8.1f us | %7.0f GB/s | copy %7.0f GB/s "
-      "(r+w) | %.2f of copy\n",
-      kNames[format], batch, context, heads_q, heads_kv, d, nq, ms * 1e3, bytes / ms / 1e6,
+      "%-6s B %3d L %6d Hq %3d Hkv %2d d %3d nq %2d splits %3d | %8.1f us | %7.0f GB/s | copy "
+      "%7.0f GB/s (r+w) | %.2f of copy\n",
+      kNames[format], batch, context, heads_q, heads_kv, d, nq, splits, ms * 1e3, bytes / ms / 1e6,
       2 * bytes / copy_ms / 1e6, (bytes / ms) / (2 * bytes / copy_ms));
   cudaFree(pool);
   cudaFree(copy);
@@ -184,11 +190,14 @@ void append_line(int format, int tokens, int heads_kv, int d) {
 
 }  // namespace
 
-int main() {
-  for (int f = 0; f < 4; ++f) append_line(f, 32768, 8, 128);
+int main(int argc, char** argv) {
+  const bool fixed = argc == 3 && std::string_view(argv[1]) == "--splits";
+  const int splits = fixed ? std::atoi(argv[2]) : 0;
+  if (!fixed)
+    for (int f = 0; f < 4; ++f) append_line(f, 32768, 8, 128);
   for (int nq : {1, 4})
     for (int batch : {1, 8, 32})
       for (int context : {4096, 16384, 65536})
-        for (int f = 0; f < 4; ++f) run(f, batch, context, 32, 8, 128, nq);
+        for (int f = 0; f < 4; ++f) run(f, batch, context, 32, 8, 128, nq, splits);
   return 0;
 }

@@ -735,15 +735,15 @@ DecodeArgs make_args(const qattn_kv_decode_params& p, const qattn_kv_cache& c, i
 template <typename T, int DP, KvFormat F>
 cudaError_t run(const DecodeArgs& a, int batch, cudaStream_t stream) {
   using S = Smem<DP, F>;
-  if constexpr (F == KvFormat::NvFp4 && (DP == 64 || DP == 128)) {
+  if constexpr (F != KvFormat::Bf16 && (DP == 64 || DP == 128)) {
     if (a.d == DP) {  // the register-direct kernel (decode_direct.cuh)
       // 8 query rows per CTA when the group × new tokens fit (one n-block), else 16.
       if (a.rows <= 8) {
         const dim3 grid(a.splits, a.heads_kv, batch);
-        direct::decode_direct_kernel<T, DP, 1><<<grid, direct::kWarps * 32, 0, stream>>>(a);
+        direct::decode_direct_kernel<T, F, DP, 1><<<grid, direct::kWarps * 32, 0, stream>>>(a);
       } else {
         const dim3 grid(a.splits * ((a.rows + 15) / 16), a.heads_kv, batch);
-        direct::decode_direct_kernel<T, DP, 2><<<grid, direct::kWarps * 32, 0, stream>>>(a);
+        direct::decode_direct_kernel<T, F, DP, 2><<<grid, direct::kWarps * 32, 0, stream>>>(a);
       }
       if (a.splits > 1) {
         const int64_t rows = int64_t{batch} * a.heads_q * a.nq;

@@ -1,5 +1,5 @@
-// The register-direct decode of NVFP4 caches at head dim 64 and 128 (bench/NOTES.md
-// v24b, v25): no shared memory in the key loop and no barriers. Each warp owns 8 or 16
+// The register-direct decode of NVFP4, FP8 E4M3 and INT8 caches at head dim 64 and 128
+// (bench/NOTES.md v24b, v25, v30): no shared memory in the key loop and no barriers. Each warp owns 8 or 16
 // query rows and every fourth 16-key block of its chunk, loads its keys' rows from the
 // pages straight into registers, and runs its own online softmax; the CTA's four warps
 // merge once at the end.
@@ -12,14 +12,19 @@
 //     thread (g, t) holds elements [t·D/4, (t+1)·D/4) of its keys, one 16-byte load of
 //     codes at D = 128. Word w of that range (elements 8w .. 8w+7 of it) feeds k-steps
 //     2w and 2w+1: slots (2t, 2t+1) get elements (0, 2) then (4, 6), slots (2t+8, 2t+9)
-//     get (1, 3) then (5, 7).
+//     get (1, 3) then (5, 7). (FP8/INT8: two 16-byte loads at D = 128, same mapping.)
 //   Pᵀ: the Sᵀ accumulator holds (keys g, 8 + g) × (queries 2t, 2t+1); movmatrix
 //     transposes each 8×8 half into the B layout (keys 2t, 2t+1 | 8+2t, 9+2t × query g).
 //   Oᵀ: A = V̂ᵀ. Row g of m-tile mt is element g·D/8 + 2mt and row 8 + g is the next
 //     element, so thread (g, t) needs elements [g·D/8, (g+1)·D/8) of keys 2t, 2t+1,
 //     8+2t, 9+2t (one scale block, or half of one at D = 64) and ends up owning those
 //     D/8 contiguous output elements of its two query columns.
-// All operands are FP16 and exact: an E2M1 code read as FP16 bits is 2^-14 of its value,
+// All operands are FP16 and exact. FP8 E4M3 and INT8 codes are FP16 values as they are
+// (a hardware conversion; INT8 by the 1024 + 128 + x bias trick) and keep their FP32
+// per-row scales outside the products, as the tiled kernel does: K's multiplies the
+// score row, V's is folded into P relative to a per-warp running maximum σ of the V
+// scales (so P·s_v/σ ≤ 1 keeps FP16's precision), and the output is multiplied by σ
+// before the warps merge. For NVFP4, an E2M1 code read as FP16 bits is 2^-14 of its value,
 // and that times the E4M3 scale (a multiple of 2^-24 with at most 6 significant bits,
 // at most 0.17) is exactly K̂·2^-14 or V̂·2^-14; Q is scaled per row by a power of two
 // 2^e into [2^14, 2^15) (exact for every element within 2^31 of the row's largest); P
@@ -42,23 +47,61 @@ constexpr int kWarps = 4;
 constexpr int kBlock = 16;  // keys per step of a warp
 constexpr int kDepth = 2;   // blocks in flight per warp (one computed, the rest loading)
 
-// The raw bytes one thread holds for one 16-key block.
-template <int D>
-struct Raw {
-  static constexpr int kKWords = D / 32;  // D/8 code bytes of each of its 2 keys
-  static constexpr int kVWords = D / 64;  // D/16 code bytes of each of its 4 keys
-  uint32_t k[2][kKWords];                 // keys g and 8 + g
-  uint32_t k_scales[2];                   // D/64 scale bytes of each (low bytes)
-  uint32_t v[4][kVWords];                 // keys 2t, 2t+1, 8+2t, 9+2t
-  uint32_t v_scales[4];                   // the scale byte of its element range
-  bool bad;                               // a page index outside the pool
+// What a format puts in one thread's registers per 16-key block (bytes per key).
+template <KvFormat F, int D>
+struct Bytes {
+  static_assert(F == KvFormat::NvFp4 || F == KvFormat::Fp8E4M3 || F == KvFormat::Int8,
+                "the direct decode reads NVFP4, FP8 E4M3 and INT8 caches");
+  static_assert(D == 64 || D == 128, "the direct decode runs head dims 64 and 128");
+  static constexpr bool kRowScales = F != KvFormat::NvFp4;  // one FP32 scale per row
+  static constexpr int kElemBits = F == KvFormat::NvFp4 ? 4 : 8;
+  static constexpr int kK = D / 4 * kElemBits / 8;  // elements [t·D/4, (t+1)·D/4)
+  static constexpr int kV = D / 8 * kElemBits / 8;  // elements [g·D/8, (g+1)·D/8)
+  // The FP16 operands are 2^-kOperandExp of the values they stand for (E2M1 bits).
+  static constexpr int kOperandExp = F == KvFormat::NvFp4 ? 14 : 0;
 };
 
-template <int D>
+// The raw bytes one thread holds for one 16-key block.
+template <KvFormat F, int D>
+struct Raw {
+  using B = Bytes<F, D>;
+  uint32_t k[2][B::kK / 4];  // keys g and 8 + g
+  uint32_t k_scales[2];      // NVFP4: their D/64 scale bytes (low bytes); else FP32 bits
+  uint32_t v[4][B::kV / 4];  // keys 2t, 2t+1, 8+2t, 9+2t
+  // NVFP4: the scale byte of each V key's element range; else the FP32 V scales of keys
+  // g and 8 + g (entries 0 and 1), which fold into those keys' P.
+  uint32_t v_scales[B::kRowScales ? 2 : 4];
+  bool bad;  // a page index outside the pool
+};
+
+// INT8 codes are held as unsigned bytes x + 128 (the sign bit flipped), which the FP16
+// conversion below reads as 1024 + 128 + x.
+constexpr uint32_t kInt8Bias = 0x80808080u;
+
+// `N` bytes at p (N a multiple of 4; p aligned to min(N, 16)) into words, or zeros.
+template <int N>
+__device__ __forceinline__ void load_words(const uint8_t* p, bool ok, uint32_t (&w)[N / 4]) {
+  if constexpr (N % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < N / 16; ++i) {
+      const uint4 x = ok ? __ldg(reinterpret_cast<const uint4*>(p) + i) : make_uint4(0, 0, 0, 0);
+      w[4 * i] = x.x, w[4 * i + 1] = x.y, w[4 * i + 2] = x.z, w[4 * i + 3] = x.w;
+    }
+  } else if constexpr (N == 8) {
+    const uint2 x = ok ? __ldg(reinterpret_cast<const uint2*>(p)) : make_uint2(0, 0);
+    w[0] = x.x, w[1] = x.y;
+  } else {
+    static_assert(N == 4, "4, 8 or a multiple of 16 bytes");
+    w[0] = ok ? __ldg(reinterpret_cast<const uint32_t*>(p)) : 0u;
+  }
+}
+
+template <KvFormat F, int D>
 __device__ __forceinline__ void load_block(const DecodeArgs& a, const int32_t* table,
                                            const uint8_t* k_codes, const uint8_t* v_codes,
                                            const uint8_t* k_scales, const uint8_t* v_scales,
-                                           int j0, int je, Raw<D>& r) {
+                                           int j0, int je, Raw<F, D>& r) {
+  using B = Bytes<F, D>;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   r.bad = false;
   // The byte offset of key j's page plus its slot (-1 outside [jb, je) or for a bad
@@ -80,33 +123,43 @@ __device__ __forceinline__ void load_block(const DecodeArgs& a, const int32_t* t
   for (int i = 0; i < 2; ++i) {
     locate(j0 + 8 * i + g, off, slot);
     const bool ok = off >= 0;
-    const uint8_t* codes = k_codes + off + slot * a.code_row_bytes;
-    const uint8_t* scales = k_scales + off + slot * a.scale_row_bytes;
-    if constexpr (D == 128) {
-      const uint4 w =
-          ok ? __ldg(reinterpret_cast<const uint4*>(codes + 16 * t)) : make_uint4(0, 0, 0, 0);
-      r.k[i][0] = w.x, r.k[i][1] = w.y, r.k[i][2] = w.z, r.k[i][3] = w.w;
-      r.k_scales[i] = ok ? __ldg(reinterpret_cast<const uint16_t*>(scales + 2 * t)) : 0u;
+    load_words<B::kK>(k_codes + off + slot * a.code_row_bytes + B::kK * t, ok, r.k[i]);
+    if constexpr (F == KvFormat::Int8)
+      for (auto& w : r.k[i]) w ^= kInt8Bias;
+    const int64_t srow = off + slot * a.scale_row_bytes;
+    if constexpr (B::kRowScales) {
+      r.k_scales[i] = ok ? __ldg(reinterpret_cast<const uint32_t*>(k_scales + srow)) : 0u;
+      r.v_scales[i] = ok ? __ldg(reinterpret_cast<const uint32_t*>(v_scales + srow)) : 0u;
+    } else if constexpr (D == 128) {
+      r.k_scales[i] = ok ? __ldg(reinterpret_cast<const uint16_t*>(k_scales + srow + 2 * t)) : 0u;
     } else {
-      const uint2 w = ok ? __ldg(reinterpret_cast<const uint2*>(codes + 8 * t)) : make_uint2(0, 0);
-      r.k[i][0] = w.x, r.k[i][1] = w.y;
-      r.k_scales[i] = ok ? __ldg(scales + t) : 0u;
+      r.k_scales[i] = ok ? __ldg(k_scales + srow + t) : 0u;
     }
   }
   const int vkeys[4] = {2 * t, 2 * t + 1, 8 + 2 * t, 9 + 2 * t};
   for (int i = 0; i < 4; ++i) {
     locate(j0 + vkeys[i], off, slot);
     const bool ok = off >= 0;
-    const uint8_t* codes = v_codes + off + slot * a.code_row_bytes;
-    const uint8_t* scales = v_scales + off + slot * a.scale_row_bytes;
-    if constexpr (D == 128) {
-      const uint2 w = ok ? __ldg(reinterpret_cast<const uint2*>(codes + 8 * g)) : make_uint2(0, 0);
-      r.v[i][0] = w.x, r.v[i][1] = w.y;
-      r.v_scales[i] = ok ? __ldg(scales + g) : 0u;
-    } else {
-      r.v[i][0] = ok ? __ldg(reinterpret_cast<const uint32_t*>(codes + 4 * g)) : 0u;
-      r.v_scales[i] = ok ? __ldg(scales + g / 2) : 0u;
-    }
+    load_words<B::kV>(v_codes + off + slot * a.code_row_bytes + B::kV * g, ok, r.v[i]);
+    if constexpr (F == KvFormat::Int8)
+      for (auto& w : r.v[i]) w ^= kInt8Bias;
+    if constexpr (!B::kRowScales)
+      r.v_scales[i] = ok ? __ldg(v_scales + off + slot * a.scale_row_bytes + g * D / 128) : 0u;
+  }
+}
+
+// Two FP8/INT8 codes, bytes `kSel` & 0xF and `kSel` >> 4 of x, as an FP16 pair (the
+// first in the low half), exactly. INT8 codes arrive biased (x + 128: kInt8Bias).
+template <KvFormat F, uint32_t kSel>
+__device__ __forceinline__ uint32_t code_pair(uint32_t x) {
+  if constexpr (F == KvFormat::Fp8E4M3) {
+    return e4m3x2_to_f16x2_bits(static_cast<uint16_t>(__byte_perm(x, 0u, kSel)));
+  } else {
+    // 0x64 over a byte u is the FP16 value 1024 + u; u = x + 128 (load_block flipped the
+    // sign bits).
+    constexpr uint32_t kBiasSel = 0x4040u | ((kSel & 0xFu) | ((kSel >> 4) << 8));
+    const uint32_t h = __byte_perm(x, 0x64646464u, kBiasSel);
+    return bits_of(__hsub2(as_half2(h), __float2half2_rn(1152.f)));
   }
 }
 
@@ -121,11 +174,96 @@ __device__ __forceinline__ uint32_t scaled(uint32_t pair, __half2 s2) {
   return bits_of(__hmul2(as_half2(pair), s2));
 }
 
+// Sᵀ's A fragments of k-steps 2w and 2w + 1 (elements 8w .. 8w+7 of the thread's range
+// of keys g and 8 + g; the mapping in the header comment).
+template <KvFormat F, int D>
+__device__ __forceinline__ void k_fragments(const Raw<F, D>& r, int w, uint32_t (&a0)[4],
+                                            uint32_t (&a1)[4]) {
+  if constexpr (F == KvFormat::NvFp4) {
+    // The E4M3 scales of keys g, 8+g for this group's 16-element block (2t + w/2 at D = 128).
+    __half2 ks[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const __half2 pair = as_half2(e4m3x2_to_f16x2_bits(static_cast<uint16_t>(r.k_scales[i])));
+      ks[i] = (w / 2) % 2 == 0 ? __low2half2(pair) : __high2half2(pair);
+    }
+    uint32_t ev[2], od[2];
+    e2m1_high_bytes(r.k[0][w], ev[0], od[0]);
+    e2m1_high_bytes(r.k[1][w], ev[1], od[1]);
+    a0[0] = scaled(f16_pair<0x1404>(ev[0]), ks[0]);
+    a0[1] = scaled(f16_pair<0x1404>(ev[1]), ks[1]);
+    a0[2] = scaled(f16_pair<0x1404>(od[0]), ks[0]);
+    a0[3] = scaled(f16_pair<0x1404>(od[1]), ks[1]);
+    a1[0] = scaled(f16_pair<0x3424>(ev[0]), ks[0]);
+    a1[1] = scaled(f16_pair<0x3424>(ev[1]), ks[1]);
+    a1[2] = scaled(f16_pair<0x3424>(od[0]), ks[0]);
+    a1[3] = scaled(f16_pair<0x3424>(od[1]), ks[1]);
+  } else {
+    // Elements 0..3 are the bytes of word 2w, 4..7 those of word 2w + 1.
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      a0[i] = code_pair<F, 0x20>(r.k[i][2 * w]);
+      a0[2 + i] = code_pair<F, 0x31>(r.k[i][2 * w]);
+      a1[i] = code_pair<F, 0x20>(r.k[i][2 * w + 1]);
+      a1[2 + i] = code_pair<F, 0x31>(r.k[i][2 * w + 1]);
+    }
+  }
+}
+
+// Oᵀ's A fragment of m-tile mt: elements 2mt and 2mt + 1 of the thread's range of keys
+// (2t, 2t+1) and (8+2t, 9+2t).
+template <KvFormat F, int D>
+__device__ __forceinline__ void v_fragment(const Raw<F, D>& r, int mt, uint32_t (&av)[4]) {
+  if constexpr (F == KvFormat::NvFp4) {
+    // Byte 2·half + sub of word w of each key holds elements 2mt, 2mt + 1 (two nibbles).
+    const int w = mt / 4, half = (mt / 2) % 2, sub = mt % 2;
+    const __half2 vs01 = as_half2(
+        e4m3x2_to_f16x2_bits(static_cast<uint16_t>(r.v_scales[0] | (r.v_scales[1] << 8))));
+    const __half2 vs23 = as_half2(
+        e4m3x2_to_f16x2_bits(static_cast<uint16_t>(r.v_scales[2] | (r.v_scales[3] << 8))));
+    uint32_t ev[2], od[2];
+    const uint32_t sel = half == 0 ? 0x5410u : 0x7632u;
+    e2m1_high_bytes(__byte_perm(r.v[0][w], r.v[1][w], sel), ev[0], od[0]);
+    e2m1_high_bytes(__byte_perm(r.v[2][w], r.v[3][w], sel), ev[1], od[1]);
+    if (sub == 0) {
+      av[0] = scaled(f16_pair<0x2404>(ev[0]), vs01);
+      av[1] = scaled(f16_pair<0x2404>(od[0]), vs01);
+      av[2] = scaled(f16_pair<0x2404>(ev[1]), vs23);
+      av[3] = scaled(f16_pair<0x2404>(od[1]), vs23);
+    } else {
+      av[0] = scaled(f16_pair<0x3414>(ev[0]), vs01);
+      av[1] = scaled(f16_pair<0x3414>(od[0]), vs01);
+      av[2] = scaled(f16_pair<0x3414>(ev[1]), vs23);
+      av[3] = scaled(f16_pair<0x3414>(od[1]), vs23);
+    }
+  } else {
+    // Word mt / 2 of each key holds elements 2mt, 2mt + 1 at bytes 2(mt % 2), +1; the
+    // byte-permute interleaves the two keys of a pair: (key 2t, key 2t+1) per element.
+    const int w = mt / 2;
+    const uint32_t sel = mt % 2 == 0 ? 0x5140u : 0x7362u;
+    const uint32_t x01 = __byte_perm(r.v[0][w], r.v[1][w], sel);
+    const uint32_t x23 = __byte_perm(r.v[2][w], r.v[3][w], sel);
+    av[0] = code_pair<F, 0x10>(x01);  // element 2mt of keys 2t, 2t+1
+    av[1] = code_pair<F, 0x32>(x01);  // element 2mt + 1
+    av[2] = code_pair<F, 0x10>(x23);
+    av[3] = code_pair<F, 0x32>(x23);
+  }
+}
+
+// Three CTAs per SM for NVFP4 with one n-block (168 registers); two otherwise.
+template <KvFormat F>
+constexpr int ctas_per_sm(int nqb) {
+  return F == KvFormat::NvFp4 && nqb == 1 ? 3 : 2;
+}
+
 // 2^e as a float for e in [-126, 127].
 __device__ __forceinline__ float pow2(int e) { return __uint_as_float(uint32_t(e + 127) << 23); }
 
-template <typename T, int D, int NQB>
-__global__ void __launch_bounds__(kWarps * 32, NQB == 1 ? 3 : 2) decode_direct_kernel(const DecodeArgs a) {
+template <typename T, KvFormat F, int D, int NQB>
+__global__ void __launch_bounds__(kWarps * 32, ctas_per_sm<F>(NQB))
+    decode_direct_kernel(const DecodeArgs a) {
+  constexpr bool kRowScales = Bytes<F, D>::kRowScales;
+  constexpr int kOperandExp = Bytes<F, D>::kOperandExp;
   constexpr int kKd = D / 16;   // k-steps of Sᵀ
   constexpr int kMt = D / 16;   // m-tiles of Oᵀ
   constexpr int kRange = D / 8;  // output elements per thread and column
@@ -190,7 +328,7 @@ __global__ void __launch_bounds__(kWarps * 32, NQB == 1 ? 3 : 2) decode_direct_k
     }
     for (int cc = 0; cc < 2; ++cc) {
       const int ec = __shfl_sync(0xffffffffu, e, 4 * (2 * t + cc));
-      col_scale[qb][cc] = a.scale_log2 * pow2(14 - ec);
+      col_scale[qb][cc] = a.scale_log2 * pow2(kOperandExp - ec);
       const int rc = row0 + 8 * qb + 2 * t + cc;
       lim[qb][cc] = a.causal ? (rc < a.rows ? rc % a.nq : 0) + L - a.nq : INT32_MAX;
     }
@@ -203,36 +341,38 @@ __global__ void __launch_bounds__(kWarps * 32, NQB == 1 ? 3 : 2) decode_direct_k
   for (int qb = 0; qb < NQB; ++qb) m[qb][0] = m[qb][1] = kNegInf, l[qb][0] = l[qb][1] = 0.f;
   bool bad = false;
 
+  float sigma = 0.f;  // row-scale formats: the running maximum of this warp's V scales
+
   const int nblocks = (je - jb + kBlock - 1) / kBlock;
-  auto compute = [&](const Raw<D>& r, int blk) {
+  auto compute = [&](const Raw<F, D>& r, int blk) {
     const int j0 = jb + blk * kBlock;
     // ---- Sᵀ = K̂·Qᵀ ----
     float s[NQB][4] = {};
-    __half2 ks[2][2];  // the K scales of keys g, 8+g: blocks 2t and 2t+1 of D = 128
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const __half2 pair = as_half2(e4m3x2_to_f16x2_bits(static_cast<uint16_t>(r.k_scales[i])));
-      ks[i][0] = __low2half2(pair);
-      ks[i][1] = __high2half2(pair);
-    }
 #pragma unroll
     for (int w = 0; w < D / 32; ++w) {
-      uint32_t ev[2], od[2];
-      e2m1_high_bytes(r.k[0][w], ev[0], od[0]);
-      e2m1_high_bytes(r.k[1][w], ev[1], od[1]);
-      const __half2 s0 = ks[0][w / 2], s1 = ks[1][w / 2];
-      const uint32_t a0[4] = {scaled(f16_pair<0x1404>(ev[0]), s0),
-                              scaled(f16_pair<0x1404>(ev[1]), s1),
-                              scaled(f16_pair<0x1404>(od[0]), s0),
-                              scaled(f16_pair<0x1404>(od[1]), s1)};
-      const uint32_t a1[4] = {scaled(f16_pair<0x3424>(ev[0]), s0),
-                              scaled(f16_pair<0x3424>(ev[1]), s1),
-                              scaled(f16_pair<0x3424>(od[0]), s0),
-                              scaled(f16_pair<0x3424>(od[1]), s1)};
+      uint32_t a0[4], a1[4];  // k-steps 2w and 2w + 1
+      k_fragments<F, D>(r, w, a0, a1);
 #pragma unroll
       for (int qb = 0; qb < NQB; ++qb) {
         common::mma_16bit<__half>(s[qb], a0, qf[qb][2 * w][0], qf[qb][2 * w][1]);
         common::mma_16bit<__half>(s[qb], a1, qf[qb][2 * w + 1][0], qf[qb][2 * w + 1][1]);
+      }
+    }
+    // Row-scale formats: the K scale of each score row (keys g, 8 + g); V's scales
+    // relative to σ, which grows to the block's largest V scale.
+    float k_row[2] = {1.f, 1.f}, v_rel[2] = {1.f, 1.f}, sigma_ratio = 1.f;
+    if constexpr (kRowScales) {
+      const float vs[2] = {__uint_as_float(r.v_scales[0]), __uint_as_float(r.v_scales[1])};
+      float bmax = fmaxf(vs[0], vs[1]);
+      bmax = fmaxf(bmax, __shfl_xor_sync(0xffffffffu, bmax, 4));
+      bmax = fmaxf(bmax, __shfl_xor_sync(0xffffffffu, bmax, 8));
+      bmax = fmaxf(bmax, __shfl_xor_sync(0xffffffffu, bmax, 16));
+      const float s_new = fmaxf(sigma, bmax);
+      if (s_new > 0.f) sigma_ratio = sigma / s_new;
+      sigma = s_new;
+      for (int h = 0; h < 2; ++h) {
+        k_row[h] = __uint_as_float(r.k_scales[h]);
+        v_rel[h] = sigma > 0.f ? vs[h] / sigma : 0.f;
       }
     }
     // ---- online softmax per query column (keys are rows: j0 + g and j0 + 8 + g) ----
@@ -247,7 +387,7 @@ __global__ void __launch_bounds__(kWarps * 32, NQB == 1 ? 3 : 2) decode_direct_k
         for (int h = 0; h < 2; ++h) {
           const int j = j0 + 8 * h + g;
           const bool vis = j < je && j <= lim[qb][cc];
-          const float x = vis ? s[qb][2 * h + cc] * col_scale[qb][cc] : kNegInf;
+          const float x = vis ? s[qb][2 * h + cc] * k_row[h] * col_scale[qb][cc] : kNegInf;
           s[qb][2 * h + cc] = x;
           mx = fmaxf(mx, x);
         }
@@ -262,10 +402,11 @@ __global__ void __launch_bounds__(kWarps * 32, NQB == 1 ? 3 : 2) decode_direct_k
         for (int h = 0; h < 2; ++h) {
           const float x = s[qb][2 * h + cc];
           const float p = x == kNegInf ? 0.f : exp2f(x - m_new);
-          s[qb][2 * h + cc] = p;
+          s[qb][2 * h + cc] = p * v_rel[h];
           sum += p;
         }
         l[qb][cc] = l[qb][cc] * alpha[cc] + sum;
+        alpha[cc] *= sigma_ratio;
       }
 #pragma unroll
       for (int mt = 0; mt < kMt; ++mt) {
@@ -283,50 +424,25 @@ __global__ void __launch_bounds__(kWarps * 32, NQB == 1 ? 3 : 2) decode_direct_k
       pl[qb][1] = common::movmatrix_trans(lo);
     }
     // ---- Oᵀ += V̂ᵀ·Pᵀ: pairs of keys (2t, 2t+1) and (8+2t, 9+2t) at one element ----
-    const __half2 vs01 = as_half2(
-        e4m3x2_to_f16x2_bits(static_cast<uint16_t>(r.v_scales[0] | (r.v_scales[1] << 8))));
-    const __half2 vs23 = as_half2(
-        e4m3x2_to_f16x2_bits(static_cast<uint16_t>(r.v_scales[2] | (r.v_scales[3] << 8))));
 #pragma unroll
-    for (int w = 0; w < Raw<D>::kVWords; ++w)
+    for (int mt = 0; mt < kMt; ++mt) {
+      uint32_t av[4];
+      v_fragment<F, D>(r, mt, av);
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        // Bytes 2·half and 2·half+1 of word w of each key: m-tiles 4w + 2·half (+1).
-        uint32_t ev[2], od[2];
-        const uint32_t sel = half == 0 ? 0x5410u : 0x7632u;
-        e2m1_high_bytes(__byte_perm(r.v[0][w], r.v[1][w], sel), ev[0], od[0]);
-        e2m1_high_bytes(__byte_perm(r.v[2][w], r.v[3][w], sel), ev[1], od[1]);
-#pragma unroll
-        for (int sub = 0; sub < 2; ++sub) {
-          const int mt = 4 * w + 2 * half + sub;
-          uint32_t av[4];
-          if (sub == 0) {
-            av[0] = scaled(f16_pair<0x2404>(ev[0]), vs01);
-            av[1] = scaled(f16_pair<0x2404>(od[0]), vs01);
-            av[2] = scaled(f16_pair<0x2404>(ev[1]), vs23);
-            av[3] = scaled(f16_pair<0x2404>(od[1]), vs23);
-          } else {
-            av[0] = scaled(f16_pair<0x3414>(ev[0]), vs01);
-            av[1] = scaled(f16_pair<0x3414>(od[0]), vs01);
-            av[2] = scaled(f16_pair<0x3414>(ev[1]), vs23);
-            av[3] = scaled(f16_pair<0x3414>(od[1]), vs23);
-          }
-#pragma unroll
-          for (int qb = 0; qb < NQB; ++qb) {
-            common::mma_16bit<__half>(o[qb][mt], av, ph[qb][0], ph[qb][1]);
-            common::mma_16bit<__half>(o[qb][mt], av, pl[qb][0], pl[qb][1]);
-          }
-        }
+      for (int qb = 0; qb < NQB; ++qb) {
+        common::mma_16bit<__half>(o[qb][mt], av, ph[qb][0], ph[qb][1]);
+        common::mma_16bit<__half>(o[qb][mt], av, pl[qb][0], pl[qb][1]);
       }
+    }
   };
 
   // kDepth blocks in flight per warp: each is computed, then refilled kDepth ahead.
-  Raw<D> ring[kDepth];
+  Raw<F, D> ring[kDepth];
 #pragma unroll
   for (int s = 0; s < kDepth; ++s) {
     const int blk = warp + s * kWarps;
     if (blk < nblocks)
-      load_block<D>(a, table, k_codes, v_codes, k_scales, v_scales, jb + blk * kBlock, je,
+      load_block<F, D>(a, table, k_codes, v_codes, k_scales, v_scales, jb + blk * kBlock, je,
                     ring[s]);
   }
   for (int base = warp; base < nblocks; base += kDepth * kWarps) {
@@ -338,7 +454,7 @@ __global__ void __launch_bounds__(kWarps * 32, NQB == 1 ? 3 : 2) decode_direct_k
       bad |= ring[s].bad;
       const int next = blk + kDepth * kWarps;
       if (next < nblocks)
-        load_block<D>(a, table, k_codes, v_codes, k_scales, v_scales, jb + next * kBlock, je,
+        load_block<F, D>(a, table, k_codes, v_codes, k_scales, v_scales, jb + next * kBlock, je,
                       ring[s]);
     }
   }
@@ -351,6 +467,9 @@ __global__ void __launch_bounds__(kWarps * 32, NQB == 1 ? 3 : 2) decode_direct_k
       x += __shfl_xor_sync(0xffffffffu, x, 8);
       l[qb][cc] = x + __shfl_xor_sync(0xffffffffu, x, 16);
     }
+  if constexpr (kRowScales)
+    for (auto& ob : o)
+      for (auto& x : ob) x[0] *= sigma, x[1] *= sigma, x[2] *= sigma, x[3] *= sigma;
   __syncthreads();  // s_bad initialized
   if (bad) s_bad = 1;
   if (warp > 0) {
@@ -401,7 +520,8 @@ __global__ void __launch_bounds__(kWarps * 32, NQB == 1 ? 3 : 2) decode_direct_k
       if (r >= a.rows) continue;
       const int i = r % a.nq, hq = hk * a.group + r / a.nq;
       const bool empty = m[qb][cc] == kNegInf;
-      const float inv = empty ? 0.f : 16384.f / l[qb][cc];  // 2^14: V̂ was read as V̂·2^-14
+      // The operands' 2^-kOperandExp (NVFP4: V̂ was read as V̂·2^-14) comes off here.
+      const float inv = empty ? 0.f : pow2(kOperandExp) / l[qb][cc];
       const int64_t out_row = (int64_t{b} * a.heads_q + hq) * a.nq + i;
       float y[kRange];
 #pragma unroll
