@@ -20,18 +20,21 @@ namespace {
 constexpr std::array<api::Arch, 1> kArchs{{{9, 0}}};
 
 // A decode runs one CTA per (sequence, KV head, chunk). Splitting the keys pays when
-// batch × heads_kv leaves SMs idle: aim for one wave of the NVFP4 decode (three CTAs per
-// SM of a 132-SM H100/H200 at once; rounding down, so no second wave of a few CTAs; the
-// sizes alone decide, so the workspace size needs no device), and keep each chunk at
-// least kMinChunk keys so the merge stays a small part of the work.
-constexpr int64_t kTargetCtas = 3 * 132;
+// batch × heads_kv leaves SMs idle: aim for one wave of the format's decode kernel
+// (kv_cache::decode_ctas_per_sm CTAs per SM of a 132-SM H100/H200 at once: 396 for
+// NVFP4, 264 for the others; rounding down, so no second wave of a few CTAs; the sizes
+// alone decide, so the workspace size needs no device), and keep each chunk at least
+// kMinChunk keys so the merge stays a small part of the work.
+constexpr int64_t kSms = 132;
 constexpr int64_t kMinChunk = 256;
 
 int32_t choose_splits(const qattn_kv_decode_params& p, const qattn_kv_cache& c) {
   const int64_t capacity = int64_t{c.max_pages_per_seq} * c.page_size;
   const int64_t len = p.max_length > 0 ? std::min<int64_t>(p.max_length, capacity) : capacity;
   const int64_t ctas = int64_t{p.batch} * c.heads_kv;
-  const int64_t by_sms = std::max<int64_t>(1, kTargetCtas / ctas);
+  const int64_t target =
+      kSms * kv_cache::decode_ctas_per_sm(static_cast<kvcache::KvFormat>(c.format));
+  const int64_t by_sms = std::max<int64_t>(1, target / ctas);
   const int64_t by_len = std::max<int64_t>(1, len / kMinChunk);
   return static_cast<int32_t>(
       std::clamp<int64_t>(std::min(by_sms, by_len), 1, QATTN_KV_MAX_SPLITS));

@@ -864,7 +864,8 @@ TEST(KvDecodeAbi, WorkspaceSizeIsTheSplitLayout) {
       EXPECT_EQ(s, q.num_splits);  // an explicit count is kept
     } else {
       // A chosen count: within 1..128; more than one chunk only when each chunk keeps
-      // 256 keys and the chunks of every (sequence, KV head) pair fit one wave of 396 CTAs.
+      // 256 keys and the chunks of every (sequence, KV head) pair fit one wave of the
+      // format's kernel: 396 CTAs for NVFP4 (three per SM), 264 for the others (two).
       const int64_t capacity = int64_t{cfg.max_pages_per_seq} * cfg.page_size;
       const int64_t keys = q.max_length > 0 ? std::min<int64_t>(q.max_length, capacity) : capacity;
       const int64_t ctas = int64_t{q.batch} * cfg.heads_kv;
@@ -872,7 +873,7 @@ TEST(KvDecodeAbi, WorkspaceSizeIsTheSplitLayout) {
       EXPECT_LE(s, QATTN_KV_MAX_SPLITS);
       if (s > 1) {
         EXPECT_LE(s * int64_t{256}, keys);
-        EXPECT_LE(s * ctas, 396);
+        EXPECT_LE(s * ctas, cfg.format == QATTN_KV_NVFP4 ? 396 : 264);
       }
     }
     EXPECT_EQ(need(q),
@@ -880,15 +881,16 @@ TEST(KvDecodeAbi, WorkspaceSizeIsTheSplitLayout) {
   }
 }
 
-// num_splits = 0: min(floor(three CTAs per SM of 132 SMs / (batch * heads_kv)), keys / 256),
-// at least 1 and at most QATTN_KV_MAX_SPLITS; the keys are max_length when set (capped
-// by the capacity), else the capacity.
+// num_splits = 0: min(floor(the format's CTAs per SM (NVFP4 three, the others two) of
+// 132 SMs / (batch * heads_kv)), keys / 256), at least 1 and at most QATTN_KV_MAX_SPLITS;
+// the keys are max_length when set (capped by the capacity), else the capacity.
 TEST(KvDecodeAbi, AutomaticSplitCountFollowsTheFamilysRule) {
   struct Case {
     int batch, heads_kv, max_pages_per_seq, max_length, splits;
     const char* why;
+    int32_t format = QATTN_KV_NVFP4;
   };
-  const std::array<Case, 12> cases{{
+  const std::array<Case, 17> cases{{
       {1, 1, 4096, 0, 128, "396 CTAs wanted, 65536 / 256 = 256 chunks: capped at 128"},
       {1, 8, 256, 0, 16, "floor(396 / 8) = 49, 4096 / 256 = 16: the length decides"},
       {4, 8, 2048, 0, 12, "floor(396 / 32) = 12, 32768 / 256 = 128: the SMs decide"},
@@ -901,12 +903,18 @@ TEST(KvDecodeAbi, AutomaticSplitCountFollowsTheFamilysRule) {
       {1, 1, 4096, 512, 2, "max_length 512: two chunks of 256"},
       {1, 8, 256, 1000000, 16, "max_length beyond the capacity: the capacity (4096) decides"},
       {2, 2, 4096, 40000, 99, "floor(396 / 4) = 99, 40000 / 256 = 156"},
+      {4, 8, 2048, 0, 8, "FP8: floor(264 / 32) = 8", QATTN_KV_FP8_E4M3},
+      {8, 8, 4096, 0, 4, "INT8: floor(264 / 64) = 4, one wave of two CTAs per SM", QATTN_KV_INT8},
+      {1, 1, 4096, 0, 128, "BF16: 264 CTAs wanted, 256 chunks: capped at 128", QATTN_KV_BF16},
+      {2, 2, 4096, 40000, 66, "FP8: floor(264 / 4) = 66, 40000 / 256 = 156", QATTN_KV_FP8_E4M3},
+      {32, 8, 2048, 0, 1, "INT8: floor(264 / 256) = 1", QATTN_KV_INT8},
   }};
   const KvCacheFamily& family = *qattn::api::kv_cache_families()[0];
   for (const Case& k : cases) {
     SCOPED_TRACE(k.why);
     const qattn_kv_cache c =
-        make_cache({.heads_kv = k.heads_kv, .max_pages_per_seq = k.max_pages_per_seq});
+        make_cache({.format = k.format, .heads_kv = k.heads_kv,
+                    .max_pages_per_seq = k.max_pages_per_seq});
     qattn_kv_decode_params p = decode_params(c, k.batch, k.heads_kv, 1);
     p.max_length = k.max_length;
     EXPECT_EQ(splits_of(p), k.splits);

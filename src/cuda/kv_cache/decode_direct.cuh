@@ -40,12 +40,12 @@
 
 #include "cuda/common/mma_sync.cuh"
 #include "cuda/kv_cache/dequant.cuh"
+#include "cuda/kv_cache/workspace.h"
 
 namespace qattn::kv_cache::direct {
 
 constexpr int kWarps = 4;
 constexpr int kBlock = 16;  // keys per step of a warp
-constexpr int kDepth = 2;   // blocks in flight per warp (one computed, the rest loading)
 
 // What a format puts in one thread's registers per 16-key block (bytes per key).
 template <KvFormat F, int D>
@@ -250,10 +250,18 @@ __device__ __forceinline__ void v_fragment(const Raw<F, D>& r, int mt, uint32_t 
   }
 }
 
-// Three CTAs per SM for NVFP4 with one n-block (168 registers); two otherwise.
+// CTAs per SM: workspace.h's count with one n-block, two with two.
 template <KvFormat F>
 constexpr int ctas_per_sm(int nqb) {
-  return F == KvFormat::NvFp4 && nqb == 1 ? 3 : 2;
+  return nqb == 1 ? decode_ctas_per_sm(F) : 2;
+}
+
+// Blocks in flight per warp (one computed, the rest loading): three where two CTAs per
+// SM leave the registers for them (FP8 with one n-block: 242; INT8's conversions take
+// the rest and it would spill), else two.
+template <KvFormat F>
+constexpr int ring_depth(int nqb) {
+  return F == KvFormat::Fp8E4M3 && nqb == 1 ? 3 : 2;
 }
 
 // 2^e as a float for e in [-126, 127].
@@ -437,6 +445,7 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm<F>(NQB))
   };
 
   // kDepth blocks in flight per warp: each is computed, then refilled kDepth ahead.
+  constexpr int kDepth = ring_depth<F>(NQB);
   Raw<F, D> ring[kDepth];
 #pragma unroll
   for (int s = 0; s < kDepth; ++s) {

@@ -6,7 +6,17 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kvcache/layout.h"
+
 namespace qattn::kv_cache {
+
+// CTAs of the decode kernel that run at once on one SM, for query rows that fit one
+// n-block of 8 (the common case: GQA group × new tokens ≤ 8): the register-direct NVFP4
+// kernel holds 168 registers (three), the direct FP8/INT8 kernels and the tiled BF16
+// kernel two. The kernels' launch bounds and the split rule both read it.
+constexpr int decode_ctas_per_sm(kvcache::KvFormat format) {
+  return format == kvcache::KvFormat::NvFp4 ? 3 : 2;
+}
 
 struct DecodeWorkspace {
   std::size_t o_partial = 0;    // float [batch][heads_q][nq][splits][head_dim]
