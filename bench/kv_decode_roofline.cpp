@@ -9,6 +9,7 @@
 //                                   # append of a 32K-token prefill per format
 //   ./kv_decode_roofline --splits N # the decodes with N key chunks instead of the
 //                                   # library's choice (0), no appends
+//   ./kv_decode_roofline --only fp8 32 65536 1   # one case (format, B, L, nq)
 // The pool holds the byte 0x11 everywhere (a finite value in every format); the speed
 // does not depend on the values.
 #include <cuda_runtime.h>
@@ -191,6 +192,13 @@ void append_line(int format, int tokens, int heads_kv, int d) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc == 6 && std::string_view(argv[1]) == "--only") {  // one case, e.g. under ncu
+    const std::string_view f = argv[2];
+    int format = 0;
+    while (format < 4 && f != kNames[format]) ++format;
+    if (format == 4) return 2;
+    return run(format, std::atoi(argv[3]), std::atoi(argv[4]), 32, 8, 128, std::atoi(argv[5]), 0);
+  }
   const bool fixed = argc == 3 && std::string_view(argv[1]) == "--splits";
   const int splits = fixed ? std::atoi(argv[2]) : 0;
   if (!fixed)

@@ -19,25 +19,38 @@ namespace {
 
 constexpr std::array<api::Arch, 1> kArchs{{{9, 0}}};
 
-// A decode runs one CTA per (sequence, KV head, chunk). Splitting the keys pays when
-// batch × heads_kv leaves SMs idle: aim for one wave of the format's decode kernel
-// (kv_cache::decode_ctas_per_sm CTAs per SM of a 132-SM H100/H200 at once: 396 for
-// NVFP4, 264 for the others; rounding down, so no second wave of a few CTAs; the sizes
-// alone decide, so the workspace size needs no device), and keep each chunk at least
-// kMinChunk keys so the merge stays a small part of the work.
+// A decode runs one CTA per (sequence, KV head, chunk), and a CTA's time is set by its
+// own key count (the kernels are latency-bound, bench/NOTES.md v30): a wave that fills a
+// fraction f of the SMs' CTA slots (kv_cache::decode_ctas_per_sm on 132 SMs) wastes
+// 1 − f of them. So the rule picks the chunk count S whose waves are fullest:
+// w = pairs·S / slots waves, efficiency w / ⌈w⌉, minus 0.02 per wave so that fewer,
+// longer chunks win a near tie; S at most 4 waves' worth, each chunk at least kMinChunk
+// keys (the merge stays a small part of the work), at most QATTN_KV_MAX_SPLITS. The
+// sizes alone decide, so the workspace size needs no device.
 constexpr int64_t kSms = 132;
 constexpr int64_t kMinChunk = 256;
+constexpr int64_t kMaxWaves = 4;
+constexpr double kPerWave = 0.02;
 
 int32_t choose_splits(const qattn_kv_decode_params& p, const qattn_kv_cache& c) {
   const int64_t capacity = int64_t{c.max_pages_per_seq} * c.page_size;
   const int64_t len = p.max_length > 0 ? std::min<int64_t>(p.max_length, capacity) : capacity;
-  const int64_t ctas = int64_t{p.batch} * c.heads_kv;
-  const int64_t target =
-      kSms * kv_cache::decode_ctas_per_sm(static_cast<kvcache::KvFormat>(c.format));
-  const int64_t by_sms = std::max<int64_t>(1, target / ctas);
-  const int64_t by_len = std::max<int64_t>(1, len / kMinChunk);
-  return static_cast<int32_t>(
-      std::clamp<int64_t>(std::min(by_sms, by_len), 1, QATTN_KV_MAX_SPLITS));
+  const int64_t pairs = int64_t{p.batch} * c.heads_kv;
+  const int64_t rows = int64_t{p.heads_q} / c.heads_kv * p.nq;
+  const int64_t slots =
+      kSms * kv_cache::decode_ctas_per_sm(static_cast<kvcache::KvFormat>(c.format), rows);
+  const int64_t by_len = std::clamp<int64_t>(len / kMinChunk, 1, QATTN_KV_MAX_SPLITS);
+  const int64_t by_waves = std::max<int64_t>(1, kMaxWaves * slots / pairs);
+  int64_t best = 1;
+  double best_score = -1.0;
+  for (int64_t s = 1; s <= std::min(by_len, by_waves); ++s) {
+    const int64_t ctas = pairs * s;
+    const int64_t waves = (ctas + slots - 1) / slots;
+    const double score = static_cast<double>(ctas) / static_cast<double>(waves * slots) -
+                         kPerWave * static_cast<double>(waves);
+    if (score > best_score) best = s, best_score = score;
+  }
+  return static_cast<int32_t>(best);
 }
 
 std::size_t decode_workspace_bytes(const qattn_kv_decode_params& p, const qattn_kv_cache& c,

@@ -864,8 +864,8 @@ TEST(KvDecodeAbi, WorkspaceSizeIsTheSplitLayout) {
       EXPECT_EQ(s, q.num_splits);  // an explicit count is kept
     } else {
       // A chosen count: within 1..128; more than one chunk only when each chunk keeps
-      // 256 keys and the chunks of every (sequence, KV head) pair fit one wave of the
-      // format's kernel: 396 CTAs for NVFP4 (three per SM), 264 for the others (two).
+      // 256 keys and all chunks fit 4 waves of the kernel's CTA slots (at most 396: NVFP4
+      // with few query rows, three per SM).
       const int64_t capacity = int64_t{cfg.max_pages_per_seq} * cfg.page_size;
       const int64_t keys = q.max_length > 0 ? std::min<int64_t>(q.max_length, capacity) : capacity;
       const int64_t ctas = int64_t{q.batch} * cfg.heads_kv;
@@ -873,7 +873,7 @@ TEST(KvDecodeAbi, WorkspaceSizeIsTheSplitLayout) {
       EXPECT_LE(s, QATTN_KV_MAX_SPLITS);
       if (s > 1) {
         EXPECT_LE(s * int64_t{256}, keys);
-        EXPECT_LE(s * ctas, cfg.format == QATTN_KV_NVFP4 ? 396 : 264);
+        EXPECT_LE(s * ctas, 4 * 396);
       }
     }
     EXPECT_EQ(need(q),
@@ -881,33 +881,38 @@ TEST(KvDecodeAbi, WorkspaceSizeIsTheSplitLayout) {
   }
 }
 
-// num_splits = 0: min(floor(the format's CTAs per SM (NVFP4 three, the others two) of
-// 132 SMs / (batch * heads_kv)), keys / 256), at least 1 and at most QATTN_KV_MAX_SPLITS;
-// the keys are max_length when set (capped by the capacity), else the capacity.
+// num_splits = 0: the chunk count S whose waves fill the CTA slots best. slots = 132 SMs ×
+// CTAs per SM (NVFP4 with ≤ 8 query rows per KV head: 3; otherwise 2); with
+// w = batch·heads_kv·S / slots, S maximizes w/⌈w⌉ − 0.02·⌈w⌉ (the smallest S on a tie)
+// over 1 ≤ S ≤ min(keys / 256, 4 waves' worth, QATTN_KV_MAX_SPLITS); the keys are
+// max_length when set (capped by the capacity), else the capacity.
 TEST(KvDecodeAbi, AutomaticSplitCountFollowsTheFamilysRule) {
   struct Case {
     int batch, heads_kv, max_pages_per_seq, max_length, splits;
     const char* why;
     int32_t format = QATTN_KV_NVFP4;
+    int heads_q = 0, nq = 1;  // heads_q 0: heads_kv
   };
-  const std::array<Case, 17> cases{{
-      {1, 1, 4096, 0, 128, "396 CTAs wanted, 65536 / 256 = 256 chunks: capped at 128"},
-      {1, 8, 256, 0, 16, "floor(396 / 8) = 49, 4096 / 256 = 16: the length decides"},
-      {4, 8, 2048, 0, 12, "floor(396 / 32) = 12, 32768 / 256 = 128: the SMs decide"},
-      {32, 8, 2048, 0, 1, "floor(396 / 256) = 1: no second wave"},
-      {33, 8, 2048, 0, 1, "264 CTAs: one chunk"},
-      {64, 8, 2048, 0, 1, "more CTAs than wanted: one chunk"},
+  const std::array<Case, 19> cases{{
+      {1, 1, 4096, 0, 128, "396 slots, 65536 / 256 = 256 chunks: capped at 128 (0.32 of a wave)"},
+      {1, 8, 256, 0, 16, "49 chunks fill one wave, 4096 / 256 = 16: the length decides"},
+      {4, 8, 2048, 0, 12, "12 chunks: 384 of 396 slots (24 would be 1.94 waves, one more)"},
+      {32, 8, 2048, 0, 3, "256 pairs: 1 chunk fills 0.65 of a wave, 3 fill 1.94 waves"},
+      {33, 8, 2048, 0, 3, "264 pairs: 3 chunks are exactly 2 waves"},
+      {64, 8, 2048, 0, 3, "512 pairs: 1, 2, 3 chunks fill 0.65, 0.86, 0.97 of their waves"},
+      {128, 8, 2048, 0, 1, "1024 pairs: 2.6 waves already; more chunks would exceed 4 waves"},
       {1, 1, 8, 0, 1, "128 keys: less than one 256-key chunk"},
       {1, 1, 4096, 1000, 3, "max_length 1000: 3 chunks of at least 256"},
       {1, 1, 4096, 255, 1, "max_length 255: one chunk"},
       {1, 1, 4096, 512, 2, "max_length 512: two chunks of 256"},
       {1, 8, 256, 1000000, 16, "max_length beyond the capacity: the capacity (4096) decides"},
-      {2, 2, 4096, 40000, 99, "floor(396 / 4) = 99, 40000 / 256 = 156"},
-      {4, 8, 2048, 0, 8, "FP8: floor(264 / 32) = 8", QATTN_KV_FP8_E4M3},
-      {8, 8, 4096, 0, 4, "INT8: floor(264 / 64) = 4, one wave of two CTAs per SM", QATTN_KV_INT8},
-      {1, 1, 4096, 0, 128, "BF16: 264 CTAs wanted, 256 chunks: capped at 128", QATTN_KV_BF16},
-      {2, 2, 4096, 40000, 66, "FP8: floor(264 / 4) = 66, 40000 / 256 = 156", QATTN_KV_FP8_E4M3},
-      {32, 8, 2048, 0, 1, "INT8: floor(264 / 256) = 1", QATTN_KV_INT8},
+      {2, 2, 4096, 40000, 99, "99 chunks: 396 CTAs, one full wave; 40000 / 256 = 156"},
+      {4, 8, 2048, 0, 8, "FP8: 264 slots, 8 chunks: 256 CTAs", QATTN_KV_FP8_E4M3},
+      {8, 8, 4096, 0, 4, "INT8: 4 chunks, one wave of two CTAs per SM", QATTN_KV_INT8},
+      {1, 1, 4096, 0, 128, "BF16: 264 slots, 256 chunks: capped at 128", QATTN_KV_BF16},
+      {2, 2, 4096, 40000, 66, "FP8: 66 chunks: 264 CTAs, one full wave", QATTN_KV_FP8_E4M3},
+      {32, 8, 2048, 0, 1, "INT8: 256 pairs fill 0.97 of 264 slots", QATTN_KV_INT8},
+      {8, 8, 4096, 0, 4, "NVFP4 with 16 query rows: two CTAs per SM, 264 slots", QATTN_KV_NVFP4, 32, 4},
   }};
   const KvCacheFamily& family = *qattn::api::kv_cache_families()[0];
   for (const Case& k : cases) {
@@ -915,21 +920,22 @@ TEST(KvDecodeAbi, AutomaticSplitCountFollowsTheFamilysRule) {
     const qattn_kv_cache c =
         make_cache({.format = k.format, .heads_kv = k.heads_kv,
                     .max_pages_per_seq = k.max_pages_per_seq});
-    qattn_kv_decode_params p = decode_params(c, k.batch, k.heads_kv, 1);
+    const int heads_q = k.heads_q > 0 ? k.heads_q : k.heads_kv;
+    qattn_kv_decode_params p = decode_params(c, k.batch, heads_q, k.nq);
     p.max_length = k.max_length;
     EXPECT_EQ(splits_of(p), k.splits);
     EXPECT_EQ(family.choose_splits(p, c), k.splits);
     // The workspace query and the decode size the same split count.
     EXPECT_EQ(need(p),
-              qattn::kv_cache::decode_workspace(k.batch, k.heads_kv, 1, 128, k.splits).total);
+              qattn::kv_cache::decode_workspace(k.batch, heads_q, k.nq, 128, k.splits).total);
     if (k.splits > 1) {
       EXPECT_REJECTS(decode(p, fake(10), need(p) - 1), QATTN_ERROR_WORKSPACE_TOO_SMALL,
                      std::to_string(need(p)));
       EXPECT_REACHES_THE_DEVICE(decode(p, fake(10), need(p)));
     }
   }
-  // The rule counts (sequence, KV head) pairs: the query heads and tokens only size the
-  // partials, not the count.
+  // The query heads and tokens enter only through the CTAs per SM: 128 rows per KV head
+  // still leave the length (4096 / 256 = 16) to decide.
   const qattn_kv_cache c = make_cache({.heads_kv = 8, .max_pages_per_seq = 256});
   EXPECT_EQ(splits_of(decode_params(c, 1, 64, 16)), 16);
 }

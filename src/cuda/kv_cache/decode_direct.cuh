@@ -250,10 +250,10 @@ __device__ __forceinline__ void v_fragment(const Raw<F, D>& r, int mt, uint32_t 
   }
 }
 
-// CTAs per SM: workspace.h's count with one n-block, two with two.
+// CTAs per SM (workspace.h): 8 query rows per n-block.
 template <KvFormat F>
 constexpr int ctas_per_sm(int nqb) {
-  return nqb == 1 ? decode_ctas_per_sm(F) : 2;
+  return decode_ctas_per_sm(F, 8 * nqb);
 }
 
 // Blocks in flight per warp (one computed, the rest loading): three where two CTAs per

@@ -10,12 +10,13 @@
 
 namespace qattn::kv_cache {
 
-// CTAs of the decode kernel that run at once on one SM, for query rows that fit one
-// n-block of 8 (the common case: GQA group × new tokens ≤ 8): the register-direct NVFP4
-// kernel holds 168 registers (three), the direct FP8/INT8 kernels and the tiled BF16
-// kernel two. The kernels' launch bounds and the split rule both read it.
-constexpr int decode_ctas_per_sm(kvcache::KvFormat format) {
-  return format == kvcache::KvFormat::NvFp4 ? 3 : 2;
+// CTAs of the decode kernel that run at once on one SM, by format and query rows per
+// (sequence, KV head) (GQA group × new tokens): with rows ≤ 8 (one n-block) the
+// register-direct NVFP4 kernel holds 168 registers (three CTAs), the direct FP8/INT8
+// kernels and the tiled BF16 kernel two; with more rows every kernel runs two. The
+// kernels' launch bounds and the split rule both read it.
+constexpr int decode_ctas_per_sm(kvcache::KvFormat format, int64_t rows) {
+  return format == kvcache::KvFormat::NvFp4 && rows <= 8 ? 3 : 2;
 }
 
 struct DecodeWorkspace {
