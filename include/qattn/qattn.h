@@ -41,7 +41,13 @@ typedef enum qattn_dtype { QATTN_DTYPE_FP16 = 0, QATTN_DTYPE_BF16 = 1 } qattn_dt
 
 /* The quantization scheme, which selects the kernel families that may run the call. */
 typedef enum qattn_scheme {
-  QATTN_SCHEME_SAGE2_8B = 0 /* default: SageAttention2-8b (INT8 Q·Kᵀ, E4M3 P·V) */
+  QATTN_SCHEME_SAGE2_8B = 0,    /* default: SageAttention2-8b (INT8 Q·Kᵀ, E4M3 P·V) */
+  QATTN_SCHEME_SAGE3_NVFP4 = 1  /* SageAttention3: NVFP4 Q, K (smoothed), two-level NVFP4 P,
+                                   NVFP4 V, the products formed on BF16 tensor cores from
+                                   the dequantized operands (exactly a block-scaled FP4
+                                   MMA's products); for fidelity, not speed. Head dim 64 or
+                                   128; no mask or causal aligned bottom-right; sage2
+                                   options are ignored */
 } qattn_scheme;
 
 /* Quantization granularity of Q and K for the INT8 Q·Kᵀ (SageAttention2 §3.2). */

@@ -20,6 +20,7 @@
 #include "qattn/qattn.h"
 #include "qattn/qattn.hpp"
 #include "api_outcome.h"
+#include "cuda/sage3_fwd/workspace.h"
 
 namespace {
 
@@ -206,10 +207,11 @@ TEST(ApiValidation, EnumsAndFlags) {
     EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "sage2.granularity",
                    "QATTN_QK_PER_WARP");
   }
-  for (int bad : {1, -1, 1000}) {
+  for (int bad : {2, -1, 1000}) {
     qattn_fwd_params p = valid_params();
     p.scheme = bad;
-    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "scheme", "QATTN_SCHEME_SAGE2_8B");
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "scheme", "QATTN_SCHEME_SAGE2_8B",
+                   "QATTN_SCHEME_SAGE3_NVFP4");
   }
   for (int g : {0, 1, 2}) {
     qattn_fwd_params p = valid_params();
@@ -896,3 +898,37 @@ TEST(ApiValidation, TooManyQueryBlocksIsRejected) {
 }
 
 }  // namespace
+
+// The SageAttention3 NVFP4 family: head dims 64 and 128, no mask or causal aligned
+// bottom-right; everything else is declined by name before anything runs, and its
+// workspace is its own layout's size.
+TEST(ApiValidation, Sage3Nvfp4Scheme) {
+  for (int d : {64, 128}) {
+    qattn_fwd_params p = valid_params({.head_dim = d});
+    p.scheme = QATTN_SCHEME_SAGE3_NVFP4;
+    EXPECT_EQ(size_of(p).status, QATTN_OK) << size_of(p).message;
+    p.causal = 1;  // bottom-right (the default alignment)
+    EXPECT_EQ(size_of(p).status, QATTN_OK) << size_of(p).message;
+    EXPECT_EQ(need(p), qattn::sage3::workspace_layout(p).total);
+  }
+  for (int d : {16, 96, 80}) {
+    qattn_fwd_params p = valid_params({.head_dim = d});
+    p.scheme = QATTN_SCHEME_SAGE3_NVFP4;
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_UNSUPPORTED, "sage3_nvfp4_fwd_sm90", "head_dim");
+  }
+  {
+    qattn_fwd_params p = valid_params({.head_dim = 128});
+    p.scheme = QATTN_SCHEME_SAGE3_NVFP4;
+    p.causal = 1;
+    p.alignment = QATTN_ALIGN_TOP_LEFT;  // seqlen_q 300 != seqlen_kv 500: it matters
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_UNSUPPORTED, "sage3_nvfp4_fwd_sm90");
+  }
+  {
+    qattn_fwd_params p = valid_params({.head_dim = 128});
+    p.scheme = QATTN_SCHEME_SAGE3_NVFP4;
+    p.window = 1;
+    p.window_left = 64;
+    p.window_right = 0;
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_UNSUPPORTED, "sage3_nvfp4_fwd_sm90");
+  }
+}
