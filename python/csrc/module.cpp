@@ -51,7 +51,7 @@ const MaskArg kNoMask{0, -1, -1, QATTN_ALIGN_BOTTOM_RIGHT, 0, 0, 0, 0, 0};
 qattn_fwd_params make_params(const TensorArg& q, const TensorArg& k, const TensorArg& v,
                              const TensorArg& o, std::uintptr_t lse, int dtype,
                              const ShapeArg& shape, int causal, float sm_scale, int granularity,
-                             const MaskArg& mask) {
+                             const MaskArg& mask, int scheme) {
   qattn_fwd_params p;
   qattn_fwd_params_init(&p);
   p.q = tensor(q);
@@ -63,6 +63,7 @@ qattn_fwd_params make_params(const TensorArg& q, const TensorArg& k, const Tenso
   std::tie(p.batch, p.heads_q, p.heads_kv, p.seqlen_q, p.seqlen_kv, p.head_dim) = shape;
   p.causal = causal;
   p.sm_scale = sm_scale;
+  p.scheme = scheme;
   p.sage2.granularity = granularity;
   p.kv_lengths = reinterpret_cast<const int32_t*>(std::get<0>(mask));
   std::uintptr_t attn_mask = 0;
@@ -161,16 +162,17 @@ NB_MODULE(_C, m) {
       "workspace_size",
       [](const TensorArg& q, const TensorArg& k, const TensorArg& v, const TensorArg& o,
          std::uintptr_t lse, int dtype, const ShapeArg& shape, int causal, float sm_scale,
-         int granularity, const MaskArg& mask) {
-        const qattn_fwd_params p =
-            make_params(q, k, v, o, lse, dtype, shape, causal, sm_scale, granularity, mask);
+         int granularity, const MaskArg& mask, int scheme) {
+        const qattn_fwd_params p = make_params(q, k, v, o, lse, dtype, shape, causal, sm_scale,
+                                               granularity, mask, scheme);
         std::size_t bytes = 0;
         const int status = qattn_fwd_workspace_size(&p, &bytes);
         return std::make_tuple(status, static_cast<std::uint64_t>(bytes));
       },
       "q"_a, "k"_a, "v"_a, "o"_a, "lse"_a, "dtype"_a, "shape"_a, "causal"_a, "sm_scale"_a,
-      "granularity"_a, "mask"_a = kNoMask,
-      "Validates the parameters; returns (status, workspace bytes). mask: (kv_lengths, "
+      "granularity"_a, "mask"_a = kNoMask, "scheme"_a = int{QATTN_SCHEME_SAGE2_8B},
+      "Validates the parameters; returns (status, workspace bytes). scheme: a qattn_scheme. "
+      "mask: (kv_lengths, "
       "window_left, window_right, alignment, attn_mask, attn_mask_stride_b, "
       "attn_mask_stride_h, attn_mask_stride_q, attn_mask_stride_k), attn_mask a device "
       "pointer to one byte per (query, key), nonzero = visible, strides in bytes (0 "
@@ -181,9 +183,9 @@ NB_MODULE(_C, m) {
       [](const TensorArg& q, const TensorArg& k, const TensorArg& v, const TensorArg& o,
          std::uintptr_t lse, int dtype, const ShapeArg& shape, int causal, float sm_scale,
          int granularity, std::uintptr_t workspace, std::uint64_t workspace_bytes,
-         std::uintptr_t stream, bool attention_only, const MaskArg& mask) {
-        const qattn_fwd_params p =
-            make_params(q, k, v, o, lse, dtype, shape, causal, sm_scale, granularity, mask);
+         std::uintptr_t stream, bool attention_only, const MaskArg& mask, int scheme) {
+        const qattn_fwd_params p = make_params(q, k, v, o, lse, dtype, shape, causal, sm_scale,
+                                               granularity, mask, scheme);
         auto* ws = reinterpret_cast<void*>(workspace);
         auto* st = reinterpret_cast<void*>(stream);
         nb::gil_scoped_release release;  // an enqueue; other Python threads may run
@@ -193,7 +195,7 @@ NB_MODULE(_C, m) {
       },
       "q"_a, "k"_a, "v"_a, "o"_a, "lse"_a, "dtype"_a, "shape"_a, "causal"_a, "sm_scale"_a,
       "granularity"_a, "workspace"_a, "workspace_bytes"_a, "stream"_a, "attention_only"_a = false,
-      "mask"_a = kNoMask,
+      "mask"_a = kNoMask, "scheme"_a = int{QATTN_SCHEME_SAGE2_8B},
       "Enqueues the forward on the stream (a cudaStream_t as an int); returns the status. "
       "mask as for workspace_size.");
 
@@ -327,4 +329,6 @@ NB_MODULE(_C, m) {
   m.attr("KV_SMOOTH_NONE") = static_cast<int>(QATTN_KV_SMOOTH_NONE);
   m.attr("KV_MAX_QUERY_TOKENS") = QATTN_KV_MAX_QUERY_TOKENS;
   m.attr("KV_MAX_SPLITS") = QATTN_KV_MAX_SPLITS;
+  m.attr("SCHEME_SAGE2_8B") = int{QATTN_SCHEME_SAGE2_8B};
+  m.attr("SCHEME_SAGE3_NVFP4") = int{QATTN_SCHEME_SAGE3_NVFP4};
 }

@@ -35,9 +35,10 @@ import torch
 import torch.nn.functional as F
 
 from . import _C, fallback
-from .errors import QattnError, check, invalid
+from .errors import QattnError, QattnUnsupportedError, check, invalid
 
 _LAYOUTS = ("HND", "NHD")
+_SCHEMES = ("sa2_8b", "sa3_nvfp4")
 _DTYPES = {torch.float16: _C.DTYPE_FP16, torch.bfloat16: _C.DTYPE_BF16}
 _GRANULARITIES = {"per_thread": 0, "per_warp": 1, "per_block": 2}
 _ROW_MULTIPLE = 8  # elements: the C ABI wants 16-byte strides and pointers
@@ -276,7 +277,7 @@ class _Call:
 
     def __init__(self, q, k, v, is_causal, scale, layout, return_lse, granularity,
                  kv_lengths=None, window_left=-1, window_right=-1, alignment="bottom_right",
-                 attn_mask=None):
+                 attn_mask=None, scheme=_C.SCHEME_SAGE2_8B):
         _check_inputs(q, k, v, layout, scale, granularity)
         _check_mask(q, k, layout, is_causal, kv_lengths, window_left, window_right, alignment,
                     attn_mask)
@@ -318,7 +319,8 @@ class _Call:
             0 if m is None else m.data_ptr(),
             *((0, 0, 0, 0) if m is None else m.stride()),
         )
-        status, self.ws_bytes = _C.workspace_size(*self.args, self.mask)
+        self.scheme = scheme
+        status, self.ws_bytes = _C.workspace_size(*self.args, self.mask, scheme)
         check(status)
         self.device = q.device
         self.workspace = torch.empty(self.ws_bytes, dtype=torch.uint8, device=q.device)
@@ -326,7 +328,8 @@ class _Call:
     def launch(self, attention_only: bool = False) -> None:
         stream = torch.cuda.current_stream(self.device).cuda_stream
         status = _C.forward(
-            *self.args, self.workspace.data_ptr(), self.ws_bytes, stream, attention_only, self.mask
+            *self.args, self.workspace.data_ptr(), self.ws_bytes, stream, attention_only, self.mask,
+            self.scheme,
         )
         check(status)
 
@@ -335,16 +338,18 @@ class _Call:
         return o, self.lse
 
 
-def _run(q, k, v, is_causal, scale, layout, return_lse, granularity, **mask):
+def _run(q, k, v, is_causal, scale, layout, return_lse, granularity, scheme=_C.SCHEME_SAGE2_8B,
+         **mask):
     """One forward through the C ABI; `mask` holds the mask arguments that are not at
-    their defaults (_mask_options)."""
+    their defaults (_mask_options); `scheme` a qattn_scheme."""
     if q.device.type != "cuda":
         raise invalid(f"q is on {q.device}; allowed: a CUDA device")
     # The C library runs on the current device; switching costs host time, so only when
     # q lives elsewhere.
     same = q.device.index == torch.cuda.current_device()
     with contextlib.nullcontext() if same else torch.cuda.device(q.device):
-        call = _Call(q, k, v, is_causal, scale, layout, return_lse, granularity, **mask)
+        call = _Call(q, k, v, is_causal, scale, layout, return_lse, granularity, scheme=scheme,
+                     **mask)
         call.launch()
         return call.outputs()
 
@@ -409,6 +414,27 @@ def _attention_fake(q, k, v, is_causal, scale, layout, return_lse, granularity, 
     o = q.new_empty(q.shape)
     lse = q.new_empty((b, hq, nq) if return_lse else (0,), dtype=torch.float32)
     return o, lse
+
+
+@torch.library.custom_op("qattn::attention_sa3_nvfp4", mutates_args=())
+def _attention_sa3_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    is_causal: bool,
+    scale: Optional[float],
+    layout: str,
+    return_lse: bool,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """SageAttention3's NVFP4 forward (scheme QATTN_SCHEME_SAGE3_NVFP4); is_causal aligned
+    bottom-right."""
+    return _run(q, k, v, is_causal, scale, layout, return_lse, "per_thread",
+                scheme=_C.SCHEME_SAGE3_NVFP4)
+
+
+@_attention_sa3_op.register_fake
+def _attention_sa3_fake(q, k, v, is_causal, scale, layout, return_lse):
+    return _attention_fake(q, k, v, is_causal, scale, layout, return_lse, "per_thread")
 
 
 def _keep_mask(ctx, mask_inputs):
@@ -897,6 +923,7 @@ def attention(
     window_size: Tuple[int, int] = (-1, -1),
     kv_lengths: Optional[torch.Tensor] = None,
     attn_mask: Optional[torch.Tensor] = None,
+    scheme: str = "sa2_8b",
 ):
     """SageAttention2-8b attention (INT8 Q·Kᵀ, FP8 P·V) on a Hopper GPU.
 
@@ -937,6 +964,15 @@ def attention(
     granularity: quantization groups of Q and K, "per_thread" (default), "per_warp" or
     "per_block". Raises QattnError with a message naming the bad parameter.
 
+    scheme: "sa2_8b" (default, the above) or "sa3_nvfp4", SageAttention3's arithmetic:
+    NVFP4 Q and K (K smoothed, Q smoothed per 64-row block), two-level NVFP4 P, NVFP4 V,
+    each product formed from the dequantized operands on BF16 tensor cores, which are
+    exactly the products a Blackwell block-scaled FP4 MMA forms. It is for measuring on
+    Hopper what SageAttention3 does to a model, not for speed (it is slower than SDPA).
+    It takes head dims 64 and 128, no mask or is_causal (with Nq != Nkv only
+    causal_alignment="bottom_right"), no window_size, kv_lengths or attn_mask, and has no
+    backward (a call that records autograd raises QattnUnsupportedError).
+
     Training: where grad mode is on and q, k or v requires grad, the call runs the
     training forward (the same kernel with per-block Q/K groups, SageBwd's, whatever
     granularity says, and the LSE written) and backward gives dq, dk, dv from SageBwd,
@@ -951,6 +987,11 @@ def attention(
     """
     if causal_alignment not in _ALIGNMENTS:
         raise invalid(f"causal_alignment = {causal_alignment!r}; allowed: 'top_left' or 'bottom_right'")
+    if scheme not in _SCHEMES:
+        raise invalid(f"scheme = {scheme!r}; allowed: {', '.join(map(repr, _SCHEMES))}")
+    if scheme == "sa3_nvfp4":
+        return _attention_sa3(q, k, v, is_causal, scale, layout, return_lse, causal_alignment,
+                              window_size, kv_lengths, attn_mask)
     window_left, window_right = _window_sides(window_size)
     _attn_mask_alone(attn_mask, (
         ("is_causal=True", bool(is_causal)),
@@ -972,6 +1013,27 @@ def attention(
         o, lse = _top_left(q, k, v, scale, layout, return_lse, granularity)  # causal, top-left
     else:
         o, lse = _forward(q, k, v, is_causal, scale, layout, return_lse, granularity, **mask)
+    return (o, lse) if return_lse else o
+
+
+def _attention_sa3(q, k, v, is_causal, scale, layout, return_lse, causal_alignment, window_size,
+                   kv_lengths, attn_mask):
+    """qattn.attention(scheme="sa3_nvfp4"): the options that scheme takes, then its op."""
+    if tuple(window_size) != (-1, -1) or kv_lengths is not None or attn_mask is not None:
+        raise invalid("scheme = 'sa3_nvfp4' takes no window_size, kv_lengths or attn_mask")
+    lengths = _seq_lengths(q, k, layout)
+    if is_causal and causal_alignment == "top_left" and lengths is not None and lengths[0] != lengths[1]:
+        raise invalid("scheme = 'sa3_nvfp4' aligns is_causal bottom-right; with Nq != Nkv pass "
+                      "causal_alignment='bottom_right'")
+    if _records_autograd(q, k, v):
+        raise QattnUnsupportedError(
+            "backward", "scheme = 'sa3_nvfp4' has no backward; call it under torch.no_grad() "
+            "or on tensors that do not require grad")
+    if _direct_call_ok(q, k, v):
+        o, lse = _run(q, k, v, is_causal, scale, layout, return_lse, "per_thread",
+                      scheme=_C.SCHEME_SAGE3_NVFP4)
+    else:
+        o, lse = torch.ops.qattn.attention_sa3_nvfp4(q, k, v, is_causal, scale, layout, return_lse)
     return (o, lse) if return_lse else o
 
 
