@@ -5,7 +5,7 @@
 // 16 rows. Per 128-key tile (the emulator's tile, which fixes the two-level P scale):
 //   S = Q̂·K̂ᵀ on BF16 tensor cores from the dequantized NVFP4 operands (exact in BF16:
 //     the products are the block-scaled MMA's), plus q̄·(K − c)ᵀ, the smoothing GEMV,
-//     computed in FP64 in the emulator's order (one key per thread);
+//     computed in FP64 and rounded to FP32 once, as the emulator does;
 //   online softmax in the log2 domain; s_p1 = exp2(rowmax − m)/(448·6) from the tile's
 //     row maximum; P2 = P̃/s_p1 quantized to NVFP4 in blocks of 16 keys (a quad holds a
 //     row's 16 keys of a block: two shuffles give the block's amax);
@@ -118,15 +118,22 @@ __global__ void __launch_bounds__(kThreads, 2) attention_kernel(const Args a) {
     stage_rows<D>(smem + S::kK, a.ws.k_hat + (bh_kv * a.nkv_pad + j0) * D, kKvTile);
     stage_rows<D>(smem + S::kV, a.ws.v_hat + (bh_kv * a.nkv_pad + j0) * D, kKvTile);
     common::cp_async_commit();
-    {  // q̄·(k_j − c) for key j0 + thread, in FP64 in the emulator's order
-      const int j = j0 + static_cast<int>(threadIdx.x);
+    // q̄·(k_j − c) of the tile's keys in FP64, rounded to FP32 once as the emulator does:
+    // a warp per 32 keys, its lanes across d (coalesced rows); the FP64 sum in another
+    // order than the emulator's rounds to the same FP32 value but in rare ties.
+#pragma unroll 4
+    for (int kk = 0; kk < kKvTile / 4; ++kk) {
+      const int jj = warp * (kKvTile / 4) + kk, j = j0 + jj;
       double dot = 0.0;
       if (j < a.nkv) {
         const T* kr = k_in + int64_t{j} * a.k.stride_n;
-        for (int e = 0; e < D; ++e)
+#pragma unroll
+        for (int e = lane; e < D; e += 32)
           dot = __dadd_rn(dot, __dmul_rn(s_qbar[e], __fsub_rn(to_float(kr[e]), s_mean[e])));
       }
-      s_gemv[threadIdx.x] = static_cast<float>(dot);
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) dot = __dadd_rn(dot, __shfl_xor_sync(0xffffffffu, dot, off));
+      if (lane == 0) s_gemv[jj] = static_cast<float>(dot);
     }
     common::cp_async_wait<0>();
     __syncthreads();

@@ -1,7 +1,7 @@
 // The SageAttention3 NVFP4 forward's quantization kernels (src/emulate/sage3.cpp, steps
 // 1-3): the K mean c, NVFP4(K − c) along d, NVFP4(V) along the tokens, and per 64-row
 // Q block its mean q̄, NVFP4(Q − q̄) along d and each row's q·c. Means and dot products
-// run in FP64 in the emulator's order and round to FP32 once, as the emulator's do, so
+// run in FP64 and round to FP32 once, as the emulator's do (the means in its order), so
 // every quantized value here is the emulator's, bit for bit; the block scales and
 // codes come from the numerics layer that the emulator uses.
 #include <cuda_bf16.h>
@@ -40,6 +40,7 @@ __global__ void k_mean_kernel(const Args a) {
   const T* k = static_cast<const T*>(a.k.data) + b * a.k.stride_b + h * a.k.stride_h;
   for (int e = threadIdx.x; e < a.d; e += blockDim.x) {
     double sum = 0.0;
+#pragma unroll 8
     for (int j = 0; j < a.nkv; ++j) sum = __dadd_rn(sum, to_float(k[j * a.k.stride_n + e]));
     a.ws.k_mean[int64_t{bh} * a.d + e] = static_cast<float>(sum / a.nkv);
   }
@@ -125,14 +126,17 @@ __global__ void q_prep_kernel(const Args a) {
     for (int i = 0; i < kFp4Block; i += 2)
       *reinterpret_cast<__nv_bfloat162*>(out + i) = __floats2bfloat162_rn(x[i], x[i + 1]);
   }
-  // q·c of each row (unsmoothed q; the emulator's dot_rows).
+  // q·c of each row (unsmoothed q; the emulator's dot_rows): a warp per row, its lanes
+  // across d, the FP64 sum rounded to FP32 once.
   const float* c = a.ws.k_mean + (int64_t{b} * a.heads_kv + hq / a.group) * a.d;
-  for (int r = threadIdx.x; r < kQBlock; r += blockDim.x) {
+  const int lane = threadIdx.x % 32;
+  for (int r = threadIdx.x / 32; r < kQBlock; r += blockDim.x / 32) {
     double dot = 0.0;
     if (r < rows)
-      for (int e = 0; e < a.d; ++e)
+      for (int e = lane; e < a.d; e += 32)
         dot = __dadd_rn(dot, __dmul_rn(to_float(q[(r0 + r) * a.q.stride_n + e]), c[e]));
-    a.ws.q_dot_c[bh * a.nq_pad + r0 + r] = static_cast<float>(dot);
+    for (int off = 16; off > 0; off >>= 1) dot = __dadd_rn(dot, __shfl_xor_sync(0xffffffffu, dot, off));
+    if (lane == 0) a.ws.q_dot_c[bh * a.nq_pad + r0 + r] = static_cast<float>(dot);
   }
 }
 
