@@ -1,6 +1,5 @@
 // What the SageAttention3 NVFP4 forward's kernels share: the call's arguments as the
-// kernels read them (strides in elements, padded lengths, the workspace's sections)
-// and the element conversion of the inputs.
+// kernels read them (strides in elements, padded lengths, the workspace's sections).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -8,8 +7,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <type_traits>
 
+#include "cuda/common/quant_math.cuh"
 #include "cuda/sage3_fwd/workspace.h"
 #include "qattn/qattn.h"
 
@@ -34,13 +33,7 @@ struct Args {
   WorkspacePtrs ws;
 };
 
-template <typename T>
-__device__ __forceinline__ float to_float(T x) {
-  if constexpr (std::is_same_v<T, __half>)
-    return __half2float(x);
-  else
-    return __bfloat162float(x);
-}
+using common::to_float;  // a 16-bit input element as float
 
 // The quantization kernels (quantize.cu), in order, on `stream`.
 cudaError_t launch_quantize(const Args& a, cudaStream_t stream);
