@@ -64,8 +64,8 @@ TEST(Registry, NonHopperDeviceIsUnsupportedNamingEveryFamily) {
     EXPECT_EQ(s, QATTN_ERROR_UNSUPPORTED);
     const std::string m = qattn_last_error_message();
     const std::string cc = std::to_string(arch.major) + "." + std::to_string(arch.minor);
-    for (const char* w : {"qattn_fwd: no kernel family runs this call", "considered 1",
-                          "sage2_fwd_sm90", "its kernels run on sm_90"})
+    for (const char* w : {"qattn_fwd: no kernel family runs this call", "considered 2",
+                          "sage2_fwd_sm90", "sage3_nvfp4_fwd_sm90", "its kernels run on sm_90"})
       EXPECT_TRUE(contains(m, w)) << "no '" << w << "' in: " << m;
     EXPECT_TRUE(contains(m, "compute capability " + cc)) << m;
     EXPECT_TRUE(contains(m, "device sm_" + std::to_string(arch.major) + std::to_string(arch.minor)))
