@@ -42,8 +42,7 @@ float time_ms(cudaStream_t s, int iters, auto&& body) {
   return ms / iters;
 }
 
-int run(int format, int batch, int context, int heads_q, int heads_kv, int d, int nq,
-        int splits) {
+int run(int format, int batch, int context, int heads_q, int heads_kv, int d, int nq, int splits) {
   qattn_kv_cache c;
   qattn_kv_cache_init(&c);
   c.format = format;

@@ -152,32 +152,43 @@ void run_case(const Case& c) {
     std::memcpy(b.data(), wsb.data() + off, count * 2);
     return bf16_to_float(b);
   };
-  const int nkv_pad = static_cast<int>(sage3::padded(c.nkv)), nq_pad = static_cast<int>(sage3::padded(c.nq));
-  const std::vector<float> k_hat = ws_bf16(w.k_hat, std::size_t(c.batch) * c.heads_kv * nkv_pad * c.d);
-  const std::vector<float> v_hat = ws_bf16(w.v_hat, std::size_t(c.batch) * c.heads_kv * nkv_pad * c.d);
-  const std::vector<float> q_hat = ws_bf16(w.q_hat, std::size_t(c.batch) * c.heads_q * nq_pad * c.d);
+  const int nkv_pad = static_cast<int>(sage3::padded(c.nkv)),
+            nq_pad = static_cast<int>(sage3::padded(c.nq));
+  const std::vector<float> k_hat =
+      ws_bf16(w.k_hat, std::size_t(c.batch) * c.heads_kv * nkv_pad * c.d);
+  const std::vector<float> v_hat =
+      ws_bf16(w.v_hat, std::size_t(c.batch) * c.heads_kv * nkv_pad * c.d);
+  const std::vector<float> q_hat =
+      ws_bf16(w.q_hat, std::size_t(c.batch) * c.heads_q * nq_pad * c.d);
   std::size_t k_bad = 0, v_bad = 0, q_bad = 0;
   for (int b = 0; b < c.batch; ++b) {
     for (int h = 0; h < c.heads_kv; ++h) {
       const std::span<const float> kin(k.host.row(b, h, 0), std::size_t(c.nkv) * c.d);
-      const numerics::Smoothed ks = numerics::smooth_k(kin, c.nkv, c.d, numerics::MeanEstimate::AllTokens);
-      const numerics::Fp4Quantized kq = numerics::quantize_fp4(ks.values, c.nkv, c.d, numerics::Fp4Format::NvFp4);
+      const numerics::Smoothed ks =
+          numerics::smooth_k(kin, c.nkv, c.d, numerics::MeanEstimate::AllTokens);
+      const numerics::Fp4Quantized kq =
+          numerics::quantize_fp4(ks.values, c.nkv, c.d, numerics::Fp4Format::NvFp4);
       const std::size_t kbase = (std::size_t(b) * c.heads_kv + h) * nkv_pad * c.d;
-      for (std::size_t i = 0; i < kq.dequantized.size(); ++i) k_bad += k_hat[kbase + i] != kq.dequantized[i];
+      for (std::size_t i = 0; i < kq.dequantized.size(); ++i)
+        k_bad += k_hat[kbase + i] != kq.dequantized[i];
       std::vector<float> vt(std::size_t(c.d) * nkv_pad, 0.f);
       for (int j = 0; j < c.nkv; ++j)
         for (int e = 0; e < c.d; ++e) vt[std::size_t(e) * nkv_pad + j] = v.host.at(b, h, j, e);
-      const numerics::Fp4Quantized vq = numerics::quantize_fp4(vt, c.d, nkv_pad, numerics::Fp4Format::NvFp4);
+      const numerics::Fp4Quantized vq =
+          numerics::quantize_fp4(vt, c.d, nkv_pad, numerics::Fp4Format::NvFp4);
       for (int j = 0; j < nkv_pad; ++j)
         for (int e = 0; e < c.d; ++e)
-          v_bad += v_hat[kbase + std::size_t(j) * c.d + e] != vq.dequantized[std::size_t(e) * nkv_pad + j];
+          v_bad += v_hat[kbase + std::size_t(j) * c.d + e] !=
+                   vq.dequantized[std::size_t(e) * nkv_pad + j];
     }
     for (int h = 0; h < c.heads_q; ++h) {
       const std::span<const float> qin(q.host.row(b, h, 0), std::size_t(c.nq) * c.d);
       const numerics::Smoothed qs = numerics::smooth_q(qin, c.nq, c.d, sage3::kQBlock);
-      const numerics::Fp4Quantized qq = numerics::quantize_fp4(qs.values, c.nq, c.d, numerics::Fp4Format::NvFp4);
+      const numerics::Fp4Quantized qq =
+          numerics::quantize_fp4(qs.values, c.nq, c.d, numerics::Fp4Format::NvFp4);
       const std::size_t qbase = (std::size_t(b) * c.heads_q + h) * nq_pad * c.d;
-      for (std::size_t i = 0; i < qq.dequantized.size(); ++i) q_bad += q_hat[qbase + i] != qq.dequantized[i];
+      for (std::size_t i = 0; i < qq.dequantized.size(); ++i)
+        q_bad += q_hat[qbase + i] != qq.dequantized[i];
     }
   }
   EXPECT_EQ(k_bad, 0u) << "K̂ values that differ from NVFP4(K − c)";
@@ -205,7 +216,8 @@ void run_case(const Case& c) {
         for (int e = 0; e < c.d; ++e) {
           const std::size_t at = ((std::size_t(b) * c.heads_q + h) * c.nq + i) * c.d + e;
           const float got = test::from_bits16(ob[at], c.bf16);
-          ASSERT_FALSE(std::isnan(got)) << "o[" << b << "," << h << "," << i << "," << e << "] unwritten";
+          ASSERT_FALSE(std::isnan(got))
+              << "o[" << b << "," << h << "," << i << "," << e << "] unwritten";
           const double diff = std::fabs(double(got) - er[e]);
           if (diff > out_round * std::fabs(er[e]) + kOrderSlack * row_max) {
             ++beyond;
@@ -213,7 +225,8 @@ void run_case(const Case& c) {
           }
           // One flipped P̂ element moves O by at most a third of the largest |V̂|.
           ASSERT_LE(diff, out_round * std::fabs(er[e]) + kOrderSlack * row_max + v_max / 3.0)
-              << "o[" << b << "," << h << "," << i << "," << e << "]: gpu " << got << " emu " << er[e];
+              << "o[" << b << "," << h << "," << i << "," << e << "]: gpu " << got << " emu "
+              << er[e];
           g_o[at] = got;
           e_o[at] = er[e];
           r_o[at] = ref.o.at(b, h, i, e);

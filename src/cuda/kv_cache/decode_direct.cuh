@@ -1,6 +1,6 @@
 // The register-direct decode of NVFP4, FP8 E4M3 and INT8 caches at head dim 64 and 128
-// (bench/NOTES.md v24b, v25, v30): no shared memory in the key loop and no barriers. Each warp owns 8 or 16
-// query rows and every fourth 16-key block of its chunk, loads its keys' rows from the
+// (bench/NOTES.md v24b, v25, v30): no shared memory in the key loop and no barriers. Each warp owns
+// 8 or 16 query rows and every fourth 16-key block of its chunk, loads its keys' rows from the
 // pages straight into registers, and runs its own online softmax; the CTA's four warps
 // merge once at the end.
 //
@@ -99,8 +99,8 @@ __device__ __forceinline__ void load_words(const uint8_t* p, bool ok, uint32_t (
 template <KvFormat F, int D>
 __device__ __forceinline__ void load_block(const DecodeArgs& a, const int32_t* table,
                                            const uint8_t* k_codes, const uint8_t* v_codes,
-                                           const uint8_t* k_scales, const uint8_t* v_scales,
-                                           int j0, int je, Raw<F, D>& r) {
+                                           const uint8_t* k_scales, const uint8_t* v_scales, int j0,
+                                           int je, Raw<F, D>& r) {
   using B = Bytes<F, D>;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   r.bad = false;
@@ -217,10 +217,10 @@ __device__ __forceinline__ void v_fragment(const Raw<F, D>& r, int mt, uint32_t 
   if constexpr (F == KvFormat::NvFp4) {
     // Byte 2·half + sub of word w of each key holds elements 2mt, 2mt + 1 (two nibbles).
     const int w = mt / 4, half = (mt / 2) % 2, sub = mt % 2;
-    const __half2 vs01 = as_half2(
-        e4m3x2_to_f16x2_bits(static_cast<uint16_t>(r.v_scales[0] | (r.v_scales[1] << 8))));
-    const __half2 vs23 = as_half2(
-        e4m3x2_to_f16x2_bits(static_cast<uint16_t>(r.v_scales[2] | (r.v_scales[3] << 8))));
+    const __half2 vs01 =
+        as_half2(e4m3x2_to_f16x2_bits(static_cast<uint16_t>(r.v_scales[0] | (r.v_scales[1] << 8))));
+    const __half2 vs23 =
+        as_half2(e4m3x2_to_f16x2_bits(static_cast<uint16_t>(r.v_scales[2] | (r.v_scales[3] << 8))));
     uint32_t ev[2], od[2];
     const uint32_t sel = half == 0 ? 0x5410u : 0x7632u;
     e2m1_high_bytes(__byte_perm(r.v[0][w], r.v[1][w], sel), ev[0], od[0]);
@@ -272,8 +272,8 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm<F>(NQB))
     decode_direct_kernel(const DecodeArgs a) {
   constexpr bool kRowScales = Bytes<F, D>::kRowScales;
   constexpr int kOperandExp = Bytes<F, D>::kOperandExp;
-  constexpr int kKd = D / 16;   // k-steps of Sᵀ
-  constexpr int kMt = D / 16;   // m-tiles of Oᵀ
+  constexpr int kKd = D / 16;    // k-steps of Sᵀ
+  constexpr int kMt = D / 16;    // m-tiles of Oᵀ
   constexpr int kRange = D / 8;  // output elements per thread and column
   constexpr int kRows = 8 * NQB;
   __shared__ float s_o[kWarps - 1][NQB * kMt * 4][32];
@@ -452,7 +452,7 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm<F>(NQB))
     const int blk = warp + s * kWarps;
     if (blk < nblocks)
       load_block<F, D>(a, table, k_codes, v_codes, k_scales, v_scales, jb + blk * kBlock, je,
-                    ring[s]);
+                       ring[s]);
   }
   for (int base = warp; base < nblocks; base += kDepth * kWarps) {
 #pragma unroll
@@ -464,7 +464,7 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm<F>(NQB))
       const int next = blk + kDepth * kWarps;
       if (next < nblocks)
         load_block<F, D>(a, table, k_codes, v_codes, k_scales, v_scales, jb + next * kBlock, je,
-                      ring[s]);
+                         ring[s]);
     }
   }
 

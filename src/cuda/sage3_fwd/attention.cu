@@ -132,7 +132,8 @@ __global__ void __launch_bounds__(kThreads, 2) attention_kernel(const Args a) {
           dot = __dadd_rn(dot, __dmul_rn(s_qbar[e], __fsub_rn(to_float(kr[e]), s_mean[e])));
       }
 #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) dot = __dadd_rn(dot, __shfl_xor_sync(0xffffffffu, dot, off));
+      for (int off = 16; off > 0; off >>= 1)
+        dot = __dadd_rn(dot, __shfl_xor_sync(0xffffffffu, dot, off));
       if (lane == 0) s_gemv[jj] = static_cast<float>(dot);
     }
     common::cp_async_wait<0>();
@@ -215,7 +216,9 @@ __global__ void __launch_bounds__(kThreads, 2) attention_kernel(const Args a) {
         amax = numerics::amax_accumulate(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
         amax = numerics::amax_accumulate(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
         const float sc = numerics::e4m3_decode(numerics::nvfp4_scale_code(amax));
-        auto deq = [&](float x) { return numerics::e2m1_decode(numerics::fp4_element_code(x, sc)) * sc; };
+        auto deq = [&](float x) {
+          return numerics::e2m1_decode(numerics::fp4_element_code(x, sc)) * sc;
+        };
         pa[kb][h] = pack_bf16(deq(v0[0]), deq(v0[1]));      // keys 16kb + 2t, +1
         pa[kb][2 + h] = pack_bf16(deq(v1[0]), deq(v1[1]));  // keys 16kb + 8 + 2t, +1
       }
@@ -329,8 +332,8 @@ int launch_forward(const qattn_fwd_params& p, void* workspace, void* stream) {
   const Args a = make_args(p, workspace);
   auto s = static_cast<cudaStream_t>(stream);
   if (const cudaError_t e = launch_quantize(a, s); e != cudaSuccess) return static_cast<int>(e);
-  const cudaError_t e = a.dtype == QATTN_DTYPE_FP16 ? by_dim<__half>(a, s)
-                                                     : by_dim<__nv_bfloat16>(a, s);
+  const cudaError_t e =
+      a.dtype == QATTN_DTYPE_FP16 ? by_dim<__half>(a, s) : by_dim<__nv_bfloat16>(a, s);
   return static_cast<int>(e);
 }
 

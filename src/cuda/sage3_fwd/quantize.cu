@@ -135,7 +135,8 @@ __global__ void q_prep_kernel(const Args a) {
     if (r < rows)
       for (int e = lane; e < a.d; e += 32)
         dot = __dadd_rn(dot, __dmul_rn(to_float(q[(r0 + r) * a.q.stride_n + e]), c[e]));
-    for (int off = 16; off > 0; off >>= 1) dot = __dadd_rn(dot, __shfl_xor_sync(0xffffffffu, dot, off));
+    for (int off = 16; off > 0; off >>= 1)
+      dot = __dadd_rn(dot, __shfl_xor_sync(0xffffffffu, dot, off));
     if (lane == 0) a.ws.q_dot_c[bh * a.nq_pad + r0 + r] = static_cast<float>(dot);
   }
 }

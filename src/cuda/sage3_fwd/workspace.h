@@ -18,9 +18,9 @@
 
 namespace qattn::sage3 {
 
-inline constexpr int kQBlock = 64;     // rows of a Q block: one mean q̄, one CTA
-inline constexpr int kKvTile = 128;    // keys per tile: one two-level P scale per row
-inline constexpr int kFp4Block = 16;   // NVFP4 elements per E4M3 scale
+inline constexpr int kQBlock = 64;    // rows of a Q block: one mean q̄, one CTA
+inline constexpr int kKvTile = 128;   // keys per tile: one two-level P scale per row
+inline constexpr int kFp4Block = 16;  // NVFP4 elements per E4M3 scale
 inline constexpr int kPad = 128;
 
 struct WorkspaceLayout {
