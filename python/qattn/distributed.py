@@ -28,8 +28,17 @@ lse = m + log Σ_i exp(lse_i − m) (`merge_partials`); a partial whose rows see
 
 Ring attention passes K and V around the ring with torch.distributed's point-to-point
 ops, the next block's transfer issued before the current block's attention so the two
-overlap. This version is forward only (inference and evaluation); the distributed
-backward is not built.
+overlap.
+
+Both have a backward. Ulysses' all-to-alls are permutations, so their gradient is the
+inverse all-to-all and the local attention's own autograd does the rest (qattn's
+SageBwd on CUDA). Ring attention's backward runs the ring again: each block's dQ, dK,
+dV come from `local_backward(q, k, v, o, lse, do, is_causal, scale)` given the *merged*
+O and LSE (P = exp(S − lse) is then the block's share of the global softmax, and
+D = rowsum(dO∘O) the global one), dQ stays, and dK, dV travel with their K, V block and
+arrive at its owner after the last step. The default local backward is qattn's backward
+on CUDA tensors and the exact FP32 one (`exact_attention_backward`) on CPU tensors. The
+LSE output carries no gradient.
 """
 
 from __future__ import annotations
@@ -91,6 +100,44 @@ def exact_attention(q, k, v, is_causal: bool, scale: Optional[float]):
     return (p @ vf).to(q.dtype), lse
 
 
+def exact_attention_backward(q, k, v, o, lse, do, is_causal: bool, scale: Optional[float]):
+    """The FP32 gradients (dq, dk, dv) of one block given the merged o and lse of the
+    rows (their global softmax): P = exp(S − lse), dV = Pᵀ·dO, dS = P∘(dO·Vᵀ − D) with
+    D = rowsum(dO∘O), dQ = dS·K·scale, dK = dSᵀ·Q·scale; dK, dV summed over each KV
+    head's query heads (GQA)."""
+    qf, kf, vf, of, dof = (t.float() for t in (q, k, v, o, do))
+    g = qf.shape[1] // kf.shape[1]
+    if g > 1:
+        kf, vf = kf.repeat_interleave(g, dim=1), vf.repeat_interleave(g, dim=1)
+    sc = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    s = (qf @ kf.transpose(-1, -2)) * sc
+    if is_causal:
+        nq, nkv = s.shape[-2], s.shape[-1]
+        i = torch.arange(nq, device=s.device)[:, None]
+        j = torch.arange(nkv, device=s.device)[None, :]
+        s = s.masked_fill(j > i + nkv - nq, float("-inf"))
+    lse_safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse.float())
+    p = torch.exp(s - lse_safe.unsqueeze(-1))
+    dv = p.transpose(-1, -2) @ dof
+    dp = dof @ vf.transpose(-1, -2)
+    ds = p * (dp - (dof * of).sum(dim=-1, keepdim=True))
+    dq = (ds @ kf) * sc
+    dk = (ds.transpose(-1, -2) @ qf) * sc
+    if g > 1:
+        b, h, n, d = dk.shape
+        dk = dk.reshape(b, h // g, g, n, d).sum(dim=2)
+        dv = dv.reshape(b, h // g, g, n, d).sum(dim=2)
+    return dq, dk, dv
+
+
+def _default_local_backward(q, k, v, o, lse, do, is_causal, scale):
+    if q.is_cuda:
+        from . import ops  # qattn's backward (SageBwd) with the merged O and LSE
+
+        return ops._call_backward(do, q, k, v, o, lse, None, is_causal, scale, "HND")
+    return exact_attention_backward(q, k, v, o, lse, do, is_causal, scale)
+
+
 def _default_local(q, k, v, is_causal, scale):
     if q.is_cuda:
         import qattn  # the CUDA path: qattn's kernel
@@ -133,62 +180,129 @@ def _chunk_ids(rank: int, world: int, ordering: str) -> List[int]:
 # ---- ring attention ------------------------------------------------------------------
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   group: Optional[dist.ProcessGroup] = None, is_causal: bool = False,
-                   scale: Optional[float] = None, layout: str = "HND",
-                   ordering: str = "contiguous", return_lse: bool = False,
-                   local_attention: Optional[LocalAttention] = None):
-    """Ring attention over `group` (default: the world). q, k, v: this rank's shard.
-    Returns o (q's shape and dtype) and, with return_lse, the (B, H, N_local) FP32 LSE."""
-    if ordering not in _ORDERINGS:
-        raise ValueError(f"ordering = {ordering!r}; allowed: {', '.join(_ORDERINGS)}")
-    local = local_attention or _default_local
+def _ring_peers(group, world: int, rank: int) -> Tuple[int, int]:
+    """The global ranks of the next and the previous rank of the ring."""
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    if group is not None:
+        nxt, prv = dist.get_global_rank(group, nxt), dist.get_global_rank(group, prv)
+    return nxt, prv
+
+
+def _exchange(send: torch.Tensor, nxt: int, prv: int, group):
+    """Starts sending `send` to the next rank and receiving its like from the previous
+    one; returns (the receive buffer, the requests)."""
+    recv = torch.empty_like(send)
+    reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, nxt, group),
+                                   dist.P2POp(dist.irecv, recv, prv, group)])
+    return recv, reqs
+
+
+def _blocks(q_ids: List[int], src: int, world: int, ordering: str, causal: bool):
+    """The (query chunk, key chunk, causal) triples a rank computes against the K/V of
+    rank `src`: a key chunk entirely in a query chunk's future is skipped, the diagonal
+    one is causal."""
+    for a, qa in enumerate(q_ids):
+        for b, kb in enumerate(_chunk_ids(src, world, ordering)):
+            if causal and kb > qa:
+                continue
+            yield a, b, causal and kb == qa
+
+
+def _ring_forward(q, k, v, group, causal, scale, ordering, local):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    qh, kh, vh = (_to_hnd(t, layout) for t in (q, k, v))
-    n = qh.shape[2]
-    if kh.shape[2] != n:
-        raise ValueError("ring_attention: q, k and v shards must have the same length")
     per = 2 if ordering == "zigzag" else 1
-    if n % per:
-        raise ValueError(f"ring_attention: zigzag needs an even shard length, got {n}")
     q_ids = _chunk_ids(rank, world, ordering)
-    q_chunks = qh.chunk(per, dim=2)
-    partial_o: List[List[torch.Tensor]] = [[] for _ in q_ids]
-    partial_l: List[List[torch.Tensor]] = [[] for _ in q_ids]
-    nxt = dist.get_global_rank(group, (rank + 1) % world) if group is not None else (rank + 1) % world
-    prv = dist.get_global_rank(group, (rank - 1) % world) if group is not None else (rank - 1) % world
-    kv = torch.stack([kh, vh]).contiguous()
+    q_chunks = q.chunk(per, dim=2)
+    parts: List[List[Tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in q_ids]
+    nxt, prv = _ring_peers(group, world, rank)
+    kv = torch.stack([k, v]).contiguous()
     for step in range(world):
         src = (rank - step) % world  # whose K/V this rank holds now
         pending = None
         if step + 1 < world:  # the next block's transfer runs under this block's attention
-            recv = torch.empty_like(kv)
-            pending = dist.batch_isend_irecv([dist.P2POp(dist.isend, kv, nxt, group),
-                                              dist.P2POp(dist.irecv, recv, prv, group)])
+            pending = _exchange(kv, nxt, prv, group)
         k_chunks, v_chunks = kv[0].chunk(per, dim=2), kv[1].chunk(per, dim=2)
-        for a, qa in enumerate(q_chunks):
-            for b, kb_id in enumerate(_chunk_ids(src, world, ordering)):
-                if is_causal and kb_id > q_ids[a]:
-                    continue  # every key of that chunk is in the future
-                o, lse = local(qa, k_chunks[b], v_chunks[b], is_causal and kb_id == q_ids[a], scale)
-                partial_o[a].append(o)
-                partial_l[a].append(lse)
+        for a, b, blk_causal in _blocks(q_ids, src, world, ordering, causal):
+            parts[a].append(local(q_chunks[a], k_chunks[b], v_chunks[b], blk_causal, scale))
         if pending is not None:
-            for req in pending:
+            for req in pending[1]:
                 req.wait()
-            kv = recv
-    outs, lses = [], []
-    for a, qa in enumerate(q_chunks):
-        if partial_o[a]:
-            o, lse = merge_partials(partial_o[a], partial_l[a])
-        else:  # not reachable: a causal query chunk always sees its own chunk
-            o = torch.zeros(qa.shape, dtype=torch.float32, device=qa.device)
-            lse = torch.full(qa.shape[:3], float("-inf"), device=qa.device)
-        outs.append(o)
-        lses.append(lse)
-    o = torch.cat(outs, dim=2).to(q.dtype)
-    lse = torch.cat(lses, dim=2)
-    o = o if layout == "HND" else o.transpose(1, 2).contiguous()
+            kv = pending[0]
+    # Every query chunk sees at least its own chunk (the diagonal), so no list is empty.
+    merged = [merge_partials([p[0] for p in ps], [p[1] for p in ps]) for ps in parts]
+    o = torch.cat([m[0] for m in merged], dim=2).to(q.dtype)
+    return o, torch.cat([m[1] for m in merged], dim=2)
+
+
+def _ring_backward(q, k, v, o, lse, do, group, causal, scale, ordering, local_backward):
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    per = 2 if ordering == "zigzag" else 1
+    q_ids = _chunk_ids(rank, world, ordering)
+    q_c, o_c, l_c, do_c = (t.chunk(per, dim=2) for t in (q, o, lse, do))
+    dq = [torch.zeros(c.shape, dtype=torch.float32, device=q.device) for c in q_c]
+    nxt, prv = _ring_peers(group, world, rank)
+    kv = torch.stack([k, v]).contiguous()
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # travels with kv
+    for step in range(world):
+        src = (rank - step) % world
+        pending = _exchange(kv, nxt, prv, group) if step + 1 < world else None
+        k_chunks, v_chunks = kv[0].chunk(per, dim=2), kv[1].chunk(per, dim=2)
+        dk_chunks, dv_chunks = dkv[0].chunk(per, dim=2), dkv[1].chunk(per, dim=2)
+        for a, b, blk_causal in _blocks(q_ids, src, world, ordering, causal):
+            dqa, dkb, dvb = local_backward(q_c[a], k_chunks[b], v_chunks[b], o_c[a], l_c[a],
+                                           do_c[a], blk_causal, scale)
+            dq[a] += dqa.float()
+            dk_chunks[b].add_(dkb.float())
+            dv_chunks[b].add_(dvb.float())
+        # dK, dV travel with their block: after the last step's transfer each rank holds
+        # its own block's gradient.
+        if world > 1:
+            received, reqs = _exchange(dkv, nxt, prv, group)
+            for req in reqs + (pending[1] if pending is not None else []):
+                req.wait()
+            dkv = received
+            if pending is not None:
+                kv = pending[0]
+    return torch.cat(dq, dim=2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, scale, ordering, local, local_backward):
+        o, lse = _ring_forward(q, k, v, group, causal, scale, ordering, local)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.options = (group, causal, scale, ordering, local_backward)
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(q, k, v, o, lse, do.contiguous(), *ctx.options)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   group: Optional[dist.ProcessGroup] = None, is_causal: bool = False,
+                   scale: Optional[float] = None, layout: str = "HND",
+                   ordering: str = "contiguous", return_lse: bool = False,
+                   local_attention: Optional[LocalAttention] = None,
+                   local_backward: Optional[Callable] = None):
+    """Ring attention over `group` (default: the world). q, k, v: this rank's shard.
+    Returns o (q's shape and dtype) and, with return_lse, the (B, H, N_local) FP32 LSE.
+    Differentiable in q, k and v (the module docstring says how)."""
+    if ordering not in _ORDERINGS:
+        raise ValueError(f"ordering = {ordering!r}; allowed: {', '.join(_ORDERINGS)}")
+    qh, kh, vh = (_to_hnd(t, layout) for t in (q, k, v))
+    n = qh.shape[2]
+    if kh.shape[2] != n or vh.shape[2] != n:
+        raise ValueError("ring_attention: q, k and v shards must have the same length")
+    if ordering == "zigzag" and n % 2:
+        raise ValueError(f"ring_attention: zigzag needs an even shard length, got {n}")
+    o, lse = _RingAttention.apply(qh, kh, vh, group, bool(is_causal), scale, ordering,
+                                  local_attention or _default_local,
+                                  local_backward or _default_local_backward)
+    o = o if layout == "HND" else o.transpose(1, 2)
     return (o, lse) if return_lse else o
 
 
@@ -196,16 +310,18 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _seq_to_heads(x: torch.Tensor, world: int, group) -> torch.Tensor:
-    """(B, H, N_local, d) sequence shards → (B, H/P, N, d) head groups (all-to-all)."""
-    b, h, n, d = x.shape
-    send = x.reshape(b, world, h // world, n, d).transpose(0, 1).contiguous()  # (P, B, H/P, n, d)
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)  # recv[r]: rank r's shard of my heads
-    return recv.permute(1, 2, 0, 3, 4).reshape(b, h // world, world * n, d)
+    """(B, H, N_local, ...) sequence shards → (B, H/P, N, ...) head groups (all-to-all)."""
+    b, h, n = x.shape[:3]
+    rest = x.shape[3:]
+    send = x.reshape(b, world, h // world, n, *rest).transpose(0, 1).contiguous()
+    recv = torch.empty_like(send)  # (P, B, H/P, n, ...): part r goes to rank r
+    dist.all_to_all_single(recv, send, group=group)  # recv[r]: rank r's tokens of my heads
+    recv = recv.permute(1, 2, 0, 3, *range(4, 4 + len(rest)))
+    return recv.reshape(b, h // world, world * n, *rest)
 
 
 def _heads_to_seq(x: torch.Tensor, world: int, group) -> torch.Tensor:
-    """(B, H/P, N, ...) head groups → (B, H, N_local, ...) sequence shards."""
+    """(B, H/P, N, ...) head groups → (B, H, N_local, ...) sequence shards: the inverse."""
     b, hp = x.shape[:2]
     n = x.shape[2] // world
     rest = x.shape[3:]
@@ -216,6 +332,30 @@ def _heads_to_seq(x: torch.Tensor, world: int, group) -> torch.Tensor:
     return recv.transpose(0, 1).reshape(b, world * hp, n, *rest)
 
 
+class _SeqToHeads(torch.autograd.Function):
+    """The all-to-all as an autograd op: a permutation, whose gradient is its inverse."""
+
+    @staticmethod
+    def forward(ctx, x, world, group):
+        ctx.world, ctx.group = world, group
+        return _seq_to_heads(x.contiguous(), world, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _heads_to_seq(g.contiguous(), ctx.world, ctx.group), None, None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, world, group):
+        ctx.world, ctx.group = world, group
+        return _heads_to_seq(x.contiguous(), world, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _seq_to_heads(g.contiguous(), ctx.world, ctx.group), None, None
+
+
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       group: Optional[dist.ProcessGroup] = None, is_causal: bool = False,
                       scale: Optional[float] = None, layout: str = "HND",
@@ -223,7 +363,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       local_attention: Optional[LocalAttention] = None):
     """DeepSpeed-Ulysses attention over `group`: contiguous sequence shards in, an
     all-to-all to head groups over the whole sequence, one local attention call, and the
-    all-to-all back. Hq and Hkv must be divisible by the group size."""
+    all-to-all back. Hq and Hkv must be divisible by the group size. Differentiable
+    through the local attention's own autograd; the LSE carries no gradient."""
     local = local_attention or _default_local
     world = dist.get_world_size(group)
     qh, kh, vh = (_to_hnd(t, layout) for t in (q, k, v))
@@ -231,9 +372,9 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if t.shape[1] % world:
             raise ValueError(f"ulysses_attention: {name} has {t.shape[1]} heads, not divisible "
                              f"by the group size {world}")
-    qg, kg, vg = (_seq_to_heads(t.contiguous(), world, group) for t in (qh, kh, vh))
+    qg, kg, vg = (_SeqToHeads.apply(t, world, group) for t in (qh, kh, vh))
     o, lse = local(qg, kg, vg, is_causal, scale)
-    o = _heads_to_seq(o.contiguous(), world, group)
-    lse = _heads_to_seq(lse.float().contiguous(), world, group)
-    o = o if layout == "HND" else o.transpose(1, 2).contiguous()
+    o = _HeadsToSeq.apply(o, world, group)
+    lse = _heads_to_seq(lse.detach().float().contiguous(), world, group)
+    o = o if layout == "HND" else o.transpose(1, 2)
     return (o, lse) if return_lse else o

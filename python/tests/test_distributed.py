@@ -1,11 +1,13 @@
 """qattn.distributed on the CPU: the LSE merge rule, the zigzag shards, and ring and
-Ulysses attention over torch.distributed's gloo backend in 2 and 4 processes, against
-one exact attention call over the global sequence.
+Ulysses attention (forward and backward) over torch.distributed's gloo backend in 2
+and 4 processes, against one exact attention call over the global sequence.
 
-The local attention is qd.exact_attention (FP32): every difference from the single
-call is FP32 summation order (the merge re-weights each partial by exp(lse_i − lse)),
-so outputs agree to 1e-5 relative to their scale and LSEs to 1e-5 absolute (|lse| is
-~5 here). On a GPU the same orchestration calls qattn.attention.
+The local attention is qd.exact_attention (FP32) and its backward
+qd.exact_attention_backward: every difference from the single call is FP32 summation
+order (the merge re-weights each partial by exp(lse_i − lse); the backward sums each
+gradient over the ring's blocks), so outputs agree to 1e-5 relative to their scale,
+LSEs to 1e-5 absolute (|lse| is ~5 here) and gradients (entries of order 0.1–1, sums
+over 64–128 keys) to 1e-4. On a GPU the same orchestration calls qattn's kernels.
 """
 
 import os
@@ -23,6 +25,7 @@ import torch.multiprocessing as mp  # noqa: E402
 import qattn.distributed as qd  # noqa: E402
 
 ATOL = 1e-5
+GRAD_TOL = 1e-4
 
 
 def make(b, hq, hkv, n, d, seed):
@@ -81,7 +84,12 @@ def _worker(rank, world, port, case):
         def lay(t):
             return t if layout == "HND" else t.transpose(1, 2).contiguous()
 
-        qs, ks, vs = (lay(shard(t)) for t in (q, k, v))
+        # The gradients of one call over the global sequence, for a fixed random weight w.
+        w = torch.randn(o_ref.shape, generator=torch.Generator().manual_seed(11))
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        (qd.exact_attention(qg, kg, vg, causal, None)[0] * w).sum().backward()
+
+        qs, ks, vs = (lay(shard(t)).requires_grad_() for t in (q, k, v))
         if method == "ring":
             o, lse = qd.ring_attention(qs, ks, vs, is_causal=causal, ordering=ordering,
                                        layout=layout, return_lse=True)
@@ -92,6 +100,12 @@ def _worker(rank, world, port, case):
         torch.testing.assert_close(o, shard(o_ref), atol=ATOL, rtol=ATOL)
         torch.testing.assert_close(lse, shard(lse_ref.unsqueeze(-1)).squeeze(-1), atol=ATOL,
                                    rtol=ATOL)
+        (o * shard(w)).sum().backward()
+        for name, mine, ref in (("dq", qs.grad, qg.grad), ("dk", ks.grad, kg.grad),
+                                ("dv", vs.grad, vg.grad)):
+            mine = mine if layout == "HND" else mine.transpose(1, 2)
+            torch.testing.assert_close(mine, shard(ref), atol=GRAD_TOL, rtol=GRAD_TOL,
+                                       msg=lambda m, name=name: f"{name}: {m}")
     finally:
         dist.destroy_process_group()
 
