@@ -207,3 +207,48 @@ def test_scale_that_vanishes_in_fp32_is_refused():
             ops._check_inputs(q, q, q, "HND", bad, "per_thread")
     for good in (1e-30, 0.125, 2.0e38):
         ops._check_inputs(q, q, q, "HND", good, "per_thread")
+
+
+# ---- scheme="sa3_nvfp4" without a GPU -----------------------------------------------
+
+
+def test_sa3_schema_and_fake_shapes():
+    schema = str(torch.ops.qattn.attention_sa3_nvfp4.default._schema)
+    assert schema.startswith("qattn::attention_sa3_nvfp4(Tensor q, Tensor k, Tensor v, bool is_causal")
+    q, k = meta(2, 8, 300, 128), meta(2, 2, 300, 128)
+    o, lse = qattn.attention(q, k, k, is_causal=True, return_lse=True, scheme="sa3_nvfp4")
+    assert o.shape == q.shape and lse.shape == (2, 8, 300) and lse.dtype == torch.float32
+
+    def f(q, k, v):
+        return qattn.attention(q, k, v, scheme="sa3_nvfp4")
+
+    assert torch.compile(f, fullgraph=True)(q, k, k).shape == q.shape
+
+
+def test_sa3_options_it_declines_are_named():
+    q = meta(1, 4, 256, 128)
+    k = meta(1, 4, 128, 128)
+    with pytest.raises(qattn.QattnError, match="scheme = 'sa4'"):
+        qattn.attention(q, k, k, scheme="sa4")
+    with pytest.raises(qattn.QattnError, match="window_size, kv_lengths or attn_mask"):
+        qattn.attention(q, k, k, window_size=(64, 0), scheme="sa3_nvfp4")
+    with pytest.raises(qattn.QattnError, match="bottom_right"):
+        qattn.attention(q, k, k, is_causal=True, scheme="sa3_nvfp4")  # top-left, Nq != Nkv
+    qg = torch.empty(1, 4, 256, 128, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    with pytest.raises(qattn.QattnUnsupportedError, match="no backward"):
+        qattn.attention(qg, k, k, scheme="sa3_nvfp4")
+
+
+def test_sa3_call_passes_its_scheme():
+    """The C ABI gets the scheme (its workspace is the SA3 family's, sized by the C
+    library without a device), and its head-dim rule comes back named."""
+    assert _C.SCHEME_SAGE2_8B == 0 and _C.SCHEME_SAGE3_NVFP4 == 1
+    q = torch.zeros(1, 4, 256, 128, dtype=torch.bfloat16)
+    sa2 = call_for(q, q, q)
+    sa3 = call_for(q, q, q, scheme=_C.SCHEME_SAGE3_NVFP4)
+    assert (sa2.scheme, sa3.scheme) == (0, 1) and sa3.ws_bytes != sa2.ws_bytes
+    q96 = torch.zeros(1, 4, 256, 96, dtype=torch.bfloat16)
+    with pytest.raises(qattn.QattnError, match="head_dim"):
+        call_for(q96, q96, q96, scheme=_C.SCHEME_SAGE3_NVFP4)
+    with pytest.raises(qattn.QattnError, match="CUDA"):
+        qattn.attention(q, q, q, scheme="sa3_nvfp4")  # CPU tensors: refused before any call
