@@ -332,28 +332,19 @@ def _heads_to_seq(x: torch.Tensor, world: int, group) -> torch.Tensor:
     return recv.transpose(0, 1).reshape(b, world * hp, n, *rest)
 
 
-class _SeqToHeads(torch.autograd.Function):
-    """The all-to-all as an autograd op: a permutation, whose gradient is its inverse."""
+class _AllToAll(torch.autograd.Function):
+    """One of the two all-to-alls as an autograd op (to_heads: _seq_to_heads, else
+    _heads_to_seq): a permutation, whose gradient is the other one."""
 
     @staticmethod
-    def forward(ctx, x, world, group):
-        ctx.world, ctx.group = world, group
-        return _seq_to_heads(x.contiguous(), world, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _heads_to_seq(g.contiguous(), ctx.world, ctx.group), None, None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, world, group):
-        ctx.world, ctx.group = world, group
-        return _heads_to_seq(x.contiguous(), world, group)
+    def forward(ctx, x, world, group, to_heads: bool):
+        ctx.world, ctx.group, ctx.to_heads = world, group, to_heads
+        return (_seq_to_heads if to_heads else _heads_to_seq)(x.contiguous(), world, group)
 
     @staticmethod
     def backward(ctx, g):
-        return _seq_to_heads(g.contiguous(), ctx.world, ctx.group), None, None
+        inverse = _heads_to_seq if ctx.to_heads else _seq_to_heads
+        return inverse(g.contiguous(), ctx.world, ctx.group), None, None, None
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -372,9 +363,9 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if t.shape[1] % world:
             raise ValueError(f"ulysses_attention: {name} has {t.shape[1]} heads, not divisible "
                              f"by the group size {world}")
-    qg, kg, vg = (_SeqToHeads.apply(t, world, group) for t in (qh, kh, vh))
+    qg, kg, vg = (_AllToAll.apply(t, world, group, True) for t in (qh, kh, vh))
     o, lse = local(qg, kg, vg, is_causal, scale)
-    o = _HeadsToSeq.apply(o, world, group)
+    o = _AllToAll.apply(o, world, group, False)
     lse = _heads_to_seq(lse.detach().float().contiguous(), world, group)
     o = o if layout == "HND" else o.transpose(1, 2)
     return (o, lse) if return_lse else o

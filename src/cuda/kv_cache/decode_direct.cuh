@@ -1,8 +1,8 @@
 // The register-direct decode of NVFP4, FP8 E4M3 and INT8 caches at head dim 64 and 128
-// (bench/NOTES.md v24b, v25, v30): no shared memory in the key loop and no barriers. Each warp owns
-// 8 or 16 query rows and every fourth 16-key block of its chunk, loads its keys' rows from the
-// pages straight into registers, and runs its own online softmax; the CTA's four warps
-// merge once at the end.
+// (bench/NOTES.md v24b, v25, v30): no shared memory in the key loop and no barriers.
+// Each warp owns 8 or 16 query rows and every fourth 16-key block of its chunk, loads
+// its keys' rows from the pages straight into registers, and runs its own online
+// softmax; the CTA's four warps merge once at the end.
 //
 // The products are transposed so the keys fill the 16 rows of mma.sync m16n8k16 and the
 // few query rows (GQA group × new tokens) its 8 columns: Sᵀ = K̂·Qᵀ and Oᵀ += V̂ᵀ·Pᵀ.
@@ -24,8 +24,8 @@
 // per-row scales outside the products, as the tiled kernel does: K's multiplies the
 // score row, V's is folded into P relative to a per-warp running maximum σ of the V
 // scales (so P·s_v/σ ≤ 1 keeps FP16's precision), and the output is multiplied by σ
-// before the warps merge. For NVFP4, an E2M1 code read as FP16 bits is 2^-14 of its value,
-// and that times the E4M3 scale (a multiple of 2^-24 with at most 6 significant bits,
+// before the warps merge. For NVFP4, an E2M1 code read as FP16 bits is 2^-14 of its
+// value, and that times the E4M3 scale (a multiple of 2^-24 with at most 6 significant bits,
 // at most 0.17) is exactly K̂·2^-14 or V̂·2^-14; Q is scaled per row by a power of two
 // 2^e into [2^14, 2^15) (exact for every element within 2^31 of the row's largest); P
 // is split into a 16-bit high part and its remainder. The powers of two come off in
