@@ -196,9 +196,10 @@ typedef struct qattn_fwd_params {
    * see): that sequence's output is unspecified, nothing outside the buffers is
    * touched. The Python layer (qattn.varlen_attention) checks the values. kv_lengths and
    * attn_mask are not taken with a packed batch (QATTN_ERROR_INVALID_ARGUMENT).
-   * No kernel family runs a packed batch in this version: such a call is
-   * QATTN_ERROR_UNSUPPORTED, its message naming the family's reason
-   * (qattn.varlen_attention runs it meanwhile with one kernel call per sequence). */
+   * The SageAttention2-8b scheme runs a packed batch in one call on Hopper (a plan pass
+   * reads the offsets on the device, the K/V passes quantize each sequence, one
+   * attention launch walks every sequence's query blocks); other schemes decline it
+   * (QATTN_ERROR_UNSUPPORTED, the reason named). */
   const int32_t* cu_seqlens_q; /* (batch + 1,) int32 device array, 4-byte aligned; NULL
                                   (default): not a packed batch */
   const int32_t* cu_seqlens_k; /* the keys' offsets, as cu_seqlens_q; set both or neither */

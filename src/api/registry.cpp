@@ -97,8 +97,7 @@ uint32_t mask_features(const qattn_fwd_params& p) {
 std::string features_reason(uint32_t missing, const qattn_fwd_params& p) {
   if ((missing & kMaskVarlen) != 0)
     return cat("has no packed variable-length kernel (cu_seqlens_q/cu_seqlens_k are set, ",
-               p.batch, " sequences); qattn.varlen_attention in Python runs one call per "
-               "sequence meanwhile");
+               p.batch, " sequences)");
   if ((missing & kMaskWindow) != 0)
     return cat("has no sliding-window kernel (window_left = ", p.window_left,
                ", window_right = ", p.window_right, ")");

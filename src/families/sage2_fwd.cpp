@@ -40,6 +40,16 @@ std::string check_limits(const qattn_fwd_params& p) {
   if (items > int64_t{INT32_MAX})
     return api::cat("batch * heads_q * ceil(seqlen_q / ", q_tile, ") = ", items,
                     "; allowed: at most 2^31 - 1 (its work items are numbered in an int)");
+  if (p.cu_seqlens_q != nullptr) {
+    // A packed batch: its items are query heads x the plan's blocks (workspace.h bounds
+    // them), numbered in an int; its K/V rows too.
+    const sage2::WorkspaceLayout w = sage2::workspace_layout(p);
+    const int64_t varlen_items = int64_t{w.max_entries} * p.heads_q;
+    if (varlen_items > int64_t{INT32_MAX} || int64_t{w.nkv_pad} * p.heads_kv > int64_t{INT32_MAX})
+      return api::cat("a packed batch of ", p.batch, " sequences, ", p.seqlen_q, " query and ",
+                      p.seqlen_kv, " key tokens has ", varlen_items,
+                      " work items; allowed: below 2^31 (heads_q x (total_q + 127 x batch) / 128)");
+  }
   if (p.attn_mask_type != QATTN_MASK_NONE) {
     // The mask is the whole rule in this version: the tile lists know no other.
     if (p.causal != 0 || p.window != 0 || p.kv_lengths != nullptr)
@@ -79,7 +89,7 @@ constexpr api::ForwardFamily kFamily{
     .max_head_dim = 128,  // 64 and 128 natively, others zero-padded to the next of them
     .dtypes = (1u << QATTN_DTYPE_FP16) | (1u << QATTN_DTYPE_BF16),
     .masks = api::kMaskNone | api::kMaskCausal | api::kMaskWindow | api::kMaskKeyPadding |
-             api::kMaskTopLeft | api::kMaskBool,
+             api::kMaskTopLeft | api::kMaskBool | api::kMaskVarlen,
     .check_limits = &check_limits,
     .workspace_bytes = &workspace_bytes,
     .launch = kLaunch,

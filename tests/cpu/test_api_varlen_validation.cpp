@@ -1,7 +1,7 @@
 // The C ABI's packed variable-length batch (qattn_fwd_params' cu_seqlens_q, cu_seqlens_k,
 // max_seqlen_q, max_seqlen_k), without a GPU: the fields' rules with named errors, the
-// refusal of kv_lengths and attn_mask with them, the sage2 family's named decline (it
-// has no varlen kernel yet), and, through a family declared here that takes varlen, the
+// refusal of kv_lengths and attn_mask with them, the sage2 family's varlen workspace,
+// and, through a family declared here that takes varlen, the
 // checks after the family's: the arrays' alignment and overlaps, the (1, H, total, d)
 // views and the (Hq, total_q) LSE. Old struct layouts read as "not packed".
 //
@@ -20,6 +20,7 @@
 #include "api/registry.h"
 #include "api/validate.h"
 #include "api_outcome.h"
+#include "cuda/sage2_fwd/workspace.h"
 #include "families/sage2_fwd.h"
 #include "qattn/qattn.h"
 #include "qattn/qattn.hpp"
@@ -82,19 +83,47 @@ Outcome workspace_with_varlen_family(const qattn_fwd_params& p, const void* ws) 
 
 // ---- the fields' own rules (checked before any family is asked) --------------------
 
-// No family of this build runs a pack: the call is UNSUPPORTED and the message names
-// the sage2 family's reason and the Python path that runs it meanwhile. The same call
-// with a family that declares varlen passes validation.
-TEST(ApiVarlen, Sage2DeclinesByName) {
+// The sage2 family runs a pack (its varlen kernel): the call validates, and its
+// workspace is the layout's: K/V in Hkv slices of at most total_k + 128 rows per
+// sequence, room for every query block, the plan's places and list.
+TEST(ApiVarlen, Sage2RunsAPack) {
   const qattn_fwd_params p = varlen_params();
-  EXPECT_REJECTS(size_of(p), QATTN_ERROR_UNSUPPORTED, "no kernel family runs this call",
-                 "packed variable-length batch", "sage2_fwd_sm90: has no packed variable-length kernel",
-                 "3 sequences", "qattn.varlen_attention");
-  EXPECT_EQ(qattn_fwd(&p, fake(6), 1 << 20, nullptr), QATTN_ERROR_UNSUPPORTED);
+  std::size_t bytes = 0;
+  ASSERT_EQ(qattn_fwd_workspace_size(&p, &bytes), QATTN_OK) << qattn_last_error_message();
+  const auto w = qattn::sage2::workspace_layout(p);
+  EXPECT_EQ(bytes, w.total);
+  EXPECT_TRUE(w.varlen);
+  EXPECT_EQ(w.kv_slices, kHkv);
+  EXPECT_EQ(w.nkv_pad, (kTotalK + 128 * kBatch + 127) / 128 * 128);
+  EXPECT_EQ(w.nq_pad, 256);  // max_seqlen_q = 200, padded
+  EXPECT_EQ(w.max_entries, (kTotalQ + 127 * kBatch) / 128);
+  EXPECT_GT(w.varlen_entries, w.varlen_seqs);
+  EXPECT_GT(w.varlen_count, w.varlen_entries);
+  EXPECT_LE(w.varlen_count + sizeof(int), w.total);
   const qattn::api::Arch hopper{9, 0};
-  EXPECT_NE(qattn::api::decline_reason(qattn::families::sage2_fwd_sm90(), p, &hopper), "");
-  EXPECT_EQ(qattn::families::sage2_fwd_sm90().masks & qattn::api::kMaskVarlen, 0u);
-  EXPECT_EQ(validate_with_varlen_family(p).status, QATTN_OK) << validate_with_varlen_family(p).message;
+  EXPECT_EQ(qattn::api::decline_reason(qattn::families::sage2_fwd_sm90(), p, &hopper), "");
+  EXPECT_NE(qattn::families::sage2_fwd_sm90().masks & qattn::api::kMaskVarlen, 0u);
+  // A dense call of the same shape has none of the pack's regions.
+  qattn_fwd_params dense = p;
+  dense.cu_seqlens_q = dense.cu_seqlens_k = nullptr;
+  dense.max_seqlen_q = dense.max_seqlen_k = 0;
+  const auto wd = qattn::sage2::workspace_layout(dense);
+  EXPECT_FALSE(wd.varlen);
+  EXPECT_EQ(wd.kv_slices, kBatch * kHkv);
+}
+
+// The K/V rows of a pack stay bounded by its totals whatever the sequence count (every
+// sequence takes at least one tile), and the sizes grow with the totals, not with
+// batch x the longest sequence.
+TEST(ApiVarlen, Sage2WorkspaceScalesWithTheTotals) {
+  qattn_fwd_params p = varlen_params();
+  p.batch = 1000;
+  p.seqlen_q = p.seqlen_kv = 8192;
+  p.max_seqlen_q = p.max_seqlen_k = 8192;
+  const auto w = qattn::sage2::workspace_layout(p);
+  EXPECT_EQ(w.nkv_pad, 8192 + 128 * 1000);
+  EXPECT_EQ(w.max_entries, (8192 + 127 * 1000) / 128);
+  EXPECT_LT(w.total, std::size_t{64} << 20);  // B x max would be ~1 GB of K/V
 }
 
 TEST(ApiVarlen, BothArraysOrNeither) {

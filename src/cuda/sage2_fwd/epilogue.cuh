@@ -89,6 +89,52 @@ __device__ __forceinline__ void store_output_tail(const Params& p, int bh_q, int
   for (int c = 0; c < p.head_dim - p.o_tma_cols; ++c) dst[c] = src[c];
 }
 
+// The varlen kernel's last box of a sequence (fewer than 64 of its rows are the
+// sequence's: a TMA box would write into the next sequence's rows): each thread writes
+// its rows below `rows` straight from its registers (what stage_output stages), 4 bytes
+// at a time, to packed rows dst_row0.. of query head hq.
+template <typename TOut, int kO, typename Softmax, typename Params>
+__device__ __forceinline__ void store_output_direct(const float (&o)[kO], const Softmax& sm,
+                                                    common::FragCoord fc, int row_in_wg,
+                                                    const float* v_scale_head, const Params& p,
+                                                    int hq, int64_t dst_row0, int rows) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row_in_wg + 8 * r;
+    if (row >= rows) continue;
+    const float l = sm.l[r];
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    auto* dst = static_cast<uint16_t*>(p.o) + hq * p.o_stride_h + (dst_row0 + row) * p.o_stride_n;
+#pragma unroll
+    for (int j = 0; j < kO / 4; ++j) {
+      const int col = 8 * j + 2 * fc.t;
+      const float2 s = *reinterpret_cast<const float2*>(v_scale_head + col);
+      const uint32_t v = pack2<TOut>(o[4 * j + 2 * r] * s.x * inv, o[4 * j + 2 * r + 1] * s.y * inv);
+      if (col + 1 < p.head_dim)
+        *reinterpret_cast<uint32_t*>(dst + col) = v;
+      else if (col < p.head_dim)
+        dst[col] = static_cast<uint16_t>(v);
+    }
+  }
+}
+
+// store_output_tail for the varlen kernel's whole boxes: the rows start at packed row
+// dst_row0 of query head hq.
+template <typename Params>
+__device__ __forceinline__ void store_output_tail_varlen(const Params& p, int hq, int64_t dst_row0,
+                                                         const uint8_t* stage) {
+  int tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  const int tid_wg = tid % 128;
+  if (tid_wg >= 64) return;
+  const int j = p.o_tma_cols / 8;  // the partial chunk
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(
+      stage + (j / 8) * kOBoxBytes + tid_wg * 128 + ((j % 8) ^ (tid_wg % 8)) * 16);
+  auto* dst = static_cast<uint16_t*>(p.o) + hq * p.o_stride_h + (dst_row0 + tid_wg) * p.o_stride_n +
+              p.o_tma_cols;
+  for (int c = 0; c < p.head_dim - p.o_tma_cols; ++c) dst[c] = src[c];
+}
+
 // Writes the natural-log LSE of a thread's two rows (block rows row_in_block, + 8),
 // corrected for the K smoothing by q·c (in shared memory).
 template <typename Params, typename Softmax>
@@ -103,6 +149,24 @@ __device__ __forceinline__ void store_lse(const Params& p, const Softmax& sm, co
     const float l = sm.l[r];
     p.lse[bh_q * p.seqlen_q + row] =
         l > 0.f ? (sm.m[r] + log2f(l) - common::kLog2E4M3Max) * kLn2 + q_dot_c[row_in_block + 8 * r]
+                : -INFINITY;
+  }
+}
+
+// store_lse for the varlen kernel: the item's rows below `rows` (those of its sequence),
+// from packed row q_row, in the (Hq, total_q) LSE of FlashAttention's varlen layout.
+template <typename Params, typename Softmax>
+__device__ __forceinline__ void store_lse_varlen(const Params& p, const Softmax& sm,
+                                                 common::FragCoord fc, int hq, int q_row, int rows,
+                                                 int row_in_block, const float* q_dot_c) {
+  if (p.lse == nullptr || fc.t != 0) return;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row_in_block + 8 * r;
+    if (row >= rows) continue;
+    const float l = sm.l[r];
+    p.lse[static_cast<int64_t>(hq) * p.varlen.total_q + q_row + row] =
+        l > 0.f ? (sm.m[r] + log2f(l) - common::kLog2E4M3Max) * kLn2 + q_dot_c[row]
                 : -INFINITY;
   }
 }

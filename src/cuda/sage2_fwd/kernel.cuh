@@ -45,9 +45,10 @@ namespace qattn::sage2 {
 // kPolyChunks (d=128 only): the softmax's exps of that many column chunks in each 8 on the
 // FMA pipe (numerics::exp2_poly) instead of MUFU; 0 or 1 (launch.cu chooses).
 // kAttnMask: the kernel of a boolean attn_mask (attn_mask.cuh), its own instantiation so
-// that the others' machine code is the measured one.
+// that the others' machine code is the measured one. kVarlen: the kernel of a packed
+// batch (varlen.cuh), likewise.
 template <int D, typename T, int kConsumerRegs, int kQuantWarps = 2, int kPolyChunks = 0,
-          bool kAttnMask = false>
+          bool kAttnMask = false, bool kVarlen = false>
 __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
     sage2_fwd_kernel(const __grid_constant__ CUtensorMap tm_q,
                      const __grid_constant__ CUtensorMap tm_k,
@@ -69,7 +70,8 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
   auto& s = *reinterpret_cast<SharedStorage<D>*>(smem_raw + align_pad);
   const int warpgroup = threadIdx.x / 128;
   const int num_items = p.num_m_blocks * p.heads_q * p.batch;
-  __shared__ Barriers<D, kQuantWarps> bar;
+  __shared__ std::conditional_t<kVarlen, VarlenBarriers<D, kQuantWarps>, Barriers<D, kQuantWarps>>
+      bar;
 
   if (threadIdx.x == 0) bar.init();
   {
@@ -91,7 +93,8 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
   // Launched early (programmatic dependent launch) while those kernels end, the CTA
   // waits for them only in the roles that read their outputs (the two loaders and the
   // quantizer, before its side data); the consumers read none.
-  if (threadIdx.x == kQLoader) {
+  // (The varlen kernel's items come from the plan, an output: it loads none before.)
+  if (!kVarlen && threadIdx.x == kQLoader) {
     hopper::tma_prefetch_descriptor(&tm_q);
     hopper::mbarrier_arrive_expect_tx(&bar.q0_tile, QTileLayout<D>::kInBytes);
     load_q_tile<D>(s, &tm_q, 0, decode_item(p, static_cast<int>(blockIdx.x)), &bar.q0_tile);
@@ -104,12 +107,13 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
 #pragma nv_diag_suppress 186
     if (threadIdx.x >= kQuantFirst && threadIdx.x < kQuantFirst + kQuantThreads)
 #pragma nv_diag_default 186
-      q_quantizer<D, T, kQuantWarps, kProducerRegs>(p, smem_raw, align_pad, s, bar, want_q_dot_c);
+      q_quantizer<D, T, kQuantWarps, kProducerRegs, kVarlen>(p, smem_raw, align_pad, s, bar,
+                                                             want_q_dot_c);
     // Two loader threads with separate loops, so each fits the warpgroup's registers.
     if (threadIdx.x == kQLoader)
-      q_loader<D>(p, s, s.side_in, bar, &tm_q, num_items, want_q_dot_c, q_slot_bytes);
+      q_loader<D, kVarlen>(p, s, s.side_in, bar, &tm_q, num_items, want_q_dot_c, q_slot_bytes);
     if (threadIdx.x == kKvLoader)
-      kv_loader<D, kAttnMask>(p, s.k, s.k_scale, s.v, bar, &tm_k, &tm_vt);
+      kv_loader<D, kAttnMask, kVarlen>(p, s.k, s.k_scale, s.v, bar, &tm_k, &tm_vt);
     return;
   }
 
@@ -123,10 +127,12 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
   const int cw = warpgroup - 1;  // which 64 rows of the block
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const common::FragCoord fc{lane / 4, lane % 4};
-  // The mask of an item: the call's rule with its batch entry's key-padding length.
-  auto item_mask = [&](int kv_len) {
+  // The mask of an item: the call's rule with its batch entry's key-padding length (in
+  // the varlen kernel, its sequence's rule, from the item's Q slot).
+  auto item_mask = [&](int kv_len, int slot) {
     numerics::KeyRule rule = p.keys;
     rule.kv_len = kv_len;
+    if constexpr (kVarlen) rule.offset = bar.seq[slot].offset;
     return common::KeyMask{rule};
   };
   constexpr int kS = Tr::kBlockN / 2;  // score elements per thread
@@ -169,10 +175,46 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
   };
   // Buffer 0's first phase has no O before it (qin_free): the store threads arrive for it.
   if (store_thread) hopper::mbarrier_arrive(&bar.qin_free[0]);
+  // The varlen kernel's epilogue: the LSE and O rows of the item's sequence. A box with
+  // rows past the sequence (its last) is written from registers instead of by TMA
+  // (store_output_direct). (Generic in `vb`, the varlen kernel's barriers, so the other
+  // kernels never compile it.)
+  auto write_varlen_output = [&](const Item& w, const auto& o, const Softmax& sm,
+                                 const ItemSide<D>& side, uint8_t* stage, auto& vb) {
+    const bool whole = vb.seq[w.slot()].rows - cw * 64 >= 64;
+    if (whole)
+      stage_output<T, kO>(o, sm, fc, warp * 16 + fc.g, side.v_scale, stage);
+    else
+      store_output_direct<T, kO>(o, sm, fc, warp * 16 + fc.g, side.v_scale, p, w.bh_q % p.heads_q,
+                                 vb.seq[w.slot()].q_row + cw * 64,
+                                 vb.seq[w.slot()].rows - cw * 64);
+    store_lse_varlen(p, sm, fc, w.bh_q % p.heads_q, vb.seq[w.slot()].q_row, vb.seq[w.slot()].rows,
+                     row_in_block(0), side.q_dot_c);
+    hopper::fence_proxy_async();  // the TMA store reads what this thread wrote
+    hopper::named_barrier_sync(NamedBarrier::kOStaged + cw, NamedBarrier::kOStagedThreads);
+    if (whole && p.o_tma_cols < p.head_dim)  // after the barrier: reads other threads' rows
+      store_output_tail_varlen(p, w.bh_q % p.heads_q, vb.seq[w.slot()].q_row + cw * 64, stage);
+    if (store_thread) {
+      if (whole) {
+#pragma unroll
+        for (int box = 0; box < D / 64; ++box)
+          if (box * 64 < p.o_tma_cols)
+            hopper::tma_store_4d(&tm_o, stage + box * kOBoxBytes, box * 64,
+                                 vb.seq[w.slot()].q_row + cw * 64, w.bh_q % p.heads_q, 0);
+      }
+      hopper::bulk_commit_group();
+      store_buf = w.stage_buf();
+    }
+    hopper::mbarrier_arrive(&bar.q_empty[w.slot()]);
+  };
   auto write_output = [&](const Item& w, const float(&o)[kO], const Softmax& sm) {
     const ItemSide<D>& side = cs.side[w.slot()];
     resolve_store();
     uint8_t* stage = cs.q_in[w.stage_buf()] + cw * (D / 64) * kOBoxBytes;
+    if constexpr (kVarlen) {
+      write_varlen_output(w, o, sm, side, stage, bar);
+      return;
+    }
     stage_output<T, kO>(o, sm, fc, warp * 16 + fc.g, side.v_scale, stage);
     store_lse(p, sm, fc, w.bh_q, w.m_block * Tr::kBlockM, row_in_block(0), side.q_dot_c);
     hopper::fence_proxy_async();  // the TMA store reads what this thread wrote
@@ -207,9 +249,13 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
     resolve_store();
     if (!next_item_ready) hopper::mbarrier_wait(&bar.q_ready[slot], q.phase());
     const SlotItem si = bar.item[slot];
-    const common::KeyMask mask = item_mask(si.kv_len);
+    const common::KeyMask mask = item_mask(si.kv_len, slot);
     const int first_row = si.m_block * Tr::kBlockM + cw * 64;
-    const common::TileSpan span = item_tiles<kAttnMask>(p, si);
+    common::TileSpan span;
+    if constexpr (kVarlen)
+      span = varlen_item_tiles(p, si, bar.seq[slot].rows + si.m_block * Tr::kBlockM);
+    else
+      span = item_tiles<kAttnMask>(p, si);
     w = Item{si.m_block, si.bh_q,    span.count,
              next_local, next_iter,  span.first, mask.unmasked_until(first_row)};
     ++next_local;
@@ -251,7 +297,7 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
     // kMaskedScore in place.
     // The item's key-padding length from its slot (not kept in registers: the d=128
     // consumers have none to spare).
-    const common::KeyMask mask = item_mask(bar.item[w.slot()].kv_len);
+    const common::KeyMask mask = item_mask(bar.item[w.slot()].kv_len, w.slot());
     // Tiles before the window's start: a test on kernel constants and the item's row,
     // not one more value live per item.
     const bool masked = D == 128 ? kv0 > w.unmasked_until || kv0 < mask.unmasked_from(row_first(w))

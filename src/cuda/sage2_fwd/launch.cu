@@ -8,10 +8,13 @@
 #include "cuda/sage2_fwd/launch.h"
 #include "cuda/sage2_fwd/quantize.cuh"
 #include "cuda/common/work_order.h"
+#include "cuda/sage2_fwd/varlen.cuh"
 #include "cuda/sage2_fwd/workspace.h"
 
 namespace qattn::sage2 {
 namespace {
+
+static_assert(sizeof(SeqPlace) == kSeqPlaceBytes);
 
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -20,8 +23,14 @@ float resolved_sm_scale(const qattn_fwd_params& p) {
 }
 
 // Which keys each row sees (numerics/key_range.h), key padding aside (the lengths are
-// read on the device).
+// read on the device). A packed batch: the window sides and causal, with the longest
+// sequences as Nq and Nkv (each item takes its own sequence's offset and length).
 numerics::KeyRule key_rule(const qattn_fwd_params& p) {
+  if (p.cu_seqlens_q != nullptr)
+    return numerics::make_key_rule(p.max_seqlen_q, p.max_seqlen_k, p.causal != 0,
+                                   p.alignment == QATTN_ALIGN_TOP_LEFT,
+                                   p.window != 0 ? p.window_left : -1,
+                                   p.window != 0 ? p.window_right : -1, p.max_seqlen_k);
   return numerics::make_key_rule(p.seqlen_q, p.seqlen_kv, p.causal != 0,
                                  p.alignment == QATTN_ALIGN_TOP_LEFT,
                                  p.window != 0 ? p.window_left : -1,
@@ -51,6 +60,16 @@ AttnMaskView mask_view(const qattn_fwd_params& p, const WorkspaceLayout& w, void
 template <typename T>
 InputView<T> view(const qattn_tensor& t) {
   return {static_cast<const T*>(t.data), t.stride_b, t.stride_h, t.stride_n};
+}
+
+// The plan of a packed batch as the kernels read it (all null in a dense call).
+VarlenView varlen_view(const qattn_fwd_params& p, const WorkspaceLayout& w, void* ws) {
+  if (!w.varlen) return VarlenView{};
+  auto* base = static_cast<uint8_t*>(ws);
+  return {reinterpret_cast<const SeqPlace*>(base + w.varlen_seqs),
+          reinterpret_cast<const int2*>(base + w.varlen_entries),
+          reinterpret_cast<const int*>(base + w.varlen_count), p.alignment == QATTN_ALIGN_TOP_LEFT,
+          p.seqlen_q};
 }
 
 QuantizeOutputs outputs(const WorkspaceLayout& w, void* ws) {
@@ -105,7 +124,10 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
                                cudaStream_t stream, bool keep_q, RegisterSplit split) {
   using Tr = KernelTraits<D>;
   const QuantizeOutputs q = outputs(w, ws);
-  const uint64_t bkv = static_cast<uint64_t>(p.batch) * p.heads_kv;
+  const uint64_t kv_slices = static_cast<uint64_t>(w.kv_slices);
+  // A packed batch's q and o are one (total, H, d) tensor: batch 1 in the maps.
+  qattn_fwd_params pm = p;
+  if (w.varlen) pm.batch = 1;
   CUtensorMap tm_q, tm_k, tm_vt, tm_o;
   // Q is read in 128-row boxes (one per item); O is written in 64-row boxes (one per
   // consumer warpgroup). A TMA store writes whole 16-byte chunks at the end of a row
@@ -113,19 +135,19 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
   // at the last full chunk and the kernel writes the other columns itself
   // (AttentionParams::o_tma_cols).
   const int o_tma_cols = p.head_dim / 8 * 8;
-  if (auto e = make_bhnd_map(&tm_q, p.q, p, p.head_dim, p.heads_q, p.seqlen_q, Tr::kBlockM);
+  if (auto e = make_bhnd_map(&tm_q, p.q, pm, p.head_dim, p.heads_q, p.seqlen_q, Tr::kBlockM);
       e != cudaSuccess)
     return e;
-  if (auto e = make_bhnd_map(&tm_o, p.o, p, std::max(o_tma_cols, 8), p.heads_q, p.seqlen_q,
+  if (auto e = make_bhnd_map(&tm_o, p.o, pm, std::max(o_tma_cols, 8), p.heads_q, p.seqlen_q,
                              groups::kQBlock);
       e != cudaSuccess)
     return e;
-  if (auto e = hopper::make_tensor_map_u8_3d(&tm_k, q.k_i8, D, w.nkv_pad, bkv, D, Tr::kBlockN,
-                                             Tr::kQKSwizzle);
+  if (auto e = hopper::make_tensor_map_u8_3d(&tm_k, q.k_i8, D, w.nkv_pad, kv_slices, D,
+                                             Tr::kBlockN, Tr::kQKSwizzle);
       e != cudaSuccess)
     return e;
-  if (auto e = hopper::make_tensor_map_u8_3d(&tm_vt, q.vt_f8, w.nkv_pad, D, bkv, Tr::kBlockN, D,
-                                             Tr::kVSwizzle);
+  if (auto e = hopper::make_tensor_map_u8_3d(&tm_vt, q.vt_f8, w.nkv_pad, D, kv_slices,
+                                             Tr::kBlockN, D, Tr::kVSwizzle);
       e != cudaSuccess)
     return e;
 
@@ -155,11 +177,12 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
   ap.keys = key_rule(p);
   ap.kv_lengths = p.kv_lengths;
   ap.mask = mask_view(p, w, ws);
+  ap.varlen = varlen_view(p, w, ws);
 
   ap.num_m_blocks = w.nq_pad / Tr::kBlockM;
   if (D == 64 && split == RegisterSplit::kConsumers240PolyExp)
     split = RegisterSplit::kConsumers240;  // d=64 has no poly shape (kernel.cuh)
-  if (split == RegisterSplit::kAuto) {
+  if (split == RegisterSplit::kAuto && !w.varlen) {
     const double tiles = common::mean_kv_tiles_per_item(ap.keys, p.seqlen_q, ap.num_m_blocks);
     const bool long_items = D == 64 || tiles >= kWideSplitMinTiles;
     const bool poly = D == 128 && p.causal == 0 && tiles < kPolyExpMaxTiles;
@@ -177,15 +200,19 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
   // registers for the list lookups (attn_mask.cuh).
   const bool attn_mask = p.attn_mask_type != QATTN_MASK_NONE;
   if (attn_mask) kernel = sage2_fwd_kernel<D, T, 232, 2, 0, true>;
-  const int threads = four_warps && !attn_mask ? kCtaThreads<4> : kCtaThreads<2>;
+  // A packed batch: its own kernel, in the 240-register shape (at 232 its d = 128
+  // consumers, with the per-sequence epilogue, spilled).
+  if (w.varlen) kernel = sage2_fwd_kernel<D, T, 240, 2, 0, false, true>;
+  const bool own_shape = attn_mask || w.varlen;
+  const int threads = four_warps && !own_shape ? kCtaThreads<4> : kCtaThreads<2>;
   constexpr int smem = static_cast<int>(sizeof(SharedStorage<D>)) + 1024;
   int num_sms = 0;
   if (auto e = hopper::current_device_sms(&num_sms); e != cudaSuccess) return e;
   // Per kernel shape (kAuto was resolved above; the others are 1-4).
   static_assert(static_cast<int>(RegisterSplit::kConsumers240PolyExp) == 4);
-  static std::atomic<unsigned long long> configured[5] = {0, 0, 0, 0, 0};
+  static std::atomic<unsigned long long> configured[6] = {0, 0, 0, 0, 0, 0};
   if (auto e = hopper::once_per_context(
-          configured[attn_mask ? 4 : static_cast<int>(split) - 1],
+          configured[w.varlen ? 5 : attn_mask ? 4 : static_cast<int>(split) - 1],
           [&] {
             return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
           });
@@ -195,7 +222,9 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
   ap.causal_group = common::causal_group_heads(w.nkv_pad, D, p.heads_q, p.heads_kv, p.batch);
   // Persistent grid: one CTA per SM (384 threads at 168 registers, or 512 at 128, fill
   // an SM).
-  const int64_t items = static_cast<int64_t>(ap.num_m_blocks) * p.heads_q * p.batch;
+  // A packed batch: the plan's list is on the device; the grid takes its bound.
+  const int64_t items = w.varlen ? static_cast<int64_t>(w.max_entries) * p.heads_q
+                                 : static_cast<int64_t>(ap.num_m_blocks) * p.heads_q * p.batch;
   const int grid = static_cast<int>(std::min<int64_t>(items, num_sms));
   ap.causal_tail = common::causal_tail_blocks(ap.num_m_blocks, p.heads_q * p.batch, grid);
   // May start while the K/V quantization kernel ends (kernel.cuh: the wait).
@@ -213,6 +242,11 @@ cudaError_t quantize_d(const qattn_fwd_params& p, const WorkspaceLayout& w, void
   qp.head_dim = p.head_dim;
   qp.nkv_pad = w.nkv_pad;
   qp.kv_lengths = p.kv_lengths;
+  qp.seqs = varlen_view(p, w, ws).seqs;
+  // A packed batch: the grid's tiles per sequence are the longest one's (at least one:
+  // a sequence without keys keeps a tile of zeros).
+  qp.kv_tiles = w.varlen ? std::max(1, (p.max_seqlen_k + groups::kKvTile - 1) / groups::kKvTile)
+                         : w.nkv_pad / groups::kKvTile;
   qp.granularity = static_cast<qattn_qk_granularity>(p.sage2.granularity);
   return launch_quantize<T, D>(view<T>(p.k), view<T>(p.v), qp, outputs(w, ws), stream);
 }
@@ -221,6 +255,18 @@ template <typename T>
 cudaError_t run(const qattn_fwd_params& p, void* ws, cudaStream_t stream, bool quantize,
                 bool keep_q, RegisterSplit split) {
   const WorkspaceLayout w = workspace_layout(p, keep_q);
+  // A packed batch's plan first: the quantization and the attention kernel read it.
+  if (quantize && w.varlen) {
+    auto* base = static_cast<uint8_t*>(ws);
+    if (auto e = launch_varlen_plan(
+            p.cu_seqlens_q, p.cu_seqlens_k, p.batch, p.seqlen_q, p.seqlen_kv, p.max_seqlen_q,
+            p.max_seqlen_k, key_rule(p), p.alignment == QATTN_ALIGN_TOP_LEFT, w.max_entries,
+            reinterpret_cast<SeqPlace*>(base + w.varlen_seqs),
+            reinterpret_cast<int2*>(base + w.varlen_entries),
+            reinterpret_cast<int*>(base + w.varlen_count), stream);
+        e != cudaSuccess)
+      return e;
+  }
   // The mask's tile lists first: the kernels after it in the stream start once it ended.
   if (quantize && p.attn_mask_type != QATTN_MASK_NONE)
     if (auto e = launch_attn_mask_tiles(mask_view(p, w, ws), p.seqlen_q, p.seqlen_kv,

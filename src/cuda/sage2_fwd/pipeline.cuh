@@ -111,4 +111,12 @@ struct Barriers {
   }
 };
 
+// The varlen kernel's: also each item's sequence, beside its SlotItem (after the
+// others, so the dense kernels' layout is unchanged).
+template <int D, int kQuantWarps>
+struct VarlenBarriers : Barriers<D, kQuantWarps> {
+  SlotSeq seq[kQSlots<D>];
+  SlotSeq seq_in[kQinBuffers];
+};
+
 }  // namespace qattn::sage2

@@ -36,17 +36,36 @@ __device__ __forceinline__ void load_q_tile(SharedStorage<D>& s, const CUtensorM
                         w.m_block * Tr::kBlockM, w.hq, w.b, hopper::policy_evict_first());
 }
 
+// The varlen kernel's: the block's rows of the packed q from `row` (b = 0; rows past the
+// sequence are the next one's, zeroed by the quantizer).
+template <int D>
+__device__ __forceinline__ void load_q_rows(SharedStorage<D>& s, const CUtensorMap* tm_q, int buf,
+                                            int row, int hq, uint64_t* full) {
+  using Tr = KernelTraits<D>;
+#pragma unroll
+  for (int box = 0; box < D / 64; ++box)
+    hopper::tma_load_4d(s.q_in[buf] + box * (Tr::kBlockM * 128), tm_q, full, box * 64, row, hq, 0,
+                        hopper::policy_evict_first());
+}
+
 // The Q loader: claims the CTA's items in order and writes each one to its buffer before
 // it arrives on q_full, which the quantizer and the K/V loader wait on (the consumers read
 // the quantizer's copy in the Q slot, through q_ready). The first item's Q tile came on
 // q0_tile before the grid-dependency wait (kernel.cuh). The side-data buffers come as
 // their own array, like kv_loader's rings.
-template <int D, typename Bar>
+// kVarlen: the items are the plan's (its list is an output of the plan pass, read after
+// the wait), and the first item's tile is loaded here like every other.
+template <int D, bool kVarlen, typename Bar>
 __device__ __forceinline__ void q_loader(const AttentionParams& p, SharedStorage<D>& s,
                                          decltype(SharedStorage<D>::side_in)& side_in, Bar& bar,
                                          const CUtensorMap* tm_q, int num_items, bool want_q_dot_c,
                                          uint32_t q_slot_bytes) {
   hopper::grid_dependency_wait();  // claims read the work counter; side data are outputs
+  int entries = 0;
+  if constexpr (kVarlen) {
+    entries = __ldg(p.varlen.entry_count);
+    num_items = entries * p.heads_q;
+  }
   for (int local = 0;; ++local) {
     const PipelineState<kQinBuffers> in{local};
     const int buf = in.index();
@@ -61,11 +80,26 @@ __device__ __forceinline__ void q_loader(const AttentionParams& p, SharedStorage
       hopper::mbarrier_arrive(&bar.q_full[buf]);
       break;
     }
-    const WorkItem w = decode_item(p, item);
+    WorkItem w;
+    if constexpr (kVarlen)
+      w = decode_varlen_item(p, item, entries);
+    else
+      w = decode_item(p, item);
     const int kv_slice = kv_slice_of(p, w);
-    bar.item_in[buf] = SlotItem{w.m_block, w.b * p.heads_q + w.hq, kv_slice, item_kv_len(p, w.b)};
+    if constexpr (kVarlen) {
+      const SeqPlace sp = p.varlen.seqs[w.b];
+      const int row0 = w.m_block * KernelTraits<D>::kBlockM;
+      bar.item_in[buf] = SlotItem{w.m_block, w.b * p.heads_q + w.hq, kv_slice, sp.k_len};
+      bar.seq_in[buf] = SlotSeq{sp.q_start + row0, sp.q_len - row0, sp.kv_row0,
+                                seq_rule(p.keys, sp.q_len, sp.k_len, p.varlen.top_left != 0).offset};
+    } else {
+      bar.item_in[buf] = SlotItem{w.m_block, w.b * p.heads_q + w.hq, kv_slice, item_kv_len(p, w.b)};
+    }
     QInSide<D>& side = side_in[buf];
-    if (local > 0) {
+    if constexpr (kVarlen) {
+      hopper::mbarrier_arrive_expect_tx(&bar.q_full[buf], q_slot_bytes);
+      load_q_rows<D>(s, tm_q, buf, bar.seq_in[buf].q_row, w.hq, &bar.q_full[buf]);
+    } else if (local > 0) {
       hopper::mbarrier_arrive_expect_tx(&bar.q_full[buf], q_slot_bytes);
       load_q_tile<D>(s, tm_q, buf, w, &bar.q_full[buf]);
     } else {  // its Q came on q0_tile before the wait: here only the side data
@@ -85,7 +119,7 @@ __device__ __forceinline__ void q_loader(const AttentionParams& p, SharedStorage
 // It takes the three rings, addressed by the caller, rather than the storage: each stage
 // address is then the ring's base + stage, as in the kernel's own code (given the
 // storage, the compiler split the offsets otherwise and scheduled the kernel differently).
-template <int D, bool kAttnMask, typename Bar>
+template <int D, bool kAttnMask, bool kVarlen, typename Bar>
 __device__ __forceinline__ void kv_loader(const AttentionParams& p,
                                           decltype(SharedStorage<D>::k)& k_stages,
                                           decltype(SharedStorage<D>::k_scale)& k_scales,
@@ -101,12 +135,20 @@ __device__ __forceinline__ void kv_loader(const AttentionParams& p,
     const int buf = in.index();
     hopper::mbarrier_wait(&bar.q_full[buf], in.phase());
     const SlotItem w = bar.item_in[buf];
+    // varlen: the K/V slice is the KV head's, the sequence's tiles start at kv_row0.
+    int kv_slice = w.kv_slice, tile0 = 0, q_len = 0;
+    if constexpr (kVarlen) {
+      kv_slice = w.kv_slice % p.heads_kv;
+      tile0 = bar.seq_in[buf].kv_row0 / Tr::kBlockN;
+      q_len = bar.seq_in[buf].rows + w.m_block * Tr::kBlockM;
+    }
     // Read: the buffer's q_full may complete its next phase (item local + 2) only
     // after this, or this loader could miss a phase and wait on the wrong one.
     hopper::mbarrier_arrive(&bar.qin_free[buf]);
     if (w.m_block < 0) break;
-    const common::TileSpan span = item_tiles<kAttnMask>(p, w);
-    const int kv_slice = w.kv_slice, kv_end = span.first + span.count;
+    const common::TileSpan span =
+        kVarlen ? varlen_item_tiles(p, w, q_len) : item_tiles<kAttnMask>(p, w);
+    const int kv_end = span.first + span.count;
     // kAttnMask: where the item's tile list starts (an int, not a pointer).
     int list_at = 0;
     if constexpr (kAttnMask) {
@@ -117,7 +159,7 @@ __device__ __forceinline__ void kv_loader(const AttentionParams& p,
     for (int i = span.first; i < kv_end; ++i, kv.advance()) {
       // kAttnMask: the tile is entry i of the item's list (loaded before the wait, so
       // its latency hides behind it).
-      int it = i, entry = 0;
+      int it = i + tile0, entry = 0;
       if constexpr (kAttnMask) {
         entry = __ldg(p.mask.tiles + list_at + i);
         it = entry & kMaskTileBits;

@@ -18,10 +18,15 @@ namespace qattn::sage2 {
 // At 24 registers (kLowRegs) nothing but the item ordinal is kept live across a
 // quantization: the thread index, the slot and the storage base are derived again where
 // used (keep, storage).
-template <int D, typename T, int kQuantWarps, int kProducerRegs, typename Bar>
+// kVarlen: no tile comes before the wait (the items are the plan's), and the rows of a
+// tile past its sequence (the next sequence's, as loaded) are zeroed before the
+// quantization, so they enter no scale group: the tile is then the one a call on that
+// sequence alone quantizes.
+template <int D, typename T, int kQuantWarps, int kProducerRegs, bool kVarlen, typename Bar>
 __device__ __forceinline__ void q_quantizer(const AttentionParams& p, uint8_t* smem_raw,
                                             uint32_t align_pad, SharedStorage<D>& s, Bar& bar,
                                             bool want_q_dot_c) {
+  static_assert(!kVarlen || kQuantWarps == 2, "the varlen kernel has the two-warp quantizer");
   using Tr = KernelTraits<D>;
   using Roles = ProducerRoles<kQuantWarps>;
   constexpr int kQuantFirst = Roles::kQuantFirst, kQuantThreads = Roles::kQuantThreads;
@@ -35,15 +40,17 @@ __device__ __forceinline__ void q_quantizer(const AttentionParams& p, uint8_t* s
       return *reinterpret_cast<SharedStorage<D>*>(smem_raw + keep(static_cast<int>(align_pad)));
     return s;
   };
-  hopper::mbarrier_wait(&bar.q0_tile, 0);
-  if constexpr (kQuantWarps == 4)
-    quantize_q_row<D, T>(s.q_in[0], s.q[0], s.side[0].q_scale, threadIdx.x - kQuantFirst,
-                         p.granularity, p.scale_log2, bar.block_amax, 0,
-                         NamedBarrier::kQuantBlockAmax, NamedBarrier::kQuantBlockAmaxThreads);
-  else
-    quantize_q_tile<D, T, kLowRegs>(s.q_in[0], s.q[0], s.side[0].q_scale, nullptr, nullptr,
-                                    threadIdx.x - kQuantFirst, p.granularity, p.scale_log2,
-                                    p.sm_scale);
+  if constexpr (!kVarlen) {
+    hopper::mbarrier_wait(&bar.q0_tile, 0);
+    if constexpr (kQuantWarps == 4)
+      quantize_q_row<D, T>(s.q_in[0], s.q[0], s.side[0].q_scale, threadIdx.x - kQuantFirst,
+                           p.granularity, p.scale_log2, bar.block_amax, 0,
+                           NamedBarrier::kQuantBlockAmax, NamedBarrier::kQuantBlockAmaxThreads);
+    else
+      quantize_q_tile<D, T, kLowRegs>(s.q_in[0], s.q[0], s.side[0].q_scale, nullptr, nullptr,
+                                      threadIdx.x - kQuantFirst, p.granularity, p.scale_log2,
+                                      p.sm_scale);
+  }
   hopper::grid_dependency_wait();
   for (int local = 0;; ++local) {
     {
@@ -56,14 +63,19 @@ __device__ __forceinline__ void q_quantizer(const AttentionParams& p, uint8_t* s
       // as that was free, usually long before.
       hopper::mbarrier_wait(&bar.q_empty[slot], PipelineState<kQSlots<D>>{local}.empty_phase());
       hopper::mbarrier_wait(&bar.q_full[buf], PipelineState<kQinBuffers>{local}.phase());
-      if (threadIdx.x == kQuantFirst) bar.item[slot] = bar.item_in[buf];  // published by q_ready
+      if (threadIdx.x == kQuantFirst) {  // published by q_ready
+        bar.item[slot] = bar.item_in[buf];
+        if constexpr (kVarlen) bar.seq[slot] = bar.seq_in[buf];
+      }
       if (bar.item_in[buf].m_block < 0) {  // no more work: the consumers learn it from q_ready
         hopper::mbarrier_arrive(&bar.q_ready[slot]);
         break;
       }
       float* q_dot_c = want_q_dot_c ? side.q_dot_c : nullptr;
       const int tid = keep(threadIdx.x - kQuantFirst);
-      if (local == 0) {  // quantized before the wait
+      if constexpr (kVarlen)
+        zero_q_rows<D>(st.q_in[buf], tid, bar.seq_in[buf].rows);
+      if (!kVarlen && local == 0) {  // quantized before the wait
         if (want_q_dot_c) {
           if constexpr (kQuantWarps == 4)
             q_row_dot_c<D, T>(st.q_in[0], side.q_dot_c, st.side_in[0].k_mean, tid, p.sm_scale);

@@ -63,6 +63,20 @@ __device__ __forceinline__ int q_tile_row_pair(int tid) {
   return opaque((tid / 32) * 64 + ((tid % 32) / 8) * 16 + tid % 8);
 }
 
+// Zeroes thread tid's rows (r, r + 8) of the 16-bit tile from row `rows` on (the varlen
+// kernel's rows past the sequence).
+template <int D>
+__device__ __forceinline__ void zero_q_rows(uint8_t* in, int tid, int rows) {
+  using L = QTileLayout<D>;
+  const int r0 = q_tile_row_pair(tid);
+#pragma unroll 1
+  for (int h = 0; h < 2; ++h)
+    if (r0 + 8 * h >= rows)
+#pragma unroll 1
+      for (int chunk = 0; chunk < D / 8; ++chunk)
+        *reinterpret_cast<uint4*>(in + L::in_offset(r0 + 8 * h, chunk)) = make_uint4(0, 0, 0, 0);
+}
+
 // One 16-bit chunk (8 channels) of a Q row times c's 8 channels: an 8-term partial sum,
 // which keeps q·c accurate when the row's partial sums are then added in order.
 template <typename T>

@@ -70,11 +70,40 @@ __device__ __forceinline__ uint4 vt_group_row(Chunk chunk, int j, float inv) {
 }
 
 // The keys of batch entry b that enter the quantization: its key-padding length,
-// clamped to [0, seqlen_kv] (qattn.h), or all of them.
+// clamped to [0, seqlen_kv] (qattn.h), or all of them; a packed sequence's own keys.
+template <bool kVarlen>
 __device__ __forceinline__ int keys_of(const QuantizeParams& p, int b) {
+  if constexpr (kVarlen) return p.seqs[b].k_len;
   if (p.kv_lengths == nullptr) return p.seqlen_kv;
   const int n = __ldg(p.kv_lengths + b);
   return n < 0 ? 0 : min(n, p.seqlen_kv);
+}
+
+// Where head h of batch entry b is read and written. Dense: input b·stride_b +
+// h·stride_h, workspace slice b·Hkv + h from row 0. A packed sequence (kVarlen): input
+// rows k_start.., workspace slice h from row kv_row0 (its K scales from tile kv_row0 /
+// 128), and tiles up to its own length (one, of zeros, without keys: its masked rows
+// read it).
+template <bool kVarlen, typename T>
+__device__ __forceinline__ const T* head_input(const InputView<T>& x, const QuantizeParams& p,
+                                               int b, int h) {
+  if constexpr (kVarlen) return x.data + p.seqs[b].k_start * x.stride_n + h * x.stride_h;
+  return x.data + b * x.stride_b + h * x.stride_h;
+}
+template <bool kVarlen>
+__device__ __forceinline__ int64_t workspace_slice(const QuantizeParams& p, int b, int h) {
+  if constexpr (kVarlen) return h;
+  return static_cast<int64_t>(b) * p.heads_kv + h;
+}
+template <bool kVarlen>
+__device__ __forceinline__ int workspace_row0(const QuantizeParams& p, int b) {
+  if constexpr (kVarlen) return p.seqs[b].kv_row0;
+  return 0;
+}
+template <bool kVarlen>
+__device__ __forceinline__ int own_kv_tiles(const QuantizeParams& p, int b) {
+  if constexpr (kVarlen) return max(1, (p.seqs[b].k_len + groups::kKvTile - 1) / groups::kKvTile);
+  return p.nkv_pad / groups::kKvTile;
 }
 
 // 8 consecutive floats (32-byte aligned) in two vector loads.
@@ -132,15 +161,15 @@ __device__ void reduce_sample(const T* base, int64_t stride_n, const QuantizePar
 
 // The K smoothing vector c: the mean of the token sample (docs/sage2-kernel-arithmetic.md
 // step 1). Each part sums its rows in order, then the parts add in a fixed order.
-template <typename T, int D, bool kFullDim>
+template <typename T, int D, bool kFullDim, bool kVarlen>
 __device__ void k_mean_block(const InputView<T>& k, const QuantizeParams& p, uint4* stage, int h,
                              int b, float* k_mean) {
   constexpr int kParts = kThreads / D;
   __shared__ float partial[kParts][D];
   const int ch = threadIdx.x % D, part = threadIdx.x / D;
   float sum = 0.f;
-  const int keys = keys_of(p, b);
-  reduce_sample<T, D, kFullDim>(k.data + b * k.stride_b + h * k.stride_h, k.stride_n, p, keys,
+  const int keys = keys_of<kVarlen>(p, b);
+  reduce_sample<T, D, kFullDim>(head_input<kVarlen>(k, p, b, h), k.stride_n, p, keys,
                                 stage, [&](T x) { sum += common::to_float(x); });
   partial[part][ch] = sum;
   __syncthreads();
@@ -158,7 +187,7 @@ __device__ void k_mean_block(const InputView<T>& k, const QuantizeParams& p, uin
 // over the token sample (the amax itself when the sample is every token; FLT_MAX where
 // the product overflows a finite amax). Values above it are reported by the K/V kernel
 // (v_over) and their channels redone by the fix-up kernel. Also zeroes the head's v_over.
-template <typename T, int D, bool kFullDim>
+template <typename T, int D, bool kFullDim, bool kVarlen>
 __device__ void v_bound_block(const InputView<T>& v, const QuantizeParams& p,
                               const QuantizeOutputs& out, uint4* stage, int h, int b) {
   constexpr int kParts = kThreads / D;
@@ -167,9 +196,9 @@ __device__ void v_bound_block(const InputView<T>& v, const QuantizeParams& p,
   const int64_t bh = static_cast<int64_t>(b) * p.heads_kv + h;
   if (threadIdx.x < D) out.v_over[bh * D + threadIdx.x] = 0u;
   uint32_t m = 0;  // |x| bits: an integer max orders them like amax_nan (NaN highest)
-  const int keys = keys_of(p, b);
+  const int keys = keys_of<kVarlen>(p, b);
   reduce_sample<T, D, kFullDim>(
-      v.data + b * v.stride_b + h * v.stride_h, v.stride_n, p, keys, stage,
+      head_input<kVarlen>(v, p, b, h), v.stride_n, p, keys, stage,
       [&](T x) { m = max(m, common::abs_bits(common::to_float(x))); });
   partial[part][ch] = m;
   __syncthreads();
@@ -186,7 +215,7 @@ __device__ void v_bound_block(const InputView<T>& v, const QuantizeParams& p,
 // B·Hkv up to ~200 (3 per SM at D = 128).
 constexpr int kStatsMinBlocksPerSm = 5;
 
-template <typename T, int D, bool kFullDim>
+template <typename T, int D, bool kFullDim, bool kVarlen>
 __global__ void __launch_bounds__(kThreads, kStatsMinBlocksPerSm)
     statistics_kernel(InputView<T> k, InputView<T> v, QuantizeParams p, QuantizeOutputs out) {
   extern __shared__ uint4 stage[];  // stats_stage_bytes<D>()
@@ -197,9 +226,9 @@ __global__ void __launch_bounds__(kThreads, kStatsMinBlocksPerSm)
   // back, for attention-only launches on this workspace).
   if (id == 0 && threadIdx.x < 2) out.item_counter[threadIdx.x] = 0;
   if (id < heads)
-    k_mean_block<T, D, kFullDim>(k, p, stage, id % p.heads_kv, id / p.heads_kv, out.k_mean);
+    k_mean_block<T, D, kFullDim, kVarlen>(k, p, stage, id % p.heads_kv, id / p.heads_kv, out.k_mean);
   else
-    v_bound_block<T, D, kFullDim>(v, p, out, stage, (id - heads) % p.heads_kv,
+    v_bound_block<T, D, kFullDim, kVarlen>(v, p, out, stage, (id - heads) % p.heads_kv,
                                   (id - heads) / p.heads_kv);
 }
 
@@ -217,6 +246,8 @@ constexpr int kKvChunksPerLane = 16;  // 16-byte chunks in flight per lane: 8 KB
 // 32 KB of shared memory per CTA; 5 CTAs per SM (<= 102 registers: the V part needs ~96)
 // keep 160 KB of loads in flight per SM, ~3x what 4.3 TB/s needs at ~1.5 us latency.
 constexpr int kKvMinBlocksPerSm = 5;
+// The varlen kernels hold each sequence's place too (<= 128 registers; at 102 they spilled).
+constexpr int kKvMinBlocksPerSmVarlen = 4;
 
 // Chunk slots of a warp, slot-major so that a warp's 16-byte accesses to one slot are
 // 512 contiguous bytes (conflict-free).
@@ -227,7 +258,7 @@ struct KvStaging {
 // K: warp g quantizes per-thread group g of the tile (the 32 tokens with (c % 8) / 2 == g),
 // so the group amax is a warp reduction. A warp instruction covers whole token rows (2 at
 // D = 128, 4 at D = 64), for the loads and for the 8-byte stores.
-template <typename T, int D, bool kFullDim>
+template <typename T, int D, bool kFullDim, bool kVarlen>
 __device__ void quantize_k_tile(const InputView<T>& k, const QuantizeParams& p,
                                 const QuantizeOutputs& out, KvStaging& stage, int tile, int h,
                                 int b) {
@@ -242,7 +273,7 @@ __device__ void quantize_k_tile(const InputView<T>& k, const QuantizeParams& p,
   const int ch0 = (lane % kChunks) * 8, sub = lane / kChunks;
   const int64_t bh = static_cast<int64_t>(b) * p.heads_kv + h;
   uint4(&slot)[kKvChunksPerLane][32] = stage.chunk[g];
-  const int keys = keys_of(p, b);
+  const int keys = keys_of<kVarlen>(p, b);
   // The i-th token of this lane; the group's tokens in order are 2g, 2g+1, 2g+8, 2g+9, ...
   auto token = [&](int i) {
     const int idx = sub + kRowsPerLoad * i;
@@ -250,8 +281,8 @@ __device__ void quantize_k_tile(const InputView<T>& k, const QuantizeParams& p,
   };
 #pragma unroll
   for (int i = 0; i < kItems; ++i)
-    copy_chunk<kFullDim>(&slot[i][lane], k.data + b * k.stride_b + h * k.stride_h, k.stride_n,
-                         token(i), keys, ch0, p.head_dim);
+    copy_chunk<kFullDim>(&slot[i][lane], head_input<kVarlen>(k, p, b, h), k.stride_n, token(i),
+                         keys, ch0, p.head_dim);
   float c[8];
   load_floats8(out.k_mean + bh * D + ch0, c);
   cp_async_wait_all();
@@ -309,7 +340,9 @@ __device__ void quantize_k_tile(const InputView<T>& k, const QuantizeParams& p,
       } else {
         codes = make_uint2(common::quantize_int8x4(ks, inv, zero), common::quantize_int8x4(ks + 4, inv, zero));
       }
-      *reinterpret_cast<uint2*>(out.k_i8 + (bh * p.nkv_pad + token(i)) * D + ch0) = codes;
+      *reinterpret_cast<uint2*>(out.k_i8 + (workspace_slice<kVarlen>(p, b, h) * p.nkv_pad +
+                                            workspace_row0<kVarlen>(p, b) + token(i)) * D + ch0) =
+          codes;
     }
   };
   if (zero || tiny)  // rare: the clamping path, which also writes the zeros
@@ -319,8 +352,9 @@ __device__ void quantize_k_tile(const InputView<T>& k, const QuantizeParams& p,
   else
     store_codes(std::false_type{}, std::true_type{});
   if (lane == 0)
-    out.k_scale[bh * (p.nkv_pad / groups::kKvTile * groups::kKThreadGroupsPerTile) +
-                tile * groups::kKThreadGroupsPerTile + g] = a / common::kInt8Max;
+    out.k_scale[workspace_slice<kVarlen>(p, b, h) * (p.nkv_pad / groups::kKvTile * groups::kKThreadGroupsPerTile) +
+                (workspace_row0<kVarlen>(p, b) / groups::kKvTile + tile) * groups::kKThreadGroupsPerTile + g] =
+        a / common::kInt8Max;
 }
 
 // V, with its per-channel scale (from the amax bound): warp `part` (0..D/32-1) of a tile
@@ -330,7 +364,7 @@ __device__ void quantize_k_tile(const InputView<T>& k, const QuantizeParams& p,
 // tokens of 8 channels, i.e. one permuted 16-token group of 8 Vᵀ rows: the transpose and the
 // permutation happen in registers, and each row leaves as one 16-byte store. Per instruction a warp
 // loads 4 rows x 128 contiguous bytes and stores 8 rows x 64.
-template <typename T, int D, bool kFullDim>
+template <typename T, int D, bool kFullDim, bool kVarlen>
 __device__ void quantize_v_part(const InputView<T>& v, const QuantizeParams& p,
                                 const QuantizeOutputs& out, KvStaging& stage, int tile, int part,
                                 int h, int b) {
@@ -344,8 +378,8 @@ __device__ void quantize_v_part(const InputView<T>& v, const QuantizeParams& p,
   uint4(&slot)[kKvChunksPerLane][32] = stage.chunk[warp];
 #pragma unroll
   for (int t = 0; t < kGroup; ++t)
-    copy_chunk<kFullDim>(&slot[t][lane], v.data + b * v.stride_b + h * v.stride_h, v.stride_n,
-                         tok0 + t, keys_of(p, b), ch0, p.head_dim);
+    copy_chunk<kFullDim>(&slot[t][lane], head_input<kVarlen>(v, p, b, h), v.stride_n, tok0 + t,
+                         keys_of<kVarlen>(p, b), ch0, p.head_dim);
   float amax[8], inv[8];
   load_floats8(out.v_amax + bh * D + ch0, amax);
 #pragma unroll
@@ -382,7 +416,8 @@ __device__ void quantize_v_part(const InputView<T>& v, const QuantizeParams& p,
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     const uint4 row = vt_group_row<T>([&](int t) { return slot[t][lane]; }, j, inv[j]);
-    *reinterpret_cast<uint4*>(out.vt_f8 + (bh * D + ch0 + j) * p.nkv_pad + tok0) =
+    *reinterpret_cast<uint4*>(out.vt_f8 + (workspace_slice<kVarlen>(p, b, h) * D + ch0 + j) * p.nkv_pad +
+                              workspace_row0<kVarlen>(p, b) + tok0) =
         amax[j] > 0.f ? row : make_uint4(0, 0, 0, 0);
   }
 }
@@ -393,27 +428,30 @@ constexpr int kv_quantize_grid_x(int tiles) {
   return tiles + (tiles * kVWarpsPerTile + kKvWarps - 1) / kKvWarps;
 }
 
-template <typename T, int D, bool kFullDim>
-__global__ void __launch_bounds__(kKvThreads, kKvMinBlocksPerSm)
+template <typename T, int D, bool kFullDim, bool kVarlen>
+__global__ void __launch_bounds__(kKvThreads, kVarlen ? kKvMinBlocksPerSmVarlen : kKvMinBlocksPerSm)
     kv_quantize_kernel(InputView<T> k, InputView<T> v, QuantizeParams p, QuantizeOutputs out) {
   __shared__ KvStaging stage;
   // Launched early (programmatic dependent launch): the attention kernel may launch once
   // all these CTAs run; the statistics (k_mean, v_amax) are complete after the wait.
   hopper::launch_dependents();
   hopper::grid_dependency_wait();
-  const int tiles = p.nkv_pad / groups::kKvTile;
+  const int tiles = kVarlen ? p.kv_tiles : p.nkv_pad / groups::kKvTile;
   // Heads in reverse order: chosen when the statistics kernel read all of V, so that the
   // V it read last was still in L2 here; now it reads only the sample. The
   // attention kernel starts with the first heads, whose codes this order writes last.
   // Not re-measured.
   const int h = gridDim.y - 1 - blockIdx.y, b = gridDim.z - 1 - blockIdx.z;
+  // A packed sequence has tiles up to its own length (the grid's are the longest one's).
+  int own_tiles = tiles;
+  if constexpr (kVarlen) own_tiles = own_kv_tiles<kVarlen>(p, b);
   if (blockIdx.x < tiles) {
-    quantize_k_tile<T, D, kFullDim>(k, p, out, stage, blockIdx.x, h, b);
+    if (blockIdx.x < own_tiles) quantize_k_tile<T, D, kFullDim, kVarlen>(k, p, out, stage, blockIdx.x, h, b);
   } else {
     constexpr int kVWarpsPerTile = D / 32;
     const int vwarp = (blockIdx.x - tiles) * kKvWarps + threadIdx.x / 32;
-    if (vwarp < tiles * kVWarpsPerTile)
-      quantize_v_part<T, D, kFullDim>(v, p, out, stage, vwarp / kVWarpsPerTile,
+    if (vwarp < own_tiles * kVWarpsPerTile)
+      quantize_v_part<T, D, kFullDim, kVarlen>(v, p, out, stage, vwarp / kVWarpsPerTile,
                                       vwarp % kVWarpsPerTile, h, b);
   }
 }
@@ -431,7 +469,7 @@ __global__ void __launch_bounds__(kKvThreads, kKvMinBlocksPerSm)
 // case) a call at N = 2K takes ~60 µs more (measured: bench/NOTES.md).
 constexpr int kFixupThreads = 256;
 
-template <typename T, int D, bool kFullDim>
+template <typename T, int D, bool kFullDim, bool kVarlen>
 __global__ void __launch_bounds__(kFixupThreads)
     v_fixup_kernel(InputView<T> v, QuantizeParams p, QuantizeOutputs out) {
   static_assert(D <= kFixupThreads);
@@ -445,9 +483,10 @@ __global__ void __launch_bounds__(kFixupThreads)
   if (threadIdx.x < D) amax[threadIdx.x] = __uint_as_float(o);
   if (!__syncthreads_or(o != 0u)) return;
   if (o != 0u) out.v_amax[bh * D + threadIdx.x] = __uint_as_float(o);
-  const T* head = v.data + b * v.stride_b + h * v.stride_h;
-  const int keys = keys_of(p, b);
-  const int units = p.nkv_pad / kGroup * kChunks;
+  const T* head = head_input<kVarlen>(v, p, b, h);
+  const int keys = keys_of<kVarlen>(p, b);
+  const int rows = kVarlen ? own_kv_tiles<kVarlen>(p, b) * groups::kKvTile : p.nkv_pad;
+  const int units = rows / kGroup * kChunks;
   for (int u = threadIdx.x; u < units; u += kFixupThreads) {
     const int c0 = (u % kChunks) * 8, g0 = (u / kChunks) * kGroup;
     bool any = false;
@@ -471,20 +510,21 @@ __global__ void __launch_bounds__(kFixupThreads)
       const float a = amax[c0 + j];
       if (a == 0.f) continue;
       const uint4 row = vt_group_row<T>([&](int t) { return x[t]; }, j, common::kE4M3Max / a);
-      *reinterpret_cast<uint4*>(out.vt_f8 + (bh * D + c0 + j) * p.nkv_pad + g0) =
+      *reinterpret_cast<uint4*>(out.vt_f8 + ((kVarlen ? h : bh) * D + c0 + j) * p.nkv_pad +
+                                workspace_row0<kVarlen>(p, b) + g0) =
           a > 0.f ? row : make_uint4(0, 0, 0, 0);
     }
   }
 }
 
-template <typename T, int D, bool kFullDim>
+template <typename T, int D, bool kFullDim, bool kVarlen>
 cudaError_t launch_quantize_passes(const InputView<T>& k, const InputView<T>& v,
                                    const QuantizeParams& p, const QuantizeOutputs& out,
                                    cudaStream_t stream) {
-  const dim3 kv_grid(p.nkv_pad / groups::kKvTile, p.heads_kv, p.batch);
-  auto statistics = statistics_kernel<T, D, kFullDim>;
-  auto kv_quantize = kv_quantize_kernel<T, D, kFullDim>;
-  auto v_fixup = v_fixup_kernel<T, D, kFullDim>;
+  const dim3 kv_grid(p.kv_tiles, p.heads_kv, p.batch);
+  auto statistics = statistics_kernel<T, D, kFullDim, kVarlen>;
+  auto kv_quantize = kv_quantize_kernel<T, D, kFullDim, kVarlen>;
+  auto v_fixup = v_fixup_kernel<T, D, kFullDim, kVarlen>;
   // Both stage their loads in shared memory: ask for the largest carveout so that the
   // occupancy the launch bounds aim at (5 CTAs per SM) is not cut by the L1 share.
   // Function attributes stay set within a context (a reset clears them): once per context.
@@ -523,8 +563,12 @@ cudaError_t launch_quantize_passes(const InputView<T>& k, const InputView<T>& v,
 template <typename T, int D>
 cudaError_t launch_quantize(const InputView<T>& k, const InputView<T>& v, const QuantizeParams& p,
                             const QuantizeOutputs& out, cudaStream_t stream) {
-  return p.head_dim == D ? launch_quantize_passes<T, D, true>(k, v, p, out, stream)
-                         : launch_quantize_passes<T, D, false>(k, v, p, out, stream);
+  // A packed batch: its own kernels (varlen.cuh), so the dense ones' code is unchanged.
+  if (p.seqs != nullptr)
+    return p.head_dim == D ? launch_quantize_passes<T, D, true, true>(k, v, p, out, stream)
+                           : launch_quantize_passes<T, D, false, true>(k, v, p, out, stream);
+  return p.head_dim == D ? launch_quantize_passes<T, D, true, false>(k, v, p, out, stream)
+                         : launch_quantize_passes<T, D, false, false>(k, v, p, out, stream);
 }
 
 #define QATTN_INSTANTIATE(T, D)                                                             \

@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "cuda/sage2_fwd/varlen.cuh"
 #include "qattn/qattn.h"
 
 namespace qattn::sage2 {
@@ -27,6 +28,11 @@ struct QuantizeParams {
   // Key padding (B ints, null: none): keys from kv_lengths[b] on are hidden, so they are
   // left out of the statistics and quantized as zeros, like the tail of the last tile.
   const int* kv_lengths;
+  // A packed batch (varlen.cuh; null: dense): sequence b's keys are input rows
+  // k_start.. of every head, quantized into rows kv_row0.. of workspace slice h (of
+  // nkv_pad rows); kv_tiles is the grid's tiles per sequence (the longest one's).
+  const SeqPlace* seqs;
+  int kv_tiles;
 };
 
 struct QuantizeOutputs {

@@ -81,6 +81,22 @@ __device__ __forceinline__ common::TileSpan item_tiles(const AttentionParams& p,
   return span.count > 0 ? span : common::TileSpan{0, 1};
 }
 
+// The varlen kernel's items (varlen.cuh): query head hq = item / entries, then the
+// list's entry (sequence, block).
+__device__ __forceinline__ WorkItem decode_varlen_item(const AttentionParams& p, int item,
+                                                       int entries) {
+  const int2 e = __ldg(p.varlen.entries + item % entries);
+  return {e.y, item / entries, e.x};
+}
+
+// The KV tiles of a varlen item: item_tiles with its sequence's rule.
+__device__ __forceinline__ common::TileSpan varlen_item_tiles(const AttentionParams& p,
+                                                              const SlotItem& w, int q_len) {
+  const numerics::KeyRule rule = seq_rule(p.keys, q_len, w.kv_len, p.varlen.top_left != 0);
+  const common::TileSpan span = common::kv_tile_span(rule, q_len, w.m_block);
+  return span.count > 0 ? span : common::TileSpan{0, 1};
+}
+
 // b · Hkv + the KV head that query head hq reads (GQA: Hq / Hkv query heads per KV head).
 __device__ __forceinline__ int kv_slice_of(const AttentionParams& p, const WorkItem& w) {
   return w.b * p.heads_kv + w.hq / (p.heads_q / p.heads_kv);

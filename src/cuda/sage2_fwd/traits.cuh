@@ -9,6 +9,7 @@
 #include "cuda/hopper/swizzle.h"
 #include "cuda/sage2_fwd/attn_mask.cuh"
 #include "cuda/sage2_fwd/q_tile.cuh"
+#include "cuda/sage2_fwd/varlen.cuh"
 #include "numerics/key_range.h"
 #include "numerics/mma_groups.h"
 #include "qattn/qattn.h"
@@ -41,6 +42,10 @@ struct AttentionParams {
   int* item_counter;  // [0]: items handed out past the first gridDim.x, [1]: CTAs done;
                       // zero at launch, and put back to zero by the last CTA
   AttnMaskView mask;  // a boolean attn_mask's tile lists (mask.tiles null without one)
+  // A packed batch (varlen.cuh): the plan; b is then the sequence, m_block its query
+  // block, and keys holds the call's window sides (each item's offset and kv_len are
+  // its sequence's).
+  VarlenView varlen;
 };
 
 // Registers per thread after setmaxnreg. The CTA can only redistribute what it was
@@ -129,6 +134,13 @@ struct SlotItem {
   int bh_q;     // b · Hq + hq
   int kv_slice;
   int kv_len;  // its batch entry's key-padding length (seqlen_kv without one)
+};
+// And, in the varlen kernel, its place in its sequence (varlen.cuh), derived once by the
+// Q loader: the packed row of its first row, its rows inside the sequence (len_q -
+// 128·m_block; more than 128 where the sequence goes on), the sequence's first K/V row
+// in the workspace and its diagonal's offset (key_range.h).
+struct SlotSeq {
+  int q_row, rows, kv_row0, offset;
 };
 
 template <int D>

@@ -13,13 +13,20 @@ namespace qattn::sage2 {
 
 inline constexpr std::size_t kWorkspaceAlign = 256;
 inline constexpr int kQTile = common::kItemRows;  // query rows per work item (a CTA's block)
+inline constexpr std::size_t kSeqPlaceBytes = 32;  // sizeof(SeqPlace) (varlen.cuh)
 
 struct WorkspaceLayout {
   int head_dim_padded = 0;  // 64 or 128
   int nq_pad = 0, nkv_pad = 0;
   std::size_t q_i8 = 0, q_scale = 0, q_dot_c = 0, k_i8 = 0, k_scale = 0, k_mean = 0, vt_f8 = 0,
               v_amax = 0, v_over = 0, item_counter = 0, mask_tiles = 0, mask_bits = 0, mask_classes = 0,
-              total = 0;
+              varlen_seqs = 0, varlen_entries = 0, varlen_count = 0, total = 0;
+  // A packed batch (cu_seqlens, varlen.cuh): K and V of every sequence in 128-aligned
+  // rows of kv_slices = Hkv slices of nkv_pad rows (dense: B·Hkv slices of Nkv_pad), nq_pad
+  // the longest sequence's padded length, and room for max_entries query blocks.
+  bool varlen = false;
+  int kv_slices = 0;
+  int max_entries = 0;
   // attn_mask: its slices (1, B or Hq or B·Hq: the dimensions it does not broadcast).
   int mask_slices = 0;
   // Element counts per (batch, head) slice.
@@ -57,6 +64,19 @@ inline WorkspaceLayout workspace_layout(const qattn_fwd_params& p, bool keep_q =
   const std::size_t D = static_cast<std::size_t>(w.head_dim_padded);
   const std::size_t bq = static_cast<std::size_t>(p.batch) * p.heads_q;
   const std::size_t bkv = static_cast<std::size_t>(p.batch) * p.heads_kv;
+  w.varlen = p.cu_seqlens_q != nullptr;
+  w.kv_slices = static_cast<int>(w.varlen ? p.heads_kv : bkv);
+  if (w.varlen) {
+    // Each sequence's keys start a tile and take at least one: at most 128 rows more
+    // than its keys. Query blocks: sum of ceil(len_q / 128) <= (total_q + 127·B) / 128.
+    const std::size_t batch = static_cast<std::size_t>(p.batch);
+    w.nq_pad = static_cast<int>(round_up(static_cast<std::size_t>(p.max_seqlen_q), kQTile));
+    w.nkv_pad = static_cast<int>(round_up(static_cast<std::size_t>(p.seqlen_kv) +
+                                              groups::kKvTile * batch, groups::kKvTile));
+    w.max_entries = static_cast<int>((static_cast<std::size_t>(p.seqlen_q) + (kQTile - 1) * batch) /
+                                     kQTile);
+  }
+  const std::size_t kv_rows = static_cast<std::size_t>(w.kv_slices) * w.nkv_pad;
   std::size_t off = 0;
   auto take = [&](std::size_t bytes) {
     const std::size_t at = off;
@@ -67,10 +87,10 @@ inline WorkspaceLayout workspace_layout(const qattn_fwd_params& p, bool keep_q =
   w.q_i8 = take(q_rows * D);
   w.q_scale = take(keep_q ? bq * w.q_scales_per_head() * sizeof(float) : 0);
   w.q_dot_c = take(q_rows * sizeof(float));
-  w.k_i8 = take(bkv * w.nkv_pad * D);
-  w.k_scale = take(bkv * w.k_scales_per_head() * sizeof(float));
+  w.k_i8 = take(kv_rows * D);
+  w.k_scale = take(w.kv_slices * w.k_scales_per_head() * sizeof(float));
   w.k_mean = take(bkv * D * sizeof(float));
-  w.vt_f8 = take(bkv * D * w.nkv_pad);
+  w.vt_f8 = take(kv_rows * D);
   w.v_amax = take(bkv * D * sizeof(float));
   // Per V channel: 0 where the sampled amax bound covers every value, else the exact amax
   // (its bits; the fix-up kernel's work). With the attention kernel's two work counters,
@@ -86,6 +106,11 @@ inline WorkspaceLayout workspace_layout(const qattn_fwd_params& p, bool keep_q =
     w.mask_tiles = take(blocks * (w.kv_tiles() + 1) * sizeof(int));
     w.mask_bits = take(blocks * kQTile * (w.nkv_pad / 8));
     w.mask_classes = take(blocks * w.kv_tiles());
+  }
+  if (w.varlen) {
+    w.varlen_seqs = take(static_cast<std::size_t>(p.batch) * kSeqPlaceBytes);
+    w.varlen_entries = take(static_cast<std::size_t>(w.max_entries) * 2 * sizeof(int));
+    w.varlen_count = take(sizeof(int));
   }
   w.total = off;
   return w;
