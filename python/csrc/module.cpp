@@ -10,7 +10,8 @@
 // no window), alignment a qattn_alignment, and attn_mask a device pointer to SDPA's
 // boolean mask, one byte per (query, key) with byte strides >= 0 (0 broadcasts; the
 // pointer 0 = no attn_mask, QATTN_MASK_NONE, else QATTN_MASK_BOOL); the backward
-// (bwd_workspace_size, bwd) takes the same forms for its tensors. The KV-cache calls
+// (bwd_workspace_size, bwd) takes the same forms for its tensors; a packed batch (forward
+// only) is (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k). The KV-cache calls
 // take the cache as (format, heads_kv, head_dim, page_size, num_pages,
 // max_pages_per_seq, k_smoothing, pages) and the sequences as (block_tables, lengths,
 // k_mean, host_block_tables, host_lengths), every pointer an integer (0 = NULL; the
@@ -38,6 +39,9 @@ using ShapeArg = std::tuple<int, int, int, int, int, int>;
 using MaskArg = std::tuple<std::uintptr_t, int, int, int, std::uintptr_t, int64_t, int64_t,
                            int64_t, int64_t>;
 using CacheArg = std::tuple<int, int, int, int, int, int, int, std::uintptr_t>;
+// A packed batch: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), the arrays
+// device int32 pointers; (0, 0, 0, 0): not packed.
+using VarlenArg = std::tuple<std::uintptr_t, std::uintptr_t, int, int>;
 using SeqsArg =
     std::tuple<std::uintptr_t, std::uintptr_t, std::uintptr_t, std::uintptr_t, std::uintptr_t>;
 
@@ -45,13 +49,14 @@ qattn_tensor tensor(const TensorArg& t) {
   return {reinterpret_cast<void*>(std::get<0>(t)), std::get<1>(t), std::get<2>(t), std::get<3>(t)};
 }
 
-// qattn_fwd_params_init's: every key, no window, bottom-right, no attn_mask.
+// qattn_fwd_params_init's: every key, no window, bottom-right, no attn_mask; not packed.
 const MaskArg kNoMask{0, -1, -1, QATTN_ALIGN_BOTTOM_RIGHT, 0, 0, 0, 0, 0};
+const VarlenArg kNotPacked{0, 0, 0, 0};
 
 qattn_fwd_params make_params(const TensorArg& q, const TensorArg& k, const TensorArg& v,
                              const TensorArg& o, std::uintptr_t lse, int dtype,
                              const ShapeArg& shape, int causal, float sm_scale, int granularity,
-                             const MaskArg& mask, int scheme) {
+                             const MaskArg& mask, int scheme, const VarlenArg& varlen) {
   qattn_fwd_params p;
   qattn_fwd_params_init(&p);
   p.q = tensor(q);
@@ -73,6 +78,10 @@ qattn_fwd_params make_params(const TensorArg& q, const TensorArg& k, const Tenso
   p.window = p.window_left != -1 || p.window_right != -1 ? 1 : 0;  // (-1, -1): none
   p.attn_mask = reinterpret_cast<const void*>(attn_mask);
   p.attn_mask_type = attn_mask != 0 ? QATTN_MASK_BOOL : QATTN_MASK_NONE;  // 0: none
+  p.cu_seqlens_q = reinterpret_cast<const int32_t*>(std::get<0>(varlen));
+  p.cu_seqlens_k = reinterpret_cast<const int32_t*>(std::get<1>(varlen));
+  p.max_seqlen_q = std::get<2>(varlen);
+  p.max_seqlen_k = std::get<3>(varlen);
   return p;
 }
 
@@ -162,16 +171,19 @@ NB_MODULE(_C, m) {
       "workspace_size",
       [](const TensorArg& q, const TensorArg& k, const TensorArg& v, const TensorArg& o,
          std::uintptr_t lse, int dtype, const ShapeArg& shape, int causal, float sm_scale,
-         int granularity, const MaskArg& mask, int scheme) {
+         int granularity, const MaskArg& mask, int scheme, const VarlenArg& varlen) {
         const qattn_fwd_params p = make_params(q, k, v, o, lse, dtype, shape, causal, sm_scale,
-                                               granularity, mask, scheme);
+                                               granularity, mask, scheme, varlen);
         std::size_t bytes = 0;
         const int status = qattn_fwd_workspace_size(&p, &bytes);
         return std::make_tuple(status, static_cast<std::uint64_t>(bytes));
       },
       "q"_a, "k"_a, "v"_a, "o"_a, "lse"_a, "dtype"_a, "shape"_a, "causal"_a, "sm_scale"_a,
       "granularity"_a, "mask"_a = kNoMask, "scheme"_a = int{QATTN_SCHEME_SAGE2_8B},
+      "varlen"_a = kNotPacked,
       "Validates the parameters; returns (status, workspace bytes). scheme: a qattn_scheme. "
+      "varlen: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of a packed batch, "
+      "the arrays device int32 pointers; default not packed. "
       "mask: (kv_lengths, "
       "window_left, window_right, alignment, attn_mask, attn_mask_stride_b, "
       "attn_mask_stride_h, attn_mask_stride_q, attn_mask_stride_k), attn_mask a device "
@@ -183,9 +195,10 @@ NB_MODULE(_C, m) {
       [](const TensorArg& q, const TensorArg& k, const TensorArg& v, const TensorArg& o,
          std::uintptr_t lse, int dtype, const ShapeArg& shape, int causal, float sm_scale,
          int granularity, std::uintptr_t workspace, std::uint64_t workspace_bytes,
-         std::uintptr_t stream, bool attention_only, const MaskArg& mask, int scheme) {
+         std::uintptr_t stream, bool attention_only, const MaskArg& mask, int scheme,
+         const VarlenArg& varlen) {
         const qattn_fwd_params p = make_params(q, k, v, o, lse, dtype, shape, causal, sm_scale,
-                                               granularity, mask, scheme);
+                                               granularity, mask, scheme, varlen);
         auto* ws = reinterpret_cast<void*>(workspace);
         auto* st = reinterpret_cast<void*>(stream);
         nb::gil_scoped_release release;  // an enqueue; other Python threads may run
@@ -195,9 +208,9 @@ NB_MODULE(_C, m) {
       },
       "q"_a, "k"_a, "v"_a, "o"_a, "lse"_a, "dtype"_a, "shape"_a, "causal"_a, "sm_scale"_a,
       "granularity"_a, "workspace"_a, "workspace_bytes"_a, "stream"_a, "attention_only"_a = false,
-      "mask"_a = kNoMask, "scheme"_a = int{QATTN_SCHEME_SAGE2_8B},
+      "mask"_a = kNoMask, "scheme"_a = int{QATTN_SCHEME_SAGE2_8B}, "varlen"_a = kNotPacked,
       "Enqueues the forward on the stream (a cudaStream_t as an int); returns the status. "
-      "mask as for workspace_size.");
+      "mask and varlen as for workspace_size.");
 
   m.def(
       "bwd_workspace_size",

@@ -13,20 +13,20 @@ len_q) unless causal_alignment="top_left", and the quantization is per sequence 
 smoothing mean over the sequence's own keys; no scale group, Q block or KV tile reaches
 into another sequence): docs/design.md, "API semantics".
 
-How it runs in this version: the C library has no varlen kernel yet (the SA2 family
-declines a packed call by name), so on CUDA tensors each sequence is one call of
-qattn.attention, i.e. qattn's real kernel on that sequence alone, which is exactly the
-per-sequence contract (the emulator's sage2_varlen_attention is the same definition).
-That needs the offsets on the host: one device-to-host copy of the two cu_seqlens
-arrays per call, which synchronizes with the current stream (so the call cannot be
-captured in a CUDA graph, and torch.compile breaks the graph there). The copy also lets
-every offset be checked, on CUDA and CPU tensors alike. On CPU tensors the call is the
-exact attention in FP32 (with a QattnFallbackWarning once, or QattnUnsupportedError under
-qattn.set_fallback("raise")), since qattn's kernels run on GPUs only.
-
-Autograd works on both paths: on CUDA each sequence has qattn.attention's training
+How it runs: on CUDA tensors without autograd, one call of the C library's varlen
+kernel (the SageAttention2-8b forward walks every sequence itself: a plan pass reads
+the offsets on the device, K/V are quantized per sequence, one attention launch takes
+every sequence's query blocks), through the custom op "qattn::varlen_attention"
+(torch.compile traces it). The offsets are checked on the host first (one small
+device-to-host copy, which waits for the stream) unless check_offsets=False; without
+the check nothing waits and a bad array gives wrong rows but never an access outside
+the buffers (the kernel clamps every offset). When autograd records the call (an input
+requires grad), each sequence is one qattn.attention call instead, with its training
 forward and SageBwd backward (or, for what SageBwd does not run, e.g. a window, the
-fallback mode's exact gradients); on CPU the FP32 math is differentiated by autograd.
+fallback mode's exact gradients): the same forward arithmetic per sequence. On CPU
+tensors the call is the exact attention in FP32 (with a QattnFallbackWarning once, or
+QattnUnsupportedError under qattn.set_fallback("raise")), since qattn's kernels run on
+GPUs only.
 """
 
 # No `from __future__ import annotations`: the public signature is compared with
@@ -36,8 +36,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from . import fallback, ops
-from .errors import QattnUnsupportedError, invalid
+from . import _C, fallback, ops
+from .errors import QattnUnsupportedError, check, invalid
 
 
 def _check_tensors(q, k, v) -> None:
@@ -117,6 +117,67 @@ def _sequence_math(q, k, v, causal, scale, window_left, window_right, alignment)
     return o.transpose(0, 1).to(q.dtype), lse
 
 
+def _kernel_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal, scale, window_left,
+                 window_right, alignment, return_lse):
+    """One C call on the pack: (o (total_q, Hq, d), lse (Hq, total_q) or an empty tensor)."""
+    total_q, hq, d = q.shape
+    total_k, hkv, _ = k.shape
+    d_pad = -(-d // ops._ROW_MULTIPLE) * ops._ROW_MULTIPLE
+    # (1, total, H, d) views in the NHD layout: the C ABI's (1, H, total, d) pack.
+    qv, kv, vv = (ops._usable(t[None], "NHD", d_pad) for t in (q, k, v))
+    o = q.new_empty((1, total_q, hq, d_pad))
+    lse = q.new_empty((hq, total_q) if return_lse else (0,), dtype=torch.float32)
+    cu_q = cu_seqlens_q.contiguous()
+    cu_k = cu_seqlens_k.contiguous()
+    args = (ops._tensor_arg(qv, "NHD"), ops._tensor_arg(kv, "NHD"), ops._tensor_arg(vv, "NHD"),
+            ops._tensor_arg(o, "NHD"), lse.data_ptr() if return_lse else 0, ops._DTYPES[q.dtype],
+            (len(cu_q) - 1, hq, hkv, total_q, total_k, d_pad), 1 if causal else 0,
+            float(scale) if scale is not None else 1.0 / math.sqrt(d), 0)
+    mask = (0, window_left, window_right, ops._ALIGNMENT_CODES[alignment], 0, 0, 0, 0, 0)
+    packed = (cu_q.data_ptr(), cu_k.data_ptr(), max_q, max_k)
+    with torch.cuda.device(q.device):
+        status, ws_bytes = _C.workspace_size(*args, mask, _C.SCHEME_SAGE2_8B, packed)
+        check(status)
+        workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=q.device)
+        stream = torch.cuda.current_stream(q.device).cuda_stream
+        check(_C.forward(*args, workspace.data_ptr(), ws_bytes, stream, False, mask,
+                         _C.SCHEME_SAGE2_8B, packed))
+    o = o[0] if d == d_pad else o[0, ..., :d].contiguous()
+    return o, lse
+
+
+@torch.library.custom_op("qattn::varlen_attention", mutates_args=())
+def _varlen_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    scale: Optional[float],
+    window_left: int,
+    window_right: int,
+    alignment: str,
+    return_lse: bool,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The packed forward in one C call (arguments checked by varlen_attention)."""
+    return _kernel_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                        scale, window_left, window_right, alignment, return_lse)
+
+
+@_varlen_op.register_fake
+def _varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+                 window_left, window_right, alignment, return_lse):
+    lse = q.new_empty((q.shape[1], q.shape[0]) if return_lse else (0,), dtype=torch.float32)
+    return q.new_empty(q.shape), lse
+
+
+def _records_autograd(q, k, v) -> bool:
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
 def varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -135,6 +196,7 @@ def varlen_attention(
     return_attn_probs: bool = False,
     *,
     causal_alignment: str = "bottom_right",
+    check_offsets: bool = True,
 ):
     """Attention over a packed batch of variable-length sequences, with FlashAttention's
     flash_attn_varlen_func arguments (see the module docstring for the layout and for how
@@ -160,6 +222,11 @@ def varlen_attention(
     FlashAttention: True asks for qattn's deterministic backward, which must then be on
     (qattn.set_backward_options(deterministic=True) or QATTN_BWD_DETERMINISTIC=1), else
     QattnError; qattn's forward is deterministic either way.
+
+    check_offsets (keyword only, qattn's): True (default) reads the offsets on the host and
+    checks every one (a named QattnError for a bad array), which waits for the stream;
+    False skips that on CUDA tensors (no host synchronization: CUDA-graph capturable),
+    and a bad array then gives unspecified rows, never an access outside the buffers.
 
     Returns o (total_q, Hq, d) in q's dtype; with return_attn_probs=True, (o, lse, None):
     lse (Hq, total_q) float32 natural log, FlashAttention's varlen layout, and None where
@@ -197,10 +264,33 @@ def varlen_attention(
         raise invalid(f"the tensors are on {q.device}; allowed: CUDA or CPU tensors (the offsets "
                       "are read on the host in this version)")
 
-    # The one device-to-host copy of the interim path (it synchronizes with the stream).
-    offsets = torch.stack((cu_seqlens_q, cu_seqlens_k)).tolist()
-    _check_offsets("cu_seqlens_q", offsets[0], q.shape[0], "max_seqlen_q", max_q)
-    _check_offsets("cu_seqlens_k", offsets[1], k.shape[0], "max_seqlen_k", max_k)
+    if not isinstance(check_offsets, bool):
+        raise invalid(f"check_offsets = {check_offsets!r}; allowed: True or False")
+    offsets = None
+
+    def read_offsets():
+        # The one device-to-host copy (it waits for the stream).
+        both = torch.stack((cu_seqlens_q, cu_seqlens_k)).tolist()
+        _check_offsets("cu_seqlens_q", both[0], q.shape[0], "max_seqlen_q", max_q)
+        _check_offsets("cu_seqlens_k", both[1], k.shape[0], "max_seqlen_k", max_k)
+        return both
+
+    # The kernel: CUDA tensors, no autograd, keys and queries in the pack.
+    kernel = (q.device.type == "cuda" and not _records_autograd(q, k, v) and q.shape[0] > 0
+              and k.shape[0] > 0)
+    if check_offsets or not kernel:
+        offsets = read_offsets()
+    if kernel:
+        try:
+            o, lse = _varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, bool(causal),
+                                softmax_scale, window_left, window_right, causal_alignment,
+                                bool(return_attn_probs))
+            return (o, lse, None) if return_attn_probs else o
+        except QattnUnsupportedError:
+            # What the kernel does not run (e.g. head_dim > 128): one qattn.attention call
+            # per sequence below, with its fallback rules.
+            if offsets is None:
+                offsets = read_offsets()
 
     if q.device.type == "cpu":
         if fallback.get_fallback() == "raise":

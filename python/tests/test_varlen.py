@@ -15,10 +15,13 @@ terms of size ~1 leave ~1e-6); the LSE, not rounded, within 1e-4 of FP64 (FP32 r
 scores of size ~10 and of the row sums). Gradients are rounded to the inputs' type too:
 CosSim >= 0.99999 and relative L1 <= 2^-8, as test_masks.py states for the exact backward.
 
-GPU parts (an sm_90 GPU; each skips with the reason elsewhere): the packed call equals
-qattn.attention on each sequence bit for bit (the interim path runs exactly those
-calls), stays within the SA2-8b bounds of tests/tolerances/sage2_8b.json against FP64,
-and trains (gradients equal to per-sequence training with the deterministic backward).
+GPU parts (an sm_90 GPU; each skips with the reason elsewhere): the packed call (the
+varlen kernel, one C call) equals qattn.attention on each sequence bit for bit (each
+sequence is quantized and attended as a call of its own; these sequences are short
+enough that no per-sequence call takes the FMA-pipe exp shape), with and without the
+host check of the offsets and under torch.compile; stays within the SA2-8b bounds of
+tests/tolerances/sage2_8b.json against FP64; and trains (gradients equal to
+per-sequence training with the deterministic backward).
 
 Seeds: fixed ones, plus a fresh one per run (printed; QATTN_TEST_SEED repeats it).
 """
@@ -162,8 +165,9 @@ def test_signature_is_flash_attn_varlen_funcs():
     assert defaults["dropout_p"] == 0.0 and defaults["softmax_scale"] is None
     assert defaults["causal"] is False and defaults["window_size"] == (-1, -1)
     assert defaults["return_attn_probs"] is False
-    # qattn's own option is keyword-only, after them.
-    assert params[15].name == "causal_alignment" and params[15].kind is inspect.Parameter.KEYWORD_ONLY
+    # qattn's own options are keyword-only, after them.
+    assert names[15:] == ["causal_alignment", "check_offsets"]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params[15:])
 
 
 def call(q, k, v, cu_q, cu_k, max_q=1000, max_k=1000, **kwargs):
@@ -345,7 +349,7 @@ def test_cpu_follows_the_fallback_mode():
         call(q, k, v, cu_q, cu_k, 0, 5)
 
 
-# ---- GPU: the interim path is qattn's kernel per sequence ---------------------------------
+# ---- GPU: the varlen kernel equals qattn's kernel per sequence ---------------------------
 
 
 @pytest.fixture
@@ -416,3 +420,42 @@ def test_gpu_training_equals_per_sequence_training(gpu):
             t += n
     finally:
         qattn.set_backward_options(**previous)
+
+
+def test_gpu_without_the_host_check_and_compiled_is_the_same(gpu):
+    lq, lk = GPU_LENGTHS
+    q, k, v, cu_q, cu_k = pack(lq, lk, 8, 2, 128, seed=13, device="cuda")
+    with torch.no_grad():
+        want, want_lse, _ = call(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=True,
+                                 return_attn_probs=True)
+        o, lse, _ = call(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=True,
+                         return_attn_probs=True, check_offsets=False)
+        assert torch.equal(o, want) and torch.equal(lse, want_lse)
+
+        def f(q, k, v, cu_q, cu_k):
+            return qattn.varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=True,
+                                          check_offsets=False)
+
+        compiled = torch.compile(f, fullgraph=True)
+        assert torch.equal(compiled(q, k, v, cu_q, cu_k), want)
+
+
+def test_gpu_lying_offsets_without_the_check_stay_inside(gpu):
+    """check_offsets=False: a bad array is not seen on the host; the kernel clamps it, so
+    the call returns (rows unspecified) and the device stays usable."""
+    lq, lk = [100, 200], [150, 50]
+    q, k, v, _, _ = pack(lq, lk, 4, 2, 64, seed=14, device="cuda")
+    bad_q = torch.tensor([0, 500, -3], dtype=torch.int32, device="cuda")
+    bad_k = torch.tensor([9, 0, 1000], dtype=torch.int32, device="cuda")
+    with torch.no_grad():
+        o = call(q, k, v, bad_q, bad_k, 200, 150, check_offsets=False)
+        torch.cuda.synchronize()
+    assert o.shape == q.shape
+    with pytest.raises(QattnError, match="cu_seqlens_q"):
+        call(q, k, v, bad_q, bad_k, 200, 150)
+
+
+def test_check_offsets_must_be_a_bool():
+    q, k, v, cu_q, cu_k = pack([3], [3], 2, 1, 16, seed=0)
+    with pytest.raises(QattnError, match="check_offsets = 1"):
+        call(q, k, v, cu_q, cu_k, 3, 3, check_offsets=1)
