@@ -29,9 +29,9 @@ row's n is the longest sequence, batch = seqs the sequence count, tokens the rea
 TOPS count the real work only, 4·Hq·d·Σ L(L+1)/2 (the exact visible pairs of each causal
 sequence, not a halved L²), for every method, the padded ones included. Methods:
   qattn           qattn.varlen_attention on the pack (flash_attn_varlen_func's convention):
-                  one call of the varlen kernel, after the host check of the offsets (a
-                  device-to-host copy that waits for the stream)
-  qattn_unchecked the same with check_offsets=False (no host copy, nothing waits)
+                  one call of the varlen kernel (nothing read on the host)
+  qattn_checked   the same with check_offsets=True (the offsets read and checked on the
+                  host first: a device-to-host copy that waits for the stream)
   qattn_padded    qattn.attention over the right-padded batch (B = seqs, N = the longest)
                   with kv_lengths; its padding query rows are computed too
   sdpa_cudnn      SDPA over the right-padded batch with a boolean attn_mask (key padding
@@ -88,7 +88,7 @@ except ImportError as e:  # --replot needs only matplotlib
     _import_error = e
 
 METHODS = ("qattn", "qattn_kernel", "sdpa_cudnn", "sdpa_flash", "qattn_same_work",
-           "qattn_padded", "sdpa_efficient", "flash_varlen", "cudnn_varlen", "qattn_unchecked")
+           "qattn_padded", "sdpa_efficient", "flash_varlen", "cudnn_varlen", "qattn_checked")
 TABLE_METHODS = METHODS[:5]  # always in the table; the varlen methods only where they ran
 L2_FALLBACK_BYTES = 60 << 20  # H200
 
@@ -564,14 +564,14 @@ def measure_varlen(s: Shape, args, l2_bytes: int) -> List[Row]:
 
     if "qattn" in args.methods:
         fn = lambda i: qattn.varlen_attention(*sets[i % n_sets], cu, cu, s.n, s.n, causal=s.causal)  # noqa: E731
-        timed("qattn", fn, f"qattn.varlen_attention on the pack ({pack}), one varlen-kernel call "
-              "after the host check of the offsets; host time included"
+        timed("qattn", fn, f"qattn.varlen_attention on the pack ({pack}), one varlen-kernel call; "
+              "host time included"
               + (f"; {n_sets} rotating input sets" if n_sets > 1 else ""))
-    if "qattn_unchecked" in args.methods:
+    if "qattn_checked" in args.methods:
         fn = lambda i: qattn.varlen_attention(*sets[i % n_sets], cu, cu, s.n, s.n, causal=s.causal,  # noqa: E731
-                                              check_offsets=False)
-        timed("qattn_unchecked", fn, f"qattn.varlen_attention(check_offsets=False) on the pack "
-              f"({pack}): no host copy; host time included"
+                                              check_offsets=True)
+        timed("qattn_checked", fn, f"qattn.varlen_attention(check_offsets=True) on the pack "
+              f"({pack}): the offsets read and checked on the host first; host time included"
               + (f"; {n_sets} rotating input sets" if n_sets > 1 else ""))
 
     # The right-padded batch (HND, random padding), for SDPA with a mask and qattn with kv_lengths.

@@ -17,10 +17,10 @@ How it runs: on CUDA tensors without autograd, one call of the C library's varle
 kernel (the SageAttention2-8b forward walks every sequence itself: a plan pass reads
 the offsets on the device, K/V are quantized per sequence, one attention launch takes
 every sequence's query blocks), through the custom op "qattn::varlen_attention"
-(torch.compile traces it). The offsets are checked on the host first (one small
-device-to-host copy, which waits for the stream) unless check_offsets=False; without
-the check nothing waits and a bad array gives wrong rows but never an access outside
-the buffers (the kernel clamps every offset). When autograd records the call (an input
+(torch.compile traces it). Nothing is read on the host, so nothing waits: a bad offsets
+array gives wrong rows but never an access outside the buffers (the kernel clamps every
+offset); check_offsets=True reads and checks them first (one small device-to-host copy,
+which waits for the stream). When autograd records the call (an input
 requires grad), each sequence is one qattn.attention call instead, with its training
 forward and SageBwd backward (or, for what SageBwd does not run, e.g. a window, the
 fallback mode's exact gradients): the same forward arithmetic per sequence. On CPU
@@ -196,7 +196,7 @@ def varlen_attention(
     return_attn_probs: bool = False,
     *,
     causal_alignment: str = "bottom_right",
-    check_offsets: bool = True,
+    check_offsets: bool = False,
 ):
     """Attention over a packed batch of variable-length sequences, with FlashAttention's
     flash_attn_varlen_func arguments (see the module docstring for the layout and for how
@@ -223,10 +223,12 @@ def varlen_attention(
     (qattn.set_backward_options(deterministic=True) or QATTN_BWD_DETERMINISTIC=1), else
     QattnError; qattn's forward is deterministic either way.
 
-    check_offsets (keyword only, qattn's): True (default) reads the offsets on the host and
-    checks every one (a named QattnError for a bad array), which waits for the stream;
-    False skips that on CUDA tensors (no host synchronization: CUDA-graph capturable),
-    and a bad array then gives unspecified rows, never an access outside the buffers.
+    check_offsets (keyword only, qattn's): False (default) reads nothing on the host, as
+    FlashAttention does: no synchronization, CUDA-graph capturable; a bad array then gives
+    unspecified rows, never an access outside the buffers (the kernel clamps every
+    offset). True reads the offsets on the host and checks every one (a named QattnError
+    for a bad array), which waits for the stream. Calls that run per sequence (CPU
+    tensors, autograd) always read and check them.
 
     Returns o (total_q, Hq, d) in q's dtype; with return_attn_probs=True, (o, lse, None):
     lse (Hq, total_q) float32 natural log, FlashAttention's varlen layout, and None where

@@ -19,7 +19,7 @@ GPU parts (an sm_90 GPU; each skips with the reason elsewhere): the packed call 
 varlen kernel, one C call) equals qattn.attention on each sequence bit for bit (each
 sequence is quantized and attended as a call of its own; these sequences are short
 enough that no per-sequence call takes the FMA-pipe exp shape), with and without the
-host check of the offsets and under torch.compile; stays within the SA2-8b bounds of
+host check of the offsets (check_offsets) and under torch.compile; stays within the SA2-8b bounds of
 tests/tolerances/sage2_8b.json against FP64; and trains (gradients equal to
 per-sequence training with the deterministic backward).
 
@@ -429,7 +429,7 @@ def test_gpu_without_the_host_check_and_compiled_is_the_same(gpu):
         want, want_lse, _ = call(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=True,
                                  return_attn_probs=True)
         o, lse, _ = call(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=True,
-                         return_attn_probs=True, check_offsets=False)
+                         return_attn_probs=True, check_offsets=True)
         assert torch.equal(o, want) and torch.equal(lse, want_lse)
 
         def f(q, k, v, cu_q, cu_k):
@@ -441,18 +441,18 @@ def test_gpu_without_the_host_check_and_compiled_is_the_same(gpu):
 
 
 def test_gpu_lying_offsets_without_the_check_stay_inside(gpu):
-    """check_offsets=False: a bad array is not seen on the host; the kernel clamps it, so
-    the call returns (rows unspecified) and the device stays usable."""
+    """By default a bad array is not seen on the host; the kernel clamps it, so the call
+    returns (rows unspecified) and the device stays usable; check_offsets=True names it."""
     lq, lk = [100, 200], [150, 50]
     q, k, v, _, _ = pack(lq, lk, 4, 2, 64, seed=14, device="cuda")
     bad_q = torch.tensor([0, 500, -3], dtype=torch.int32, device="cuda")
     bad_k = torch.tensor([9, 0, 1000], dtype=torch.int32, device="cuda")
     with torch.no_grad():
-        o = call(q, k, v, bad_q, bad_k, 200, 150, check_offsets=False)
+        o = call(q, k, v, bad_q, bad_k, 200, 150)
         torch.cuda.synchronize()
     assert o.shape == q.shape
     with pytest.raises(QattnError, match="cu_seqlens_q"):
-        call(q, k, v, bad_q, bad_k, 200, 150)
+        call(q, k, v, bad_q, bad_k, 200, 150, check_offsets=True)
 
 
 def test_check_offsets_must_be_a_bool():
