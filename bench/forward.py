@@ -97,6 +97,8 @@ L2_FALLBACK_BYTES = 60 << 20  # H200
 VARLEN_LENGTHS = (4096, 2048, 1024, 512, 256, 128, 64, 37)
 VARLEN_REPEATS = 2
 VARLEN_SEED = 0
+# The uniform pack: 4 sequences of 4096 tokens (a dense B = 4 call does the same work).
+VARLEN_UNIFORM_N, VARLEN_UNIFORM_SEQS = 4096, 4
 # cuDNN's varlen forward as torch's own varlen_attn gates it (cuDNN >= 9.18, SM90/SM100).
 CUDNN_VARLEN_MIN_VERSION = 91800
 
@@ -207,7 +209,12 @@ def varlen_shapes(quick: bool) -> List[Shape]:
     shapes = [pack("varlen", 32, 128)]
     if quick:
         return shapes
-    return shapes + [pack("varlen", 32, 64), pack("varlen_gqa", 8, 128)]
+    # And a pack of equal sequences, whose work a dense call does too (qattn_same_work:
+    # the varlen kernel's own cost, issue target <= 5%).
+    uniform = (VARLEN_UNIFORM_N,) * VARLEN_UNIFORM_SEQS
+    same = [Shape("varlen_uniform", len(uniform), 32, 32, VARLEN_UNIFORM_N, d, True,
+                  lengths=uniform) for d in (128, 64)]
+    return shapes + [pack("varlen", 32, 64), pack("varlen_gqa", 8, 128)] + same
 
 
 def visible_pairs(s: Shape) -> float:
@@ -567,6 +574,16 @@ def measure_varlen(s: Shape, args, l2_bytes: int) -> List[Row]:
         timed("qattn", fn, f"qattn.varlen_attention on the pack ({pack}), one varlen-kernel call; "
               "host time included"
               + (f"; {n_sets} rotating input sets" if n_sets > 1 else ""))
+    if "qattn_same_work" in args.methods and len(set(s.lengths)) == 1:
+        # Equal sequences: the pack is a dense (B, N, H, d) NHD batch in the same memory.
+        def dense(t):
+            return t.view(s.batch, s.n, t.shape[1], t.shape[2])
+
+        timed("qattn_same_work",
+              lambda i: qattn.attention(*(dense(t) for t in sets[i % n_sets]), is_causal=s.causal,
+                                        layout="NHD"),
+              f"qattn.attention on the pack as a dense B={s.batch} N={s.n} NHD batch (the same "
+              "work without the varlen plan)")
     if "qattn_checked" in args.methods:
         fn = lambda i: qattn.varlen_attention(*sets[i % n_sets], cu, cu, s.n, s.n, causal=s.causal,  # noqa: E731
                                               check_offsets=True)

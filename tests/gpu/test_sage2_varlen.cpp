@@ -389,6 +389,27 @@ TEST(Sage2Varlen, RandomPacks) {
   }
 }
 
+// More sequences than the plan pass has threads (its offsets are scanned in chunks of
+// 1024, with carries between them), most of them shorter than a tile, some empty.
+TEST(Sage2Varlen, ThousandsOfShortSequences) {
+  QATTN_SKIP_WITHOUT_GPU();
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE(test::seed_trace(seed));
+  std::mt19937_64 rng(seed);
+  VarlenCase c;
+  for (int b = 0; b < 2500; ++b) {
+    c.len_q.push_back(static_cast<int>(rng() % 41));
+    c.len_k.push_back(static_cast<int>(rng() % 41));
+  }
+  c.len_q[0] = c.len_k[0] = 200;
+  c.heads_q = 2;
+  c.heads_kv = 1;
+  c.head_dim = 64;
+  c.causal = true;
+  c.seed = seed;
+  check_pack(c);
+}
+
 TEST(Sage2Varlen, RepeatedCallsOnOneWorkspaceAgree) {
   QATTN_SKIP_WITHOUT_GPU();
   VarlenCase c;
