@@ -219,7 +219,10 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
       e != cudaSuccess)
     return e;
   ap.batch = p.batch;
-  ap.causal_group = common::causal_group_heads(w.nkv_pad, D, p.heads_q, p.heads_kv, p.batch);
+  // (A packed batch: the heads of its item order's groups, over all its K/V rows.)
+  ap.causal_group = w.varlen ? common::causal_group_heads(w.nkv_pad, D, p.heads_q, p.heads_kv, 1)
+                             : common::causal_group_heads(w.nkv_pad, D, p.heads_q, p.heads_kv,
+                                                          p.batch);
   // Persistent grid: one CTA per SM (384 threads at 168 registers, or 512 at 128, fill
   // an SM).
   // A packed batch: the plan's list is on the device; the grid takes its bound.

@@ -81,12 +81,18 @@ __device__ __forceinline__ common::TileSpan item_tiles(const AttentionParams& p,
   return span.count > 0 ? span : common::TileSpan{0, 1};
 }
 
-// The varlen kernel's items (varlen.cuh): query head hq = item / entries, then the
-// list's entry (sequence, block).
+// The varlen kernel's items (varlen.cuh): the query heads in groups of
+// p.causal_group whose K/V fit in L2 together (as the dense causal order's), and within
+// a group the plan's list, longest first, each entry for every head of the group. So
+// the grid ends on the last group's shortest blocks, and the items in flight share a
+// group's K/V.
 __device__ __forceinline__ WorkItem decode_varlen_item(const AttentionParams& p, int item,
                                                        int entries) {
-  const int2 e = __ldg(p.varlen.entries + item % entries);
-  return {e.y, item / entries, e.x};
+  const int per_group = entries * p.causal_group;
+  const int g = item / per_group, r = item % per_group;
+  const int heads = min(p.causal_group, p.heads_q - g * p.causal_group);
+  const int2 e = __ldg(p.varlen.entries + r / heads);
+  return {e.y, g * p.causal_group + r % heads, e.x};
 }
 
 // The KV tiles of a varlen item: item_tiles with its sequence's rule.

@@ -4,8 +4,7 @@
 // 128-row query blocks ordered by their KV tile count, longest first (the persistent
 // grid then ends on the short ones). The K/V passes quantize each sequence into its own
 // 128-aligned rows of the workspace (its K mean over its own keys), and the attention
-// kernel walks the list: item = query head · (list length) + entry, so one head's
-// blocks are consecutive and its K/V stays in L2. Every rule of the dense kernel then
+// kernel walks the list for groups of query heads whose K/V fit in L2 (scheduler.cuh). Every rule of the dense kernel then
 // applies per sequence, with Nq = len_q(b) and Nkv = len_k(b).
 #pragma once
 
