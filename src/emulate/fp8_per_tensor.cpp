@@ -57,6 +57,7 @@ EmulatedForward fp8_per_tensor_attention(const Tensor4& q, const Tensor4& k, con
                                          const AttentionParams& params,
                                          const Fp8PerTensorOptions& options) {
   const double sm = validate_attention_args("fp8_per_tensor_attention", q, k, v, params);
+  require_equal_head_dims("fp8_per_tensor_attention", q, v);
   require_plain_mask("fp8_per_tensor_attention", params);
   if (options.accumulator != Fp8Accumulator::Fp32 && options.accumulator != Fp8Accumulator::Fp22) {
     throw std::invalid_argument(

@@ -133,6 +133,8 @@ Sage2Quantized quantize_sage2(const Tensor4& q, const Tensor4& k, const Tensor4&
   const int nq_pad = round_up(Nq, kPadMultiple), nkv_pad = round_up(Nkv, kPadMultiple);
   z.batch = B, z.heads_q = Hq, z.heads_kv = Hkv, z.seqlen_q = Nq, z.seqlen_kv = Nkv;
   z.head_dim = d, z.head_dim_padded = D, z.nq_pad = nq_pad, z.nkv_pad = nkv_pad;
+  const int dv = v.d, Dv = sage2_padded_head_dim(dv);
+  z.head_dim_v = dv, z.head_dim_v_padded = Dv;
   z.sm_scale = static_cast<float>(sm);
   z.scale_log2 = z.sm_scale * detail::kLog2e;
   z.mask = params.mask;
@@ -271,21 +273,21 @@ Sage2Quantized quantize_sage2(const Tensor4& q, const Tensor4& k, const Tensor4&
   // ---- 4. V: per (tile, channel) or per channel scale; Vᵀ with permuted tokens ----
   const PvFormat pv = options.v_format.value_or(options.pv_format);
   const bool v8 = pv == PvFormat::E4M3 || pv == PvFormat::E5M2 || pv == PvFormat::Int8;
-  z.v_value.assign(bhk * nkv_pad * D, 0.0f);
-  z.v_scale.assign(bhk * tiles * D, 1.0f);
-  if (v8) z.vt_f8.assign(bhk * D * nkv_pad, 0);
-  std::vector<float> vh(static_cast<std::size_t>(nkv_pad) * D);
+  z.v_value.assign(bhk * nkv_pad * Dv, 0.0f);
+  z.v_scale.assign(bhk * tiles * Dv, 1.0f);
+  if (v8) z.vt_f8.assign(bhk * Dv * nkv_pad, 0);
+  std::vector<float> vh(static_cast<std::size_t>(nkv_pad) * Dv);
   std::vector<std::uint8_t> codes;
   for (int b = 0; b < B; ++b)
     for (int h = 0; h < Hkv; ++h) {
       const std::size_t bh = static_cast<std::size_t>(b) * Hkv + h;
-      float* vv = z.v_value.data() + bh * nkv_pad * D;
+      float* vv = z.v_value.data() + bh * nkv_pad * Dv;
       if (!v8) {
         float (*round16)(float) = pv == PvFormat::Fp16   ? numerics::fp16_round
                                   : pv == PvFormat::Bf16 ? numerics::bf16_round
                                                          : detail::identity;
         for (int j = 0; j < z.keys_of(b); ++j)
-          for (int ch = 0; ch < d; ++ch) vv[j * D + ch] = round16(v.at(b, h, j, ch));
+          for (int ch = 0; ch < dv; ++ch) vv[j * Dv + ch] = round16(v.at(b, h, j, ch));
         continue;
       }
       // One head at a time: PerChannel must not span heads. Padding keys are zeros, as
@@ -293,7 +295,7 @@ Sage2Quantized quantize_sage2(const Tensor4& q, const Tensor4& k, const Tensor4&
       const int nkv_b = z.keys_of(b);
       std::fill(vh.begin(), vh.end(), 0.0f);
       for (int j = 0; j < nkv_b; ++j)
-        for (int ch = 0; ch < d; ++ch) vh[static_cast<std::size_t>(j) * D + ch] = v.at(b, h, j, ch);
+        for (int ch = 0; ch < dv; ++ch) vh[static_cast<std::size_t>(j) * Dv + ch] = v.at(b, h, j, ch);
       std::vector<float> scales;
       numerics::GroupMap map;
       // The kernel's per-channel amax: a bound from the token sample (padding rows and
@@ -303,10 +305,10 @@ Sage2Quantized quantize_sage2(const Tensor4& q, const Tensor4& k, const Tensor4&
       if (options.v_scale == Granularity::PerChannel && options.v_amax == VAmax::SampleBound &&
           pv != PvFormat::Int8 && nkv_b > 0)  // no key: the exact amax over zeros, 0
         amax = numerics::sampled_amax_bound(
-            std::span<const float>(vh.data(), static_cast<std::size_t>(nkv_b) * D), nkv_b, D);
+            std::span<const float>(vh.data(), static_cast<std::size_t>(nkv_b) * Dv), nkv_b, Dv);
       if (pv == PvFormat::Int8) {
         numerics::IntQuantized vq = numerics::quantize_int(
-            vh, nkv_pad, D, numerics::IntFormat::Int8, options.v_scale, numerics::Operand::K, amax);
+            vh, nkv_pad, Dv, numerics::IntFormat::Int8, options.v_scale, numerics::Operand::K, amax);
         codes.assign(vq.values.begin(), vq.values.end());  // two's complement bytes
         for (std::size_t i = 0; i < codes.size(); ++i) vv[i] = vq.values[i];
         scales = std::move(vq.scales);
@@ -315,7 +317,7 @@ Sage2Quantized quantize_sage2(const Tensor4& q, const Tensor4& k, const Tensor4&
         const auto f8 =
             pv == PvFormat::E4M3 ? numerics::Fp8Format::E4M3 : numerics::Fp8Format::E5M2;
         numerics::Fp8Quantized vq =
-            numerics::quantize_fp8(vh, nkv_pad, D, f8, options.v_scale, numerics::Operand::K, amax);
+            numerics::quantize_fp8(vh, nkv_pad, Dv, f8, options.v_scale, numerics::Operand::K, amax);
         codes = std::move(vq.codes);
         for (std::size_t i = 0; i < codes.size(); ++i) {
           vv[i] = f8 == numerics::Fp8Format::E4M3 ? numerics::e4m3_decode(codes[i])
@@ -325,14 +327,14 @@ Sage2Quantized quantize_sage2(const Tensor4& q, const Tensor4& k, const Tensor4&
         map = vq.groups;
       }
       for (std::size_t t = 0; t < tiles; ++t)
-        for (int ch = 0; ch < D; ++ch) {
-          z.v_scale[(bh * tiles + t) * D + ch] =
+        for (int ch = 0; ch < Dv; ++ch) {
+          z.v_scale[(bh * tiles + t) * Dv + ch] =
               scales[map.group_of(static_cast<int64_t>(t) * kKvTile, ch)];
         }
-      for (int ch = 0; ch < D; ++ch)
+      for (int ch = 0; ch < Dv; ++ch)
         for (int pos = 0; pos < nkv_pad; ++pos)
-          z.vt_f8[(bh * D + ch) * nkv_pad + pos] =
-              codes[static_cast<std::size_t>(groups::v_token_at_position(pos)) * D + ch];
+          z.vt_f8[(bh * Dv + ch) * nkv_pad + pos] =
+              codes[static_cast<std::size_t>(groups::v_token_at_position(pos)) * Dv + ch];
     }
   return z;
 }
@@ -359,14 +361,15 @@ void sage2_views_from_workspace(Sage2Quantized& z) {
   }
   const std::size_t bhq = static_cast<std::size_t>(z.batch) * z.heads_q;
   const std::size_t bhk = static_cast<std::size_t>(z.batch) * z.heads_kv;
-  const std::size_t D = static_cast<std::size_t>(z.head_dim_padded);
+  if (z.head_dim_v_padded == 0) z.head_dim_v = z.head_dim, z.head_dim_v_padded = z.head_dim_padded;
+  const std::size_t Dv = static_cast<std::size_t>(z.head_dim_v_padded);
   const std::size_t q_per_head = z.q_blocks() * groups::kQThreadGroupsPerBlock;
   const std::size_t k_per_head = z.kv_tiles() * groups::kKThreadGroupsPerTile;
   if (z.q_scale.size() != bhq * q_per_head)
     fail("sage2_views_from_workspace: qz.q_scale: wrong size");
   if (z.k_scale.size() != bhk * k_per_head)
     fail("sage2_views_from_workspace: qz.k_scale: wrong size");
-  if (z.vt_f8.size() != bhk * D * z.nkv_pad)
+  if (z.vt_f8.size() != bhk * Dv * z.nkv_pad)
     fail("sage2_views_from_workspace: qz.vt_f8: wrong size");
   z.q_row_scale.resize(bhq * z.nq_pad);
   for (std::size_t bh = 0; bh < bhq; ++bh)
@@ -382,26 +385,30 @@ void sage2_views_from_workspace(Sage2Quantized& z) {
           (j / kKvTile) * groups::kKThreadGroupsPerTile + groups::k_thread_group_in_tile(j);
       z.k_token_scale[bh * z.nkv_pad + j] = z.k_scale[bh * k_per_head + slot];
     }
-  z.v_value.assign(bhk * z.nkv_pad * D, 0.0f);
+  z.v_value.assign(bhk * z.nkv_pad * Dv, 0.0f);
   for (std::size_t bh = 0; bh < bhk; ++bh)
-    for (std::size_t c = 0; c < D; ++c)
+    for (std::size_t c = 0; c < Dv; ++c)
       for (int pos = 0; pos < z.nkv_pad; ++pos) {
-        const std::uint8_t code = z.vt_f8[(bh * D + c) * z.nkv_pad + pos];
+        const std::uint8_t code = z.vt_f8[(bh * Dv + c) * z.nkv_pad + pos];
         const float val = vf == PvFormat::E4M3 ? numerics::e4m3_decode(code)
                           : vf == PvFormat::E5M2
                               ? numerics::e5m2_decode(code)
                               : static_cast<float>(static_cast<std::int8_t>(code));
-        z.v_value[(bh * z.nkv_pad + groups::v_token_at_position(pos)) * D + c] = val;
+        z.v_value[(bh * z.nkv_pad + groups::v_token_at_position(pos)) * Dv + c] = val;
       }
 }
 
 EmulatedForward sage2_attend(const Sage2Quantized& z) {
   const int B = z.batch, Hq = z.heads_q, Hkv = z.heads_kv, Nq = z.seqlen_q, Nkv = z.seqlen_kv;
   const int d = z.head_dim, D = z.head_dim_padded, nq_pad = z.nq_pad, nkv_pad = z.nkv_pad;
+  // V's head dim (a Sage2Quantized filled by hand may leave it 0: Q·K's).
+  const int dv = z.head_dim_v_padded > 0 ? z.head_dim_v : d;
+  const int Dv = z.head_dim_v_padded > 0 ? z.head_dim_v_padded : D;
   const bool int_qk =
       z.options.qk_format == QkFormat::Int8 || z.options.qk_format == QkFormat::Int4;
   const bool q_smooth = z.options.q_smoothing == QSmoothing::BlockMean;
   if (B <= 0 || Hq <= 0 || Hkv <= 0 || Hq % Hkv != 0 || Nq <= 0 || Nkv <= 0 || d <= 0 || D < d ||
+      dv <= 0 || Dv < dv ||
       nq_pad < Nq || nkv_pad < Nkv || nq_pad % kPadMultiple != 0 || nkv_pad % kPadMultiple != 0) {
     fail("sage2_attend: qz: inconsistent dimensions");
   }
@@ -429,15 +436,15 @@ EmulatedForward sage2_attend(const Sage2Quantized& z) {
   need(z.q_row_scale, bhq * nq_pad, "q_row_scale");
   need(z.k_token_scale, bhk * nkv_pad, "k_token_scale");
   need(z.q_dot_c, bhq * nq_pad, "q_dot_c");
-  need(z.v_value, bhk * nkv_pad * D, "v_value");
-  need(z.v_scale, bhk * tiles * D, "v_scale");
+  need(z.v_value, bhk * nkv_pad * Dv, "v_value");
+  need(z.v_scale, bhk * tiles * Dv, "v_scale");
   if (q_smooth) need(z.q_mean_k, bhq * qblocks * nkv_pad, "q_mean_k");
 
   const detail::PvSpec spec = detail::pv_spec(z.options.pv_format);
-  EmulatedForward out{Tensor4(B, Hq, Nq, d), std::vector<float>(bhq * Nq)};
+  EmulatedForward out{Tensor4(B, Hq, Nq, dv), std::vector<float>(bhq * Nq)};
   const int rep = Hq / Hkv;
   std::vector<float> x(kKvTile);
-  detail::RowState st(D);
+  detail::RowState st(Dv);
   for (int b = 0; b < B; ++b)
     for (int h = 0; h < Hq; ++h) {
       const std::size_t bq = static_cast<std::size_t>(b) * Hq + h;
@@ -486,8 +493,8 @@ EmulatedForward sage2_attend(const Sage2Quantized& z) {
               x[jj] = add == kNegInf ? kNegInf : x[jj] + add * detail::kLog2e;
             }
           }
-          detail::online_softmax_tile(st, x, z.v_value.data() + (bk * nkv_pad + t * kKvTile) * D,
-                                      kKvTile, D, z.v_scale.data() + (bk * tiles + t) * D, spec,
+          detail::online_softmax_tile(st, x, z.v_value.data() + (bk * nkv_pad + t * kKvTile) * Dv,
+                                      kKvTile, Dv, z.v_scale.data() + (bk * tiles + t) * Dv, spec,
                                       z.options.accumulator, AccumulationLevels::TwoLevel,
                                       z.options.row_sum);
         }
@@ -497,7 +504,7 @@ EmulatedForward sage2_attend(const Sage2Quantized& z) {
           lse = kNegInf;
           continue;
         }
-        for (int c = 0; c < d; ++c) orow[c] = st.o[c] / st.l;
+        for (int c = 0; c < dv; ++c) orow[c] = st.o[c] / st.l;
         lse = (st.m + std::log2(st.l / spec.p_mult)) * detail::kLn2 + z.q_dot_c[qr];
       }
     }
@@ -553,7 +560,7 @@ EmulatedVarlenForward sage2_varlen_attention(const PackedTensor& q, const Packed
                                              const AttentionParams& params,
                                              const Sage2Options& options) {
   const std::vector<Sage2Quantized> z = quantize_sage2_varlen(q, k, v, layout, params, options);
-  EmulatedVarlenForward out{PackedTensor(q.total, q.h, q.d),
+  EmulatedVarlenForward out{PackedTensor(q.total, q.h, v.d),
                             std::vector<float>(static_cast<std::size_t>(q.h) * q.total, kNegInf)};
   for (int b = 0; b < layout.batch(); ++b) {
     if (z[b].batch == 0) continue;  // no rows, or rows that see no key: O = 0, LSE = -inf

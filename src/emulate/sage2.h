@@ -51,12 +51,14 @@ struct Sage2Options {
 
 // The quantized tensors, in the workspace layout of src/cuda/sage2_fwd/launch.h:
 // D = head dim padded to 64 or 128 (to a multiple of 64 above 128, which no kernel
-// takes), Nq_pad and Nkv_pad = lengths rounded up to multiples of 128. Padding (tail
+// takes), Dv the same of V's head dim (d_v, which may differ from Q·K's d: O is then
+// (B, Hq, Nq, d_v)), Nq_pad and Nkv_pad = lengths rounded up to multiples of 128. Padding (tail
 // rows/tokens, channels >= d) holds zeros and enters no amax; a group with no valid
 // element, or whose values are all zero, has scale 0.
 struct Sage2Quantized {
   int batch = 0, heads_q = 0, heads_kv = 0, seqlen_q = 0, seqlen_kv = 0, head_dim = 0;
   int head_dim_padded = 0, nq_pad = 0, nkv_pad = 0;
+  int head_dim_v = 0, head_dim_v_padded = 0;  // V's d_v and Dv (equal to d, D unless given)
   float sm_scale = 0.0f;
   float scale_log2 = 0.0f;  // sm_scale * log2(e), FP32
   Mask mask = Mask::None;
@@ -79,11 +81,11 @@ struct Sage2Quantized {
   std::vector<float> k_scale;       // (B, Hkv, Nkv_pad/128*4), slot tile*4 +
                                     // groups::k_thread_group_in_tile(c); empty for PerToken
   std::vector<float> k_mean;        // (B, Hkv, D): c (zeros for KSmoothing::None)
-  std::vector<std::uint8_t> vt_f8;  // (B, Hkv, D, Nkv_pad): Vᵀ codes (E4M3/E5M2 codes,
+  std::vector<std::uint8_t> vt_f8;  // (B, Hkv, Dv, Nkv_pad): Vᵀ codes (E4M3/E5M2 codes,
                                     // INT8 two's complement), position k of each 16 holds
                                     // token groups::v_token_at_position(k); empty for
                                     // 16-bit and FP32 P·V
-  std::vector<float> v_scale;       // (B, Hkv, Nkv_pad/128, D); 1 for 16-bit/FP32 P·V
+  std::vector<float> v_scale;       // (B, Hkv, Nkv_pad/128, Dv); 1 for 16-bit/FP32 P·V
 
   // ---- what the emulator computes from (not in the workspace) ----------------------
   std::vector<float> q_row_scale;    // (B, Hq, Nq_pad): each row's Q scale (log2 folded)
@@ -91,7 +93,7 @@ struct Sage2Quantized {
   std::vector<float> q_f32;          // (B, Hq, Nq_pad, D) float Q·Kᵀ formats only (Fp32,
                                      // Fp16, Bf16): Q (- q̄), in that format
   std::vector<float> k_f32;          // (B, Hkv, Nkv_pad, D) float formats only: K - c
-  std::vector<float> v_value;        // (B, Hkv, Nkv_pad, D): decoded V before v_scale,
+  std::vector<float> v_value;        // (B, Hkv, Nkv_pad, Dv): decoded V before v_scale,
                                      // token order
   std::vector<float> q_mean;         // (B, Hq, Nq_pad/64, D) QSmoothing::BlockMean: q̄
   std::vector<float> q_mean_k;       // (B, Hq, Nq_pad/64, Nkv_pad) BlockMean only:

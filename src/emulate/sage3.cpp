@@ -217,6 +217,7 @@ EmulatedForward sage3_attention(const Tensor4& q, const Tensor4& k, const Tensor
                                 const AttentionParams& params, const Sage3Options& options,
                                 Sage3PTrace* trace) {
   const double sm_scale = validate_attention_args("sage3_attention", q, k, v, params);
+  require_equal_head_dims("sage3_attention", q, v);
   require_plain_mask("sage3_attention", params);
   const int block = numerics::block_size(options.format);
   if (q.d % block != 0) {

@@ -351,6 +351,7 @@ void backward_head(const float* q, const float* k, const float* v, const float* 
 EmulatedForward sagebwd_forward(const Tensor4& q, const Tensor4& k, const Tensor4& v,
                                 const AttentionParams& params, const SageBwdOptions& options) {
   const double sm_scale = validate_attention_args("sagebwd_forward", q, k, v, params);
+  require_equal_head_dims("sagebwd_forward", q, v);
   require_plain_mask("sagebwd_forward", params);
   check_options("sagebwd_forward", options);
   EmulatedForward out{Tensor4(q.b, q.h, q.n, q.d),
@@ -372,6 +373,7 @@ EmulatedGrads sagebwd_backward(const Tensor4& q, const Tensor4& k, const Tensor4
                                const AttentionParams& params, const SageBwdOptions& options) {
   constexpr const char* kWho = "sagebwd_backward";
   const double sm_scale = validate_attention_args(kWho, q, k, v, params);
+  require_equal_head_dims(kWho, q, v);
   require_plain_mask(kWho, params);
   check_options(kWho, options);
   if (!o.same_shape(q.b, q.h, q.n, q.d) || o.data.size() != q.data.size()) {

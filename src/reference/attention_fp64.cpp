@@ -60,7 +60,7 @@ ForwardResult attention_forward(const Tensor4& q, const Tensor4& k, const Tensor
                                 const AttentionParams& params) {
   const double sm_scale = validate_attention_args("attention_forward", q, k, v, params);
   const int group = q.h / k.h;
-  ForwardResult r{Tensor4d(q.b, q.h, q.n, q.d),
+  ForwardResult r{Tensor4d(q.b, q.h, q.n, v.d),
                   std::vector<double>(static_cast<std::size_t>(q.b) * q.h * q.n)};
   RowSoftmax sm;
   for (int b = 0; b < q.b; ++b) {
@@ -74,7 +74,7 @@ ForwardResult attention_forward(const Tensor4& q, const Tensor4& k, const Tensor
         for (int j = 0; j < k.n; ++j) {
           if (sm.p[j] == 0.0) continue;
           const float* vrow = v.row(b, hkv, j);
-          for (int c = 0; c < q.d; ++c) orow[c] += sm.p[j] * vrow[c];
+          for (int c = 0; c < v.d; ++c) orow[c] += sm.p[j] * vrow[c];
         }
       }
     }
@@ -87,8 +87,8 @@ VarlenForwardResult attention_forward_varlen(const PackedTensor& q, const Packed
                                              const AttentionParams& params) {
   const double sm_scale =
       validate_varlen_args("attention_forward_varlen", q, k, v, layout, params);
-  const int group = q.h / k.h, d = q.d;
-  VarlenForwardResult r{PackedTensord(q.total, q.h, d),
+  const int group = q.h / k.h, d = q.d, dv = v.d;
+  VarlenForwardResult r{PackedTensord(q.total, q.h, dv),
                         std::vector<double>(static_cast<std::size_t>(q.h) * q.total, kNegInf)};
   std::vector<double> s;
   for (int b = 0; b < layout.batch(); ++b) {
@@ -128,7 +128,7 @@ VarlenForwardResult attention_forward_varlen(const PackedTensor& q, const Packed
           const double p = s[j - keys.first] / l;
           if (p == 0.0) continue;  // as attention_forward: an underflowed P adds nothing
           const float* vrow = v.row(k0 + j, hkv);
-          for (int c = 0; c < d; ++c) orow[c] += p * vrow[c];
+          for (int c = 0; c < dv; ++c) orow[c] += p * vrow[c];
         }
         r.lse[static_cast<std::size_t>(h) * q.total + q0 + i] = m + std::log(l);
       }
@@ -140,12 +140,13 @@ VarlenForwardResult attention_forward_varlen(const PackedTensor& q, const Packed
 BackwardResult attention_backward(const Tensor4& q, const Tensor4& k, const Tensor4& v,
                                   const Tensor4& dout, const AttentionParams& params) {
   const double sm_scale = validate_attention_args("attention_backward", q, k, v, params);
-  if (!dout.same_shape(q.b, q.h, q.n, q.d) || dout.data.size() != q.data.size()) {
-    throw std::invalid_argument("attention_backward: dout: shape must equal q's shape");
+  if (!dout.same_shape(q.b, q.h, q.n, v.d) ||
+      dout.data.size() != static_cast<std::size_t>(q.b) * q.h * q.n * v.d) {
+    throw std::invalid_argument("attention_backward: dout: shape must be O's, (B, Hq, Nq, d_v)");
   }
-  const int group = q.h / k.h, d = q.d;
+  const int group = q.h / k.h, d = q.d, dv = v.d;
   BackwardResult r{Tensor4d(q.b, q.h, q.n, d), Tensor4d(k.b, k.h, k.n, d),
-                   Tensor4d(k.b, k.h, k.n, d)};
+                   Tensor4d(k.b, k.h, k.n, dv)};
   RowSoftmax sm;
   std::vector<double> dp(k.n);
   for (int b = 0; b < q.b; ++b) {
@@ -165,7 +166,7 @@ BackwardResult attention_backward(const Tensor4& q, const Tensor4& k, const Tens
           }
           const float* vrow = v.row(b, hkv, j);
           double s = 0.0;
-          for (int c = 0; c < d; ++c) s += static_cast<double>(dorow[c]) * vrow[c];
+          for (int c = 0; c < dv; ++c) s += static_cast<double>(dorow[c]) * vrow[c];
           dp[j] = s;
           delta += sm.p[j] * s;
         }
@@ -180,8 +181,8 @@ BackwardResult attention_backward(const Tensor4& q, const Tensor4& k, const Tens
           for (int c = 0; c < d; ++c) {
             dqrow[c] += ds * krow[c];
             dkrow[c] += ds * qrow[c];
-            dvrow[c] += pj * dorow[c];
           }
+          for (int c = 0; c < dv; ++c) dvrow[c] += pj * dorow[c];
         }
       }
     }

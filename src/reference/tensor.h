@@ -97,6 +97,15 @@ inline bool key_visible(Mask mask, int i, int j, int nq, int nkv) {
   return mask == Mask::None || static_cast<long long>(j) <= static_cast<long long>(i) + nkv - nq;
 }
 
+// For the schemes whose code takes one head dim for Q·K and V: throws unless d_v = d.
+inline void require_equal_head_dims(const char* who, const Tensor4& q, const Tensor4& v) {
+  if (v.d != q.d)
+    throw std::invalid_argument(std::string(who) + ": v: head dim d_v = " + std::to_string(v.d) +
+                                " must equal q's d = " + std::to_string(q.d) +
+                                " in this scheme (only the SA2 emulator and the FP64 reference "
+                                "take d_v != d)");
+}
+
 // Validates the q, k, v shapes (GQA: Hq a multiple of Hkv) and the params; throws
 // std::invalid_argument naming the offending parameter. Returns the resolved sm_scale.
 inline double validate_attention_args(const char* who, const Tensor4& q, const Tensor4& k,
@@ -109,7 +118,9 @@ inline double validate_attention_args(const char* who, const Tensor4& q, const T
   if (k.b != q.b) fail("k: batch must equal q's batch");
   if (k.d != q.d) fail("k: head dim must equal q's head dim");
   if (q.h % k.h != 0) fail("k: heads_kv must divide heads_q (GQA/MQA)");
-  if (!v.same_shape(k.b, k.h, k.n, k.d)) fail("v: shape must equal k's shape (B, Hkv, Nkv, d)");
+  // V may have its own head dim d_v (O is then (B, Hq, Nq, d_v); MLA-style 192/128).
+  if (v.b != k.b || v.h != k.h || v.n != k.n || v.d <= 0)
+    fail("v: shape must be (B, Hkv, Nkv, d_v) with k's B, Hkv, Nkv and d_v >= 1");
   for (const Tensor4* t : {&q, &k, &v}) {
     if (t->data.size() != static_cast<std::size_t>(t->b) * t->h * t->n * t->d) {
       fail("q/k/v: data size does not match the shape");

@@ -95,8 +95,8 @@ inline double validate_varlen_args(const char* who, const PackedTensor& q, const
   if (k.h <= 0) fail("k: heads must be >= 1");
   if (k.d != q.d) fail("k: head dim must equal q's head dim");
   if (q.h % k.h != 0) fail("k: heads_kv must divide heads_q (GQA/MQA)");
-  if (v.total != k.total || v.h != k.h || v.d != k.d)
-    fail("v: shape must equal k's shape (total_k, Hkv, d)");
+  if (v.total != k.total || v.h != k.h || v.d <= 0)
+    fail("v: shape must be (total_k, Hkv, d_v) with k's total_k and Hkv, d_v >= 1");
   for (const PackedTensor* t : {&q, &k, &v})
     if (t->data.size() != static_cast<std::size_t>(t->total) * t->h * t->d)
       fail("q/k/v: data size does not match the shape");

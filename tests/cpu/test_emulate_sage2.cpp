@@ -903,5 +903,37 @@ TEST(Sage2Masks, BooleanMaskOfARuleEqualsTheRule) {
   for (std::size_t i = 0; i < a.lse.size(); ++i) ASSERT_EQ(a.lse[i], m.lse[i]) << i;
 }
 
+
+// ---- V's head dim d_v different from Q·K's d (MLA-style 192/128) ----------------------
+
+// V's per-channel scales and the P codes do not depend on V's other channels, so the
+// emulation with V of d_v columns equals, bit for bit, the one with V zero-padded to d
+// columns on those columns (and the LSE); its accuracy against FP64 is the scheme's.
+TEST(Sage2EmulatorHeadDimV, EqualsVZeroPaddedAndMeetsTheBounds) {
+  for (auto [d, dv] : {std::pair{192, 128}, std::pair{128, 64}, std::pair{64, 96}}) {
+    SCOPED_TRACE("d=" + std::to_string(d) + " d_v=" + std::to_string(dv));
+    const Tensor4 q = gaussian(1, 4, 200, d, 21), k = gaussian(1, 2, 300, d, 22, 1.0f);
+    const Tensor4 v = gaussian(1, 2, 300, dv, 23);
+    const int dmax = std::max(d, dv);
+    Tensor4 vp(1, 2, 300, dmax);
+    for (int h = 0; h < 2; ++h)
+      for (int n = 0; n < 300; ++n)
+        for (int c = 0; c < dv; ++c) vp.at(0, h, n, c) = v.at(0, h, n, c);
+    AttentionParams p;
+    p.mask = Mask::Causal;
+    const auto a = emulate::sage2_attention(q, k, v, p);
+    const auto w = emulate::sage2_attention(q, k, vp, p);
+    ASSERT_EQ(a.o.d, dv);
+    EXPECT_EQ(a.lse, w.lse);
+    for (int h = 0; h < 4; ++h)
+      for (int i = 0; i < 200; ++i)
+        for (int c = 0; c < dv; ++c) ASSERT_EQ(a.o.at(0, h, i, c), w.o.at(0, h, i, c));
+    const auto ref = reference::attention_forward(q, k, v, p);
+    const auto m = metrics::compare(std::span<const float>(a.o.data),
+                                    std::span<const double>(ref.o.data));
+    EXPECT_GE(m.cos_sim, 0.999) << "the SA2-8b scheme's bound (docs/accuracy-report.md)";
+  }
+}
+
 }  // namespace
 }  // namespace qattn

@@ -2,8 +2,11 @@
 // finite differences; masking, GQA and argument validation.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <random>
+#include <utility>
 
 #include "attention_test_util.h"
 #include "reference/attention_fp64.h"
@@ -256,6 +259,78 @@ TEST(Metrics, FormulasOnAKnownPair) {
   EXPECT_EQ(mi.count, 1u);
   EXPECT_DOUBLE_EQ(mi.max_abs, 1.0);
   EXPECT_THROW(metrics::compare(o, std::vector<double>{1.0}), std::invalid_argument);
+}
+
+
+// ---- V's head dim d_v different from Q·K's d (MLA-style 192/128) ----------------------
+
+// V with its own head dim, and the same V zero-padded (or cut) to d columns: the
+// probabilities do not depend on V, so O's common columns, the LSE and dQ, dK are equal
+// exactly (FP64 sums of the same terms in the same order; the padded columns add
+// zeros), and the padded columns of O and dV are zero.
+Tensor4 with_columns(const Tensor4& v, int dv) {
+  Tensor4 r(v.b, v.h, v.n, dv);
+  for (int b = 0; b < v.b; ++b)
+    for (int h = 0; h < v.h; ++h)
+      for (int n = 0; n < v.n; ++n)
+        for (int c = 0; c < std::min(dv, v.d); ++c) r.at(b, h, n, c) = v.at(b, h, n, c);
+  return r;
+}
+
+TEST(ReferenceHeadDimV, OutputColumnsFollowVAlone) {
+  for (auto [d, dv] : {std::pair{48, 32}, std::pair{24, 40}}) {
+    SCOPED_TRACE("d=" + std::to_string(d) + " d_v=" + std::to_string(dv));
+    const Tensor4 q = gaussian(2, 4, 33, d, 11), k = gaussian(2, 2, 45, d, 12);
+    const Tensor4 v = gaussian(2, 2, 45, dv, 13), vd = with_columns(v, d);
+    AttentionParams p;
+    p.mask = Mask::Causal;
+    p.window_left = 20;
+    const auto a = reference::attention_forward(q, k, v, p);
+    const auto w = reference::attention_forward(q, k, vd, p);
+    ASSERT_EQ(a.o.d, dv);
+    EXPECT_EQ(a.lse, w.lse);
+    for (int b = 0; b < q.b; ++b)
+      for (int h = 0; h < q.h; ++h)
+        for (int i = 0; i < q.n; ++i)
+          for (int c = 0; c < d; ++c) {  // w's columns: V's (cut to d, or padded with zeros)
+            const double want = w.o.at(b, h, i, c);
+            ASSERT_EQ(c < dv ? a.o.at(b, h, i, c) : 0.0, want) << b << "," << h << "," << i << "," << c;
+          }
+    // The backward: dO has O's shape; dQ and dK equal those of the padded V with dO
+    // padded alike (its extra columns meet zeros), dV the common columns.
+    const Tensor4 dout = gaussian(2, 4, 33, dv, 14), dout_d = with_columns(dout, d);
+    const auto g = reference::attention_backward(q, k, v, dout, p);
+    const auto gw = reference::attention_backward(q, k, vd, dout_d, p);
+    ASSERT_EQ(g.dv.d, dv);
+    if (dv <= d) {  // dO's columns past dv are zero in dout_d: dP equal
+      EXPECT_EQ(g.dq.data, gw.dq.data);
+      EXPECT_EQ(g.dk.data, gw.dk.data);
+    }
+    for (int b = 0; b < k.b; ++b)
+      for (int h = 0; h < k.h; ++h)
+        for (int j = 0; j < k.n; ++j)
+          for (int c = 0; c < std::min(d, dv); ++c)
+            ASSERT_EQ(g.dv.at(b, h, j, c), gw.dv.at(b, h, j, c));
+  }
+}
+
+TEST(ReferenceHeadDimV, VarlenAndBadShapes) {
+  const VarlenLayout lay = VarlenLayout::from_lengths({5, 0, 9}, {7, 3, 9});
+  PackedTensor q(14, 2, 16), k(19, 1, 16), v(19, 1, 24);
+  std::mt19937_64 rng(5);
+  std::normal_distribution<float> nd;
+  for (auto* t : {&q, &k, &v})
+    for (float& x : t->data) x = nd(rng);
+  const auto r = reference::attention_forward_varlen(q, k, v, lay, {});
+  EXPECT_EQ(r.o.d, 24);
+  // V must match K in everything but its head dim.
+  EXPECT_THROW(reference::attention_forward(gaussian(1, 2, 4, 8, 1), gaussian(1, 2, 5, 8, 2),
+                                            gaussian(1, 2, 6, 12, 3)),
+               std::invalid_argument);
+  // The backward's dO has O's shape (d_v), not Q's.
+  EXPECT_THROW(reference::attention_backward(gaussian(1, 2, 4, 8, 1), gaussian(1, 2, 5, 8, 2),
+                                             gaussian(1, 2, 5, 12, 3), gaussian(1, 2, 4, 8, 4)),
+               std::invalid_argument);
 }
 
 }  // namespace
