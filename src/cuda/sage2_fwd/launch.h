@@ -27,6 +27,12 @@ namespace qattn::sage2 {
 //           item, CTAs done), zero between launches: the statistics kernel zeroes them
 //           (with v_over) and the attention kernel's last CTA puts them back to zero
 // D is the head dim padded to 64 or 128.
+// A packed batch (varlen.cuh) keeps K/V in Hkv slices instead of B·Hkv: k_i8 (Hkv,
+// Nkv_cap, D), k_scale, vt_f8 likewise, Nkv_cap = total_k + 128·B rounded to 128, each
+// sequence from its own 128-aligned row; k_mean, v_amax, v_over stay (B, Hkv, D); Nq_pad
+// is the longest sequence's; and the plan follows: varlen_seqs (B SeqPlace),
+// varlen_entries (int2 per query block, at most (total_q + 127·B) / 128),
+// varlen_count (one int).
 std::size_t workspace_bytes(const qattn_fwd_params& p, bool keep_q = false);
 
 // The attention kernel's shape (kernel.cuh): its register split between producer and
