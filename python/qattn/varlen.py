@@ -117,35 +117,6 @@ def _sequence_math(q, k, v, causal, scale, window_left, window_right, alignment)
     return o.transpose(0, 1).to(q.dtype), lse
 
 
-def _kernel_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, causal, scale, window_left,
-                 window_right, alignment, return_lse):
-    """One C call on the pack: (o (total_q, Hq, d), lse (Hq, total_q) or an empty tensor)."""
-    total_q, hq, d = q.shape
-    total_k, hkv, _ = k.shape
-    d_pad = -(-d // ops._ROW_MULTIPLE) * ops._ROW_MULTIPLE
-    # (1, total, H, d) views in the NHD layout: the C ABI's (1, H, total, d) pack.
-    qv, kv, vv = (ops._usable(t[None], "NHD", d_pad) for t in (q, k, v))
-    o = q.new_empty((1, total_q, hq, d_pad))
-    lse = q.new_empty((hq, total_q) if return_lse else (0,), dtype=torch.float32)
-    cu_q = cu_seqlens_q.contiguous()
-    cu_k = cu_seqlens_k.contiguous()
-    args = (ops._tensor_arg(qv, "NHD"), ops._tensor_arg(kv, "NHD"), ops._tensor_arg(vv, "NHD"),
-            ops._tensor_arg(o, "NHD"), lse.data_ptr() if return_lse else 0, ops._DTYPES[q.dtype],
-            (len(cu_q) - 1, hq, hkv, total_q, total_k, d_pad), 1 if causal else 0,
-            float(scale) if scale is not None else 1.0 / math.sqrt(d), 0)
-    mask = (0, window_left, window_right, ops._ALIGNMENT_CODES[alignment], 0, 0, 0, 0, 0)
-    packed = (cu_q.data_ptr(), cu_k.data_ptr(), max_q, max_k)
-    with torch.cuda.device(q.device):
-        status, ws_bytes = _C.workspace_size(*args, mask, _C.SCHEME_SAGE2_8B, packed)
-        check(status)
-        workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=q.device)
-        stream = torch.cuda.current_stream(q.device).cuda_stream
-        check(_C.forward(*args, workspace.data_ptr(), ws_bytes, stream, False, mask,
-                         _C.SCHEME_SAGE2_8B, packed))
-    o = o[0] if d == d_pad else o[0, ..., :d].contiguous()
-    return o, lse
-
-
 @torch.library.custom_op("qattn::varlen_attention", mutates_args=())
 def _varlen_op(
     q: torch.Tensor,
@@ -162,9 +133,32 @@ def _varlen_op(
     alignment: str,
     return_lse: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The packed forward in one C call (arguments checked by varlen_attention)."""
-    return _kernel_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                        scale, window_left, window_right, alignment, return_lse)
+    """The packed forward in one C call (arguments checked by varlen_attention): o
+    (total_q, Hq, d), lse (Hq, total_q) or an empty tensor."""
+    total_q, hq, d = q.shape
+    total_k, hkv, _ = k.shape
+    d_pad = -(-d // ops._ROW_MULTIPLE) * ops._ROW_MULTIPLE
+    # (1, total, H, d) views in the NHD layout: the C ABI's (1, H, total, d) pack.
+    qv, kv, vv = (ops._usable(t[None], "NHD", d_pad) for t in (q, k, v))
+    o = q.new_empty((1, total_q, hq, d_pad))
+    lse = q.new_empty((hq, total_q) if return_lse else (0,), dtype=torch.float32)
+    cu_q = cu_seqlens_q.contiguous()
+    cu_k = cu_seqlens_k.contiguous()
+    args = (ops._tensor_arg(qv, "NHD"), ops._tensor_arg(kv, "NHD"), ops._tensor_arg(vv, "NHD"),
+            ops._tensor_arg(o, "NHD"), lse.data_ptr() if return_lse else 0, ops._DTYPES[q.dtype],
+            (len(cu_q) - 1, hq, hkv, total_q, total_k, d_pad), 1 if causal else 0,
+            float(scale) if scale is not None else 1.0 / math.sqrt(d), 0)
+    mask = (0, window_left, window_right, ops._ALIGNMENT_CODES[alignment], 0, 0, 0, 0, 0)
+    packed = (cu_q.data_ptr(), cu_k.data_ptr(), max_seqlen_q, max_seqlen_k)
+    with torch.cuda.device(q.device):
+        status, ws_bytes = _C.workspace_size(*args, mask, _C.SCHEME_SAGE2_8B, packed)
+        check(status)
+        workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=q.device)
+        stream = torch.cuda.current_stream(q.device).cuda_stream
+        check(_C.forward(*args, workspace.data_ptr(), ws_bytes, stream, False, mask,
+                         _C.SCHEME_SAGE2_8B, packed))
+    o = o[0] if d == d_pad else o[0, ..., :d].contiguous()
+    return o, lse
 
 
 @_varlen_op.register_fake
