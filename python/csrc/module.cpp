@@ -17,16 +17,21 @@
 // k_mean, host_block_tables, host_lengths), every pointer an integer (0 = NULL; the
 // host_* ones are host memory). Calls return the qattn_status as an int; qattn/ops.py
 // and qattn/kv_cache.py turn a failure into an exception with last_error_message(),
-// read on the same thread right after the call.
+// read on the same thread right after the call. One function is not the C ABI:
+// synthetic_inputs, the accuracy report's input generator (src/emulate/synthetic.h), so
+// bench/accuracy.py runs the GPU on the very tensors `qattn accuracy` emulates.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 #include <tuple>
 
 #include "../../src/api/bench_hooks.h"  // qattn_fwd_attention_only, for the bench tools
+#include "emulate/synthetic.h"  // the accuracy report's inputs, for bench/accuracy.py
 #include "qattn/qattn.h"
 
 namespace nb = nanobind;
@@ -151,6 +156,22 @@ qattn_kv_decode_params make_decode_params(const qattn_kv_cache& cache, const Seq
   p.max_length = max_length;
   p.num_splits = num_splits;
   return p;
+}
+
+nb::bytes float_bytes(const qattn::Tensor4& t) {
+  return nb::bytes(reinterpret_cast<const char*>(t.data.data()), t.data.size() * sizeof(float));
+}
+
+// The accuracy report's input family of that name (emulate/synthetic.h).
+qattn::emulate::InputFamily input_family(const std::string& name) {
+  using qattn::emulate::InputFamily;
+  for (InputFamily f : {InputFamily::Gaussian, InputFamily::LargeLogits, InputFamily::HeavyTail,
+                        InputFamily::OutlierChannels, InputFamily::AttentionSink}) {
+    if (name == qattn::emulate::family_name(f)) return f;
+  }
+  throw std::invalid_argument("synthetic_inputs: unknown family '" + name +
+                              "'; allowed: gaussian, large_logits, heavy_tail, "
+                              "outlier_channels, attention_sink");
 }
 
 }  // namespace
@@ -318,6 +339,35 @@ NB_MODULE(_C, m) {
       "causal"_a, "sm_scale"_a, "max_length"_a, "num_splits"_a, "workspace"_a, "workspace_bytes"_a,
       "stream"_a,
       "Enqueues the decode on the stream (a cudaStream_t as an int); returns the status.");
+
+  m.def(
+      "synthetic_inputs",
+      [](const std::string& family, int batch, int heads_q, int heads_kv, int seq_q, int seq_kv,
+         int head_dim, std::uint64_t seed, double temperature, double large_logit_scale) {
+        qattn::emulate::SyntheticSpec spec;
+        spec.family = input_family(family);
+        spec.batch = batch;
+        spec.heads_q = heads_q;
+        spec.heads_kv = heads_kv;
+        spec.seq_q = seq_q;
+        spec.seq_kv = seq_kv;
+        spec.head_dim = head_dim;
+        spec.seed = seed;
+        spec.temperature = temperature;
+        spec.large_logit_scale = large_logit_scale;
+        const qattn::emulate::SyntheticInputs in = [&] {
+          nb::gil_scoped_release release;  // CPU work of seconds at large sizes
+          return qattn::emulate::make_synthetic(spec);
+        }();
+        return std::make_tuple(float_bytes(in.q), float_bytes(in.k), float_bytes(in.v));
+      },
+      "family"_a, "batch"_a, "heads_q"_a, "heads_kv"_a, "seq_q"_a, "seq_kv"_a, "head_dim"_a,
+      "seed"_a = 0, "temperature"_a = 1.0,
+      "large_logit_scale"_a = qattn::emulate::SyntheticSpec{}.large_logit_scale,
+      "The input family's (q, k, v) of `qattn accuracy` (docs/accuracy-report.md: gaussian, "
+      "large_logits, heavy_tail, outlier_channels, attention_sink), each as the bytes of a "
+      "float32 (B, H, N, d) array of FP16-exact values; the same seed gives the same tensors "
+      "as the CLI. A bad family or shape raises ValueError.");
 
   m.attr("OK") = static_cast<int>(QATTN_OK);
   m.attr("ERROR_INVALID_ARGUMENT") = static_cast<int>(QATTN_ERROR_INVALID_ARGUMENT);
