@@ -45,7 +45,6 @@ docs/design.md ("Numerics") and tests/tolerances/sage2_8b.json.
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from . import _C, fallback, ops
 from .errors import QattnError
@@ -53,6 +52,12 @@ from .fallback import _warned, get_fallback, set_fallback  # noqa: F401 (the pac
 
 _DTYPES = (torch.float16, torch.bfloat16)
 _MAX_HEAD_DIM = 128
+
+# PyTorch's own SDPA (the built-in that torch.nn.functional exports), for the fallback.
+# Not the attribute of torch.nn.functional, which callers replace with this module's
+# function ("F.scaled_dot_product_attention = qattn.scaled_dot_product_attention"): the
+# fallback would then call itself.
+_torch_sdpa = torch._C._nn.scaled_dot_product_attention
 
 _cuda_ok = {}  # device index -> bool
 
@@ -155,7 +160,7 @@ def _fallback(declined, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_
     if enable_gqa is not False:  # passed on only when set: PyTorch < 2.5 lacks the argument
         kwargs["enable_gqa"] = enable_gqa
     # SDPA runs first, so a call it rejects raises its own error in either mode.
-    out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    out = _torch_sdpa(q, k, v, **kwargs)
     if fallback.get_fallback() == "raise":
         fallback.refuse_sdpa(key, why)
     if not torch.compiler.is_compiling():

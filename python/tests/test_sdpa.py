@@ -91,6 +91,19 @@ def test_cpu_call_falls_back_with_one_warning():
     assert torch.equal(o2, F.scaled_dot_product_attention(q, k, v))
 
 
+def test_fallback_works_when_it_replaces_torchs_sdpa(monkeypatch):
+    # The usual way to patch a model: F.scaled_dot_product_attention = qattn's. A call
+    # that falls back must still reach PyTorch's SDPA (not itself, without end).
+    q, k, v = randn(2, 4, 40, 16), randn(2, 4, 50, 16, seed=SEED + 1), randn(2, 4, 50, 16, seed=SEED + 2)
+    expect = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", qattn.scaled_dot_product_attention)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert len(fallback_warnings(record)) == 1
+    assert torch.equal(o, expect)
+
+
 def test_raise_mode_refuses_and_set_fallback_returns_the_previous_mode():
     q = randn(1, 2, 8, 16)
     assert qattn.set_fallback("raise") == "warn"
