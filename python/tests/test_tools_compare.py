@@ -1,0 +1,121 @@
+"""qattn.tools: the noise-floor attention against PyTorch's SDPA, and compare() on a small
+model whose attention calls differ in head dim, with candidates whose errors are known:
+exact, perturbed in one call only, and the floor. CPU only."""
+
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+
+from qattn import tools  # noqa: E402
+
+SEEDS = [0, random.randrange(1, 2**31)]
+
+
+def randn(*shape, seed, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("case", ["plain", "causal_tall", "causal_wide", "bool", "float", "gqa"])
+def test_eager_attention_is_sdpa_in_fp64(seed, case):
+    nq, nkv, hq, hkv = {"causal_tall": (37, 20), "causal_wide": (20, 37)}.get(case, (25, 31)) + (4, 4)
+    if case == "gqa":
+        hkv = 2
+    q, k, v = randn(2, hq, nq, 16, seed=seed), randn(2, hkv, nkv, 16, seed=seed + 1), randn(2, hkv, nkv, 16, seed=seed + 2)
+    kw = {"scale": 0.3}
+    if case.startswith("causal"):
+        kw["is_causal"] = True
+    if case == "bool":
+        kw["attn_mask"] = randn(1, hq, nq, nkv, seed=seed + 3) > -0.5
+    if case == "float":
+        kw["attn_mask"] = randn(2, 1, nq, nkv, seed=seed + 3)
+    if case == "gqa":
+        kw["enable_gqa"] = True
+    got, want = tools.eager_attention(q, k, v, **kw), F.scaled_dot_product_attention(q, k, v, **kw)
+    # FP64 both: only the order of the sums differs (~1e-15 relative).
+    rows = torch.isfinite(want).all(-1)
+    assert torch.allclose(got[rows], want[rows], rtol=0, atol=1e-12)
+
+
+class Toy(torch.nn.Module):
+    """Three attention calls with head dims 16, 32, 16 and a linear read-out."""
+
+    def __init__(self, seed):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.dims = (16, 32, 16)
+        self.proj = torch.nn.ParameterList(
+            [torch.nn.Parameter(torch.randn(64, 3 * 2 * d, generator=g) / 8) for d in self.dims])
+        self.out = torch.nn.ParameterList(
+            [torch.nn.Parameter(torch.randn(2 * d, 64, generator=g) / 8) for d in self.dims])
+        self.head = torch.nn.Parameter(torch.randn(64, 50, generator=g) / 8)
+
+    def forward(self, x):  # x (B, N, 64)
+        b, n, _ = x.shape
+        for w, wo, d in zip(self.proj, self.out, self.dims):
+            q, k, v = (x @ w).view(b, n, 3, 2, d).permute(2, 0, 3, 1, 4)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # looked up per call
+            x = x + o.transpose(1, 2).reshape(b, n, 2 * d) @ wo
+        return x @ self.head
+
+
+def perturbed_at_d32(query, key, value, *args, **kwargs):
+    out = torch._C._nn.scaled_dot_product_attention(query, key, value, *args, **kwargs)
+    return out * 1.01 if query.shape[-1] == 32 else out
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_compare_finds_the_call_that_errs(seed):
+    model = Toy(seed).eval()
+    x = randn(2, 24, 64, seed=seed + 7, dtype=torch.float32)
+    exact = torch._C._nn.scaled_dot_product_attention
+    report = tools.compare(lambda: model(x), {"exact": exact, "d32": perturbed_at_d32},
+                           logits=True, ablate=True, keep_outputs=True)
+    m = report.metrics
+    assert m["exact"]["kl"] == 0.0 and m["exact"]["top1"] == 1.0 and m["exact"]["cos"] == pytest.approx(1.0, abs=1e-12)
+    assert m["d32"]["kl"] > 0 and m["d32"]["cos"] < 1 - 1e-9
+    # The floor (FP32 eager vs FP32 SDPA) differs by rounding only: far below the 1% error.
+    assert 0 <= m["eager"]["loss"] < 1e-3 * m["d32"]["loss"]
+    assert m["d32"]["x_floor"] > 1e3 or m["eager"]["loss"] == 0
+    # Per call: the candidate on the reference's own inputs, so only call 1 errs...
+    calls = report.layers["d32"]
+    assert [c.shape[-1] for c in calls] == [16, 32, 16]
+    assert calls[0].cos == pytest.approx(1.0, abs=1e-12) and calls[2].cos == pytest.approx(1.0, abs=1e-12)
+    assert calls[1].rel_l1 == pytest.approx(0.01, rel=1e-3)  # out·1.01: relative L1 exactly 1%
+    # ... and in the ablation only call 1 (layer 1) moves the output.
+    losses = report.ablation["d32"]
+    assert losses[0] == 0.0 and losses[2] == 0.0 and losses[1] == pytest.approx(m["d32"]["kl"], rel=1e-6)
+    assert torch.equal(report.outputs["sdpa"], model(x))
+    assert "layer 1" in report.table()
+    assert [r["calls"] for r in report.layer_summary("d32")] == [1, 1, 1]
+    assert set(report.to_dict()) == {"reference", "floor", "logits", "metrics", "layers", "ablation"}
+
+
+def test_the_patch_is_undone_on_error():
+    before = F.scaled_dot_product_attention
+
+    def failing():
+        raise RuntimeError("model failed")
+
+    with pytest.raises(RuntimeError, match="model failed"):
+        tools.compare(failing, {"exact": torch._C._nn.scaled_dot_product_attention})
+    assert F.scaled_dot_product_attention is before
+
+
+def test_layers_group_the_calls_of_several_batches():
+    model = Toy(3).eval()
+    xs = [randn(2, 24, 64, seed=s, dtype=torch.float32) for s in (10, 11)]
+    run = lambda: torch.cat([model(x) for x in xs])  # noqa: E731
+    report = tools.compare(run, {"d32": perturbed_at_d32}, floor=None, ablate=True,
+                           layer_of=lambda i: i % 3)
+    summary = report.layer_summary("d32")
+    assert [(r["layer"], r["calls"]) for r in summary] == [(0, 2), (1, 2), (2, 2)]
+    # out·1.01 keeps the direction (CosSim 1) and moves relative L1 by 1%.
+    assert summary[0]["mean_rel_l1"] < 1e-12 and summary[1]["mean_rel_l1"] == pytest.approx(0.01, rel=1e-3)
+    losses = report.ablation["d32"]
+    assert len(losses) == 3 and abs(losses[0]) < 1e-12 and abs(losses[2]) < 1e-12 and losses[1] > 1e-9
+    assert "x_floor" not in report.metrics["d32"]
