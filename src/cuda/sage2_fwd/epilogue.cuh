@@ -68,25 +68,43 @@ __device__ __forceinline__ void stage_output(const float (&o)[kO], const Softmax
 }
 
 // The columns from o_tma_cols to head_dim (the partial 16-byte chunk at the end of a row,
-// head_dim % 8 != 0), copied from the staging area to global memory after the
-// warpgroup's barrier: thread i < 64 of the warpgroup writes row i. The thread index is
-// read here, opaquely: the row's staging offset, hoisted out of the consumers' loop as
-// loop-invariant, was spilled at 232 registers.
-template <typename Params>
-__device__ __forceinline__ void store_output_tail(const Params& p, int bh_q, int wg_row0,
-                                                  const uint8_t* stage) {
-  int tid;
-  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
-  const int tid_wg = tid % 128;
-  const int row = wg_row0 + tid_wg;
-  if (tid_wg >= 64 || row >= p.seqlen_q) return;
+// head_dim % 8 != 0), which the TMA boxes leave out: copied from the staging area to
+// dst_row() (the row's column o_tma_cols in global memory) after the warpgroup's barrier
+// by thread tid_wg < 64 of the warpgroup, which owns row tid_wg of the staged box.
+// (dst_row is called after the source address is formed: that order keeps the machine
+// code of the kernels as it was before the helper existed.)
+template <typename Params, typename DstRow>
+__device__ __forceinline__ void copy_tail_columns(const Params& p, int tid_wg, const uint8_t* stage,
+                                                  DstRow dst_row) {
   const int j = p.o_tma_cols / 8;  // the partial chunk
   const uint16_t* src = reinterpret_cast<const uint16_t*>(
       stage + (j / 8) * kOBoxBytes + tid_wg * 128 + ((j % 8) ^ (tid_wg % 8)) * 16);
-  const int b = bh_q / p.heads_q, hq = bh_q % p.heads_q;
-  auto* dst = static_cast<uint16_t*>(p.o) + b * p.o_stride_b + hq * p.o_stride_h +
-              static_cast<int64_t>(row) * p.o_stride_n + p.o_tma_cols;
+  uint16_t* dst = dst_row();
   for (int c = 0; c < p.head_dim - p.o_tma_cols; ++c) dst[c] = src[c];
+}
+
+// The thread's index in its warpgroup, read opaquely: the row's staging offset derived
+// from it, hoisted out of the consumers' loop as loop-invariant, was spilled at 232
+// registers.
+__device__ __forceinline__ int warpgroup_thread_opaque() {
+  int tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  return tid % 128;
+}
+
+// copy_tail_columns for the dense kernel: thread i < 64 of the warpgroup writes row
+// wg_row0 + i of (batch, head) bh_q where it is below seqlen_q.
+template <typename Params>
+__device__ __forceinline__ void store_output_tail(const Params& p, int bh_q, int wg_row0,
+                                                  const uint8_t* stage) {
+  const int tid_wg = warpgroup_thread_opaque();
+  const int row = wg_row0 + tid_wg;
+  if (tid_wg >= 64 || row >= p.seqlen_q) return;
+  copy_tail_columns(p, tid_wg, stage, [&] {
+    const int b = bh_q / p.heads_q, hq = bh_q % p.heads_q;
+    return static_cast<uint16_t*>(p.o) + b * p.o_stride_b + hq * p.o_stride_h +
+           static_cast<int64_t>(row) * p.o_stride_n + p.o_tma_cols;
+  });
 }
 
 // The varlen kernel's last box of a sequence (fewer than 64 of its rows are the
@@ -118,21 +136,25 @@ __device__ __forceinline__ void store_output_direct(const float (&o)[kO], const 
   }
 }
 
-// store_output_tail for the varlen kernel's whole boxes: the rows start at packed row
+// copy_tail_columns for the varlen kernel's whole boxes: the rows start at packed row
 // dst_row0 of query head hq.
 template <typename Params>
 __device__ __forceinline__ void store_output_tail_varlen(const Params& p, int hq, int64_t dst_row0,
                                                          const uint8_t* stage) {
-  int tid;
-  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
-  const int tid_wg = tid % 128;
+  const int tid_wg = warpgroup_thread_opaque();
   if (tid_wg >= 64) return;
-  const int j = p.o_tma_cols / 8;  // the partial chunk
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(
-      stage + (j / 8) * kOBoxBytes + tid_wg * 128 + ((j % 8) ^ (tid_wg % 8)) * 16);
-  auto* dst = static_cast<uint16_t*>(p.o) + hq * p.o_stride_h + (dst_row0 + tid_wg) * p.o_stride_n +
-              p.o_tma_cols;
-  for (int c = 0; c < p.head_dim - p.o_tma_cols; ++c) dst[c] = src[c];
+  copy_tail_columns(p, tid_wg, stage, [&] {
+    return static_cast<uint16_t*>(p.o) + hq * p.o_stride_h + (dst_row0 + tid_wg) * p.o_stride_n +
+           p.o_tma_cols;
+  });
+}
+
+// The natural-log LSE of row r (0 or 1) of a thread's two, corrected for the K smoothing
+// by the row's q·c (read only for a row that saw a key); -inf for a row that saw none.
+template <typename Softmax>
+__device__ __forceinline__ float lse_of_row(const Softmax& sm, int r, const float* q_dot_c) {
+  const float l = sm.l[r];
+  return l > 0.f ? (sm.m[r] + log2f(l) - common::kLog2E4M3Max) * kLn2 + *q_dot_c : -INFINITY;
 }
 
 // Writes the natural-log LSE of a thread's two rows (block rows row_in_block, + 8),
@@ -146,10 +168,7 @@ __device__ __forceinline__ void store_lse(const Params& p, const Softmax& sm, co
   for (int r = 0; r < 2; ++r) {
     const int row = block_row0 + row_in_block + 8 * r;
     if (row >= p.seqlen_q) continue;
-    const float l = sm.l[r];
-    p.lse[bh_q * p.seqlen_q + row] =
-        l > 0.f ? (sm.m[r] + log2f(l) - common::kLog2E4M3Max) * kLn2 + q_dot_c[row_in_block + 8 * r]
-                : -INFINITY;
+    p.lse[bh_q * p.seqlen_q + row] = lse_of_row(sm, r, q_dot_c + row_in_block + 8 * r);
   }
 }
 
@@ -164,10 +183,7 @@ __device__ __forceinline__ void store_lse_varlen(const Params& p, const Softmax&
   for (int r = 0; r < 2; ++r) {
     const int row = row_in_block + 8 * r;
     if (row >= rows) continue;
-    const float l = sm.l[r];
-    p.lse[static_cast<int64_t>(hq) * p.varlen.total_q + q_row + row] =
-        l > 0.f ? (sm.m[r] + log2f(l) - common::kLog2E4M3Max) * kLn2 + q_dot_c[row]
-                : -INFINITY;
+    p.lse[static_cast<int64_t>(hq) * p.varlen.total_q + q_row + row] = lse_of_row(sm, r, q_dot_c + row);
   }
 }
 
