@@ -1,9 +1,12 @@
-"""Sequence-parallel attention over torch.distributed: ring attention and Ulysses
-(all-to-all over heads), each rank holding a shard of the sequence.
+"""Sequence-parallel attention over torch.distributed: ring attention, Ulysses
+(all-to-all over heads) and the hybrid of the two, each rank holding a shard of the
+sequence.
 
     import qattn.distributed as qd
     o = qd.ring_attention(q, k, v, group=None, is_causal=True, ordering="zigzag")
     o = qd.ulysses_attention(q, k, v, group=None, is_causal=True)
+    ug, rg = qd.hybrid_groups(ulysses_size=8)         # Ulysses in a node, ring across
+    o = qd.hybrid_attention(q, k, v, ug, rg, is_causal=True, ordering="zigzag")
 
 Shapes are per rank, (B, H, N_local, d) in layout "HND" or (B, N_local, H, d) in "NHD";
 every rank holds the same N_local. The shards tile the global sequence:
@@ -15,7 +18,9 @@ every rank holds the same N_local. The shards tile the global sequence:
     N_local must be even. `zigzag_shard` / `zigzag_unshard` convert a global tensor.
 
 Ulysses takes contiguous shards (its all-to-all gathers the whole sequence per head
-group) and needs Hq and Hkv divisible by P. Causal masks are aligned as in a single
+group) and needs Hq and Hkv divisible by P. The hybrid runs Ulysses inside groups of U
+ranks and a ring across the P/U groups: each Ulysses group holds one ring shard
+(contiguous or zigzag), cut into U contiguous pieces (`hybrid_shard`). Causal masks are aligned as in a single
 call over the global sequence (Nq = Nkv: top-left and bottom-right agree).
 
 The local attention of one (query chunk, key chunk) pair is `local_attention(q, k, v,
@@ -367,5 +372,88 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     o, lse = local(qg, kg, vg, is_causal, scale)
     o = _AllToAll.apply(o, world, group, False)
     lse = _heads_to_seq(lse.detach().float().contiguous(), world, group)
+    o = o if layout == "HND" else o.transpose(1, 2)
+    return (o, lse) if return_lse else o
+
+
+# ---- the hybrid: Ulysses inside a group, ring across the groups ------------------------
+
+
+def hybrid_groups(ulysses_size: int, group: Optional[dist.ProcessGroup] = None
+                  ) -> Tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(ulysses_group, ring_group) of this rank for hybrid_attention, from `group`
+    (default: the world) of P ranks, P a multiple of ulysses_size U: the Ulysses groups
+    are runs of U consecutive ranks (put them on one node: their all-to-alls are the
+    heaviest traffic), the ring groups the ranks with the same index in their run.
+    Every rank of `group` must call it (it creates every subgroup, in the same order
+    everywhere, as torch.distributed requires)."""
+    world = dist.get_world_size(group)
+    if ulysses_size < 1 or world % ulysses_size:
+        raise ValueError(f"hybrid_groups: ulysses_size = {ulysses_size} must divide the group "
+                         f"size {world}")
+    rank = dist.get_rank(group)
+    ranks = [dist.get_global_rank(group, r) if group is not None else r for r in range(world)]
+    ring_size = world // ulysses_size
+    mine = {}
+    for i in range(ring_size):  # Ulysses groups
+        members = ranks[i * ulysses_size:(i + 1) * ulysses_size]
+        g = dist.new_group(members)
+        if i == rank // ulysses_size:
+            mine["ulysses"] = g
+    for j in range(ulysses_size):  # ring groups
+        members = ranks[j::ulysses_size]
+        g = dist.new_group(members)
+        if j == rank % ulysses_size:
+            mine["ring"] = g
+    return mine["ulysses"], mine["ring"]
+
+
+def hybrid_shard(x: torch.Tensor, rank: int, world: int, ulysses_size: int,
+                 ordering: str = "contiguous", seq_dim: int = 2) -> torch.Tensor:
+    """Rank `rank`'s shard of a global tensor for hybrid_attention over `world` ranks
+    grouped as hybrid_groups(ulysses_size) groups them: the ring shard of its Ulysses
+    group (ring rank rank // U of world // U, contiguous or zigzag), cut into U
+    contiguous pieces, of which it holds piece rank % U."""
+    ring_rank, ring_size = rank // ulysses_size, world // ulysses_size
+    if ordering == "zigzag":
+        ring_shard = zigzag_shard(x, ring_rank, ring_size, seq_dim)
+    else:
+        ring_shard = x.chunk(ring_size, dim=seq_dim)[ring_rank]
+    return ring_shard.chunk(ulysses_size, dim=seq_dim)[rank % ulysses_size]
+
+
+def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     ulysses_group: dist.ProcessGroup, ring_group: dist.ProcessGroup,
+                     is_causal: bool = False, scale: Optional[float] = None,
+                     layout: str = "HND", ordering: str = "contiguous",
+                     return_lse: bool = False,
+                     local_attention: Optional[LocalAttention] = None,
+                     local_backward: Optional[Callable] = None):
+    """Ulysses inside `ulysses_group` and ring attention across `ring_group` (both from
+    hybrid_groups): an all-to-all gathers the Ulysses group's shards into its ring
+    shard for Hq/U and Hkv/U of the heads, ring attention runs over the ring shards,
+    and the all-to-all goes back. q, k, v: this rank's shard as hybrid_shard cuts it
+    (every rank the same length; with zigzag the ring shard, U times it, must be
+    even); Hq and Hkv divisible by U. Returns o and, with return_lse, the (B, Hq,
+    N_local) FP32 LSE (no gradient). Differentiable in q, k and v."""
+    if ordering not in _ORDERINGS:
+        raise ValueError(f"ordering = {ordering!r}; allowed: {', '.join(_ORDERINGS)}")
+    u = dist.get_world_size(ulysses_group)
+    qh, kh, vh = (_to_hnd(t, layout) for t in (q, k, v))
+    for name, t in (("q", qh), ("k", kh)):
+        if t.shape[1] % u:
+            raise ValueError(f"hybrid_attention: {name} has {t.shape[1]} heads, not divisible "
+                             f"by the Ulysses group size {u}")
+    if kh.shape[2] != qh.shape[2] or vh.shape[2] != qh.shape[2]:
+        raise ValueError("hybrid_attention: q, k and v shards must have the same length")
+    if ordering == "zigzag" and (qh.shape[2] * u) % 2:
+        raise ValueError(f"hybrid_attention: zigzag needs an even ring shard, got "
+                         f"{qh.shape[2]} x {u} tokens")
+    qg, kg, vg = (_AllToAll.apply(t, u, ulysses_group, True) for t in (qh, kh, vh))
+    o, lse = _RingAttention.apply(qg, kg, vg, ring_group, bool(is_causal), scale, ordering,
+                                  local_attention or _default_local,
+                                  local_backward or _default_local_backward)
+    o = _AllToAll.apply(o, u, ulysses_group, False)
+    lse = _heads_to_seq(lse.detach().float().contiguous(), u, ulysses_group)
     o = o if layout == "HND" else o.transpose(1, 2)
     return (o, lse) if return_lse else o

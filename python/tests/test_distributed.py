@@ -1,6 +1,7 @@
-"""qattn.distributed on the CPU: the LSE merge rule, the zigzag shards, and ring and
-Ulysses attention (forward and backward) over torch.distributed's gloo backend in 2
-and 4 processes, against one exact attention call over the global sequence.
+"""qattn.distributed on the CPU: the LSE merge rule, the zigzag shards, and ring,
+Ulysses and hybrid attention (forward and backward) over torch.distributed's gloo
+backend in 2 and 4 processes, against one exact attention call over the global
+sequence.
 
 The local attention is qd.exact_attention (FP32) and its backward
 qd.exact_attention_backward: every difference from the single call is FP32 summation
@@ -61,6 +62,21 @@ def test_zigzag_shards_round_trip():
     assert shards[0][0, 0, :, 0].tolist() == [0, 1, 14, 15]  # chunks 0 and 7 of 8
 
 
+@pytest.mark.parametrize("ordering", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("world,u", [(4, 2), (8, 4), (8, 2), (4, 1), (4, 4)])
+def test_hybrid_shards_tile_the_sequence(ordering, world, u):
+    x = torch.arange(16 * world).reshape(1, 1, -1, 1).float()
+    shards = [qd.hybrid_shard(x, r, world, u, ordering) for r in range(world)]
+    ids = torch.cat(shards, dim=2).flatten()
+    assert sorted(ids.tolist()) == list(range(16 * world))  # every token once
+    # A Ulysses group's pieces, in rank order, are its ring shard.
+    ring = world // u
+    for g in range(ring):
+        group = torch.cat(shards[g * u:(g + 1) * u], dim=2)
+        want = qd.zigzag_shard(x, g, ring) if ordering == "zigzag" else x.chunk(ring, dim=2)[g]
+        assert torch.equal(group, want)
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -76,7 +92,13 @@ def _worker(rank, world, port, case):
         q, k, v = make(2, hq, hkv, n_global, d, seed=7)  # the same on every rank
         o_ref, lse_ref = qd.exact_attention(q, k, v, causal, None)
 
+        if method.startswith("hybrid"):  # "hybrid<U>": Ulysses groups of U ranks
+            u = int(method[len("hybrid"):])
+            ulysses_group, ring_group = qd.hybrid_groups(u)
+
         def shard(t):
+            if method.startswith("hybrid"):
+                return qd.hybrid_shard(t, rank, world, u, ordering)
             if ordering == "zigzag":
                 return qd.zigzag_shard(t, rank, world)
             return t.chunk(world, dim=2)[rank]
@@ -93,6 +115,9 @@ def _worker(rank, world, port, case):
         if method == "ring":
             o, lse = qd.ring_attention(qs, ks, vs, is_causal=causal, ordering=ordering,
                                        layout=layout, return_lse=True)
+        elif method.startswith("hybrid"):
+            o, lse = qd.hybrid_attention(qs, ks, vs, ulysses_group, ring_group, is_causal=causal,
+                                         ordering=ordering, layout=layout, return_lse=True)
         else:
             o, lse = qd.ulysses_attention(qs, ks, vs, is_causal=causal, layout=layout,
                                           return_lse=True)
@@ -117,6 +142,10 @@ CASES = [  # (method, causal, ordering, Hq, Hkv, layout)
     ("ring", False, "zigzag", 8, 4, "HND"),
     ("ulysses", False, "contiguous", 8, 4, "HND"),
     ("ulysses", True, "contiguous", 4, 4, "NHD"),
+    ("hybrid2", True, "zigzag", 4, 2, "HND"),
+    ("hybrid2", False, "contiguous", 8, 4, "NHD"),
+    ("hybrid2", True, "contiguous", 4, 4, "NHD"),
+    ("hybrid1", True, "zigzag", 4, 1, "HND"),  # U = 1: the ring alone
 ]
 
 
@@ -125,4 +154,6 @@ CASES = [  # (method, causal, ordering, Hq, Hkv, layout)
 def test_matches_one_call_over_the_global_sequence(world, case):
     if case[0] == "ulysses" and (case[3] % world or case[4] % world):
         pytest.skip("Ulysses needs the heads divisible by the group size")
+    if case[0] == "hybrid2" and world == 2:
+        pytest.skip("a hybrid of 2 Ulysses ranks and 1 ring rank is Ulysses (run at 4)")
     mp.spawn(_worker, args=(world, _free_port(), case), nprocs=world)
