@@ -337,6 +337,13 @@ def _heads_to_seq(x: torch.Tensor, world: int, group) -> torch.Tensor:
     return recv.transpose(0, 1).reshape(b, world * hp, n, *rest)
 
 
+def _check_heads_split(qh: torch.Tensor, kh: torch.Tensor, parts: int, who: str, what: str) -> None:
+    """The all-to-all splits the heads of q and k (HND) into `parts` equal groups."""
+    for name, t in (("q", qh), ("k", kh)):
+        if t.shape[1] % parts:
+            raise ValueError(f"{who}: {name} has {t.shape[1]} heads, not divisible by {what} {parts}")
+
+
 class _AllToAll(torch.autograd.Function):
     """One of the two all-to-alls as an autograd op (to_heads: _seq_to_heads, else
     _heads_to_seq): a permutation, whose gradient is the other one."""
@@ -364,10 +371,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     local = local_attention or _default_local
     world = dist.get_world_size(group)
     qh, kh, vh = (_to_hnd(t, layout) for t in (q, k, v))
-    for name, t in (("q", qh), ("k", kh)):
-        if t.shape[1] % world:
-            raise ValueError(f"ulysses_attention: {name} has {t.shape[1]} heads, not divisible "
-                             f"by the group size {world}")
+    _check_heads_split(qh, kh, world, "ulysses_attention", "the group size")
     qg, kg, vg = (_AllToAll.apply(t, world, group, True) for t in (qh, kh, vh))
     o, lse = local(qg, kg, vg, is_causal, scale)
     o = _AllToAll.apply(o, world, group, False)
@@ -440,10 +444,7 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise ValueError(f"ordering = {ordering!r}; allowed: {', '.join(_ORDERINGS)}")
     u = dist.get_world_size(ulysses_group)
     qh, kh, vh = (_to_hnd(t, layout) for t in (q, k, v))
-    for name, t in (("q", qh), ("k", kh)):
-        if t.shape[1] % u:
-            raise ValueError(f"hybrid_attention: {name} has {t.shape[1]} heads, not divisible "
-                             f"by the Ulysses group size {u}")
+    _check_heads_split(qh, kh, u, "hybrid_attention", "the Ulysses group size")
     if kh.shape[2] != qh.shape[2] or vh.shape[2] != qh.shape[2]:
         raise ValueError("hybrid_attention: q, k and v shards must have the same length")
     if ordering == "zigzag" and (qh.shape[2] * u) % 2:
