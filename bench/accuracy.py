@@ -2,7 +2,8 @@
 """The precision report on the GPU: each input family of `qattn accuracy` (the very same
 tensors: qattn._C.synthetic_inputs runs the CLI's generator, docs/accuracy-report.md has
 the recipes), run by qattn's kernel and by PyTorch SDPA in 16 bits, each against FP64
-attention on the same inputs, with the time of each.
+attention on the same inputs, with the time of each on a larger problem of the same
+family.
 
     PYTHONPATH=python python3 bench/accuracy.py --out bench/results --name precision-h200
 
@@ -13,9 +14,12 @@ one row per (family, precision): "fast" is qattn's SA2-8b kernel (what a call ru
 today); "sdpa_fp16" is PyTorch SDPA (cuDNN or FlashAttention) on the same FP16 inputs,
 the 16-bit arithmetic a "precise" mode reaches for. cos, l1 (relative L1) and rmse are
 the output's against the FP64 reference, as `qattn accuracy` defines them
-(src/reference/metrics.h); ms is the call's median time on the GPU and ms_fast the
-"fast" row's of the same family, measured in the same run (shape: --batch, --heads,
---seq-len, --head-dim). emulated_cos, when --emulated names a `qattn accuracy --json`
+(src/reference/metrics.h), at the accuracy shape (--batch, --heads, --seq-len,
+--head-dim; the defaults are `qattn accuracy`'s, so its report is the emulation of the
+same tensors); ms is the call's median time on the GPU at the timing shape (--time-batch,
+--time-heads, --time-seq-len: the same family's recipe, large enough that the kernels'
+time is not the launches') and ms_fast the "fast" row's of the same family, measured in
+the same run. emulated_cos, when --emulated names a `qattn accuracy --json`
 report of the same configuration, is that report's CosSim of the same family and
 precision (the CPU emulation, the kernel's contract; for sdpa_fp16 the emulated
 "precise", the same 16-bit arithmetic).
@@ -50,11 +54,11 @@ EMULATED_AS = {"precise": "sdpa_fp16"}
 FAMILIES = ("gaussian", "large_logits", "heavy_tail", "outlier_channels", "attention_sink")
 
 
-def family_inputs(family: str, args, device: torch.device):
+def family_inputs(family: str, batch: int, heads: int, seq_len: int, args, device: torch.device):
     """(q, k, v) of the family in FP16 on `device`, HND, from the CLI's generator."""
-    shape = (args.batch, args.heads, args.seq_len, args.head_dim)
-    raw = _C.synthetic_inputs(family, args.batch, args.heads, args.heads, args.seq_len,
-                              args.seq_len, args.head_dim, seed=args.seed)
+    shape = (batch, heads, seq_len, args.head_dim)
+    raw = _C.synthetic_inputs(family, batch, heads, heads, seq_len, seq_len, args.head_dim,
+                              seed=args.seed)
     return tuple(torch.frombuffer(bytearray(b), dtype=torch.float32).view(shape)
                  .to(device=device, dtype=torch.float16) for b in raw)
 
@@ -118,27 +122,26 @@ def measure(args, device: torch.device) -> List[dict]:
     scale = 1.0 / math.sqrt(args.head_dim)
     emulated = emulated_table(args.emulated, args)
     rows = []
+    # The CPU has no qattn kernel: there "fast" is FP32 SDPA, a stand-in for the script
+    # check.
+    fast = qattn.attention if device.type == "cuda" else _fp32_sdpa
+    runs = {"fast": fast, "sdpa_fp16": F.scaled_dot_product_attention}
     for family in args.families:
-        q, k, v = family_inputs(family, args, device)
+        q, k, v = family_inputs(family, args.batch, args.heads, args.seq_len, args, device)
         ref = reference_fp64(q, k, v, scale)
-        # The CPU has no qattn kernel: there "fast" is FP32 SDPA, a stand-in for the
-        # script check.
-        fast = qattn.attention if device.type == "cuda" else _fp32_sdpa
-        runs = {
-            "fast": lambda: fast(q, k, v),
-            "sdpa_fp16": lambda: F.scaled_dot_product_attention(q, k, v),
-        }
+        tq, tk, tv = family_inputs(family, args.time_batch, args.time_heads, args.time_seq_len,
+                                   args, device)
         family_rows = []
         for precision, fn in runs.items():
-            row = {"family": family, "precision": precision, **metrics(fn(), ref),
-                   "ms": time_ms(fn, args, device)}
+            row = {"family": family, "precision": precision, **metrics(fn(q, k, v), ref),
+                   "ms": time_ms(lambda: fn(tq, tk, tv), args, device)}
             if (family, precision) in emulated:
                 row["emulated_cos"] = emulated[(family, precision)]
             family_rows.append(row)
         for row in family_rows:
             row["ms_fast"] = family_rows[0]["ms"]
         rows += family_rows
-        del q, k, v, ref
+        del q, k, v, ref, tq, tk, tv
     return rows
 
 
@@ -155,9 +158,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=4096)
+    ap.add_argument("--heads", type=int, default=2)
+    ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--time-batch", type=int, default=1)
+    ap.add_argument("--time-heads", type=int, default=32)
+    ap.add_argument("--time-seq-len", type=int, default=8192)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--emulated", type=Path, default=None,
                     help="a `qattn accuracy --json` report of the same configuration")
@@ -186,6 +192,8 @@ def main(argv=None) -> int:
                "commit": fwdbench.commit_id(args.commit), "note": "script check, not a result"}
     env["shape"] = {"batch": args.batch, "heads": args.heads, "seq_len": args.seq_len,
                     "head_dim": args.head_dim, "seed": args.seed}
+    env["timing_shape"] = {"batch": args.time_batch, "heads": args.time_heads,
+                           "seq_len": args.time_seq_len, "head_dim": args.head_dim}
     env["inputs"] = "qattn._C.synthetic_inputs (the generator of `qattn accuracy`), FP16"
     env["reference"] = "FP64 softmax(q·kᵀ/√d)·v on the same FP16 inputs"
     if args.out is not None:
