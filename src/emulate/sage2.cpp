@@ -214,9 +214,7 @@ Sage2Quantized quantize_sage2(const Tensor4& q, const Tensor4& k, const Tensor4&
         const int r0 = static_cast<int>(blk) * kQBlock, r1 = std::min(Nq, r0 + kQBlock);
         float* qbar = q_smooth ? z.q_mean.data() + (bh * qblocks + blk) * D : nullptr;
         if (qbar != nullptr && r1 > r0) {
-          const int nkv = z.keys_of(b);  // key padding: the mean of the valid keys
-      if (nkv == 0) continue;         // no key: c = 0
-      const std::vector<float> mean = numerics::token_mean(
+          const std::vector<float> mean = numerics::token_mean(
               std::span<const float>(q.row(b, h, r0), static_cast<std::size_t>(r1 - r0) * d),
               r1 - r0, d, numerics::MeanEstimate::AllTokens);
           std::copy(mean.begin(), mean.end(), qbar);

@@ -755,6 +755,25 @@ TEST(Sage2Masks, UnquantizedMatchesReferenceWithWindowsPaddingAndAlignment) {
   }
 }
 
+// Q's block means and codes depend on Q alone: key padding (a batch entry with no key
+// at all, or a short one) leaves them as the unpadded call quantizes them.
+TEST(Sage2Masks, KeyPaddingLeavesTheQSmoothingAlone) {
+  const std::uint64_t seed = testutil::fresh_seed();
+  SCOPED_TRACE(qattn::test::seed_trace(seed));
+  const Case c{2, 2, 1, 150, 200, 64, Mask::None};
+  const Inputs in = make_inputs(c, seed, 3.0f);
+  emulate::Sage2Options o;
+  o.q_smoothing = emulate::QSmoothing::BlockMean;
+  AttentionParams plain{c.mask, std::nullopt}, padded = plain;
+  padded.kv_lengths = {0, 77};
+  const auto a = emulate::quantize_sage2(in.q, in.k, in.v, plain, o);
+  const auto b = emulate::quantize_sage2(in.q, in.k, in.v, padded, o);
+  ASSERT_FALSE(a.q_mean.empty());
+  EXPECT_EQ(a.q_mean, b.q_mean);
+  EXPECT_EQ(a.q_i8, b.q_i8);
+  EXPECT_EQ(a.q_row_scale, b.q_row_scale);
+}
+
 // Key padding is a shorter call: with the kernel's 8-bit defaults, batch entry b with
 // kv_lengths[b] = L gives bit for bit what the same entry alone with its first L keys
 // gives (the smoothing mean, V's amax bound and every scale group see only those keys),
