@@ -34,6 +34,19 @@ enum class KSmoothing {
   Given,        // a caller-given vector (the kernel's c, to compare bit for bit)
 };
 
+// An orthogonal rotation R of Q (after its smoothing) and of K − c along the head dim,
+// before they are quantized: (qR)·(kR) = q·k in exact arithmetic, so only the rounding
+// changes. R spreads a row's energy over its channels, so a single large element (a
+// heavy tail, an outlier channel) no longer sets the step of the whole row's group.
+// It is FlashAttention-3's "incoherent processing" for FP8 Q and K and QuaRot's
+// rotation; SageAttention2 (Table 17) measured it *instead of* smoothing for INT4 and
+// found it no better than no smoothing; here it is applied on top of the smoothing.
+enum class QkRotation {
+  None,      // the kernel's
+  Hadamard,  // R = diag(s)·H/√D: H the Walsh–Hadamard matrix of order D (the padded head
+             // dim, a power of two), s_c = ±1 a fixed pattern (hadamard_sign)
+};
+
 // Q smoothing per 64-row Q block: S = (Q - q̄)Kᵀ + q̄Kᵀ with q̄Kᵀ computed in high
 // precision and added to the scores before softmax.
 enum class QSmoothing { None, BlockMean };

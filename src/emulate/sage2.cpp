@@ -9,6 +9,7 @@
 
 #include "emulate/pv_tile.h"
 #include "numerics/formats.h"
+#include "numerics/hadamard.h"
 #include "numerics/int32_scores.h"
 #include "numerics/mma_groups.h"
 #include "numerics/quantize.h"
@@ -57,6 +58,14 @@ void validate_options(const Sage2Options& o, const Tensor4& k) {
     fail("options.k_mean: KSmoothing::Given needs B*Hkv*d = " +
          std::to_string(static_cast<std::size_t>(k.b) * k.h * k.d) + " values, got " +
          std::to_string(o.k_mean.size()));
+  }
+  if (o.qk_rotation != QkRotation::None && o.qk_rotation != QkRotation::Hadamard) {
+    fail("options.qk_rotation: expected None or Hadamard");
+  }
+  if (o.qk_rotation == QkRotation::Hadamard &&
+      !numerics::is_power_of_two(sage2_padded_head_dim(k.d))) {
+    fail("options.qk_rotation: Hadamard needs the padded head dim a power of two, got " +
+         std::to_string(sage2_padded_head_dim(k.d)));
   }
   if (o.q_smoothing != QSmoothing::None && o.q_smoothing != QSmoothing::BlockMean) {
     fail("options.q_smoothing: expected None or BlockMean");
@@ -169,8 +178,11 @@ Sage2Quantized quantize_sage2(const Tensor4& q, const Tensor4& k, const Tensor4&
     for (int h = 0; h < Hkv; ++h) {
       const std::size_t bh = static_cast<std::size_t>(b) * Hkv + h;
       const float* c = z.k_mean.data() + bh * D;
-      for (int j = 0; j < z.keys_of(b); ++j)  // padding keys stay 0, as tails do
-        for (int ch = 0; ch < d; ++ch) ks[(bh * nkv_pad + j) * D + ch] = k.at(b, h, j, ch) - c[ch];
+      for (int j = 0; j < z.keys_of(b); ++j) {  // padding keys stay 0, as tails do
+        float* row = ks.data() + (bh * nkv_pad + j) * D;
+        for (int ch = 0; ch < d; ++ch) row[ch] = k.at(b, h, j, ch) - c[ch];
+        if (options.qk_rotation == QkRotation::Hadamard) numerics::hadamard_rotate(row, D, false);
+      }
     }
   if (int_qk) {
     numerics::IntQuantized kq = numerics::quantize_int(ks, static_cast<int64_t>(bhk) * nkv_pad, D,
@@ -219,9 +231,11 @@ Sage2Quantized quantize_sage2(const Tensor4& q, const Tensor4& k, const Tensor4&
               r1 - r0, d, numerics::MeanEstimate::AllTokens);
           std::copy(mean.begin(), mean.end(), qbar);
         }
-        for (int i = r0; i < r1; ++i)
-          for (int ch = 0; ch < d; ++ch)
-            qs[(bh * nq_pad + i) * D + ch] = q.at(b, h, i, ch) - (qbar ? qbar[ch] : 0.0f);
+        for (int i = r0; i < r1; ++i) {
+          float* row = qs.data() + (bh * nq_pad + i) * D;
+          for (int ch = 0; ch < d; ++ch) row[ch] = q.at(b, h, i, ch) - (qbar ? qbar[ch] : 0.0f);
+          if (options.qk_rotation == QkRotation::Hadamard) numerics::hadamard_rotate(row, D, true);
+        }
       }
     }
   if (int_qk) {
@@ -248,19 +262,24 @@ Sage2Quantized quantize_sage2(const Tensor4& q, const Tensor4& k, const Tensor4&
     for (float& x : z.q_f32) x = round_qk(x);
     z.q_row_scale.assign(bhq * nq_pad, z.scale_log2);
   }
-  // The high-precision half of Q smoothing: scale_log2 · q̄·(k_j - c), in double.
+  // The high-precision half of Q smoothing: scale_log2 · q̄·(k_j - c), in double, from
+  // the unrotated k_j - c (q̄ is unrotated; padding keys count as 0).
   if (q_smooth) {
     z.q_mean_k.assign(bhq * qblocks * nkv_pad, 0.0f);
     for (int b = 0; b < B; ++b)
       for (int h = 0; h < Hq; ++h) {
         const std::size_t bh = static_cast<std::size_t>(b) * Hq + h;
         const std::size_t bk = static_cast<std::size_t>(b) * Hkv + h / rep;
+        const float* c = z.k_mean.data() + bk * D;
+        const int nkeys = z.keys_of(b);
         for (std::size_t blk = 0; blk < qblocks; ++blk) {
           const float* qbar = z.q_mean.data() + (bh * qblocks + blk) * D;
           for (int j = 0; j < Nkv; ++j) {
-            const float* kj = ks.data() + (bk * nkv_pad + j) * D;
             double s = 0.0;
-            for (int ch = 0; ch < d; ++ch) s += static_cast<double>(qbar[ch]) * kj[ch];
+            for (int ch = 0; ch < d; ++ch) {
+              const float kc = j < nkeys ? k.at(b, h / rep, j, ch) - c[ch] : 0.0f;
+              s += static_cast<double>(qbar[ch]) * kc;
+            }
             z.q_mean_k[(bh * qblocks + blk) * nkv_pad + j] =
                 static_cast<float>(static_cast<double>(z.scale_log2) * s);
           }

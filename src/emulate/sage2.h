@@ -31,6 +31,7 @@ struct Sage2Options {
   KSmoothing k_smoothing = KSmoothing::SampledMean;
   std::vector<float> k_mean;  // (B, Hkv, d) when k_smoothing == Given
   QSmoothing q_smoothing = QSmoothing::None;
+  QkRotation qk_rotation = QkRotation::None;  // applied after the smoothing
   PvFormat pv_format = PvFormat::E4M3;
   // V's format when it should differ from P's (an ablation that isolates P's format;
   // no MMA mixes formats, and the FP22 model follows P's format). Empty: pv_format.

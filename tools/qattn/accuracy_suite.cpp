@@ -371,6 +371,21 @@ void build_precision_plan(Plan& plan, InputSets& sets, const SuiteConfig& config
     pp->targets.push_back({"precise CosSim >= 0.9999 on " + fam, "precision_guard",
                            fam + "/precise", "cos", 0.9999, true});
   }
+  // The Hadamard rotation of Q and K − c before their quantization (QkRotation), on
+  // the fast scheme and on its INT8 Q·Kᵀ alone.
+  emulate::Sage2Options fast_rot = emulate::fast_options(), qk8_rot = qk8;
+  fast_rot.qk_rotation = qk8_rot.qk_rotation = emulate::QkRotation::Hadamard;
+  for (InputFamily f : families) {
+    const int in = sets.add({t, f, f == InputFamily::LargeLogits ? lambda : 1.0});
+    const std::string fam = emulate::family_name(f);
+    plan.row("qk_rotation", fam + "/fast", Which::O, fast(in));
+    plan.row("qk_rotation", fam + "/fast_hadamard", Which::O,
+             plan.run("prec/fast_hadamard", in, sa2(fast_rot)));
+    plan.row("qk_rotation", fam + "/int8qk_fp16pv", Which::O,
+             plan.run("prec/int8qk_fp16pv", in, sa2(qk8)));
+    plan.row("qk_rotation", fam + "/int8qk_hadamard_fp16pv", Which::O,
+             plan.run("prec/int8qk_hadamard_fp16pv", in, sa2(qk8_rot)));
+  }
   pp->targets.push_back({"auto CosSim >= 0.999 on large_logits", "precision_guard",
                          "large_logits/auto", "cos", 0.999, true});
   pp->targets.push_back({"auto flags every large_logits head", "precision_guard",
@@ -620,7 +635,8 @@ const std::vector<std::string>& study_order() {
       "fp4_format",     "p_scaling",         "p_quant_softmax",     "smoothing_fp4",
       "pv_format",      "pv_format_joint",   "qk_granularity_int4", "sagebwd_dov",
       "sagebwd_format", "sagebwd_dq_term",   "entropy_sweep",       "p_format_sweep",
-      "schemes",        "precision_schemes", "precision_guard",     "precision_logit_sweep"};
+      "schemes",        "precision_schemes", "precision_guard",     "precision_logit_sweep",
+      "qk_rotation"};
   return order;
 }
 
@@ -654,6 +670,10 @@ std::string study_description(const std::string& s) {
   }
   if (s == "precision_guard") {
     return "per input family: fast, auto (precise on the heads the guard flags) and precise";
+  }
+  if (s == "qk_rotation") {
+    return "per input family: Q and K - c rotated by a signed Hadamard matrix before INT8 "
+           "(fast, and INT8 Q·Kᵀ alone with FP16 P·V), against the same without";
   }
   if (s == "precision_logit_sweep") {
     return "fast / auto / precise on the large-logit recipe at each logit scale (q × λ)";
