@@ -11,8 +11,11 @@ Writes OUT/NAME.json:
     {"env": {...}, "rows": [{"family", "precision", "cos", "l1", "rmse", "ms", "ms_fast",
                              "emulated_cos", ...}]}
 one row per (family, precision): "fast" is qattn's SA2-8b kernel (what a call runs
-today); "sdpa_fp16" is PyTorch SDPA (cuDNN or FlashAttention) on the same FP16 inputs,
-the 16-bit arithmetic a "precise" mode reaches for. cos, l1 (relative L1) and rmse are
+today); "fast_hadamard" the same kernel on Q and K rotated by a signed Hadamard matrix
+first (qattn.tools.hadamard_rotated, in FP32 rounded back to FP16: the `qk_rotation`
+study's arithmetic, its time including the two rotations); "sdpa_fp16" is PyTorch SDPA
+(cuDNN or FlashAttention) on the same FP16 inputs, the 16-bit arithmetic a "precise"
+mode reaches for. cos, l1 (relative L1) and rmse are
 the output's against the FP64 reference, as `qattn accuracy` defines them
 (src/reference/metrics.h), at the accuracy shape (--batch, --heads, --seq-len,
 --head-dim; the defaults are `qattn accuracy`'s, so its report is the emulation of the
@@ -22,7 +25,8 @@ time is not the launches') and ms_fast the "fast" row's of the same family, meas
 the same run. emulated_cos, when --emulated names a `qattn accuracy --json`
 report of the same configuration, is that report's CosSim of the same family and
 precision (the CPU emulation, the kernel's contract; for sdpa_fp16 the emulated
-"precise", the same 16-bit arithmetic).
+"precise", the same 16-bit arithmetic; for fast_hadamard the study `qk_rotation`,
+whose rotation is not rounded to FP16).
 
 --device cpu runs the script on the CPU with FP32 SDPA standing in for qattn's kernel:
 a check of the script, not of any kernel; its rows are not a result.
@@ -45,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import forward as fwdbench  # noqa: E402  (environment, timing)
 
 import qattn  # noqa: E402
+import qattn.tools  # noqa: E402
 from qattn import _C  # noqa: E402
 
 # The emulated mode whose arithmetic a row's is: "precise" is Q·Kᵀ and P·V in the
@@ -108,14 +113,18 @@ def emulated_table(path: Optional[Path], args) -> Dict[tuple, float]:
         raise SystemExit(f"--emulated {path}: configuration {got} is not this run's {want}")
     table = {}
     for row in report.get("ablations", []):
-        if row.get("study") == "precision_guard" and row.get("tensor") == "o":
-            family, precision = row["variant"].split("/")
-            table[(family, EMULATED_AS.get(precision, precision))] = row["cos"]
+        if row.get("tensor") != "o" or row.get("study") not in ("precision_guard", "qk_rotation"):
+            continue
+        family, variant = row["variant"].split("/")
+        if row.get("study") == "precision_guard":
+            table[(family, EMULATED_AS.get(variant, variant))] = row["cos"]
+        elif row.get("study") == "qk_rotation" and variant == "fast_hadamard":
+            table[(family, variant)] = row["cos"]
     return table
 
 
-def _fp32_sdpa(q, k, v):
-    return F.scaled_dot_product_attention(q.float(), k.float(), v.float()).to(q.dtype)
+def _fp32_sdpa(q, k, v, scale=None):
+    return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=scale).to(q.dtype)
 
 
 def measure(args, device: torch.device) -> List[dict]:
@@ -125,7 +134,9 @@ def measure(args, device: torch.device) -> List[dict]:
     # The CPU has no qattn kernel: there "fast" is FP32 SDPA, a stand-in for the script
     # check.
     fast = qattn.attention if device.type == "cuda" else _fp32_sdpa
-    runs = {"fast": fast, "sdpa_fp16": F.scaled_dot_product_attention}
+    rotated = qattn.tools.hadamard_rotated(
+        lambda q, k, v, attn_mask, dropout_p, is_causal, scale: fast(q, k, v, scale=scale))
+    runs = {"fast": fast, "fast_hadamard": rotated, "sdpa_fp16": F.scaled_dot_product_attention}
     for family in args.families:
         q, k, v = family_inputs(family, args.batch, args.heads, args.seq_len, args, device)
         ref = reference_fp64(q, k, v, scale)
@@ -146,11 +157,11 @@ def measure(args, device: torch.device) -> List[dict]:
 
 
 def print_table(rows: List[dict]) -> None:
-    print(f"\n{'family':<18}{'precision':<11}{'CosSim':>10}{'rel L1':>9}{'RMSE':>9}"
+    print(f"\n{'family':<18}{'precision':<15}{'CosSim':>10}{'rel L1':>9}{'RMSE':>9}"
           f"{'ms':>8}{'/ fast':>8}{'emulated':>10}")
     for r in rows:
         emu = f"{r['emulated_cos']:.5f}" if "emulated_cos" in r else "-"
-        print(f"{r['family']:<18}{r['precision']:<11}{r['cos']:>10.5f}{r['l1']:>9.4f}"
+        print(f"{r['family']:<18}{r['precision']:<15}{r['cos']:>10.5f}{r['l1']:>9.4f}"
               f"{r['rmse']:>9.4f}{r['ms']:>8.3f}{r['ms'] / r['ms_fast']:>8.2f}{emu:>10}")
 
 

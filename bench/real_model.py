@@ -14,6 +14,10 @@ transformers' SDPA path with padding masks, as a retrieval or clustering pipelin
 does. Its head dim is 32 (qattn zero-pads it to 64). No causal language model of this
 size was found on PyPI with a license that allows the use.
 
+Attentions: SDPA (the reference), eager (the floor), qattn, and qattn_hadamard (qattn
+on Q and K rotated by a signed Hadamard matrix first, qattn.tools.hadamard_rotated: does
+a real model's Q·Kᵀ have the heavy tails the rotation helps with?).
+
 Reported (JSON rows, one per attention):
   * cos / min_row_cos: the CosSim of the embeddings (mean-pooled, L2-normalized, as
     sentence-transformers computes them) with SDPA's, over all paragraphs / the worst
@@ -195,7 +199,8 @@ def main(argv=None) -> int:
     run, batches = embedder(model, ids, args.batch, device)
     n_layers = model.config.num_hidden_layers
 
-    candidates = {"qattn": qattn.scaled_dot_product_attention}
+    candidates = {"qattn": qattn.scaled_dot_product_attention,
+                  "qattn_hadamard": qattn.tools.hadamard_rotated(qattn.scaled_dot_product_attention)}
     report = qattn.tools.compare(run, candidates, ablate=True, layer_of=lambda i: i % n_layers,
                                  keep_outputs=True)
     ref = report.outputs["sdpa"]

@@ -119,3 +119,23 @@ def test_layers_group_the_calls_of_several_batches():
     losses = report.ablation["d32"]
     assert len(losses) == 3 and abs(losses[0]) < 1e-12 and abs(losses[2]) < 1e-12 and losses[1] > 1e-9
     assert "x_floor" not in report.metrics["d32"]
+
+
+@pytest.mark.parametrize("d", [16, 64, 128])
+def test_hadamard_matrices_keep_every_dot_product(d):
+    rq, rk = tools.hadamard_matrix(d, True, torch.float64), tools.hadamard_matrix(d, False, torch.float64)
+    assert torch.equal(rq @ rk.T, torch.eye(d, dtype=torch.float64))  # exact: ±1 sums, powers of two
+    assert set(rq.abs().unique().tolist()) == {2.0 ** -((d.bit_length() - 1 + 1) // 2)}
+    # The sign pattern is numerics/hadamard.h's: bit c of 0x9E3779B97F4A7C15 (c < 64).
+    assert [int(x) for x in (rq[:8, 0] < 0)] == [1, 0, 1, 0, 1, 0, 0, 0]
+    with pytest.raises(ValueError, match="not a power of two"):
+        tools.hadamard_matrix(96, True)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_hadamard_rotated_attention_is_attention(seed):
+    q, k, v = (randn(2, 4, 33, 64, seed=seed + i) for i in range(3))
+    exact = torch._C._nn.scaled_dot_product_attention
+    got = tools.hadamard_rotated(exact)(q, k, v, is_causal=True)
+    want = exact(q, k, v, is_causal=True)
+    assert torch.allclose(got, want, rtol=0, atol=1e-12)  # FP64 throughout: summation order only
