@@ -27,7 +27,8 @@ Reported (JSON rows, one per attention):
     the mean share of SDPA's ten nearest among its own ten;
   * layers: each layer's attention output against SDPA's on the same inputs (mean and
     lowest CosSim over its calls), and the ablation: the embeddings' loss when only that
-    layer runs the candidate.
+    layer runs the candidate; guard: per layer, the share of heads the precision guard
+    flags (qattn.tools.precision_guard) and its largest σ.
 
 --extract-corpus DEB OUT writes the paragraphs file from the python3.11-doc package
 (used by fetch_real_model.sh).
@@ -202,7 +203,7 @@ def main(argv=None) -> int:
     candidates = {"qattn": qattn.scaled_dot_product_attention,
                   "qattn_hadamard": qattn.tools.hadamard_rotated(qattn.scaled_dot_product_attention)}
     report = qattn.tools.compare(run, candidates, ablate=True, layer_of=lambda i: i % n_layers,
-                                 keep_outputs=True)
+                                 guard=True, keep_outputs=True)
     ref = report.outputs["sdpa"]
     rows = []
     for name, m in report.metrics.items():
@@ -235,7 +236,7 @@ def main(argv=None) -> int:
     })
     result = {"env": env, "rows": rows,
               "layers": {name: report.layer_summary(name) for name in candidates},
-              "ablation": report.ablation}
+              "ablation": report.ablation, "guard": report.guard_summary()}
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / f"{args.name}.json"

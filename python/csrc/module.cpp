@@ -17,20 +17,25 @@
 // k_mean, host_block_tables, host_lengths), every pointer an integer (0 = NULL; the
 // host_* ones are host memory). Calls return the qattn_status as an int; qattn/ops.py
 // and qattn/kv_cache.py turn a failure into an exception with last_error_message(),
-// read on the same thread right after the call. One function is not the C ABI:
-// synthetic_inputs, the accuracy report's input generator (src/emulate/synthetic.h), so
-// bench/accuracy.py runs the GPU on the very tensors `qattn accuracy` emulates.
+// read on the same thread right after the call. Two functions are not the C ABI but the
+// CPU emulation: synthetic_inputs, the accuracy report's input generator
+// (src/emulate/synthetic.h), so bench/accuracy.py runs the GPU on the very tensors
+// `qattn accuracy` emulates, and emulated_precision_guard, the guard of
+// src/emulate/precision.h that qattn.tools.precision_guard is tested against.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <tuple>
 
 #include "../../src/api/bench_hooks.h"  // qattn_fwd_attention_only, for the bench tools
+#include "emulate/precision.h"  // the precision guard, the contract of qattn.tools.precision_guard
 #include "emulate/synthetic.h"  // the accuracy report's inputs, for bench/accuracy.py
 #include "qattn/qattn.h"
 
@@ -156,6 +161,17 @@ qattn_kv_decode_params make_decode_params(const qattn_kv_cache& cache, const Seq
   p.max_length = max_length;
   p.num_splits = num_splits;
   return p;
+}
+
+qattn::Tensor4 tensor_of(const nb::bytes& data, int b, int h, int n, int d, const char* name) {
+  qattn::Tensor4 t(b, h, n, d);
+  if (data.size() != t.data.size() * sizeof(float)) {
+    throw std::invalid_argument(std::string("emulated_precision_guard: ") + name + " holds " +
+                                std::to_string(data.size()) + " bytes; expected " +
+                                std::to_string(t.data.size() * sizeof(float)));
+  }
+  std::memcpy(t.data.data(), data.c_str(), data.size());
+  return t;
 }
 
 nb::bytes float_bytes(const qattn::Tensor4& t) {
@@ -368,6 +384,27 @@ NB_MODULE(_C, m) {
       "large_logits, heavy_tail, outlier_channels, attention_sink), each as the bytes of a "
       "float32 (B, H, N, d) array of FP16-exact values; the same seed gives the same tensors "
       "as the CLI. A bad family or shape raises ValueError.");
+
+  m.def(
+      "emulated_precision_guard",
+      [](const nb::bytes& q, const nb::bytes& k, int batch, int heads_q, int heads_kv, int seq_q,
+         int seq_kv, int head_dim, double sm_scale) {
+        const qattn::Tensor4 tq = tensor_of(q, batch, heads_q, seq_q, head_dim, "q");
+        const qattn::Tensor4 tk = tensor_of(k, batch, heads_kv, seq_kv, head_dim, "k");
+        const qattn::Tensor4 tv(batch, heads_kv, seq_kv, head_dim);  // V plays no part
+        qattn::AttentionParams params;
+        if (sm_scale > 0.0) params.sm_scale = sm_scale;
+        nb::gil_scoped_release release;
+        const auto z = qattn::emulate::quantize_sage2(tq, tk, tv, params,
+                                                      qattn::emulate::fast_options());
+        const auto g = qattn::emulate::precision_guard(z);
+        return std::make_tuple(g.sigma_nats, g.threshold_nats);
+      },
+      "q"_a, "k"_a, "batch"_a, "heads_q"_a, "heads_kv"_a, "seq_q"_a, "seq_kv"_a, "head_dim"_a,
+      "sm_scale"_a = 0.0,
+      "The precision guard of the CPU emulation (src/emulate/precision.h) on q and k, the "
+      "bytes of float32 (B, H, N, d) arrays: (sigma in nats per (batch, query head), the "
+      "threshold). sm_scale 0: 1/sqrt(d).");
 
   m.attr("OK") = static_cast<int>(QATTN_OK);
   m.attr("ERROR_INVALID_ARGUMENT") = static_cast<int>(QATTN_ERROR_INVALID_ARGUMENT);

@@ -28,6 +28,9 @@ What it reports, per candidate (and for the floor):
   * per attention call (layers=True), the call's own error: the candidate and the
     reference on the very inputs the reference run gives that call, so an error does not
     accumulate from the calls before it (CosSim and relative L1 of the call's output);
+  * per layer (guard=True), the share of heads the precision guard flags
+    (precision_guard: where INT8 Q·Kᵀ's score error exceeds FP8 P·V's) and its largest
+    σ: whether the layers that move are the ones the rule expects;
   * per layer (ablate=True), the SageAttention3 sensitivity ablation: the whole
     output's loss when only that layer's calls run the candidate and every other call
     the reference (one model run per layer).
@@ -135,6 +138,67 @@ def hadamard_rotated(sdpa: Optional[SdpaFn] = None) -> SdpaFn:
     return rotated
 
 
+# ---- the precision guard ---------------------------------------------------------------
+
+GUARD_THRESHOLD_NATS = 2.0 ** -4 / math.sqrt(8.0 * math.log(2.0))  # ε_E4M3 (emulate/precision.h)
+_SMOOTH_SAMPLE = 256  # numerics/token_sample.h: the K mean's token sample
+
+
+def _int8_codes(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """The INT8 codes of x (FP32) in groups of amax (broadcast to x): clamp(rne(x·127/amax)),
+    0 where amax is 0 (numerics/block_scale.h, formats.h)."""
+    mult = torch.where(amax == 0, torch.zeros_like(amax), 127.0 / amax)
+    return torch.round(x * mult).clamp(-127, 127)
+
+
+def precision_guard(q: torch.Tensor, k: torch.Tensor, scale: Optional[float] = None):
+    """The precision guard of qattn's fast arithmetic on q (B, Hq, Nq, d) and k (B, Hkv,
+    Nkv, d): per (batch, query head) σ, the worst (query, key) pair's RMS score error in
+    nats that INT8 Q·Kᵀ makes under the rounding model, and whether it exceeds
+    GUARD_THRESHOLD_NATS (the RMS relative error of an E4M3 cast: above it, Q·Kᵀ costs
+    more than the FP8 P·V that follows). The rule and its derivation are
+    src/emulate/precision.h's and docs/accuracy-report.md's; this is that rule computed
+    with torch operations on the tensors' device (no host synchronization: it returns
+    tensors), on the same quantization groups as the kernel (per-thread Q groups of two
+    rows, per-thread K groups of 32 tokens per 128-token tile, K smoothed by its sampled
+    mean). Equal to the CPU emulation's σ up to FP32 rounding. Returns (sigma float64
+    (B, Hq), flagged bool (B, Hq))."""
+    b, hq, nq, d = q.shape
+    hkv, nkv = k.shape[1], k.shape[2]
+    sm = 1.0 / math.sqrt(d) if scale is None else scale
+    f32 = torch.float32
+    scale_log2 = float(torch.tensor(sm, dtype=f32) * torch.tensor(math.log2(math.e), dtype=f32))
+    qf, kf = q.to(f32), k.to(f32)
+    # K smoothed by the mean of its token sample (all tokens up to 256, else 256 spread).
+    n_s = min(nkv, _SMOOTH_SAMPLE)
+    rows = torch.arange(n_s, device=k.device)
+    if nkv > _SMOOTH_SAMPLE:
+        rows = rows * nkv // _SMOOTH_SAMPLE
+    c = kf.index_select(2, rows).double().mean(dim=2, keepdim=True).to(f32)
+    ks = kf - c
+    # K groups: token j of a 128-token tile is in group (j % 8) // 2 of that tile.
+    nkv_pad = -(-nkv // 128) * 128
+    ks = F.pad(ks, (0, 0, 0, nkv_pad - nkv)).view(b, hkv, nkv_pad // 128, 16, 4, 2, d)
+    k_amax = ks.abs().amax(dim=(3, 5, 6), keepdim=True)
+    k_step2 = (k_amax / 127.0).double().square()  # b_j² of each group
+    k_norm2 = (_int8_codes(ks, k_amax).double().square().sum(-1, keepdim=True) * k_step2)
+    k_step2 = k_step2.flatten(2).amax(-1)  # (B, Hkv): max b_j²
+    k_norm2 = k_norm2.flatten(2).amax(-1)  # max b_j²·|k̂_j|²
+    # Q groups: in each 64-row block, rows r and r + 8 of each 16-row warp slice.
+    nq_pad = -(-nq // 128) * 128
+    qs = F.pad(qf, (0, 0, 0, nq_pad - nq)).view(b, hq, nq_pad // 64, 4, 2, 8, d)
+    q_amax = qs.abs().amax(dim=(4, 6), keepdim=True)
+    a = (q_amax / 127.0) * scale_log2  # FP32, as the emulator folds scale_log2 in
+    a2 = a.double().square()
+    q_norm2 = (_int8_codes(qs, q_amax).double().square().sum(-1, keepdim=True) * a2)
+    a2 = a2.flatten(2).amax(-1)
+    q_norm2 = q_norm2.flatten(2).amax(-1)
+    rep = hq // hkv
+    var = (a2 * k_norm2.repeat_interleave(rep, dim=1) + k_step2.repeat_interleave(rep, dim=1) * q_norm2) / 12
+    sigma = var.sqrt() * math.log(2.0)
+    return sigma, ~(sigma <= GUARD_THRESHOLD_NATS)  # NaN flags, as in the emulator
+
+
 def _default_candidates() -> Dict[str, SdpaFn]:
     import qattn
 
@@ -186,8 +250,9 @@ class Comparison:
     logits: bool
     metrics: Dict[str, Dict[str, float]] = field(default_factory=dict)   # name -> output metrics
     layers: Dict[str, List[CallError]] = field(default_factory=dict)     # candidate -> per call
-    ablation: Dict[str, List[float]] = field(default_factory=dict)       # candidate -> loss per call
+    ablation: Dict[str, List[float]] = field(default_factory=dict)       # candidate -> loss per layer
     outputs: Dict[str, torch.Tensor] = field(default_factory=dict)       # keep_outputs=True
+    guard: List[Dict[str, float]] = field(default_factory=list)          # per call (guard=True)
 
     def layer_summary(self, name: str) -> List[Dict[str, float]]:
         """Per layer of candidate `name`: its calls' mean and lowest own CosSim and mean
@@ -199,6 +264,17 @@ class Comparison:
                  "min_cos": min(c.cos for c in cs), "mean_rel_l1": sum(c.rel_l1 for c in cs) / len(cs)}
                 for layer, cs in sorted(by_layer.items())]
 
+    def guard_summary(self) -> List[Dict[str, float]]:
+        """Per layer (guard=True): the share of its calls' heads the precision guard
+        flags and its largest σ (nats)."""
+        by_layer: Dict[int, List[Dict[str, float]]] = {}
+        for g in self.guard:
+            by_layer.setdefault(g["layer"], []).append(g)
+        return [{"layer": layer, "calls": len(gs),
+                 "flagged": sum(g["flagged"] for g in gs) / len(gs),
+                 "sigma_max": max(g["sigma_max"] for g in gs)}
+                for layer, gs in sorted(by_layer.items())]
+
     def to_dict(self) -> dict:
         return {
             "reference": self.reference,
@@ -207,6 +283,7 @@ class Comparison:
             "metrics": self.metrics,
             "layers": {name: self.layer_summary(name) for name in self.layers},
             "ablation": self.ablation,
+            "guard": self.guard_summary(),
         }
 
     def table(self) -> str:
@@ -220,6 +297,9 @@ class Comparison:
             worst = sorted(self.layer_summary(name), key=lambda r: r["mean_cos"])[:3]
             lines.append(f"{name}: {len(self.layers[name])} attention calls; lowest own CosSim: "
                          + ", ".join(f"layer {r['layer']} {r['mean_cos']:.6f}" for r in worst))
+        if self.guard:
+            lines.append("precision guard, heads flagged per layer: " + ", ".join(
+                f"{r['layer']}: {r['flagged']:.2f}" for r in self.guard_summary()))
         for name, losses in self.ablation.items():
             top = sorted(range(len(losses)), key=lambda i: -losses[i])[:3]
             lines.append(f"{name} in one layer only, output {loss}: "
@@ -228,12 +308,17 @@ class Comparison:
 
 
 def _probe(candidates: Mapping[str, SdpaFn], calls: Dict[str, List[CallError]],
-           layer_of: Callable[[int], int]) -> SdpaFn:
+           layer_of: Callable[[int], int], guard: Optional[List[Dict[str, float]]]) -> SdpaFn:
     """An SDPA that returns the reference's output and records each candidate's error
-    on the same inputs."""
+    on the same inputs (and, given a list, the precision guard of each call)."""
 
     def probe(query, key, value, *args, **kwargs):
         ref = _torch_sdpa(query, key, value, *args, **kwargs)
+        if guard is not None:
+            sigma, flagged = precision_guard(query, key, kwargs.get("scale"))
+            i = len(guard)
+            guard.append({"index": i, "layer": layer_of(i), "flagged": flagged.double().mean().item(),
+                          "sigma_max": sigma.max().item()})
         for name, fn in candidates.items():
             out = fn(query, key, value, *args, **kwargs)
             m = output_metrics(out, ref)
@@ -259,7 +344,7 @@ def _only_in(layer: int, layer_of: Callable[[int], int], candidate: SdpaFn) -> S
 def compare(run: Callable[[], torch.Tensor], candidates: Optional[Mapping[str, SdpaFn]] = None, *,
             floor: Optional[SdpaFn] = eager_attention, floor_name: str = "eager",
             logits: bool = False, layers: bool = True, ablate: bool = False,
-            layer_of: Optional[Callable[[int], int]] = None,
+            layer_of: Optional[Callable[[int], int]] = None, guard: bool = False,
             keep_outputs: bool = False) -> Comparison:
     """Runs `run()` (the model on fixed inputs, returning one tensor) with PyTorch's SDPA,
     with `floor` (None: no floor) and with each candidate (name -> a function of SDPA's
@@ -267,7 +352,9 @@ def compare(run: Callable[[], torch.Tensor], candidates: Optional[Mapping[str, S
     docstring for what is reported. layer_of maps an attention call's index in a run to
     its layer (default: each call its own), e.g. `lambda i: i % n_layers` when `run`
     runs the model on several batches; the ablation runs the candidate in one layer at a
-    time. Runs under torch.no_grad()."""
+    time. guard=True (with layers) also records the precision guard of every call
+    (precision_guard: the share of heads it flags, the largest σ). Runs under
+    torch.no_grad()."""
     layer_of = layer_of or (lambda i: i)
     candidates = dict(_default_candidates() if candidates is None else candidates)
     report = Comparison(reference="sdpa", floor=floor_name if floor is not None else "", logits=logits)
@@ -292,7 +379,8 @@ def compare(run: Callable[[], torch.Tensor], candidates: Optional[Mapping[str, S
                     report.metrics[name]["x_floor"] = report.metrics[name]["loss"] / floor_loss
         if layers:
             report.layers = {name: [] for name in candidates}
-            with sdpa_replaced(_probe(candidates, report.layers, layer_of)):
+            with sdpa_replaced(_probe(candidates, report.layers, layer_of,
+                                      report.guard if guard else None)):
                 run()
         if ablate:
             counter = _CallCounter()

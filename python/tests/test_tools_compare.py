@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
-from qattn import tools  # noqa: E402
+from qattn import _C, tools  # noqa: E402
 
 SEEDS = [0, random.randrange(1, 2**31)]
 
@@ -92,7 +92,8 @@ def test_compare_finds_the_call_that_errs(seed):
     assert torch.equal(report.outputs["sdpa"], model(x))
     assert "layer 1" in report.table()
     assert [r["calls"] for r in report.layer_summary("d32")] == [1, 1, 1]
-    assert set(report.to_dict()) == {"reference", "floor", "logits", "metrics", "layers", "ablation"}
+    assert set(report.to_dict()) == {"reference", "floor", "logits", "metrics", "layers", "ablation",
+                                     "guard"}
 
 
 def test_the_patch_is_undone_on_error():
@@ -139,3 +140,44 @@ def test_hadamard_rotated_attention_is_attention(seed):
     got = tools.hadamard_rotated(exact)(q, k, v, is_causal=True)
     want = exact(q, k, v, is_causal=True)
     assert torch.allclose(got, want, rtol=0, atol=1e-12)  # FP64 throughout: summation order only
+
+
+FAMILIES = ["gaussian", "large_logits", "heavy_tail", "outlier_channels", "attention_sink"]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("hq,hkv,n,d", [(2, 2, 512, 128), (4, 2, 300, 64), (2, 1, 333, 96)])
+def test_precision_guard_equals_the_emulation(seed, family, hq, hkv, n, d):
+    q, k, _ = _C.synthetic_inputs(family, 1, hq, hkv, n, n, d, seed=seed)
+    want, threshold = _C.emulated_precision_guard(q, k, 1, hq, hkv, n, n, d)
+    assert threshold == tools.GUARD_THRESHOLD_NATS
+    tq = torch.frombuffer(bytearray(q), dtype=torch.float32).view(1, hq, n, d).half()
+    tk = torch.frombuffer(bytearray(k), dtype=torch.float32).view(1, hkv, n, d).half()
+    sigma, flagged = tools.precision_guard(tq, tk)
+    want = torch.tensor(want, dtype=torch.float64).view(1, hq)
+    # The same codes and steps; only the FP64 sums' order differs (measured <= 5e-8).
+    assert torch.allclose(sigma, want, rtol=1e-6, atol=0)
+    near = (want - tools.GUARD_THRESHOLD_NATS).abs() < 1e-6 * want
+    assert torch.equal(flagged[~near], (want > tools.GUARD_THRESHOLD_NATS)[~near])
+
+
+def test_precision_guard_flags_what_the_report_says():
+    # The report's shape (2 heads x 1024 x d 128, seed 0): large_logits, heavy_tail and
+    # outlier_channels flagged, gaussian and attention_sink not (docs/accuracy-report.md).
+    for family, expect in [("gaussian", False), ("large_logits", True), ("heavy_tail", True),
+                           ("outlier_channels", True), ("attention_sink", False)]:
+        q, k, _ = _C.synthetic_inputs(family, 1, 2, 2, 1024, 1024, 128, seed=0)
+        tq = torch.frombuffer(bytearray(q), dtype=torch.float32).view(1, 2, 1024, 128)
+        tk = torch.frombuffer(bytearray(k), dtype=torch.float32).view(1, 2, 1024, 128)
+        assert tools.precision_guard(tq, tk)[1].all().item() is expect, family
+
+
+def test_compare_records_the_guard_per_layer():
+    model = Toy(5).eval()
+    x = randn(2, 24, 64, seed=9, dtype=torch.float32)
+    report = tools.compare(lambda: model(x), {"d32": perturbed_at_d32}, floor=None, guard=True)
+    summary = report.guard_summary()
+    assert [r["layer"] for r in summary] == [0, 1, 2]
+    assert all(0.0 <= r["flagged"] <= 1.0 and r["sigma_max"] > 0 for r in summary)
+    assert report.to_dict()["guard"] == summary
