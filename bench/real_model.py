@@ -30,6 +30,11 @@ Reported (JSON rows, one per attention):
     layer runs the candidate; guard: per layer, the share of heads the precision guard
     flags (qattn.tools.precision_guard) and its largest σ.
 
+--emulate (with --device cpu) runs, in place of the GPU kernel, its CPU emulation in
+each precision mode (qattn.tools.emulated_attention: fast, auto, precise, INT8 Q·Kᵀ with
+16-bit P·V, and fast with the Hadamard rotation): the kernel's contract measured on the real model, on a machine
+without a GPU; slow, so on fewer paragraphs.
+
 --extract-corpus DEB OUT writes the paragraphs file from the python3.11-doc package
 (used by fetch_real_model.sh).
 """
@@ -173,6 +178,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-len", type=int, default=256, help="tokens (sentence-transformers' 256)")
     ap.add_argument("--paragraphs", type=int, default=2048)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--emulate", action="store_true",
+                    help="qattn's CPU emulation (fast, auto, precise, fast with the Hadamard "
+                         "rotation) in place of the GPU kernel; with --device cpu")
     ap.add_argument("--commit", default="")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--name", default="real-model-h200")
@@ -200,8 +208,14 @@ def main(argv=None) -> int:
     run, batches = embedder(model, ids, args.batch, device)
     n_layers = model.config.num_hidden_layers
 
-    candidates = {"qattn": qattn.scaled_dot_product_attention,
-                  "qattn_hadamard": qattn.tools.hadamard_rotated(qattn.scaled_dot_product_attention)}
+    if args.emulate:  # the kernel's contract on the CPU: what the GPU run will show
+        candidates = {f"{mode}_emulated": qattn.tools.emulated_attention(mode)
+                      for mode in ("fast", "auto", "precise", "int8qk_fp16pv")}
+        candidates["hadamard_emulated"] = qattn.tools.hadamard_rotated(
+            qattn.tools.emulated_attention("fast"))
+    else:
+        candidates = {"qattn": qattn.scaled_dot_product_attention,
+                      "qattn_hadamard": qattn.tools.hadamard_rotated(qattn.scaled_dot_product_attention)}
     report = qattn.tools.compare(run, candidates, ablate=True, layer_of=lambda i: i % n_layers,
                                  guard=True, keep_outputs=True)
     ref = report.outputs["sdpa"]
@@ -232,6 +246,8 @@ def main(argv=None) -> int:
                    "batch": args.batch, "max_len": args.max_len,
                    "padding_share": 1 - tokens / padded},
         "reference": "torch SDPA (transformers' sdpa attention)",
+        "attention": ("qattn's CPU emulation (qattn.tools.emulated_attention)" if args.emulate
+                      else "qattn's kernel"),
         "floor": "eager: qattn.tools.eager_attention, transformers' eager arithmetic",
     })
     result = {"env": env, "rows": rows,

@@ -20,8 +20,10 @@
 // read on the same thread right after the call. Two functions are not the C ABI but the
 // CPU emulation: synthetic_inputs, the accuracy report's input generator
 // (src/emulate/synthetic.h), so bench/accuracy.py runs the GPU on the very tensors
-// `qattn accuracy` emulates, and emulated_precision_guard, the guard of
-// src/emulate/precision.h that qattn.tools.precision_guard is tested against.
+// `qattn accuracy` emulates; emulated_precision_guard, the guard of
+// src/emulate/precision.h that qattn.tools.precision_guard is tested against; and
+// emulated_attention, the SA2-8b kernel's CPU emulation (its contract) in a precision
+// mode, which qattn.tools.emulated_attention runs inside a model on the CPU.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
@@ -405,6 +407,61 @@ NB_MODULE(_C, m) {
       "The precision guard of the CPU emulation (src/emulate/precision.h) on q and k, the "
       "bytes of float32 (B, H, N, d) arrays: (sigma in nats per (batch, query head), the "
       "threshold). sm_scale 0: 1/sqrt(d).");
+
+  m.def(
+      "emulated_attention",
+      [](const nb::bytes& q, const nb::bytes& k, const nb::bytes& v, int batch, int heads_q,
+         int heads_kv, int seq_q, int seq_kv, int head_dim, double sm_scale, bool causal,
+         const nb::bytes& mask, int mask_batch, int mask_heads, const std::string& precision,
+         const std::string& dtype) {
+        qattn::AttentionParams params;
+        params.mask = causal ? qattn::Mask::Causal : qattn::Mask::None;
+        params.alignment = qattn::Diagonal::TopLeft;  // SDPA's is_causal
+        if (sm_scale > 0.0) params.sm_scale = sm_scale;
+        if (mask.size() != 0)
+          params.attn_mask = tensor_of(mask, mask_batch, mask_heads, seq_q, seq_kv, "mask");
+        using qattn::emulate::Precision;
+        // "int8qk_fp16pv": SageAttention1's arithmetic (INT8 Q·Kᵀ as the kernel's, P̃ and V
+        // in FP16), a candidate base for "auto" (bench/NOTES.md v33h).
+        const bool sa1 = precision == "int8qk_fp16pv";
+        const Precision mode = precision == "fast" || sa1 ? Precision::Fast
+                               : precision == "auto"      ? Precision::Auto
+                               : precision == "precise"   ? Precision::Precise
+                                                          : throw std::invalid_argument(
+                                                                "emulated_attention: precision '" +
+                                                                precision +
+                                                                "'; allowed: fast, auto, precise, "
+                                                                "int8qk_fp16pv");
+        if (dtype != "fp16" && dtype != "bf16")
+          throw std::invalid_argument("emulated_attention: dtype '" + dtype +
+                                      "'; allowed: fp16, bf16");
+        const qattn::Tensor4 tq = tensor_of(q, batch, heads_q, seq_q, head_dim, "q");
+        const qattn::Tensor4 tk = tensor_of(k, batch, heads_kv, seq_kv, head_dim, "k");
+        const qattn::Tensor4 tv = tensor_of(v, batch, heads_kv, seq_kv, head_dim, "v");
+        const auto in_dtype =
+            dtype == "bf16" ? qattn::emulate::InputDtype::Bf16 : qattn::emulate::InputDtype::Fp16;
+        const auto r = [&] {
+          nb::gil_scoped_release release;  // CPU work of seconds
+          if (sa1) {
+            qattn::emulate::Sage2Options o = qattn::emulate::fast_options();
+            o.pv_format = dtype == "bf16" ? qattn::emulate::PvFormat::Bf16
+                                          : qattn::emulate::PvFormat::Fp16;
+            qattn::emulate::PrecisionForward out;
+            out.fwd = qattn::emulate::sage2_attention(tq, tk, tv, params, o);
+            return out;
+          }
+          return qattn::emulate::attention_with_precision(tq, tk, tv, params, mode, in_dtype);
+        }();
+        return std::make_tuple(float_bytes(r.fwd.o), r.precise);
+      },
+      "q"_a, "k"_a, "v"_a, "batch"_a, "heads_q"_a, "heads_kv"_a, "seq_q"_a, "seq_kv"_a,
+      "head_dim"_a, "sm_scale"_a, "causal"_a, "mask"_a, "mask_batch"_a, "mask_heads"_a,
+      "precision"_a = "fast", "dtype"_a = "bf16",
+      "The SA2-8b kernel's CPU emulation in a precision mode (fast, auto, precise; "
+      "src/emulate/precision.h) on float32 (B, H, N, d) bytes; causal is top-left (SDPA's); "
+      "mask: empty, or the float32 bytes of an additive (mask_batch, mask_heads, Nq, Nkv) "
+      "mask (-inf hides a key), broadcast over batch and heads where 1. Returns (O as "
+      "float32 bytes, per (batch, head) 1 where the head ran precise).");
 
   m.attr("OK") = static_cast<int>(QATTN_OK);
   m.attr("ERROR_INVALID_ARGUMENT") = static_cast<int>(QATTN_ERROR_INVALID_ARGUMENT);

@@ -181,3 +181,43 @@ def test_compare_records_the_guard_per_layer():
     assert [r["layer"] for r in summary] == [0, 1, 2]
     assert all(0.0 <= r["flagged"] <= 1.0 and r["sigma_max"] > 0 for r in summary)
     assert report.to_dict()["guard"] == summary
+
+
+def _cos(a, b):
+    a, b = a.double().flatten(), b.double().flatten()
+    return (a @ b / (a.norm() * b.norm())).item()
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_emulated_attention_modes(seed):
+    from tolerances import MIN_COSSIM
+
+    q = randn(2, 4, 70, 64, seed=seed, dtype=torch.bfloat16)
+    k = (randn(2, 2, 90, 64, seed=seed + 1) + 0.3).bfloat16()
+    v = randn(2, 2, 90, 64, seed=seed + 2, dtype=torch.bfloat16)
+    mask = randn(2, 1, 70, 90, seed=seed + 3) > -0.5
+    exact = torch._C._nn.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask,
+                                                      enable_gqa=True)
+    out = {m: tools.emulated_attention(m)(q, k, v, attn_mask=mask, enable_gqa=True)
+           for m in ("fast", "auto", "precise", "int8qk_fp16pv")}
+    assert _cos(out["fast"], exact) >= MIN_COSSIM  # the SA2-8b scheme's bound
+    # precise: 16-bit products of BF16-exact inputs, FP32 sums, O rounded to BF16
+    # (relative 2^-9 per element: 1 - CosSim <= 2^-19).
+    assert _cos(out["precise"], exact) >= 1 - 2.0**-17
+    assert _cos(out["int8qk_fp16pv"], exact) > _cos(out["fast"], exact)
+    # auto is fast or precise per head, bit for bit.
+    for b in range(2):
+        for h in range(4):
+            a = out["auto"][b, h]
+            assert torch.equal(a, out["fast"][b, h]) or torch.equal(a, out["precise"][b, h])
+    # A boolean mask is the additive one with -inf.
+    additive = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    assert torch.equal(tools.emulated_attention("fast")(q, k, v, attn_mask=additive, enable_gqa=True),
+                       out["fast"])
+    # is_causal is SDPA's top-left rule (Nq < Nkv here).
+    causal = torch._C._nn.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True,
+                                                       enable_gqa=True)
+    assert _cos(tools.emulated_attention("precise")(q, k, v, is_causal=True, enable_gqa=True),
+                causal) >= 1 - 2.0**-17
+    with pytest.raises(ValueError, match="allowed: fast, auto"):
+        tools.emulated_attention("slow")
