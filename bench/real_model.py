@@ -32,7 +32,7 @@ Reported (JSON rows, one per attention):
 
 --emulate (with --device cpu) runs, in place of the GPU kernel, its CPU emulation in
 each precision mode (qattn.tools.emulated_attention: fast, auto, precise, INT8 Q·Kᵀ with
-16-bit P·V, and fast with the Hadamard rotation): the kernel's contract measured on the real model, on a machine
+16-bit or INT8 P·V, and fast with the Hadamard rotation): the kernel's contract measured on the real model, on a machine
 without a GPU; slow, so on fewer paragraphs.
 
 --extract-corpus DEB OUT writes the paragraphs file from the python3.11-doc package
@@ -210,7 +210,7 @@ def main(argv=None) -> int:
 
     if args.emulate:  # the kernel's contract on the CPU: what the GPU run will show
         candidates = {f"{mode}_emulated": qattn.tools.emulated_attention(mode)
-                      for mode in ("fast", "auto", "precise", "int8qk_fp16pv")}
+                      for mode in ("fast", "auto", "precise", "int8qk_fp16pv", "int8qk_int8pv")}
         candidates["hadamard_emulated"] = qattn.tools.hadamard_rotated(
             qattn.tools.emulated_attention("fast"))
     else:

@@ -421,17 +421,18 @@ NB_MODULE(_C, m) {
         if (mask.size() != 0)
           params.attn_mask = tensor_of(mask, mask_batch, mask_heads, seq_q, seq_kv, "mask");
         using qattn::emulate::Precision;
-        // "int8qk_fp16pv": SageAttention1's arithmetic (INT8 Q·Kᵀ as the kernel's, P̃ and V
-        // in FP16), a candidate base for "auto" (bench/NOTES.md v33h).
-        const bool sa1 = precision == "int8qk_fp16pv";
-        const Precision mode = precision == "fast" || sa1 ? Precision::Fast
+        // Candidate bases for "auto" (bench/NOTES.md v33h), the kernel's INT8 Q·Kᵀ with
+        // another P·V: "int8qk_fp16pv" (SageAttention1's: P̃ and V in the 16-bit type) and
+        // "int8qk_int8pv" (P̃·127 and V per channel in INT8, an exact INT32 MMA).
+        const bool sa1 = precision == "int8qk_fp16pv", int8pv = precision == "int8qk_int8pv";
+        const Precision mode = precision == "fast" || sa1 || int8pv ? Precision::Fast
                                : precision == "auto"      ? Precision::Auto
                                : precision == "precise"   ? Precision::Precise
                                                           : throw std::invalid_argument(
                                                                 "emulated_attention: precision '" +
                                                                 precision +
                                                                 "'; allowed: fast, auto, precise, "
-                                                                "int8qk_fp16pv");
+                                                                "int8qk_fp16pv, int8qk_int8pv");
         if (dtype != "fp16" && dtype != "bf16")
           throw std::invalid_argument("emulated_attention: dtype '" + dtype +
                                       "'; allowed: fp16, bf16");
@@ -442,10 +443,11 @@ NB_MODULE(_C, m) {
             dtype == "bf16" ? qattn::emulate::InputDtype::Bf16 : qattn::emulate::InputDtype::Fp16;
         const auto r = [&] {
           nb::gil_scoped_release release;  // CPU work of seconds
-          if (sa1) {
+          if (sa1 || int8pv) {
             qattn::emulate::Sage2Options o = qattn::emulate::fast_options();
-            o.pv_format = dtype == "bf16" ? qattn::emulate::PvFormat::Bf16
-                                          : qattn::emulate::PvFormat::Fp16;
+            o.pv_format = int8pv            ? qattn::emulate::PvFormat::Int8
+                          : dtype == "bf16" ? qattn::emulate::PvFormat::Bf16
+                                            : qattn::emulate::PvFormat::Fp16;
             qattn::emulate::PrecisionForward out;
             out.fwd = qattn::emulate::sage2_attention(tq, tk, tv, params, o);
             return out;

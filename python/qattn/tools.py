@@ -207,15 +207,16 @@ def emulated_attention(precision: str = "fast") -> SdpaFn:
     qattn's SA2-8b kernel (src/emulate, the kernel's written contract: the GPU equals it
     to rounding) in a precision mode: "fast" (the kernel), "precise" (Q·Kᵀ and P·V in
     the inputs' 16-bit type) or "auto" (precise on the heads the precision guard flags),
-    or "int8qk_fp16pv" (SageAttention1's arithmetic: the kernel's INT8 Q·Kᵀ, P̃ and V in
-    the 16-bit type; no kernel runs it).
+    "int8qk_fp16pv" (SageAttention1's arithmetic: the kernel's INT8 Q·Kᵀ, P̃ and V in
+    the 16-bit type) or "int8qk_int8pv" (the kernel's INT8 Q·Kᵀ, P̃·127 and V per channel
+    in INT8); no kernel runs the last two.
     So compare() can show on a machine without a GPU what qattn will do to a model.
     Takes what the emulator takes: fp16/bf16 (other dtypes run as bf16), a boolean or
     additive attn_mask broadcast over batch and heads, top-left is_causal, GQA; no
     dropout. Slow (a scalar emulation of every rounding): small models and inputs."""
-    if precision not in ("fast", "auto", "precise", "int8qk_fp16pv"):
+    if precision not in ("fast", "auto", "precise", "int8qk_fp16pv", "int8qk_int8pv"):
         raise ValueError(f"emulated_attention: precision = {precision!r}; allowed: fast, auto, "
-                         "precise, int8qk_fp16pv")
+                         "precise, int8qk_fp16pv, int8qk_int8pv")
     from . import _C
 
     def emulated(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,

@@ -199,8 +199,9 @@ def test_emulated_attention_modes(seed):
     exact = torch._C._nn.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask,
                                                       enable_gqa=True)
     out = {m: tools.emulated_attention(m)(q, k, v, attn_mask=mask, enable_gqa=True)
-           for m in ("fast", "auto", "precise", "int8qk_fp16pv")}
+           for m in ("fast", "auto", "precise", "int8qk_fp16pv", "int8qk_int8pv")}
     assert _cos(out["fast"], exact) >= MIN_COSSIM  # the SA2-8b scheme's bound
+    assert _cos(out["int8qk_int8pv"], exact) >= MIN_COSSIM
     # precise: 16-bit products of BF16-exact inputs, FP32 sums, O rounded to BF16
     # (relative 2^-9 per element: 1 - CosSim <= 2^-19).
     assert _cos(out["precise"], exact) >= 1 - 2.0**-17
