@@ -32,6 +32,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -190,6 +191,31 @@ qattn::emulate::InputFamily input_family(const std::string& name) {
   throw std::invalid_argument("synthetic_inputs: unknown family '" + name +
                               "'; allowed: gaussian, large_logits, heavy_tail, "
                               "outlier_channels, attention_sink");
+}
+
+// What emulated_attention computes for a mode name: a precision mode of
+// src/emulate/precision.h, or one of the candidate bases for "auto" that bench/NOTES.md
+// v33h measures, the kernel's INT8 Q·Kᵀ with another P·V: "int8qk_fp16pv"
+// (SageAttention1's: P̃ and V in the 16-bit type) and "int8qk_int8pv" (P̃·127 and V per
+// channel in INT8, an exact INT32 MMA).
+struct EmulatedMode {
+  qattn::emulate::Precision precision = qattn::emulate::Precision::Fast;
+  std::optional<qattn::emulate::Sage2Options> options;  // set for a candidate base
+};
+
+EmulatedMode emulated_mode(const std::string& name, bool bf16) {
+  using qattn::emulate::Precision;
+  using qattn::emulate::PvFormat;
+  if (name == "fast") return {Precision::Fast, {}};
+  if (name == "auto") return {Precision::Auto, {}};
+  if (name == "precise") return {Precision::Precise, {}};
+  if (name == "int8qk_fp16pv" || name == "int8qk_int8pv") {
+    qattn::emulate::Sage2Options o = qattn::emulate::fast_options();
+    o.pv_format = name == "int8qk_int8pv" ? PvFormat::Int8 : bf16 ? PvFormat::Bf16 : PvFormat::Fp16;
+    return {Precision::Fast, o};
+  }
+  throw std::invalid_argument("emulated_attention: precision '" + name +
+                              "'; allowed: fast, auto, precise, int8qk_fp16pv, int8qk_int8pv");
 }
 
 }  // namespace
@@ -420,39 +446,24 @@ NB_MODULE(_C, m) {
         if (sm_scale > 0.0) params.sm_scale = sm_scale;
         if (mask.size() != 0)
           params.attn_mask = tensor_of(mask, mask_batch, mask_heads, seq_q, seq_kv, "mask");
-        using qattn::emulate::Precision;
-        // Candidate bases for "auto" (bench/NOTES.md v33h), the kernel's INT8 Q·Kᵀ with
-        // another P·V: "int8qk_fp16pv" (SageAttention1's: P̃ and V in the 16-bit type) and
-        // "int8qk_int8pv" (P̃·127 and V per channel in INT8, an exact INT32 MMA).
-        const bool sa1 = precision == "int8qk_fp16pv", int8pv = precision == "int8qk_int8pv";
-        const Precision mode = precision == "fast" || sa1 || int8pv ? Precision::Fast
-                               : precision == "auto"      ? Precision::Auto
-                               : precision == "precise"   ? Precision::Precise
-                                                          : throw std::invalid_argument(
-                                                                "emulated_attention: precision '" +
-                                                                precision +
-                                                                "'; allowed: fast, auto, precise, "
-                                                                "int8qk_fp16pv, int8qk_int8pv");
         if (dtype != "fp16" && dtype != "bf16")
           throw std::invalid_argument("emulated_attention: dtype '" + dtype +
                                       "'; allowed: fp16, bf16");
+        const bool bf16 = dtype == "bf16";
+        const EmulatedMode mode = emulated_mode(precision, bf16);
         const qattn::Tensor4 tq = tensor_of(q, batch, heads_q, seq_q, head_dim, "q");
         const qattn::Tensor4 tk = tensor_of(k, batch, heads_kv, seq_kv, head_dim, "k");
         const qattn::Tensor4 tv = tensor_of(v, batch, heads_kv, seq_kv, head_dim, "v");
-        const auto in_dtype =
-            dtype == "bf16" ? qattn::emulate::InputDtype::Bf16 : qattn::emulate::InputDtype::Fp16;
         const auto r = [&] {
           nb::gil_scoped_release release;  // CPU work of seconds
-          if (sa1 || int8pv) {
-            qattn::emulate::Sage2Options o = qattn::emulate::fast_options();
-            o.pv_format = int8pv            ? qattn::emulate::PvFormat::Int8
-                          : dtype == "bf16" ? qattn::emulate::PvFormat::Bf16
-                                            : qattn::emulate::PvFormat::Fp16;
+          if (mode.options) {
             qattn::emulate::PrecisionForward out;
-            out.fwd = qattn::emulate::sage2_attention(tq, tk, tv, params, o);
+            out.fwd = qattn::emulate::sage2_attention(tq, tk, tv, params, *mode.options);
             return out;
           }
-          return qattn::emulate::attention_with_precision(tq, tk, tv, params, mode, in_dtype);
+          return qattn::emulate::attention_with_precision(
+              tq, tk, tv, params, mode.precision,
+              bf16 ? qattn::emulate::InputDtype::Bf16 : qattn::emulate::InputDtype::Fp16);
         }();
         return std::make_tuple(float_bytes(r.fwd.o), r.precise);
       },
@@ -460,7 +471,7 @@ NB_MODULE(_C, m) {
       "head_dim"_a, "sm_scale"_a, "causal"_a, "mask"_a, "mask_batch"_a, "mask_heads"_a,
       "precision"_a = "fast", "dtype"_a = "bf16",
       "The SA2-8b kernel's CPU emulation in a precision mode (fast, auto, precise; "
-      "src/emulate/precision.h) on float32 (B, H, N, d) bytes; causal is top-left (SDPA's); "
+      "src/emulate/precision.h) or a candidate base for auto (int8qk_fp16pv, int8qk_int8pv) on float32 (B, H, N, d) bytes; causal is top-left (SDPA's); "
       "mask: empty, or the float32 bytes of an additive (mask_batch, mask_heads, Nq, Nkv) "
       "mask (-inf hides a key), broadcast over batch and heads where 1. Returns (O as "
       "float32 bytes, per (batch, head) 1 where the head ran precise).");

@@ -147,7 +147,9 @@ _SMOOTH_SAMPLE = 256  # numerics/token_sample.h: the K mean's token sample
 def _int8_codes(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     """The INT8 codes of x (FP32) in groups of amax (broadcast to x): clamp(rne(x·127/amax)),
     0 where amax is 0 (numerics/block_scale.h, formats.h)."""
-    mult = torch.where(amax == 0, torch.zeros_like(amax), 127.0 / amax)
+    # A tensor divisor: PyTorch computes scalar / tensor as a product with a reciprocal,
+    # which is not the correctly rounded quotient the emulator (and the kernel) use.
+    mult = torch.where(amax == 0, torch.zeros_like(amax), torch.full_like(amax, 127.0) / amax)
     return torch.round(x * mult).clamp(-127, 127)
 
 
@@ -174,7 +176,9 @@ def precision_guard(q: torch.Tensor, k: torch.Tensor, scale: Optional[float] = N
     rows = torch.arange(n_s, device=k.device)
     if nkv > _SMOOTH_SAMPLE:
         rows = rows * nkv // _SMOOTH_SAMPLE
-    c = kf.index_select(2, rows).double().mean(dim=2, keepdim=True).to(f32)
+    # Summed in FP64 in token order (a cumulative sum's last entry, sequential on the
+    # CPU) as numerics::token_mean sums, so c is the emulator's to the last bit.
+    c = (kf.index_select(2, rows).double().cumsum(dim=2)[:, :, -1:] / n_s).to(f32)
     ks = kf - c
     # K groups: token j of a 128-token tile is in group (j % 8) // 2 of that tile.
     nkv_pad = -(-nkv // 128) * 128
