@@ -152,7 +152,6 @@ def measure(args, device: torch.device) -> List[dict]:
         for row in family_rows:
             row["ms_fast"] = family_rows[0]["ms"]
         rows += family_rows
-        del q, k, v, ref, tq, tk, tv
     return rows
 
 

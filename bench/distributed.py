@@ -38,7 +38,6 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import List
 
 for _var, _val in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                    ("NVSHMEM_DISABLE_NVLS", "1")):
@@ -196,7 +195,6 @@ def run_rank(rank: int, world: int, port: int, args, queue) -> None:
                     if rank == 0:
                         for row in rows[-len(locals_):]:
                             row["speedup_vs_sdpa"] = ms["sdpa_bf16"] / row["ms"]
-                del q, k, v, single
                 if not cpu:
                     torch.cuda.empty_cache()
         if rank == 0:

@@ -1,0 +1,25 @@
+"""PyTorch's own SDPA, the type of an SDPA-signature function, and a way to put another
+one in its place for a while (what compare() runs a model under)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+_torch_sdpa = torch._C._nn.scaled_dot_product_attention  # PyTorch's own, never a patch
+
+SdpaFn = Callable[..., torch.Tensor]
+
+
+@contextlib.contextmanager
+def sdpa_replaced(fn: SdpaFn):
+    """torch.nn.functional.scaled_dot_product_attention is `fn` inside the block."""
+    saved = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = fn
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = saved
