@@ -131,6 +131,21 @@ def test_register_under_another_name():
     assert model.config._attn_implementation == name
 
 
+def test_sdpa_layers_stay_on_transformers_sdpa(calls):
+    name = qattn_tf.register("qattn_sdpa_last", sdpa_layers=(-1, 0))
+    assert qattn_tf.is_registered(name)
+    torch.manual_seed(SEED)
+    ref = AutoModelForCausalLM.from_config(tiny_config(num_hidden_layers=4), attn_implementation="sdpa").eval()
+    ours = AutoModelForCausalLM.from_config(tiny_config(num_hidden_layers=4), attn_implementation=name).eval()
+    ours.load_state_dict(ref.state_dict())
+    ids = tokens(2, 9)
+    with torch.no_grad():
+        close(ours(ids).logits, ref(ids).logits)
+    assert len(calls) == 2  # layers 1 and 2 through qattn's drop-in; 0 and 3 (-1) on SDPA
+    with pytest.raises(ValueError, match="sdpa_layers"):
+        qattn_tf.register("qattn_bad", sdpa_layers=("last",))
+
+
 def test_from_config_and_set_attn_implementation_select_qattn(calls):
     ref, ours = tiny_pair()
     assert ours.config._attn_implementation == "qattn"

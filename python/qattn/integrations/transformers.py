@@ -5,6 +5,7 @@ model in 5.x).
 
     import qattn.integrations.transformers as qattn_tf
     qattn_tf.register()                  # once per process: the name "qattn"
+    qattn_tf.register("qattn_last_sdpa", sdpa_layers=(-1,))  # the last layer on SDPA
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="qattn",
                                                  dtype=torch.bfloat16, device_map="cuda")
     model.set_attn_implementation("qattn")          # or switch a loaded model
@@ -144,16 +145,48 @@ def attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
-def register(name: str = NAME) -> str:
+def _sdpa_in_layers(layers: Tuple[int, ...]):
+    """attention_forward, except in the given layers (module.layer_idx; a negative index
+    counts from the last, through module.config.num_hidden_layers), which run
+    transformers' own "sdpa" attention."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                is_causal=None, **kwargs):
+        idx = getattr(module, "layer_idx", None)
+        if idx is not None:
+            n = getattr(getattr(module, "config", None), "num_hidden_layers", None)
+            wanted = {i if i >= 0 or n is None else n + i for i in layers}
+            if idx in wanted:
+                return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                              dropout=dropout, scaling=scaling,
+                                              is_causal=is_causal, **kwargs)
+        return attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                 scaling=scaling, is_causal=is_causal, **kwargs)
+
+    forward.qattn_sdpa_layers = layers
+    return forward
+
+
+def register(name: str = NAME, sdpa_layers: Tuple[int, ...] = ()) -> str:
     """Registers qattn with transformers under `name` (default "qattn"): the attention
     function (AttentionInterface) and SDPA's mask builder (AttentionMaskInterface), so
     that from_pretrained(..., attn_implementation=name) and
     model.set_attn_implementation(name) select it. Idempotent; returns the name.
-    Imports transformers (ImportError if it is missing)."""
+    Imports transformers (ImportError if it is missing).
+
+    sdpa_layers: layer indices (the attention module's layer_idx; -1 is the last layer)
+    whose attention stays on transformers' "sdpa", in the model's own 16-bit type — the
+    layers where the model is most sensitive to the attention's error, e.g. the last one
+    of an encoder whose output is pooled (SageAttention3 keeps such layers in 16 bits;
+    `qattn.tools.compare(..., ablate=True)` ranks a model's layers)."""
     import transformers
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    transformers.AttentionInterface.register(name, attention_forward)
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in sdpa_layers):
+        raise ValueError(f"sdpa_layers = {sdpa_layers!r}; allowed: a tuple of layer indices (ints)")
+    fn = _sdpa_in_layers(tuple(sdpa_layers)) if sdpa_layers else attention_forward
+    transformers.AttentionInterface.register(name, fn)
     AttentionMaskInterface.register(name, sdpa_mask)
     return name
 
@@ -166,8 +199,9 @@ def is_registered(name: str = NAME) -> bool:
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     except ImportError:
         return False
-    return (transformers.AttentionInterface._global_mapping.get(name) is attention_forward
-            and AttentionMaskInterface._global_mapping.get(name) is sdpa_mask)
+    fn = transformers.AttentionInterface._global_mapping.get(name)
+    ours = fn is attention_forward or hasattr(fn, "qattn_sdpa_layers")
+    return ours and AttentionMaskInterface._global_mapping.get(name) is sdpa_mask
 
 
 __all__ = ["NAME", "attention_forward", "is_registered", "register"]
