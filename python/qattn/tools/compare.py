@@ -48,6 +48,7 @@ from ._sdpa import SdpaFn, _torch_sdpa, sdpa_replaced
 from .floor import eager_attention
 from .guard import precision_guard
 
+
 def _default_candidates() -> Dict[str, SdpaFn]:
     import qattn
 
