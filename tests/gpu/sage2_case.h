@@ -20,6 +20,18 @@ namespace qattn::test {
 
 enum class Layout { HND, NHD };
 
+// The reference's and the emulator's form of a call's key rule: causal (either
+// alignment) and a sliding window.
+inline AttentionParams key_rule_params(bool causal, bool top_left, int window_left,
+                                       int window_right) {
+  AttentionParams ap;
+  ap.mask = causal ? Mask::Causal : Mask::None;
+  ap.alignment = top_left ? Diagonal::TopLeft : Diagonal::BottomRight;
+  ap.window_left = window_left;
+  ap.window_right = window_right;
+  return ap;
+}
+
 struct Sage2Case {
   int batch = 1, heads_q = 2, heads_kv = 2, seqlen_q = 256, seqlen_kv = 256, head_dim = 128;
   bool causal = false, bf16 = true;
@@ -79,11 +91,7 @@ struct Sage2Case {
   }
   // The same masks for the reference and the emulator.
   AttentionParams attention_params() const {
-    AttentionParams ap;
-    ap.mask = causal ? Mask::Causal : Mask::None;
-    ap.alignment = top_left ? Diagonal::TopLeft : Diagonal::BottomRight;
-    ap.window_left = window_left;
-    ap.window_right = window_right;
+    AttentionParams ap = key_rule_params(causal, top_left, window_left, window_right);
     ap.kv_lengths = kv_lengths;
     if (!bool_mask.empty()) {  // the reference's form: additive 0 / -inf, rows expanded
       ap.attn_mask = Tensor4(mask_b, mask_h, seqlen_q, seqlen_kv);

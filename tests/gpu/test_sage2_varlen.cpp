@@ -46,12 +46,7 @@ struct VarlenCase {
   }
   VarlenLayout layout() const { return VarlenLayout::from_lengths(len_q, len_k); }
   AttentionParams attention_params() const {
-    AttentionParams ap;
-    ap.mask = causal ? Mask::Causal : Mask::None;
-    ap.alignment = top_left ? Diagonal::TopLeft : Diagonal::BottomRight;
-    ap.window_left = window_left;
-    ap.window_right = window_right;
-    return ap;
+    return test::key_rule_params(causal, top_left, window_left, window_right);
   }
 };
 
