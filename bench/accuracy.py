@@ -79,14 +79,11 @@ def reference_fp64(q, k, v, scale: float) -> torch.Tensor:
 
 
 def metrics(o: torch.Tensor, ref: torch.Tensor) -> Dict[str, float]:
-    """CosSim, relative L1 and RMSE in FP64 (src/reference/metrics.h's definitions)."""
-    o, ref = o.double().flatten(), ref.flatten()
-    diff = o - ref
-    return {
-        "cos": (o @ ref / (o.norm() * ref.norm())).item(),
-        "l1": (diff.abs().sum() / ref.abs().sum()).item(),
-        "rmse": diff.pow(2).mean().sqrt().item(),
-    }
+    """CosSim, relative L1 (qattn.tools.output_metrics) and RMSE in FP64, as
+    src/reference/metrics.h defines them."""
+    m = qattn.tools.output_metrics(o, ref)
+    return {"cos": m["cos"], "l1": m["rel_l1"],
+            "rmse": (o.double() - ref).pow(2).mean().sqrt().item()}
 
 
 def time_ms(fn: Callable[[], object], args, device: torch.device) -> float:

@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-_torch_sdpa = torch._C._nn.scaled_dot_product_attention  # PyTorch's own, never a patch
+from ..sdpa import _torch_sdpa  # noqa: F401  (PyTorch's own SDPA, never a patch)
 
 SdpaFn = Callable[..., torch.Tensor]
 
