@@ -178,15 +178,21 @@ Sage2Quantized quantize_sage2(const Tensor4& q, const Tensor4& k, const Tensor4&
     for (int h = 0; h < Hkv; ++h) {
       const std::size_t bh = static_cast<std::size_t>(b) * Hkv + h;
       const float* c = z.k_mean.data() + bh * D;
-      for (int j = 0; j < z.keys_of(b); ++j) {  // padding keys stay 0, as tails do
-        float* row = ks.data() + (bh * nkv_pad + j) * D;
-        for (int ch = 0; ch < d; ++ch) row[ch] = k.at(b, h, j, ch) - c[ch];
-        if (options.qk_rotation == QkRotation::Hadamard) numerics::hadamard_rotate(row, D, false);
-      }
+      for (int j = 0; j < z.keys_of(b); ++j)  // padding keys stay 0, as tails do
+        for (int ch = 0; ch < d; ++ch) ks[(bh * nkv_pad + j) * D + ch] = k.at(b, h, j, ch) - c[ch];
     }
+  // What K's quantization sees: ks, or ks rotated (ks itself stays unrotated for Q
+  // smoothing's q̄·(k_j - c) below, q̄ being unrotated).
+  std::vector<float> ks_rotated;
+  if (options.qk_rotation == QkRotation::Hadamard) {
+    ks_rotated = ks;
+    for (std::size_t r = 0; r < bhk * nkv_pad; ++r)
+      numerics::hadamard_rotate(ks_rotated.data() + r * D, D, false);  // zero rows stay zero
+  }
+  const std::vector<float>& ks_quantized = ks_rotated.empty() ? ks : ks_rotated;
   if (int_qk) {
-    numerics::IntQuantized kq = numerics::quantize_int(ks, static_cast<int64_t>(bhk) * nkv_pad, D,
-                                                       fmt, gran, numerics::Operand::K);
+    numerics::IntQuantized kq = numerics::quantize_int(
+        ks_quantized, static_cast<int64_t>(bhk) * nkv_pad, D, fmt, gran, numerics::Operand::K);
     z.k_i8 = std::move(kq.values);
     z.k_token_scale.resize(bhk * nkv_pad);
     for (std::size_t t = 0; t < z.k_token_scale.size(); ++t) {
@@ -203,7 +209,7 @@ Sage2Quantized quantize_sage2(const Tensor4& q, const Tensor4& k, const Tensor4&
         }
     }
   } else {
-    z.k_f32 = ks;
+    z.k_f32 = ks_quantized;
     for (float& x : z.k_f32) x = round_qk(x);
     z.k_token_scale.assign(bhk * nkv_pad, 1.0f);
   }
@@ -263,23 +269,19 @@ Sage2Quantized quantize_sage2(const Tensor4& q, const Tensor4& k, const Tensor4&
     z.q_row_scale.assign(bhq * nq_pad, z.scale_log2);
   }
   // The high-precision half of Q smoothing: scale_log2 · q̄·(k_j - c), in double, from
-  // the unrotated k_j - c (q̄ is unrotated; padding keys count as 0).
+  // the unrotated ks.
   if (q_smooth) {
     z.q_mean_k.assign(bhq * qblocks * nkv_pad, 0.0f);
     for (int b = 0; b < B; ++b)
       for (int h = 0; h < Hq; ++h) {
         const std::size_t bh = static_cast<std::size_t>(b) * Hq + h;
         const std::size_t bk = static_cast<std::size_t>(b) * Hkv + h / rep;
-        const float* c = z.k_mean.data() + bk * D;
-        const int nkeys = z.keys_of(b);
         for (std::size_t blk = 0; blk < qblocks; ++blk) {
           const float* qbar = z.q_mean.data() + (bh * qblocks + blk) * D;
           for (int j = 0; j < Nkv; ++j) {
+            const float* kj = ks.data() + (bk * nkv_pad + j) * D;
             double s = 0.0;
-            for (int ch = 0; ch < d; ++ch) {
-              const float kc = j < nkeys ? k.at(b, h / rep, j, ch) - c[ch] : 0.0f;
-              s += static_cast<double>(qbar[ch]) * kc;
-            }
+            for (int ch = 0; ch < d; ++ch) s += static_cast<double>(qbar[ch]) * kj[ch];
             z.q_mean_k[(bh * qblocks + blk) * nkv_pad + j] =
                 static_cast<float>(static_cast<double>(z.scale_log2) * s);
           }
