@@ -3,12 +3,14 @@ numerics/hadamard.h) on today's kernel: Q and K rotated before the call."""
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
 import torch
 
 from ._sdpa import SdpaFn
+
 
 def hadamard_matrix(d: int, for_q: bool, dtype=torch.float32, device=None) -> torch.Tensor:
     """R = diag(s)·H·2^-e of numerics/hadamard.h (d = 2^m; e = ceil(m/2) for Q, floor(m/2)
@@ -29,8 +31,8 @@ def hadamard_matrix(d: int, for_q: bool, dtype=torch.float32, device=None) -> to
 
 def hadamard_rotated(sdpa: Optional[SdpaFn] = None) -> SdpaFn:
     """An SDPA-signature function that rotates query and key by hadamard_matrix (in FP32,
-    FP64 for FP64 inputs, rounded back to their dtype) and calls `sdpa` (default: qattn's drop-in) with the
-    caller's scale (1/sqrt(d) by default): attention is unchanged in exact arithmetic,
+    FP64 for FP64 inputs, rounded back to their dtype) and calls `sdpa` (default: qattn's
+    drop-in) with the caller's scale (1/sqrt(d) by default): attention is unchanged in exact arithmetic,
     while INT8 quantization sees rows whose energy is spread over every channel (the
     `qk_rotation` study of `qattn accuracy`). Head dims that are not a power of two pass
     through unrotated. An experiment for compare() and the benchmarks, not a mode of
@@ -40,14 +42,18 @@ def hadamard_rotated(sdpa: Optional[SdpaFn] = None) -> SdpaFn:
 
         sdpa = qattn.scaled_dot_product_attention
 
+    # Built once per (d, operand, dtype, device), not in every call (whose time
+    # bench/accuracy.py measures).
+    matrix = functools.lru_cache(maxsize=None)(hadamard_matrix)
+
     def rotated(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
                 enable_gqa=False):
         d = query.shape[-1]
         if d & (d - 1) == 0 and key.shape[-1] == d:
             scale = 1.0 / math.sqrt(d) if scale is None else scale
             work = torch.promote_types(query.dtype, torch.float32)  # FP32, or FP64 for FP64
-            rq = hadamard_matrix(d, True, work, query.device)
-            rk = hadamard_matrix(d, False, work, key.device)
+            rq = matrix(d, True, work, query.device)
+            rk = matrix(d, False, work, key.device)
             query = (query.to(work) @ rq).to(query.dtype)
             key = (key.to(work) @ rk).to(key.dtype)
         kwargs = {"scale": scale}
