@@ -42,9 +42,10 @@ def test_eager_attention_is_sdpa_in_fp64(seed, case):
 
 
 class Toy(torch.nn.Module):
-    """Three attention calls with head dims 16, 32, 16 and a linear read-out."""
+    """Three attention calls with head dims 16, 32, 16 and a linear read-out; `gains`
+    (per call, per head) multiplies the queries of each call's heads."""
 
-    def __init__(self, seed):
+    def __init__(self, seed, gains=None):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         self.dims = (16, 32, 16)
@@ -53,11 +54,14 @@ class Toy(torch.nn.Module):
         self.out = torch.nn.ParameterList(
             [torch.nn.Parameter(torch.randn(2 * d, 64, generator=g) / 8) for d in self.dims])
         self.head = torch.nn.Parameter(torch.randn(64, 50, generator=g) / 8)
+        self.gains = gains
 
     def forward(self, x):  # x (B, N, 64)
         b, n, _ = x.shape
-        for w, wo, d in zip(self.proj, self.out, self.dims):
+        for i, (w, wo, d) in enumerate(zip(self.proj, self.out, self.dims)):
             q, k, v = (x @ w).view(b, n, 3, 2, d).permute(2, 0, 3, 1, 4)
+            if self.gains is not None:
+                q = q * torch.tensor(self.gains[i], dtype=q.dtype).view(1, 2, 1, 1)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # looked up per call
             x = x + o.transpose(1, 2).reshape(b, n, 2 * d) @ wo
         return x @ self.head
@@ -173,14 +177,63 @@ def test_precision_guard_flags_what_the_report_says():
         assert tools.precision_guard(tq, tk)[1].all().item() is expect, family
 
 
+# Per Toy call and head, powers of two: a query gain g leaves the guard's INT8 codes as
+# they were and multiplies both steps' terms of σ² by g², so σ(g·q) = g·σ(q) exactly.
+GUARD_GAINS = ((1.0, 1.0), (8.0, 8.0), (0.25, 8.0))
+
+
 def test_compare_records_the_guard_per_layer():
-    model = Toy(5).eval()
+    model = Toy(5, gains=GUARD_GAINS).eval()
+    seen = []
+
+    def recording(query, key, value, *args, **kwargs):  # the exact SDPA, keeping its inputs
+        seen.append((query, key))
+        return torch._C._nn.scaled_dot_product_attention(query, key, value, *args, **kwargs)
+
+    def guard_of(calls):  # per call, the guard on its very q and k, computed here
+        return [(flagged.double().mean().item(), sigma.max().item())
+                for sigma, flagged in (tools.precision_guard(q, k) for q, k in calls)]
+
+    # The guard's calls are the probe's, the last three that `recording` saw: before them
+    # it ran the model on its own, on the same inputs (it is the exact SDPA).
     x = randn(2, 24, 64, seed=9, dtype=torch.float32)
-    report = tools.compare(lambda: model(x), {"d32": perturbed_at_d32}, floor=None, guard=True)
+    report = tools.compare(lambda: model(x), {"exact": recording}, floor=None, guard=True)
+    assert len(seen) == 6
+    assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(seen[:3], seen[3:]))
+    thr = tools.GUARD_THRESHOLD_NATS
+    for i, (q, k) in enumerate(seen[3:]):
+        gain = torch.tensor(GUARD_GAINS[i]).view(1, 2)
+        sigma, _ = tools.precision_guard(q, k)
+        base, _ = tools.precision_guard(q / gain[..., None, None], k)  # exact: g = 2^j
+        assert torch.equal(sigma, base * gain)  # σ(g·q) = g·σ(q), bit for bit
+        # Toy's Gaussian projections at gain 1 give σ between thr/8 and 4·thr in every
+        # call (0.48-1.26·thr here), below thr in the first: so gain 8 must flag, and
+        # gain 1 in the first call and gain 1/4 must not.
+        assert ((base > thr / 8) & (base < 4 * thr)).all()
+        assert i > 0 or (base < thr).all()
+    want = guard_of(seen[3:])
+    # Not flagged (Gaussian), all heads flagged (gain 8), one head of two (1/4 and 8).
+    assert [f for f, _ in want] == [0.0, 1.0, 0.5]
     summary = report.guard_summary()
-    assert [r["layer"] for r in summary] == [0, 1, 2]
-    assert all(0.0 <= r["flagged"] <= 1.0 and r["sigma_max"] > 0 for r in summary)
+    # The report's values are the guard's on those inputs: the same function of the same
+    # tensors, so equal exactly.
+    assert summary == [{"layer": i, "calls": 1, "flagged": f, "sigma_max": s}
+                       for i, (f, s) in enumerate(want)]
     assert report.to_dict()["guard"] == summary
+    assert "precision guard, heads flagged per layer: 0: 0.00, 1: 1.00, 2: 0.50" in report.table()
+
+    # Two batches as three layers (the second batch scaled by 4: its first call's q and k
+    # 4x, σ 16x): per layer the mean of its two calls' flagged shares and the larger σ.
+    seen.clear()
+    xs = [x, 4 * randn(2, 24, 64, seed=10, dtype=torch.float32)]
+    run = lambda: torch.cat([model(xb) for xb in xs])  # noqa: E731
+    report = tools.compare(run, {"exact": recording}, floor=None, guard=True, layer_of=lambda i: i % 3)
+    assert len(seen) == 12
+    want = guard_of(seen[6:])
+    assert want[0][0] != want[3][0]  # the first layer's calls differ in their share
+    assert report.guard_summary() == [
+        {"layer": i, "calls": 2, "flagged": (want[i][0] + want[i + 3][0]) / 2,
+         "sigma_max": max(want[i][1], want[i + 3][1])} for i in range(3)]
 
 
 def _cos(a, b):
