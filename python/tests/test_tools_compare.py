@@ -3,6 +3,8 @@ model whose attention calls differ in head dim, with candidates whose errors are
 exact, perturbed in one call only, and the floor. CPU only."""
 
 import random
+import re
+from pathlib import Path
 
 import pytest
 
@@ -126,13 +128,67 @@ def test_layers_group_the_calls_of_several_batches():
     assert "x_floor" not in report.metrics["d32"]
 
 
+HADAMARD_H = Path(__file__).resolve().parents[2] / "src" / "numerics" / "hadamard.h"
+
+
+def hadamard_rotate(x, for_q):
+    """numerics::hadamard_rotate on each row of x (FP32), step for step (the CPU binding
+    does not expose it): x_c · s_c with the header's kPattern, the butterflies (stage
+    h = 1, 2, ..., D/2; pairs (j, j + h), j + h gets a - b), then 2^-e, e = ceil(m/2) for
+    Q and floor(m/2) for K."""
+    d = x.shape[-1]
+    m = d.bit_length() - 1
+    pattern = int(re.search(r"kPattern = (0x[0-9A-Fa-f]+)ull;", HADAMARD_H.read_text()).group(1), 16)
+    s = torch.tensor([-1.0 if ((pattern >> (c & 63)) ^ (c >> 6)) & 1 else 1.0 for c in range(d)])
+    x = x * s
+    h = 1
+    while h < d:
+        pairs = x.reshape(*x.shape[:-1], d // (2 * h), 2, h)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        x = torch.stack([a + b, a - b], dim=-2).reshape(x.shape)
+        h *= 2
+    return x * 2.0 ** -((m + 1) // 2 if for_q else m // 2)
+
+
 @pytest.mark.parametrize("d", [16, 64, 128])
 def test_hadamard_matrices_keep_every_dot_product(d):
     rq, rk = tools.hadamard_matrix(d, True, torch.float64), tools.hadamard_matrix(d, False, torch.float64)
     assert torch.equal(rq @ rk.T, torch.eye(d, dtype=torch.float64))  # exact: ±1 sums, powers of two
-    assert set(rq.abs().unique().tolist()) == {2.0 ** -((d.bit_length() - 1 + 1) // 2)}
-    # The sign pattern is numerics/hadamard.h's: bit c of 0x9E3779B97F4A7C15 (c < 64).
-    assert [int(x) for x in (rq[:8, 0] < 0)] == [1, 0, 1, 0, 1, 0, 0, 0]
+    m = d.bit_length() - 1
+    assert set(rq.abs().unique().tolist()) == {2.0 ** -((m + 1) // 2)}
+    assert set(rk.abs().unique().tolist()) == {2.0 ** -(m // 2)}
+    # R = diag(s)·H·2^-e with H Sylvester's, H_ij = (-1)^popcount(i & j), and the signs of
+    # numerics/hadamard.h: s_c = -1 where bit c mod 64 of kPattern is set, flipped for
+    # each further 64 channels. Every entry exact (±2^-e).
+    pattern = 0x9E3779B97F4A7C15
+    assert f"kPattern = 0x{pattern:X}ull;" in HADAMARD_H.read_text()
+    bits = format(pattern, "064b")[::-1]  # bits[c]: bit c
+    s = torch.tensor([-1.0 if int(bits[c % 64]) ^ (c // 64 % 2) else 1.0 for c in range(d)],
+                     dtype=torch.float64)
+    h = torch.tensor([[(-1.0) ** bin(a & b).count("1") for b in range(d)] for a in range(d)],
+                     dtype=torch.float64)
+    assert torch.equal(rq, s[:, None] * h * 2.0 ** -((m + 1) // 2))
+    assert torch.equal(rk, s[:, None] * h * 2.0 ** -(m // 2))
+    # Every channel's sign: column 0 of H is ones, so R[c, 0] carries s_c.
+    assert [int(x) for x in rq[:, 0] < 0] == [int(bits[c % 64]) ^ (c // 64 % 2) for c in range(d)]
+    if d == 128:  # the second 64 channels: the first 64's signs flipped
+        assert torch.equal(rq[64:, 0], -rq[:64, 0])
+    # The matrices are the emulator's rotation: its algorithm (hadamard_rotate above) on
+    # the unit rows gives them exactly (each butterfly adds ±1s and 0s)...
+    for for_q, r in ((True, rq), (False, rk)):
+        assert torch.equal(hadamard_rotate(torch.eye(d), for_q), r.float())
+    # ... and on FP32 rows x·R up to its rounding: m FP32 additions per element, so each
+    # element within γ_m·2^-e·|x|₁ (γ_n = n·u/(1 - n·u), u = 2^-24; signs and 2^-e
+    # exact), plus the FP64 product's γ_d (u = 2^-53) of the same sum.
+    x = randn(64, d, seed=d, dtype=torch.float32)
+
+    def gamma(n, u):
+        return n * u / (1 - n * u)
+
+    for for_q, r in ((True, rq), (False, rk)):
+        err = (hadamard_rotate(x, for_q).double() - x.double() @ r).abs()
+        l1 = x.double().abs().sum(-1, keepdim=True)
+        assert (err <= (gamma(m, 2.0**-24) + gamma(d, 2.0**-53)) * r[0, 0].abs() * l1).all()
     with pytest.raises(ValueError, match="not a power of two"):
         tools.hadamard_matrix(96, True)
 
