@@ -19,25 +19,40 @@ trap 'git -C "$root" worktree remove --force "$tmp/base" >/dev/null 2>&1 || true
 git -C "$root" worktree add --detach --quiet "$tmp/base" "$rev"
 
 sections() { readelf -W -S "$1" 2>/dev/null | grep -o '\.text\.[^ ]*' | sort -u; }
+# A kernel in an anonymous namespace carries a hash of its translation unit's contents in
+# its name (_GLOBAL__N__<hash>_<file>_<path hash>), which changes with any edit of the
+# file or its includes: kernels are paired by their names with that hash left out.
+normalize() { sed -E 's/_GLOBAL__N__[0-9a-f]+_/_GLOBAL__N__/'; }
+section_of() {  # the section of cubin $1 whose normalized name is $2
+  sections "$1" | while read -r s; do if [ "$(echo "$s" | normalize)" = "$2" ]; then echo "$s"; fi; done
+}
 status=0
+pids=()
 for file in "$@"; do
   for side in base new; do
     src_root=$([ $side = base ] && echo "$tmp/base" || echo "$root")
     (cd "$src_root" && "$nvcc" "${flags[@]}" -I include -I src -cubin -o "$tmp/$side.cubin" "$file") &
+    pids+=($!)
   done
-  wait
-  if ! diff <(sections "$tmp/base.cubin") <(sections "$tmp/new.cubin") >/dev/null; then
+  for pid in "${pids[@]}"; do
+    wait "$pid" || { echo "$file: does not compile at one of the two revisions"; exit 2; }
+  done
+  pids=()
+  if ! diff <(sections "$tmp/base.cubin" | normalize | sort) <(sections "$tmp/new.cubin" | normalize | sort) >/dev/null; then
     echo "$file: the two builds have different kernels:"
-    diff <(sections "$tmp/base.cubin") <(sections "$tmp/new.cubin") || true
+    diff <(sections "$tmp/base.cubin" | normalize | sort) <(sections "$tmp/new.cubin" | normalize | sort) || true
     status=1
     continue
   fi
   total=0 differ=0
   while read -r s; do
     total=$((total + 1))
-    if ! cmp -s <(readelf -x "$s" "$tmp/base.cubin" 2>/dev/null) <(readelf -x "$s" "$tmp/new.cubin" 2>/dev/null); then
+    n=$(section_of "$tmp/new.cubin" "$(echo "$s" | normalize)")
+    # readelf -x prints the section's name first: compare the bytes only.
+    if ! cmp -s <(readelf -x "$s" "$tmp/base.cubin" 2>/dev/null | tail -n +3) \
+                <(readelf -x "$n" "$tmp/new.cubin" 2>/dev/null | tail -n +3); then
       differ=$((differ + 1))
-      echo "differs: ${s#.text.}"
+      echo "differs: $(echo "${s#.text.}" | normalize)"
     fi
   done < <(sections "$tmp/base.cubin")
   echo "$file: $total kernels, $differ differ from $rev"
