@@ -14,9 +14,7 @@ each kernel call within the scheme's bounds and the logits within the budget the
 gives (the bounds are stated with the GPU tests below). Needs torch, qattn._C and transformers 5.x (skipped without it).
 """
 
-import contextlib
 import inspect
-import math
 import os
 import subprocess
 import sys
@@ -36,7 +34,8 @@ from qattn import QattnFallbackWarning, QattnUnsupportedError, sdpa  # noqa: E40
 from qattn.integrations import transformers as qattn_tf  # noqa: E402
 
 from gpu import sm90_missing  # noqa: E402
-from tolerances import MAX_REL_L1, MIN_COSSIM  # noqa: E402
+from plugin_checks import (  # noqa: E402
+    assert_calls_within_bounds, cossim, kernel_calls_recorder, largest_allowed_error)
 
 # On CPU every call falls back, with a QattnFallbackWarning once per reason: expected here.
 pytestmark = pytest.mark.filterwarnings("ignore::qattn.errors.QattnFallbackWarning")
@@ -382,7 +381,7 @@ def test_the_module_imports_without_transformers():
 #
 # The bounds. Each call that reaches qattn's kernel is checked against FP32 SDPA on its own
 # inputs with the scheme's bounds (CosSim >= MIN_COSSIM, relative L1 <= MAX_REL_L1;
-# tests/tolerances/sage2_8b.json). The model's logits are checked against the same model on
+# tests/tolerances/sage2_8b.json; the checks live in plugin_checks.py). The model's logits are checked against the same model on
 # SDPA with a bound the model itself gives: the logits' CosSim when every attention output
 # carries the largest error that bound allows one call, a random error of relative L2 size
 # DELTA = sqrt(2 (1 - MIN_COSSIM)) (CosSim 1 - DELTA^2 / 2 = MIN_COSSIM). A model amplifies
@@ -394,66 +393,11 @@ def test_the_module_imports_without_transformers():
 _NO_GPU = sm90_missing()
 gpu = pytest.mark.skipif(_NO_GPU is not None, reason=str(_NO_GPU))
 
-DELTA = math.sqrt(2 * (1 - MIN_COSSIM))
-
-
-def cossim(a, b):
-    a, b = a.double().flatten(), b.double().flatten()
-    return (a @ b / (a.norm() * b.norm())).item()
-
-
-def rel_l1(a, b):
-    a, b = a.double().flatten(), b.double().flatten()
-    return ((a - b).abs().sum() / b.abs().sum()).item()
-
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """The calls that reach qattn's kernel (ops.attention, which the drop-in calls for the
-    calls it runs): (query shape, CosSim, relative L1) against FP32 SDPA on the call's
-    inputs; None, None for a call with options this check does not model (a mask)."""
-    from qattn import ops
-
-    seen = []
-    real = ops.attention
-
-    def spy(q, k, v, is_causal=False, scale=None, layout="HND", return_lse=False, **kw):
-        out = real(q, k, v, is_causal, scale, layout, return_lse, **kw)
-        if layout == "HND" and not return_lse and set(kw) <= {"causal_alignment"} \
-                and kw.get("causal_alignment", "top_left") == "top_left":
-            ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=is_causal, scale=scale,
-                                                 enable_gqa=q.shape[1] != k.shape[1])
-            seen.append((tuple(q.shape), cossim(out, ref), rel_l1(out, ref)))
-        else:
-            seen.append((tuple(q.shape), None, None))
-        return out
-
-    monkeypatch.setattr(ops, "attention", spy)
-    return seen
-
-
-def assert_calls_within_bounds(kernel_calls):
-    for shape, cs, l1 in kernel_calls:
-        if cs is not None:
-            assert cs >= MIN_COSSIM, f"call {shape}: CosSim {cs:.6f} < {MIN_COSSIM}"
-            assert l1 <= MAX_REL_L1, f"call {shape}: relative L1 {l1:.4f} > {MAX_REL_L1}"
-
-
-@contextlib.contextmanager
-def largest_allowed_error(monkeypatch):
-    """qattn.scaled_dot_product_attention (what the plug-in calls) replaced by SDPA with a
-    random error of relative L2 size DELTA on each output (a fixed seed)."""
-    g = torch.Generator().manual_seed(SEED)
-
-    def noisy(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
-        o = F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
-                                           enable_gqa=enable_gqa)
-        e = torch.randn(o.shape, generator=g).to(o.device)
-        return (o.float() + e * (DELTA * o.float().norm() / e.norm())).to(o.dtype)
-
-    with monkeypatch.context() as m:
-        m.setattr(qattn, "scaled_dot_product_attention", noisy)
-        yield
+    """plugin_checks.kernel_calls_recorder: the calls that reach qattn's kernel."""
+    return kernel_calls_recorder(monkeypatch)
 
 
 def assert_within_budget(got, expect, budget, what):
@@ -477,7 +421,7 @@ def test_gpu_logits_match_sdpa(dtype, kernel_calls, monkeypatch):
     ids = tokens(2, 200).cuda()
     with torch.no_grad():
         expect = ref(ids).logits
-        with largest_allowed_error(monkeypatch):
+        with largest_allowed_error(monkeypatch, SEED):
             budget = ours(ids).logits
         qattn.set_fallback("raise")  # every call here is one qattn runs
         got = ours(ids).logits
@@ -502,7 +446,7 @@ def test_gpu_decode_steps_against_a_kv_cache(dtype, kernel_calls, monkeypatch):
     ids = tokens(1, 40).cuda()
     with torch.no_grad():
         expect = teacher_forced(ref, ids, 32)
-        with largest_allowed_error(monkeypatch):
+        with largest_allowed_error(monkeypatch, SEED):
             budget = teacher_forced(ours, ids, 32)
         qattn.set_fallback("raise")  # one query per step, no mask: qattn's kernel
         got = teacher_forced(ours, ids, 32)
@@ -537,7 +481,7 @@ def test_gpu_padded_batch_matches_sdpa(kernel_calls, monkeypatch):
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", QattnFallbackWarning)
         expect = ref(ids, attention_mask=mask).logits
-        with largest_allowed_error(monkeypatch):
+        with largest_allowed_error(monkeypatch, SEED):
             budget = ours(ids, attention_mask=mask).logits
         got = ours(ids, attention_mask=mask).logits
     assert_calls_within_bounds(kernel_calls)
