@@ -77,11 +77,14 @@ qattn_status check_overlaps(const char* fn, const std::array<Named, I>& inputs,
 }
 
 // The workspace: present, 256-byte aligned, at least `need` bytes, and (those bytes)
-// apart from every buffer of the call. `sizer` names the function that sizes it.
+// apart from every buffer of the call. `sizer` names the function that sizes it. A call
+// that needs none (need == 0) reads and writes none, so any pointer and size are taken,
+// NULL and 0 included.
 template <std::size_t N>
 qattn_status check_workspace(const char* fn, const char* sizer, std::size_t need,
                              const void* workspace, std::size_t workspace_bytes,
                              const std::array<Named, N>& buffers) {
+  if (need == 0) return QATTN_OK;
   if (workspace == nullptr)
     return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": workspace is NULL; allowed: device memory of ",
                 need, " bytes (", sizer, ")");
