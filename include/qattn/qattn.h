@@ -457,6 +457,38 @@ qattn_status qattn_kv_decode_workspace_size(const qattn_kv_decode_params* p, siz
 qattn_status qattn_kv_decode(const qattn_kv_decode_params* p, void* workspace,
                              size_t workspace_bytes, void* stream);
 
+/* ---- merging partial attention outputs (ring attention, split-KV) ----------------
+ * Attention of a query row over a key set that is the disjoint union of parts equals
+ * the merge of each part's output by its natural-log LSE (qattn_fwd's lse):
+ *   m = max(lse_a, lse_b),  w_x = exp(lse_x − m),
+ *   O = (w_a·O_a + w_b·O_b) / (w_a + w_b),  LSE = m + log(w_a + w_b),
+ * in FP32; a row whose parts saw no key (both LSEs −inf) stays O = 0, LSE = −inf, and a
+ * part that saw none (LSE −inf) adds nothing. qattn_merge folds one part into a
+ * running FP32 accumulator in place, so a chain of calls (one per ring step) merges any
+ * number of parts in any order, equal to a merge of all at once up to FP32 rounding;
+ * the last call may also write the merged O in the parts' dtype (`out`). */
+typedef struct qattn_merge_params {
+  size_t struct_size; /* sizeof(qattn_merge_params) */
+  int32_t dtype;      /* of part and out: a qattn_dtype */
+  int32_t batch, heads, seqlen, head_dim; /* >= 1 each; head_dim <= 1024 */
+  int32_t first;      /* 1: this is the first part: the accumulator is set to it (acc and
+                         acc_lse are written, not read); 0 (default): merged into it */
+  qattn_tensor part;  /* (batch, heads, seqlen, head_dim) in dtype, read: a part's O */
+  const float* part_lse; /* (batch, heads, seqlen) FP32, contiguous, read: its LSE */
+  float* acc;         /* (batch, heads, seqlen, head_dim) FP32, contiguous, read and written */
+  float* acc_lse;     /* (batch, heads, seqlen) FP32, contiguous, read and written */
+  qattn_tensor out;   /* optional (data NULL: none): the merged O in dtype, written */
+} qattn_merge_params;
+
+#define QATTN_MERGE_PARAMS_MIN_SIZE (offsetof(qattn_merge_params, out) + sizeof(qattn_tensor))
+
+void qattn_merge_params_init(qattn_merge_params* p);
+/* Enqueues the merge on `stream` (asynchronous, capturable; no workspace). part, the
+ * LSEs and the accumulator follow qattn_tensor's memory rules (device memory, 16-byte
+ * aligned tensors, the FP32 arrays 4-byte aligned); nothing it writes may overlap what
+ * it reads. */
+qattn_status qattn_merge(const qattn_merge_params* p, void* stream);
+
 /* Message of the last failed call on this thread ("" if none has failed). */
 const char* qattn_last_error_message(void);
 const char* qattn_status_string(qattn_status s);

@@ -12,6 +12,7 @@
 #include "api/registry.h"
 #include "api/validate.h"
 #include "api/validate_kv.h"
+#include "api/validate_merge.h"
 #include "qattn/qattn.h"
 
 namespace {
@@ -235,6 +236,33 @@ qattn_status qattn_kv_append(const qattn_kv_append_params* p, void* stream) {
           for (int32_t b = 0; b < rp.batch; ++b) rp.seqs.host_lengths[b] += rp.n_new;
         return err;
       });
+}
+
+void qattn_merge_params_init(qattn_merge_params* p) {
+  if (p == nullptr) return;
+  std::memset(p, 0, sizeof(*p));
+  p->struct_size = sizeof(*p);
+  p->dtype = QATTN_DTYPE_BF16;
+}
+
+qattn_status qattn_merge(const qattn_merge_params* caller, void* stream) {
+  constexpr const char* kFn = "qattn_merge";
+  return guarded([&] {
+    namespace api = qattn::api;
+    qattn_merge_params p;
+    if (auto s = api::read_merge(kFn, caller, &p); s != QATTN_OK) return s;
+    int device = 0;
+    api::Arch arch;
+    if (auto s = api::current_device(kFn, &device, &arch); s != QATTN_OK) return s;
+    qattn_status s = QATTN_OK;
+    const auto* family = api::select_family(kFn, arch, &s);
+    if (family == nullptr) return s;
+    if (family->launch == nullptr)
+      return api::fail(QATTN_ERROR_NO_DEVICE, kFn, ": ", family->name,
+                       " has no kernels in this build of qattn");
+    if (s = api::check_pointers(kFn, api::buffer_spans(p), device); s != QATTN_OK) return s;
+    return api::launch_status(kFn, family->name, family->launch(p, stream));
+  });
 }
 
 void qattn_kv_decode_params_init(qattn_kv_decode_params* p) {

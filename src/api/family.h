@@ -111,9 +111,19 @@ struct KvCacheFamily {
                        void* workspace, void* stream);
 };
 
+// The merge of partial outputs (qattn_merge): element-wise, any shape the C ABI takes;
+// a family is its architectures and its launch.
+struct MergeFamily {
+  const char* name;  // in messages: "merge_sm90"
+  std::span<const Arch> archs;
+  // Enqueue; return a cudaError_t; never synchronize. nullptr in a CPU-only build.
+  int (*launch)(const qattn_merge_params& p, void* stream);
+};
+
 // Every family of this build, in the order the registry tries them (src/families/).
 std::span<const ForwardFamily* const> forward_families();
 std::span<const BackwardFamily* const> backward_families();
 std::span<const KvCacheFamily* const> kv_cache_families();
+std::span<const MergeFamily* const> merge_families();
 
 }  // namespace qattn::api

@@ -221,6 +221,18 @@ const KvCacheFamily* select_family(const char* fn, const KvCall& c, const Arch* 
   return select(fn, c, arch, status, families);
 }
 
+const MergeFamily* select_family(const char* fn, const Arch& arch, qattn_status* status,
+                                 std::span<const MergeFamily* const> families) {
+  std::string reasons;
+  for (const MergeFamily* f : families) {
+    if (std::find(f->archs.begin(), f->archs.end(), arch) != f->archs.end()) return f;
+    reasons += cat("; ", f->name, ": runs on ", arch_list(f->archs));
+  }
+  *status = fail(QATTN_ERROR_UNSUPPORTED, fn, ": no kernel family runs this call (merge; device sm_",
+                 arch.major, arch.minor, "); considered ", families.size(), reasons);
+  return nullptr;
+}
+
 std::size_t workspace_bytes_for(const qattn_fwd_params& p,
                                 std::span<const ForwardFamily* const> families) {
   return largest_workspace(p, families);

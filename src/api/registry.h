@@ -48,6 +48,11 @@ const KvCacheFamily* select_family(const char* fn, const KvCall& call, const Arc
                                    std::span<const KvCacheFamily* const> families =
                                        kv_cache_families());
 
+// The merge family for `arch`; on failure nullptr and QATTN_ERROR_UNSUPPORTED naming
+// each family considered.
+const MergeFamily* select_family(const char* fn, const Arch& arch, qattn_status* status,
+                                 std::span<const MergeFamily* const> families = merge_families());
+
 // Workspace bytes for validated parameters: the largest need among the families that
 // accept the call on some architecture (so the size holds on any supported device);
 // 0 when none does.

@@ -4,6 +4,7 @@
 
 #include "api/family.h"
 #include "families/kv_cache.h"
+#include "families/merge.h"
 #include "families/sage2_fwd.h"
 #include "families/sage3_fwd.h"
 #include "families/sagebwd.h"
@@ -18,6 +19,11 @@ std::span<const ForwardFamily* const> forward_families() {
 
 std::span<const BackwardFamily* const> backward_families() {
   static const std::array<const BackwardFamily*, 1> kAll{&families::sagebwd_sm90()};
+  return kAll;
+}
+
+std::span<const MergeFamily* const> merge_families() {
+  static const std::array<const MergeFamily*, 1> kAll{&families::merge_sm90()};
   return kAll;
 }
 
