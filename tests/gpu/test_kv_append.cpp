@@ -36,6 +36,7 @@
 #include "gpu_util.h"
 #include "numerics/block_scale.h"
 #include "numerics/formats.h"
+#include "numerics/nvfp4_code.h"
 #include "qattn/qattn.h"
 
 namespace {
@@ -66,11 +67,11 @@ TEST(KvAppendMath, Nvfp4CodeEqualsTheQuantizerAtEveryScale) {
   int64_t checked = 0;
   for (uint32_t sc = 1; sc < numerics::kE4M3NaN; ++sc) {
     const float s = numerics::e4m3_decode(static_cast<uint8_t>(sc));
-    const kv_cache::Nvfp4Steps steps = kv_cache::nvfp4_steps(s);
+    const numerics::Nvfp4Steps steps = numerics::nvfp4_steps(s);
     auto check = [&](float a) {
       for (float x : {a, -a}) {
         const uint32_t want = numerics::fp4_element_code(x, s);
-        const uint32_t got = kv_cache::nvfp4_code(x, steps);
+        const uint32_t got = numerics::nvfp4_code(x, steps);
         if (want != got) {
           ADD_FAILURE() << "scale code " << sc << " (s = " << s << "), x = " << x << " (bits 0x"
                         << std::hex << bits(x) << std::dec << "): quantizer " << want << ", kernel "

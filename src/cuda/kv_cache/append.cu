@@ -19,6 +19,7 @@
 #include <type_traits>
 
 #include "cuda/common/e4m3.cuh"
+#include "cuda/common/nvfp4_scale.cuh"
 #include "cuda/common/quant_math.cuh"
 #include "cuda/hopper/early_launch.h"
 #include "cuda/hopper/sync.cuh"
@@ -27,6 +28,7 @@
 #include "kvcache/layout.h"
 #include "numerics/block_scale.h"
 #include "numerics/formats.h"
+#include "numerics/nvfp4_code.h"
 #include "numerics/token_sample.h"
 
 namespace qattn::kv_cache {
@@ -188,19 +190,6 @@ __device__ __forceinline__ uint32_t group_max(uint32_t m) {
   return m;
 }
 
-// numerics::nvfp4_scale_code(amax) and its value s: a non-finite amax gives the NaN code;
-// else E4M3(amax / 6), amax / 6 being finite and >= 0, by the conversion instruction.
-__device__ __forceinline__ uint8_t nvfp4_scale(float amax, float& s) {
-  if (!(amax <= FLT_MAX)) {
-    s = numerics::detail::float_of(numerics::detail::kF32QuietNaN);
-    return numerics::kE4M3NaN;
-  }
-  const auto sc = static_cast<uint8_t>(
-      common::quantize_e4m3x2(__fdiv_rn(amax, numerics::kE2M1Max), 0.f) & 0xFFu);
-  s = __half2float(__half(__nv_cvt_fp8_to_halfraw(sc, __NV_E4M3)));  // exact
-  return sc;
-}
-
 // numerics::linear_scale(amax, qmax) with the host's NaN: a NaN amax (the canonical one
 // amax_accumulate returns) divides to itself on the host.
 __device__ __forceinline__ float linear_scale(float amax, float qmax) {
@@ -217,12 +206,12 @@ __device__ __forceinline__ void quantize_store(const float (&x)[kElems], int q, 
     // A 16-element block is the lane pair (2i, 2i + 1).
     const float am = amax_of(group_max<2>(abs_bits_max(x)));
     float s;
-    const uint8_t sc = nvfp4_scale(am, s);
+    const uint8_t sc = common::nvfp4_scale(am, s);
     uint32_t packed = 0;  // element 2i in the low nibble of byte i
     if (s > 0.f) {        // s = 0 or NaN: fp4_element_code gives 0 for every element
-      const Nvfp4Steps steps = nvfp4_steps(s);
+      const numerics::Nvfp4Steps steps = numerics::nvfp4_steps(s);
 #pragma unroll
-      for (int j = 0; j < kElems; ++j) packed |= nvfp4_code(x[j], steps) << (4 * j);
+      for (int j = 0; j < kElems; ++j) packed |= numerics::nvfp4_code(x[j], steps) << (4 * j);
     }
     if (active) {
       reinterpret_cast<uint32_t*>(codes)[q] = packed;

@@ -23,11 +23,13 @@
 #include <cstdint>
 
 #include "cuda/common/mma_sync.cuh"
+#include "cuda/common/nvfp4_scale.cuh"
 #include "cuda/hopper/per_device.h"
 #include "cuda/sage3_fwd/launch.h"
 #include "cuda/sage3_fwd/quantize.cuh"
 #include "numerics/block_scale.h"
 #include "numerics/formats.h"
+#include "numerics/nvfp4_code.h"
 
 namespace qattn::sage3 {
 namespace {
@@ -215,9 +217,16 @@ __global__ void __launch_bounds__(kThreads, 2) attention_kernel(const Args a) {
         amax = numerics::amax_accumulate(amax, v1[1]);
         amax = numerics::amax_accumulate(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
         amax = numerics::amax_accumulate(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-        const float sc = numerics::e4m3_decode(numerics::nvfp4_scale_code(amax));
+        // The block's scale by the conversion instruction and its elements' codes by
+        // comparisons with exact products (numerics/nvfp4_code.h): the quantizer's
+        // E4M3(amax / 6) and e2m1(fl(x / s)) without the generic encoders or a division
+        // per element. A scale of 0 or NaN codes every element 0, which decodes to 0·s.
+        float sc;
+        (void)common::nvfp4_scale(amax, sc);
+        const bool coded = sc > 0.f;
+        const numerics::Nvfp4Steps steps = numerics::nvfp4_steps(coded ? sc : 1.f);
         auto deq = [&](float x) {
-          return numerics::e2m1_decode(numerics::fp4_element_code(x, sc)) * sc;
+          return coded ? numerics::e2m1_decode(numerics::nvfp4_code(x, steps)) * sc : 0.f * sc;
         };
         pa[kb][h] = pack_bf16(deq(v0[0]), deq(v0[1]));      // keys 16kb + 2t, +1
         pa[kb][2 + h] = pack_bf16(deq(v1[0]), deq(v1[1]));  // keys 16kb + 8 + 2t, +1
