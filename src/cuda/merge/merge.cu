@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "cuda/common/quant_math.cuh"
 #include "cuda/merge/launch.h"
 
 namespace qattn::merge {
@@ -16,13 +17,6 @@ namespace {
 
 constexpr int kWarps = 8;  // rows per CTA
 
-template <typename T>
-__device__ __forceinline__ float load16(const T* p) {
-  if constexpr (sizeof(T) == 2 && std::is_same_v<T, __nv_bfloat16>)
-    return __bfloat162float(*p);
-  else
-    return __half2float(*p);
-}
 template <typename T>
 __device__ __forceinline__ T store16(float x) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>)
@@ -71,7 +65,7 @@ __global__ void __launch_bounds__(kWarps * 32) merge_kernel(qattn_merge_params p
     out = static_cast<T*>(p.out.data) + b * ob + h * oh + n * on;
   }
   for (int c = lane; c < p.head_dim; c += 32) {
-    const float o = (p.first ? 0.f : wa * acc[c]) + wp * load16(part + c);
+    const float o = (p.first ? 0.f : wa * acc[c]) + wp * common::to_float(part[c]);
     acc[c] = o;
     if (out != nullptr) out[c] = store16<T>(o);
   }
