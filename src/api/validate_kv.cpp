@@ -302,8 +302,8 @@ std::size_t decode_workspace_bytes(const qattn_kv_decode_params& p, const qattn_
 qattn_status validate_decode_workspace(const char* fn, const qattn_kv_decode_params& p,
                                        const qattn_kv_cache& c, int32_t splits,
                                        const void* workspace, std::size_t workspace_bytes) {
+  // No split needs no workspace (check_workspace then takes any pointer and size).
   const std::size_t need = decode_workspace_bytes(p, c, splits);
-  if (need == 0) return QATTN_OK;  // no split: nothing is read or written there
   // The partials are written: the workspace stands apart from everything the call
   // reads, the sequences' arrays included.
   const int64_t b = p.batch, hq = p.heads_q, n = p.nq, d = c.head_dim;
