@@ -42,12 +42,20 @@ typedef enum qattn_dtype { QATTN_DTYPE_FP16 = 0, QATTN_DTYPE_BF16 = 1 } qattn_dt
 /* The quantization scheme, which selects the kernel families that may run the call. */
 typedef enum qattn_scheme {
   QATTN_SCHEME_SAGE2_8B = 0,    /* default: SageAttention2-8b (INT8 Q·Kᵀ, E4M3 P·V) */
-  QATTN_SCHEME_SAGE3_NVFP4 = 1  /* SageAttention3: NVFP4 Q, K (smoothed), two-level NVFP4 P,
+  QATTN_SCHEME_SAGE3_NVFP4 = 1, /* SageAttention3: NVFP4 Q, K (smoothed), two-level NVFP4 P,
                                    NVFP4 V, the products formed on BF16 tensor cores from
                                    the dequantized operands (exactly a block-scaled FP4
                                    MMA's products); for fidelity, not speed. Head dim 64 or
                                    128; no mask or causal aligned bottom-right; sage2
                                    options are ignored */
+  QATTN_SCHEME_PRECISE16 = 2    /* no quantization: Q·Kᵀ and P·V in the inputs' 16-bit type
+                                   (FP16 or BF16) with FP32 accumulation, P rounded to that
+                                   type (FlashAttention's arithmetic): the "precise" mode,
+                                   for heads or layers where 8-bit products lose visible
+                                   accuracy. One kernel, no workspace. Head dim 1..128;
+                                   causal, sliding windows, kv_lengths and either
+                                   alignment; no attn_mask or packed batch; sage2 options
+                                   are ignored */
 } qattn_scheme;
 
 /* Quantization granularity of Q and K for the INT8 Q·Kᵀ (SageAttention2 §3.2). */

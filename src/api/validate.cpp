@@ -457,9 +457,11 @@ qattn_status validate_forward(const char* fn, const qattn_fwd_params& p,
                               std::span<const ForwardFamily* const> families) {
   // ---- scalars ----
   if (auto s = check_dtype(fn, p.dtype); s) return s;
-  if (p.scheme != QATTN_SCHEME_SAGE2_8B && p.scheme != QATTN_SCHEME_SAGE3_NVFP4)
+  if (p.scheme != QATTN_SCHEME_SAGE2_8B && p.scheme != QATTN_SCHEME_SAGE3_NVFP4 &&
+      p.scheme != QATTN_SCHEME_PRECISE16)
     return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": scheme = ", p.scheme,
-                "; allowed: QATTN_SCHEME_SAGE2_8B (0), QATTN_SCHEME_SAGE3_NVFP4 (1)");
+                "; allowed: QATTN_SCHEME_SAGE2_8B (0), QATTN_SCHEME_SAGE3_NVFP4 (1), "
+                "QATTN_SCHEME_PRECISE16 (2)");
   if (auto s = check_shape_mask_scale(fn, p); s) return s;
   if (auto s = check_window_alignment(fn, p); s) return s;
   if (auto s = check_attn_mask(fn, p); s) return s;

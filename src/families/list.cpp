@@ -5,6 +5,7 @@
 #include "api/family.h"
 #include "families/kv_cache.h"
 #include "families/merge.h"
+#include "families/precise_fwd.h"
 #include "families/sage2_fwd.h"
 #include "families/sage3_fwd.h"
 #include "families/sagebwd.h"
@@ -12,8 +13,8 @@
 namespace qattn::api {
 
 std::span<const ForwardFamily* const> forward_families() {
-  static const std::array<const ForwardFamily*, 2> kAll{&families::sage2_fwd_sm90(),
-                                                        &families::sage3_fwd_sm90()};
+  static const std::array<const ForwardFamily*, 3> kAll{
+      &families::sage2_fwd_sm90(), &families::sage3_fwd_sm90(), &families::precise_fwd_sm90()};
   return kAll;
 }
 

@@ -64,8 +64,9 @@ TEST(Registry, NonHopperDeviceIsUnsupportedNamingEveryFamily) {
     EXPECT_EQ(s, QATTN_ERROR_UNSUPPORTED);
     const std::string m = qattn_last_error_message();
     const std::string cc = std::to_string(arch.major) + "." + std::to_string(arch.minor);
-    for (const char* w : {"qattn_fwd: no kernel family runs this call", "considered 2",
-                          "sage2_fwd_sm90", "sage3_nvfp4_fwd_sm90", "its kernels run on sm_90"})
+    for (const char* w : {"qattn_fwd: no kernel family runs this call", "considered 3",
+                          "sage2_fwd_sm90", "sage3_nvfp4_fwd_sm90", "precise16_fwd_sm90",
+                          "its kernels run on sm_90"})
       EXPECT_TRUE(contains(m, w)) << "no '" << w << "' in: " << m;
     EXPECT_TRUE(contains(m, "compute capability " + cc)) << m;
     EXPECT_TRUE(contains(m, "device sm_" + std::to_string(arch.major) + std::to_string(arch.minor)))
@@ -181,6 +182,38 @@ TEST(Registry, Sage2RunsEveryMask) {
   for (uint32_t bit : {qattn::api::kMaskNone, qattn::api::kMaskCausal, qattn::api::kMaskWindow,
                        qattn::api::kMaskKeyPadding, qattn::api::kMaskTopLeft})
     EXPECT_NE(f->masks & bit, 0u) << bit;
+}
+
+// The 16-bit forward: chosen by its scheme alone, with the masks it declares, no
+// workspace; an attn_mask or a packed batch it declines by name.
+TEST(Registry, PreciseSchemeRunsItsMasksWithoutWorkspace) {
+  const Arch hopper{9, 0};
+  qattn_fwd_params p = valid_params(100);  // padded inside to 128
+  p.scheme = QATTN_SCHEME_PRECISE16;
+  p.causal = 1;
+  p.window = 1;
+  p.window_left = 100;
+  p.kv_lengths = static_cast<const int32_t*>(fake(7));
+  p.alignment = QATTN_ALIGN_TOP_LEFT;
+  qattn_status s = QATTN_ERROR_INTERNAL;
+  const ForwardFamily* f = qattn::api::select_family("t", p, &hopper, &s);
+  ASSERT_NE(f, nullptr) << qattn_last_error_message();
+  EXPECT_STREQ(f->name, "precise16_fwd_sm90");
+  EXPECT_EQ(f->launch != nullptr, QATTN_HAVE_CUDA != 0);
+  std::size_t bytes = 1;
+  ASSERT_EQ(qattn_fwd_workspace_size(&p, &bytes), QATTN_OK) << qattn_last_error_message();
+  EXPECT_EQ(bytes, 0u);
+  p.attn_mask_type = QATTN_MASK_BOOL;
+  p.attn_mask = fake(8);
+  p.causal = 0;
+  p.window = 0;
+  p.kv_lengths = nullptr;
+  EXPECT_EQ(qattn_fwd_workspace_size(&p, &bytes), QATTN_ERROR_UNSUPPORTED);
+  const std::string m = qattn_last_error_message();
+  EXPECT_TRUE(contains(m, "precise16_fwd_sm90")) << m;
+  EXPECT_TRUE(contains(m, "scheme 2")) << m;
+  // The other schemes' families decline it for its scheme, not run it.
+  EXPECT_TRUE(contains(m, "implements scheme 0, not 2")) << m;
 }
 
 constexpr ForwardFamily kCausalOnly{"fake_causal_only",

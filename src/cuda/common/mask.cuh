@@ -6,6 +6,7 @@
 // element against per-row limits.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "cuda/common/fragment.cuh"
@@ -51,6 +52,22 @@ struct KeyMask {
     for (int i = 0; i < kCols; ++i) {
       const int col = 8 * (i / 4) + (i % 2), r = FragCoord::upper_row(i) ? 1 : 0;
       if (col > hi[r] || col < lo[r]) s[i] = scores::kMaskedScore;
+    }
+  }
+
+  // The same on FP32 scores (the 16-bit forward): masked ones become -inf.
+  template <int kCols>
+  __device__ __forceinline__ void apply(float (&s)[kCols], FragCoord fc, int kv0, int row0) const {
+    int hi[2], lo[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      hi[r] = rule.last_key(row0 + 8 * r) - kv0 - 2 * fc.t;
+      lo[r] = rule.first_key(row0 + 8 * r) - kv0 - 2 * fc.t;
+    }
+#pragma unroll
+    for (int i = 0; i < kCols; ++i) {
+      const int col = 8 * (i / 4) + (i % 2), r = FragCoord::upper_row(i) ? 1 : 0;
+      if (col > hi[r] || col < lo[r]) s[i] = -INFINITY;
     }
   }
 };

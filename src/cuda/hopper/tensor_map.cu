@@ -57,4 +57,17 @@ cudaError_t make_tensor_map_16bit_4d(CUtensorMap* map, const void* base, const u
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
+cudaError_t make_bhnd_map(CUtensorMap* map, const qattn_tensor& t, int batch, int head_dim,
+                          int cols, int heads, int seqlen, uint32_t box_rows) {
+  const auto round8 = [](int64_t x) { return (x + 7) / 8 * 8; };
+  const int64_t sn = seqlen > 1 ? t.stride_n : round8(head_dim);
+  const int64_t sh = heads > 1 ? t.stride_h : sn * seqlen;
+  const int64_t sb = batch > 1 ? t.stride_b : sh * heads;
+  const uint64_t dims[4] = {static_cast<uint64_t>(cols), static_cast<uint64_t>(seqlen),
+                            static_cast<uint64_t>(heads), static_cast<uint64_t>(batch)};
+  const uint64_t strides[3] = {static_cast<uint64_t>(sn), static_cast<uint64_t>(sh),
+                               static_cast<uint64_t>(sb)};
+  return make_tensor_map_16bit_4d(map, t.data, dims, strides, 64, box_rows);
+}
+
 }  // namespace qattn::hopper

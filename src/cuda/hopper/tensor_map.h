@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "cuda/hopper/swizzle.h"
+#include "qattn/qattn.h"
 
 namespace qattn::hopper {
 
@@ -22,5 +23,12 @@ cudaError_t make_tensor_map_u8_3d(CUtensorMap* map, const void* base, uint64_t d
 // not written by stores.
 cudaError_t make_tensor_map_16bit_4d(CUtensorMap* map, const void* base, const uint64_t (&dims)[4],
                                      const uint64_t (&strides)[3], uint32_t box0, uint32_t box1);
+
+// A caller's (B, H, N, d) 16-bit tensor as a 4-D tensor map (cols, N, H, B) with boxes
+// of 64 channels × box_rows rows; rows past N and channels past `cols` read as zero and
+// are never written. A dimension of extent 1 may carry any stride (the api ignores it),
+// so it gets a valid one here (rows of head_dim rounded up to 8 elements).
+cudaError_t make_bhnd_map(CUtensorMap* map, const qattn_tensor& t, int batch, int head_dim,
+                          int cols, int heads, int seqlen, uint32_t box_rows);
 
 }  // namespace qattn::hopper

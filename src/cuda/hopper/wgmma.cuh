@@ -35,6 +35,23 @@ __device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) 
   return desc + (bytes >> 4);
 }
 
+// Descriptor for an MN-major 16-bit tile written by TMA with the 128-byte swizzle (a
+// B operand whose N index is contiguous: V as stored, [tokens][channels], read as the
+// B of P·V). Each 128-byte row holds 64 N-elements of one K index; 8 rows (K) form a
+// 1024-byte atom, the next 8 K indices follow at SBO = 1024; the next 64 N-elements
+// (a second TMA box) start `n_group_bytes` further (LBO). 16-bit types only: 8-bit
+// wgmma operands cannot be MN-major.
+__device__ __forceinline__ uint64_t make_smem_desc_mn128(const void* smem_tile,
+                                                         uint32_t n_group_bytes) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_tile));
+  uint64_t desc = 0;
+  desc |= static_cast<uint64_t>((addr & 0x3FFFF) >> 4);                 // start address
+  desc |= static_cast<uint64_t>((n_group_bytes & 0x3FFFF) >> 4) << 16;  // LBO: next 64 N
+  desc |= static_cast<uint64_t>(1024 >> 4) << 32;                       // SBO: next 8 K
+  desc |= static_cast<uint64_t>(Swizzle::k128B) << 62;
+  return desc;
+}
+
 __device__ __forceinline__ void wgmma_fence() {
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 }
@@ -52,6 +69,13 @@ __device__ __forceinline__ void fence_operands(T (&r)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i)
     asm volatile("" : "+r"(*reinterpret_cast<uint32_t*>(&r[i]))::"memory");
+}
+// The same for FP32 registers without a move to integer registers (which the compiler
+// may hoist above the wait, where ptxas then serializes every wgmma: C7514).
+template <int N>
+__device__ __forceinline__ void fence_operands_f32(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
 
 // The accumulator operands of one wgmma: d[0..n) with constraint C ("+r"/"+f" to
@@ -207,6 +231,58 @@ __device__ __forceinline__ void wgmma_m64n64k16_f32_ss(float (&d)[32], uint64_t 
     QATTN_WGMMA_16BIT("f16", "1", "+f");
   else
     QATTN_WGMMA_16BIT("f16", "0", "=f");
+#undef QATTN_WGMMA_16BIT
+}
+
+// The 16-bit forward (cuda/precise_fwd): S = Q·Kᵀ with both operands K-major in shared
+// memory, and O += P·V with P from registers and V MN-major (trans-b).
+// D(64x128, f32) (+)= A(64x16, bf16 or f16, smem) * B(128x16, same, smem, K-major)
+template <bool kBf16, bool kAcc>
+__device__ __forceinline__ void wgmma_m64n128k16_f32_ss(float (&d)[64], uint64_t desc_a,
+                                                        uint64_t desc_b) {
+#define QATTN_WGMMA_16BIT(TY, SC, C)                                                          \
+  asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " QATTN_WGMMA_REGS64 \
+               ", %64, %65, " SC ", 1, 1, 0, 0;\n"                                           \
+               : QATTN_WGMMA_D64(C, d)                                                       \
+               : "l"(desc_a), "l"(desc_b))
+  if constexpr (kBf16 && kAcc)
+    QATTN_WGMMA_16BIT("bf16", "1", "+f");
+  else if constexpr (kBf16)
+    QATTN_WGMMA_16BIT("bf16", "0", "=f");
+  else if constexpr (kAcc)
+    QATTN_WGMMA_16BIT("f16", "1", "+f");
+  else
+    QATTN_WGMMA_16BIT("f16", "0", "=f");
+#undef QATTN_WGMMA_16BIT
+}
+// D(64x128, f32) += A(64x16, registers) * B(128x16, smem, MN-major: trans-b)
+template <bool kBf16>
+__device__ __forceinline__ void wgmma_m64n128k16_f32_rs_tb(float (&d)[64], const uint32_t (&a)[4],
+                                                           uint64_t desc_b) {
+#define QATTN_WGMMA_16BIT(TY)                                                                 \
+  asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " " QATTN_WGMMA_REGS64 \
+               ", {%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n"                                  \
+               : QATTN_WGMMA_D64("+f", d)                                                    \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b))
+  if constexpr (kBf16)
+    QATTN_WGMMA_16BIT("bf16");
+  else
+    QATTN_WGMMA_16BIT("f16");
+#undef QATTN_WGMMA_16BIT
+}
+// D(64x64, f32) += A(64x16, registers) * B(64x16, smem, MN-major: trans-b)
+template <bool kBf16>
+__device__ __forceinline__ void wgmma_m64n64k16_f32_rs_tb(float (&d)[32], const uint32_t (&a)[4],
+                                                          uint64_t desc_b) {
+#define QATTN_WGMMA_16BIT(TY)                                                                \
+  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " QATTN_WGMMA_REGS32 \
+               ", {%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n"                                 \
+               : QATTN_WGMMA_D32("+f", d)                                                   \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b))
+  if constexpr (kBf16)
+    QATTN_WGMMA_16BIT("bf16");
+  else
+    QATTN_WGMMA_16BIT("f16");
 #undef QATTN_WGMMA_16BIT
 }
 

@@ -89,23 +89,6 @@ QDebugOut q_debug_out(const WorkspaceLayout& w, void* ws) {
           reinterpret_cast<float*>(base + w.q_dot_c)};
 }
 
-// A caller's (B, H, N, d) 16-bit tensor as a 4-D tensor map (cols, N, H, B) with boxes
-// of 64 channels × box_rows rows; rows past N and channels past `cols` read as zero and
-// are never written. A dimension of extent 1 may carry any stride (the api ignores it),
-// so it gets a valid one here.
-cudaError_t make_bhnd_map(CUtensorMap* map, const qattn_tensor& t, const qattn_fwd_params& p,
-                          int cols, int heads, int seqlen, uint32_t box_rows) {
-  const auto round8 = [](int64_t x) { return (x + 7) / 8 * 8; };
-  const int64_t sn = seqlen > 1 ? t.stride_n : round8(p.head_dim);
-  const int64_t sh = heads > 1 ? t.stride_h : sn * seqlen;
-  const int64_t sb = p.batch > 1 ? t.stride_b : sh * heads;
-  const uint64_t dims[4] = {static_cast<uint64_t>(cols), static_cast<uint64_t>(seqlen),
-                            static_cast<uint64_t>(heads), static_cast<uint64_t>(p.batch)};
-  const uint64_t strides[3] = {static_cast<uint64_t>(sn), static_cast<uint64_t>(sh),
-                               static_cast<uint64_t>(sb)};
-  return hopper::make_tensor_map_16bit_4d(map, t.data, dims, strides, 64, box_rows);
-}
-
 // The consumers' register split (kernel.cuh): at d=128, 240 registers per consumer thread
 // pay off on items of at least this many KV tiles on average, 232 are faster below it
 // (2K non-causal +1.5-2%, 1K and causal 2K -2-5% at 240). d=64 takes 240 at every
@@ -135,11 +118,12 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
   // at the last full chunk and the kernel writes the other columns itself
   // (AttentionParams::o_tma_cols).
   const int o_tma_cols = p.head_dim / 8 * 8;
-  if (auto e = make_bhnd_map(&tm_q, p.q, pm, p.head_dim, p.heads_q, p.seqlen_q, Tr::kBlockM);
+  if (auto e = hopper::make_bhnd_map(&tm_q, p.q, pm.batch, p.head_dim, p.head_dim, p.heads_q, p.seqlen_q,
+                                     Tr::kBlockM);
       e != cudaSuccess)
     return e;
-  if (auto e = make_bhnd_map(&tm_o, p.o, pm, std::max(o_tma_cols, 8), p.heads_q, p.seqlen_q,
-                             groups::kQBlock);
+  if (auto e = hopper::make_bhnd_map(&tm_o, p.o, pm.batch, p.head_dim, std::max(o_tma_cols, 8),
+                                     p.heads_q, p.seqlen_q, groups::kQBlock);
       e != cudaSuccess)
     return e;
   if (auto e = hopper::make_tensor_map_u8_3d(&tm_k, q.k_i8, D, w.nkv_pad, kv_slices, D,
