@@ -48,7 +48,7 @@ typedef enum qattn_scheme {
                                    MMA's products); for fidelity, not speed. Head dim 64 or
                                    128; no mask or causal aligned bottom-right; sage2
                                    options are ignored */
-  QATTN_SCHEME_PRECISE16 = 2    /* no quantization: Q·Kᵀ and P·V in the inputs' 16-bit type
+  QATTN_SCHEME_PRECISE16 = 2,   /* no quantization: Q·Kᵀ and P·V in the inputs' 16-bit type
                                    (FP16 or BF16) with FP32 accumulation, P rounded to that
                                    type (FlashAttention's arithmetic): the "precise" mode,
                                    for heads or layers where 8-bit products lose visible
@@ -56,6 +56,13 @@ typedef enum qattn_scheme {
                                    causal, sliding windows, kv_lengths and either
                                    alignment; no attn_mask or packed batch; sage2 options
                                    are ignored */
+  QATTN_SCHEME_SAGE2_8B_AUTO = 3 /* the "auto" precision: SageAttention2-8b on every head,
+                                   then the precision guard (per head, from the INT8
+                                   steps and norms of Q and the smoothed K: docs/design.md,
+                                   "Precision modes") and QATTN_SCHEME_PRECISE16 on the
+                                   heads it flags, overwriting their output; nothing is
+                                   read back to the host. The masks of
+                                   QATTN_SCHEME_PRECISE16; sage2.granularity per-thread */
 } qattn_scheme;
 
 /* Quantization granularity of Q and K for the INT8 Q·Kᵀ (SageAttention2 §3.2). */

@@ -458,16 +458,16 @@ qattn_status validate_forward(const char* fn, const qattn_fwd_params& p,
   // ---- scalars ----
   if (auto s = check_dtype(fn, p.dtype); s) return s;
   if (p.scheme != QATTN_SCHEME_SAGE2_8B && p.scheme != QATTN_SCHEME_SAGE3_NVFP4 &&
-      p.scheme != QATTN_SCHEME_PRECISE16)
+      p.scheme != QATTN_SCHEME_PRECISE16 && p.scheme != QATTN_SCHEME_SAGE2_8B_AUTO)
     return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": scheme = ", p.scheme,
                 "; allowed: QATTN_SCHEME_SAGE2_8B (0), QATTN_SCHEME_SAGE3_NVFP4 (1), "
-                "QATTN_SCHEME_PRECISE16 (2)");
+                "QATTN_SCHEME_PRECISE16 (2), QATTN_SCHEME_SAGE2_8B_AUTO (3)");
   if (auto s = check_shape_mask_scale(fn, p); s) return s;
   if (auto s = check_window_alignment(fn, p); s) return s;
   if (auto s = check_attn_mask(fn, p); s) return s;
   if (auto s = check_varlen(fn, p); s) return s;
   if (auto s = check_reserved(fn, "reserved0", p.reserved0, "qattn_fwd_params_init"); s) return s;
-  if (p.scheme == QATTN_SCHEME_SAGE2_8B) {
+  if (p.scheme == QATTN_SCHEME_SAGE2_8B || p.scheme == QATTN_SCHEME_SAGE2_8B_AUTO) {
     const int32_t gran = p.sage2.granularity;
     if (gran != QATTN_QK_PER_THREAD && gran != QATTN_QK_PER_WARP && gran != QATTN_QK_PER_BLOCK)
       return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": sage2.granularity = ", gran,

@@ -64,8 +64,9 @@ TEST(Registry, NonHopperDeviceIsUnsupportedNamingEveryFamily) {
     EXPECT_EQ(s, QATTN_ERROR_UNSUPPORTED);
     const std::string m = qattn_last_error_message();
     const std::string cc = std::to_string(arch.major) + "." + std::to_string(arch.minor);
-    for (const char* w : {"qattn_fwd: no kernel family runs this call", "considered 3",
+    for (const char* w : {"qattn_fwd: no kernel family runs this call", "considered 4",
                           "sage2_fwd_sm90", "sage3_nvfp4_fwd_sm90", "precise16_fwd_sm90",
+                          "sage2_auto_sm90",
                           "its kernels run on sm_90"})
       EXPECT_TRUE(contains(m, w)) << "no '" << w << "' in: " << m;
     EXPECT_TRUE(contains(m, "compute capability " + cc)) << m;
@@ -214,6 +215,30 @@ TEST(Registry, PreciseSchemeRunsItsMasksWithoutWorkspace) {
   EXPECT_TRUE(contains(m, "scheme 2")) << m;
   // The other schemes' families decline it for its scheme, not run it.
   EXPECT_TRUE(contains(m, "implements scheme 0, not 2")) << m;
+}
+
+// Precision "auto": its family, with the SA2-8b workspace and the guard's maxima after
+// it; the guard's rule is derived for per-thread groups, so other granularities are
+// declined by name.
+TEST(Registry, AutoSchemeRunsSage2ThenTheGuard) {
+  const Arch hopper{9, 0};
+  qattn_fwd_params p = valid_params();
+  p.scheme = QATTN_SCHEME_SAGE2_8B_AUTO;
+  p.causal = 1;
+  qattn_status s = QATTN_ERROR_INTERNAL;
+  const ForwardFamily* f = qattn::api::select_family("t", p, &hopper, &s);
+  ASSERT_NE(f, nullptr) << qattn_last_error_message();
+  EXPECT_STREQ(f->name, "sage2_auto_sm90");
+  qattn_fwd_params fast = p;
+  fast.scheme = QATTN_SCHEME_SAGE2_8B;
+  std::size_t auto_bytes = 0, fast_bytes = 0;
+  ASSERT_EQ(qattn_fwd_workspace_size(&p, &auto_bytes), QATTN_OK) << qattn_last_error_message();
+  ASSERT_EQ(qattn_fwd_workspace_size(&fast, &fast_bytes), QATTN_OK);
+  // (B·Hq + B·Hkv) FP32 pairs, each array 256-aligned: 2·8·2·4 = 128 -> 256, 2·2·2·4 -> 256.
+  EXPECT_EQ(auto_bytes, (fast_bytes + 255) / 256 * 256 + 512);
+  p.sage2.granularity = QATTN_QK_PER_WARP;
+  EXPECT_EQ(qattn_fwd_workspace_size(&p, &auto_bytes), QATTN_ERROR_UNSUPPORTED);
+  EXPECT_TRUE(contains(qattn_last_error_message(), "QATTN_QK_PER_THREAD")) << qattn_last_error_message();
 }
 
 constexpr ForwardFamily kCausalOnly{"fake_causal_only",

@@ -15,6 +15,7 @@
 #include "emulate/sage2.h"
 #include "emulate/synthetic.h"
 #include "numerics/formats.h"
+#include "numerics/precision_guard.h"
 #include "reference/attention_fp64.h"
 #include "reference/metrics.h"
 #include "test_seed.h"
@@ -239,6 +240,50 @@ TEST(PrecisionGuard, FlagsLargeLogitHeadsAndNotGaussianOnes) {
           << emulate::family_name(f) << " head " << h << ": sigma " << g.sigma_nats[h];
     }
   }
+}
+
+// The GPU's form of the rule (numerics/precision_guard.h: four FP32 maxima per head and
+// an FP32 formula) against the emulator's (FP64 products): equal σ to a few FP32
+// roundings (relative 1e-6), the same float threshold, the same flags, on every family.
+TEST(PrecisionGuard, TheGpusFp32FormIsTheEmulatorsRule) {
+  EXPECT_FLOAT_EQ(numerics::kGuardThresholdNats, static_cast<float>(emulate::guard_threshold_nats()));
+  const std::uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE(test::seed_trace(seed));
+  for (InputFamily f : {InputFamily::Gaussian, InputFamily::LargeLogits, InputFamily::HeavyTail,
+                        InputFamily::OutlierChannels, InputFamily::AttentionSink}) {
+    SyntheticSpec spec = small_spec(f, seed, 4);
+    spec.heads_kv = 2;
+    const auto in = emulate::make_synthetic(spec);
+    const emulate::Sage2Quantized z =
+        emulate::quantize_sage2(in.q, in.k, in.v, {}, emulate::fast_options());
+    const emulate::PrecisionGuard g = emulate::precision_guard(z);
+    const int D = z.head_dim_padded;
+    auto norm2 = [D](const std::int8_t* c) {
+      int s = 0;
+      for (int i = 0; i < D; ++i) s += c[i] * c[i];
+      return static_cast<float>(s);
+    };
+    for (int h = 0; h < z.heads_q; ++h) {
+      float a2 = 0.f, qn = 0.f, b2 = 0.f, kn = 0.f;
+      for (int i = 0; i < z.nq_pad; ++i) {
+        const std::size_t r = std::size_t(h) * z.nq_pad + i;
+        const float a = z.q_row_scale[r];
+        a2 = std::max(a2, a * a);
+        qn = std::max(qn, a * a * norm2(z.q_i8.data() + r * D));
+      }
+      const int hk = h / (z.heads_q / z.heads_kv);
+      for (int j = 0; j < z.nkv_pad; ++j) {
+        const std::size_t r = std::size_t(hk) * z.nkv_pad + j;
+        const float b = z.k_token_scale[r];
+        b2 = std::max(b2, b * b);
+        kn = std::max(kn, b * b * norm2(z.k_i8.data() + r * D));
+      }
+      const float sigma = numerics::guard_sigma_nats(a2, qn, b2, kn);
+      EXPECT_NEAR(sigma, g.sigma_nats[h], 1e-6 * g.sigma_nats[h]) << emulate::family_name(f) << " head " << h;
+      EXPECT_EQ(numerics::guard_flags(sigma), g.flagged[h] != 0) << emulate::family_name(f) << " head " << h;
+    }
+  }
+  EXPECT_TRUE(numerics::guard_flags(std::nanf("")));  // NaN never passes as small
 }
 
 TEST(PrecisionGuard, NeedsTheFastPathsIntegerQuantization) {

@@ -34,6 +34,7 @@
 #include "cuda/precise_fwd/launch.h"
 #include "cuda/sage2_fwd/epilogue.cuh"
 #include "numerics/key_range.h"
+#include "numerics/precision_guard.h"
 
 namespace qattn::precise {
 namespace {
@@ -57,6 +58,11 @@ struct Params {
   numerics::KeyRule keys;  // the call's rule, kv_len = seqlen_kv
   const int* kv_lengths;   // (B) or null: each batch entry's key-padding length
   int num_m_blocks;
+  // Precision "auto": the guard's per-head maxima (cuda/precision_guard); a CTA whose head
+  // the rule does not flag returns at once, leaving the SA2-8b output in place. Null:
+  // every head runs.
+  const float* guard_q;  // (B, Hq, 2)
+  const float* guard_k;  // (B, Hkv, 2)
 };
 
 template <int D>
@@ -111,6 +117,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int m_block = p.num_m_blocks - 1 - static_cast<int>(blockIdx.x);
   const int hq = blockIdx.y, b = blockIdx.z;
   const int hkv = hq / (p.heads_q / p.heads_kv);
+  if (p.guard_q != nullptr) {
+    const float* gq = p.guard_q + 2 * (static_cast<int64_t>(b) * p.heads_q + hq);
+    const float* gk = p.guard_k + 2 * (static_cast<int64_t>(b) * p.heads_kv + hkv);
+    if (!numerics::guard_flags(numerics::guard_sigma_nats(gq[0], gq[1], gk[0], gk[1]))) return;
+  }
   numerics::KeyRule rule = p.keys;
   if (p.kv_lengths != nullptr) {
     const int len = p.kv_lengths[b];
@@ -345,7 +356,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 template <int D, typename T>
-cudaError_t launch_d(const qattn_fwd_params& p, cudaStream_t stream) {
+cudaError_t launch_d(const qattn_fwd_params& p, const guard::Stats* guard, cudaStream_t stream) {
   // Q, K and V in 128-row boxes; O written in 64-row boxes up to its last full 16-byte
   // chunk (a TMA store writes whole chunks; the kernel writes the rest itself).
   const int o_tma_cols = p.head_dim / 8 * 8;
@@ -387,6 +398,8 @@ cudaError_t launch_d(const qattn_fwd_params& p, cudaStream_t stream) {
                                    p.window != 0 ? p.window_right : -1, p.seqlen_kv);
   a.kv_lengths = p.kv_lengths;
   a.num_m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
+  a.guard_q = guard != nullptr ? guard->q : nullptr;
+  a.guard_k = guard != nullptr ? guard->k : nullptr;
 
   auto kernel = precise_fwd_kernel<D, T>;
   constexpr int smem = static_cast<int>(sizeof(Storage<D>)) + 1024;
@@ -403,15 +416,15 @@ cudaError_t launch_d(const qattn_fwd_params& p, cudaStream_t stream) {
 }
 
 template <typename T>
-cudaError_t run(const qattn_fwd_params& p, cudaStream_t stream) {
-  return p.head_dim <= 64 ? launch_d<64, T>(p, stream) : launch_d<128, T>(p, stream);
+cudaError_t run(const qattn_fwd_params& p, const guard::Stats* guard, cudaStream_t stream) {
+  return p.head_dim <= 64 ? launch_d<64, T>(p, guard, stream) : launch_d<128, T>(p, guard, stream);
 }
 
 }  // namespace
 
-int launch_forward(const qattn_fwd_params& p, void* stream) {
+int launch_forward(const qattn_fwd_params& p, void* stream, const guard::Stats* guard) {
   auto s = static_cast<cudaStream_t>(stream);
-  return p.dtype == QATTN_DTYPE_BF16 ? run<__nv_bfloat16>(p, s) : run<__half>(p, s);
+  return p.dtype == QATTN_DTYPE_BF16 ? run<__nv_bfloat16>(p, guard, s) : run<__half>(p, guard, s);
 }
 
 }  // namespace qattn::precise

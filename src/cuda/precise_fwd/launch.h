@@ -4,12 +4,14 @@
 // its contract. The api layer validates and resolves defaults first.
 #pragma once
 
+#include "cuda/precision_guard/launch.h"
 #include "qattn/qattn.h"
 
 namespace qattn::precise {
 
 // Enqueues the attention kernel on `stream`; returns cudaSuccess or the first CUDA
-// error; never synchronizes. Needs no workspace.
-int launch_forward(const qattn_fwd_params& p, void* stream);
+// error; never synchronizes. Needs no workspace. With `guard` (precision "auto"), only
+// the heads whose guard maxima the rule flags run; the others keep what o and lse hold.
+int launch_forward(const qattn_fwd_params& p, void* stream, const guard::Stats* guard = nullptr);
 
 }  // namespace qattn::precise
