@@ -70,6 +70,7 @@ else:
         set_backward_options,
     )
     from .kv_cache import KVCache, decode  # noqa: F401
+    from .precision import get_precision, set_precision  # noqa: F401
     from .sdpa import get_fallback, scaled_dot_product_attention, set_fallback  # noqa: F401
     from .varlen import varlen_attention  # noqa: F401
 
@@ -80,9 +81,11 @@ else:
         "decode",
         "get_backward_options",
         "get_fallback",
+        "get_precision",
         "sageattn",
         "scaled_dot_product_attention",
         "set_backward_options",
         "set_fallback",
+        "set_precision",
         "varlen_attention",
     ]

@@ -39,6 +39,9 @@ from .errors import QattnError, QattnUnsupportedError, check, invalid
 
 _LAYOUTS = ("HND", "NHD")
 _SCHEMES = ("sa2_8b", "sa3_nvfp4")
+# precision= of the SageAttention2-8b scheme: the C ABI's scheme for each mode.
+_PRECISIONS = {"fast": _C.SCHEME_SAGE2_8B, "auto": _C.SCHEME_SAGE2_8B_AUTO,
+               "precise": _C.SCHEME_PRECISE16}
 _DTYPES = {torch.float16: _C.DTYPE_FP16, torch.bfloat16: _C.DTYPE_BF16}
 _GRANULARITIES = {"per_thread": 0, "per_warp": 1, "per_block": 2}
 _ROW_MULTIPLE = 8  # elements: the C ABI wants 16-byte strides and pointers
@@ -435,6 +438,36 @@ def _attention_sa3_op(
 @_attention_sa3_op.register_fake
 def _attention_sa3_fake(q, k, v, is_causal, scale, layout, return_lse):
     return _attention_fake(q, k, v, is_causal, scale, layout, return_lse, "per_thread")
+
+
+@torch.library.custom_op("qattn::attention_precision", mutates_args=())
+def _attention_precision_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    is_causal: bool,
+    scale: Optional[float],
+    layout: str,
+    return_lse: bool,
+    precision: str,
+    kv_lengths: Optional[torch.Tensor] = None,
+    window_left: int = -1,
+    window_right: int = -1,
+    alignment: str = "bottom_right",
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The forward in precision "auto" (QATTN_SCHEME_SAGE2_8B_AUTO) or "precise"
+    (QATTN_SCHEME_PRECISE16); the masks of qattn::attention except attn_mask."""
+    return _run(q, k, v, is_causal, scale, layout, return_lse, "per_thread",
+                scheme=_PRECISIONS[precision],
+                **_mask_options(kv_lengths, window_left, window_right, alignment))
+
+
+@_attention_precision_op.register_fake
+def _attention_precision_fake(q, k, v, is_causal, scale, layout, return_lse, precision,
+                              kv_lengths=None, window_left=-1, window_right=-1,
+                              alignment="bottom_right"):
+    return _attention_fake(q, k, v, is_causal, scale, layout, return_lse, "per_thread",
+                           kv_lengths, window_left, window_right, alignment)
 
 
 def _keep_mask(ctx, mask_inputs):
@@ -924,6 +957,7 @@ def attention(
     kv_lengths: Optional[torch.Tensor] = None,
     attn_mask: Optional[torch.Tensor] = None,
     scheme: str = "sa2_8b",
+    precision: str = "fast",
 ):
     """SageAttention2-8b attention (INT8 Q·Kᵀ, FP8 P·V) on a Hopper GPU.
 
@@ -973,6 +1007,17 @@ def attention(
     causal_alignment="bottom_right"), no window_size, kv_lengths or attn_mask, and has no
     backward (a call that records autograd raises QattnUnsupportedError).
 
+    precision (scheme "sa2_8b"): "fast" (default) is the SageAttention2-8b arithmetic
+    above. "precise" computes both products in the inputs' own 16-bit type with FP32
+    accumulation and P rounded to that type (FlashAttention's arithmetic; no
+    quantization): for heads or layers whose output the 8-bit products change visibly.
+    "auto" runs "fast" on every head, then the precision guard, which estimates per
+    head from Q's and the smoothed K's INT8 steps and norms the worst score error that
+    INT8 Q·Kᵀ makes, and runs "precise" on the heads where it exceeds FP8 P·V's own
+    error (docs/design.md, "Precision modes"); nothing is read back to the host. Both
+    take the masks above except attn_mask, granularity "per_thread", and have no
+    backward (a call that records autograd raises QattnUnsupportedError).
+
     Training: where grad mode is on and q, k or v requires grad, the call runs the
     training forward (the same kernel with per-block Q/K groups, SageBwd's, whatever
     granularity says, and the LSE written) and backward gives dq, dk, dv from SageBwd,
@@ -989,10 +1034,19 @@ def attention(
         raise invalid(f"causal_alignment = {causal_alignment!r}; allowed: 'top_left' or 'bottom_right'")
     if scheme not in _SCHEMES:
         raise invalid(f"scheme = {scheme!r}; allowed: {', '.join(map(repr, _SCHEMES))}")
+    if precision not in _PRECISIONS:
+        raise invalid(f"precision = {precision!r}; allowed: {', '.join(map(repr, _PRECISIONS))}")
     if scheme == "sa3_nvfp4":
+        if precision != "fast":
+            raise invalid(f"precision = {precision!r} is for scheme 'sa2_8b'; scheme 'sa3_nvfp4' "
+                          "has one arithmetic")
         return _attention_sa3(q, k, v, is_causal, scale, layout, return_lse, causal_alignment,
                               window_size, kv_lengths, attn_mask)
     window_left, window_right = _window_sides(window_size)
+    if precision != "fast":
+        return _attention_precision(q, k, v, is_causal, scale, layout, return_lse, granularity,
+                                    causal_alignment, window_left, window_right, kv_lengths,
+                                    attn_mask, precision)
     _attn_mask_alone(attn_mask, (
         ("is_causal=True", bool(is_causal)),
         (f"window_size = {tuple(window_size)!r}", window_left != -1 or window_right != -1),
@@ -1013,6 +1067,38 @@ def attention(
         o, lse = _top_left(q, k, v, scale, layout, return_lse, granularity)  # causal, top-left
     else:
         o, lse = _forward(q, k, v, is_causal, scale, layout, return_lse, granularity, **mask)
+    return (o, lse) if return_lse else o
+
+
+def _attention_precision(q, k, v, is_causal, scale, layout, return_lse, granularity,
+                         causal_alignment, window_left, window_right, kv_lengths, attn_mask,
+                         precision):
+    """qattn.attention(precision="auto" or "precise"): the options those modes take, then
+    their op."""
+    if attn_mask is not None:
+        raise invalid(f"precision = {precision!r} takes no attn_mask (is_causal, window_size "
+                      "and kv_lengths it takes)")
+    if granularity != "per_thread":
+        raise invalid(f"precision = {precision!r} runs granularity 'per_thread' only (the "
+                      f"guard is derived for it); got {granularity!r}")
+    if _records_autograd(q, k, v):
+        raise QattnUnsupportedError(
+            "backward", f"precision = {precision!r} has no backward; call it under "
+            "torch.no_grad() or on tensors that do not require grad")
+    if kv_lengths is not None:
+        _check_inputs(q, k, v, layout, scale, granularity)
+        _check_kv_lengths(kv_lengths, q, layout)
+    lengths = _seq_lengths(q, k, layout)
+    window = window_left >= 0 or (not is_causal and window_right >= 0)
+    aligned = lengths is not None and lengths[0] != lengths[1] and (is_causal or window)
+    mask = _mask_options(kv_lengths, window_left, window_right,
+                         causal_alignment if aligned else "bottom_right")
+    if _direct_call_ok(q, k, v):
+        o, lse = _run(q, k, v, is_causal, scale, layout, return_lse, "per_thread",
+                      scheme=_PRECISIONS[precision], **mask)
+    else:
+        o, lse = torch.ops.qattn.attention_precision(q, k, v, is_causal, scale, layout, return_lse,
+                                                     precision, **mask)
     return (o, lse) if return_lse else o
 
 

@@ -46,7 +46,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import _C, fallback, ops
+from . import _C, fallback, ops, precision
 from .errors import QattnError
 from .fallback import _warned, get_fallback, set_fallback  # noqa: F401 (the package's API; tests clear _warned)
 
@@ -198,8 +198,12 @@ def scaled_dot_product_attention(
     declined = _decline(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if declined is None:
         # A boolean attn_mask is passed on only when given: a call without one keeps the
-        # arguments of a plain call.
+        # arguments of a plain call. So is a precision other than "fast" (qattn.set_precision),
+        # which covers inference calls without an attn_mask.
         mask = {} if attn_mask is None else {"attn_mask": attn_mask}
+        mode = precision.get_precision()
+        if mode != "fast" and attn_mask is None and not ops._records_autograd(query, key, value):
+            mask["precision"] = mode
         if torch.compiler.is_compiling():
             return ops.attention(query, key, value, is_causal=is_causal, scale=scale,
                                  causal_alignment="top_left", **mask)

@@ -252,3 +252,93 @@ def test_sa3_call_passes_its_scheme():
         call_for(q96, q96, q96, scheme=_C.SCHEME_SAGE3_NVFP4)
     with pytest.raises(qattn.QattnError, match="CUDA"):
         qattn.attention(q, q, q, scheme="sa3_nvfp4")  # CPU tensors: refused before any call
+
+
+def test_precision_modes_pass_their_schemes():
+    """precision= maps to the C ABI's schemes: "precise" needs no workspace, "auto" the
+    SA2-8b one and the guard's maxima after it (sized by the C library, no device)."""
+    assert (_C.SCHEME_PRECISE16, _C.SCHEME_SAGE2_8B_AUTO) == (2, 3)
+    q = torch.zeros(2, 8, 300, 64, dtype=torch.bfloat16)
+    k = torch.zeros(2, 2, 500, 64, dtype=torch.bfloat16)
+    fast = call_for(q, k, k)
+    precise = call_for(q, k, k, scheme=_C.SCHEME_PRECISE16)
+    auto = call_for(q, k, k, scheme=_C.SCHEME_SAGE2_8B_AUTO)
+    assert precise.ws_bytes == 0
+    # (B·Hq + B·Hkv) FP32 pairs after the SA2-8b workspace, each array 256-aligned.
+    assert auto.ws_bytes == -(-fast.ws_bytes // 256) * 256 + 256 + 256
+    q100 = torch.zeros(1, 2, 130, 100, dtype=torch.float16)  # padded to 104 by the layer
+    assert call_for(q100, q100, q100, scheme=_C.SCHEME_PRECISE16).ws_bytes == 0
+
+
+def test_precision_argument_is_checked_by_name():
+    q = torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16)
+    with pytest.raises(qattn.QattnError, match="precision = 'exact'; allowed: 'fast', 'auto', 'precise'"):
+        qattn.attention(q, q, q, precision="exact")
+    with pytest.raises(qattn.QattnError, match="takes no attn_mask"):
+        qattn.attention(q, q, q, precision="auto", attn_mask=torch.ones(64, 64, dtype=torch.bool))
+    with pytest.raises(qattn.QattnError, match="per_thread"):
+        qattn.attention(q, q, q, precision="precise", granularity="per_block")
+    with pytest.raises(qattn.QattnError, match="scheme 'sa2_8b'"):
+        qattn.attention(q, q, q, precision="precise", scheme="sa3_nvfp4")
+    qg = torch.empty(1, 2, 64, 64, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    with pytest.raises(qattn.QattnUnsupportedError, match="no backward"):
+        qattn.attention(qg, qg, qg, precision="auto")
+    with pytest.raises(qattn.QattnError, match="CUDA"):
+        qattn.attention(q, q, q, precision="precise")  # CPU tensors: refused before any call
+
+
+def test_precision_ops_trace_on_meta_tensors():
+    """The op of the two modes has a fake implementation: shapes without a device, in
+    both layouts, with the LSE."""
+    q = torch.empty(2, 8, 300, 64, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(2, 2, 500, 64, dtype=torch.bfloat16, device="meta")
+    for mode in ("auto", "precise"):
+        o, lse = qattn.attention(q, k, k, is_causal=True, return_lse=True, precision=mode,
+                                 window_size=(100, 0))
+        assert o.shape == q.shape and lse.shape == (2, 8, 300) and lse.dtype == torch.float32
+        o = qattn.attention(q.transpose(1, 2), k.transpose(1, 2), k.transpose(1, 2),
+                            layout="NHD", precision=mode)
+        assert o.shape == (2, 300, 8, 64)
+
+
+def test_set_precision_routes_the_sdpa_drop_in(monkeypatch):
+    """qattn.set_precision: the mode of the SDPA drop-in's inference calls without an
+    attn_mask; training and masked calls keep "fast". Checked on meta tensors, which take
+    qattn's ops (the op a call reaches is recorded)."""
+    assert qattn.get_precision() == "fast"
+    with pytest.raises(ValueError, match="'fast' \\(the default\\), 'auto' or 'precise'"):
+        qattn.set_precision("exact")
+    seen = []
+    real = ops.attention
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("precision", "fast"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "attention", spy)
+    q = torch.empty(1, 4, 128, 64, dtype=torch.bfloat16, device="meta")
+    previous = qattn.set_precision("auto")
+    try:
+        assert previous == "fast" and qattn.get_precision() == "auto"
+        assert qattn.scaled_dot_product_attention(q, q, q, is_causal=True).shape == q.shape
+        mask = torch.ones(128, 128, dtype=torch.bool, device="meta")
+        qattn.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+        qg = q.detach().requires_grad_()
+        qattn.scaled_dot_product_attention(qg, qg, qg)
+    finally:
+        qattn.set_precision(previous)
+    assert seen == ["auto", "fast", "fast"]
+
+
+def test_precision_environment_variable():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "QATTN_PRECISION": "precise"}
+    out = subprocess.run([sys.executable, "-c", "import qattn; print(qattn.get_precision())"],
+                         env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "precise"
+    env["QATTN_PRECISION"] = "exact"
+    bad = subprocess.run([sys.executable, "-c", "import qattn"], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "QATTN_PRECISION = 'exact'" in bad.stderr

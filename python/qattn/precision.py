@@ -1,0 +1,38 @@
+"""The precision mode of qattn.scaled_dot_product_attention (and of the plug-ins built on
+it): "fast", "auto" or "precise" (qattn.attention's precision= argument says what each
+computes). One setting for the process, so that a model patched through SDPA needs no
+change of its own code."""
+import os
+import threading
+
+_MODES = ("fast", "auto", "precise")
+_ENV = "QATTN_PRECISION"
+
+
+def _check_mode(mode, what: str) -> str:
+    if mode not in _MODES:
+        raise ValueError(f"{what} = {mode!r}; allowed: 'fast' (the default), 'auto' or 'precise'")
+    return mode
+
+
+_mode = _check_mode(os.environ.get(_ENV) or "fast", _ENV)
+_lock = threading.Lock()
+
+
+def set_precision(mode: str) -> str:
+    """The precision qattn.scaled_dot_product_attention runs inference calls in: "fast"
+    (the default; SageAttention2-8b), "auto" (fast, with the heads the precision guard
+    flags recomputed in 16 bits) or "precise" (both products in 16 bits). Training calls
+    and calls with an attn_mask run "fast" whatever the mode (the other two have no
+    backward and no attn_mask kernel). The environment variable QATTN_PRECISION sets the
+    mode at import. Returns the previous mode, so that a caller can restore it."""
+    global _mode
+    _check_mode(mode, "mode")
+    with _lock:
+        previous, _mode = _mode, mode
+    return previous
+
+
+def get_precision() -> str:
+    """The current precision mode of the SDPA drop-in (see set_precision)."""
+    return _mode
