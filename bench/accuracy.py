@@ -14,8 +14,9 @@ one row per (family, precision): "fast" is qattn's SA2-8b kernel (what a call ru
 today); "fast_hadamard" the same kernel on Q and K rotated by a signed Hadamard matrix
 first (qattn.tools.hadamard_rotated, in FP32 rounded back to FP16: the `qk_rotation`
 study's arithmetic, its time including the two rotations); "sdpa_fp16" is PyTorch SDPA
-(cuDNN or FlashAttention) on the same FP16 inputs, the 16-bit arithmetic a "precise"
-mode reaches for. cos, l1 (relative L1) and rmse are
+(cuDNN or FlashAttention) on the same FP16 inputs, the 16-bit arithmetic of "precise";
+"auto" and "precise" are qattn.attention's precision modes (the GPU only). cos, l1
+(relative L1) and rmse are
 the output's against the FP64 reference, as `qattn accuracy` defines them
 (src/reference/metrics.h), at the accuracy shape (--batch, --heads, --seq-len,
 --head-dim; the defaults are `qattn accuracy`'s, so its report is the emulation of the
@@ -24,7 +25,7 @@ same tensors); ms is the call's median time on the GPU at the timing shape (--ti
 time is not the launches') and ms_fast the "fast" row's of the same family, measured in
 the same run. emulated_cos, when --emulated names a `qattn accuracy --json`
 report of the same configuration, is that report's CosSim of the same family and
-precision (the CPU emulation, the kernel's contract; for sdpa_fp16 the emulated
+precision (the CPU emulation, the kernels' contract; for sdpa_fp16 the emulated
 "precise", the same 16-bit arithmetic; for fast_hadamard the study `qk_rotation`,
 whose rotation is not rounded to FP16).
 
@@ -52,9 +53,10 @@ import qattn  # noqa: E402
 import qattn.tools  # noqa: E402
 from qattn import _C  # noqa: E402
 
-# The emulated mode whose arithmetic a row's is: "precise" is Q·Kᵀ and P·V in the
-# inputs' 16-bit type with FP32 accumulation, SDPA's (accumulation order aside).
-EMULATED_AS = {"precise": "sdpa_fp16"}
+# The emulated mode whose arithmetic a row's is, where the names differ: SDPA's is
+# "precise" (Q·Kᵀ and P·V in the inputs' 16-bit type with FP32 accumulation,
+# accumulation order aside).
+EMULATED_AS = {"sdpa_fp16": "precise"}
 
 FAMILIES = ("gaussian", "large_logits", "heavy_tail", "outlier_channels", "attention_sink")
 
@@ -114,7 +116,7 @@ def emulated_table(path: Optional[Path], args) -> Dict[tuple, float]:
             continue
         family, variant = row["variant"].split("/")
         if row.get("study") == "precision_guard":
-            table[(family, EMULATED_AS.get(variant, variant))] = row["cos"]
+            table[(family, variant)] = row["cos"]
         elif row.get("study") == "qk_rotation" and variant == "fast_hadamard":
             table[(family, variant)] = row["cos"]
     return table
@@ -134,6 +136,9 @@ def measure(args, device: torch.device) -> List[dict]:
     rotated = qattn.tools.hadamard_rotated(
         lambda q, k, v, attn_mask, dropout_p, is_causal, scale: fast(q, k, v, scale=scale))
     runs = {"fast": fast, "fast_hadamard": rotated, "sdpa_fp16": F.scaled_dot_product_attention}
+    if device.type == "cuda":  # qattn's other two modes (no CPU stand-in: they are kernels)
+        runs["auto"] = lambda q, k, v: qattn.attention(q, k, v, precision="auto")
+        runs["precise"] = lambda q, k, v: qattn.attention(q, k, v, precision="precise")
     for family in args.families:
         q, k, v = family_inputs(family, args.batch, args.heads, args.seq_len, args, device)
         ref = reference_fp64(q, k, v, scale)
@@ -143,8 +148,8 @@ def measure(args, device: torch.device) -> List[dict]:
         for precision, fn in runs.items():
             row = {"family": family, "precision": precision, **metrics(fn(q, k, v), ref),
                    "ms": time_ms(lambda: fn(tq, tk, tv), args, device)}
-            if (family, precision) in emulated:
-                row["emulated_cos"] = emulated[(family, precision)]
+            if (family, EMULATED_AS.get(precision, precision)) in emulated:
+                row["emulated_cos"] = emulated[(family, EMULATED_AS.get(precision, precision))]
             family_rows.append(row)
         for row in family_rows:
             row["ms_fast"] = family_rows[0]["ms"]

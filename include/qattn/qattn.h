@@ -53,9 +53,9 @@ typedef enum qattn_scheme {
                                    type (FlashAttention's arithmetic): the "precise" mode,
                                    for heads or layers where 8-bit products lose visible
                                    accuracy. One kernel, no workspace. Head dim 1..128;
-                                   causal, sliding windows, kv_lengths and either
-                                   alignment; no attn_mask or packed batch; sage2 options
-                                   are ignored */
+                                   causal, sliding windows, kv_lengths, either alignment
+                                   and a boolean attn_mask (read element by element); no
+                                   packed batch; sage2 options are ignored */
   QATTN_SCHEME_SAGE2_8B_AUTO = 3 /* the "auto" precision: SageAttention2-8b on every head,
                                    then the precision guard (per head, from the INT8
                                    steps and norms of Q and the smoothed K: docs/design.md,

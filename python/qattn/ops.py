@@ -454,20 +454,21 @@ def _attention_precision_op(
     window_left: int = -1,
     window_right: int = -1,
     alignment: str = "bottom_right",
+    attn_mask: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The forward in precision "auto" (QATTN_SCHEME_SAGE2_8B_AUTO) or "precise"
-    (QATTN_SCHEME_PRECISE16); the masks of qattn::attention except attn_mask."""
+    (QATTN_SCHEME_PRECISE16), with the masks of qattn::attention."""
     return _run(q, k, v, is_causal, scale, layout, return_lse, "per_thread",
                 scheme=_PRECISIONS[precision],
-                **_mask_options(kv_lengths, window_left, window_right, alignment))
+                **_mask_options(kv_lengths, window_left, window_right, alignment, attn_mask))
 
 
 @_attention_precision_op.register_fake
 def _attention_precision_fake(q, k, v, is_causal, scale, layout, return_lse, precision,
                               kv_lengths=None, window_left=-1, window_right=-1,
-                              alignment="bottom_right"):
+                              alignment="bottom_right", attn_mask=None):
     return _attention_fake(q, k, v, is_causal, scale, layout, return_lse, "per_thread",
-                           kv_lengths, window_left, window_right, alignment)
+                           kv_lengths, window_left, window_right, alignment, attn_mask)
 
 
 def _keep_mask(ctx, mask_inputs):
@@ -1015,8 +1016,9 @@ def attention(
     head from Q's and the smoothed K's INT8 steps and norms the worst score error that
     INT8 Q·Kᵀ makes, and runs "precise" on the heads where it exceeds FP8 P·V's own
     error (docs/design.md, "Precision modes"); nothing is read back to the host. Both
-    take the masks above except attn_mask, granularity "per_thread", and have no
-    backward (a call that records autograd raises QattnUnsupportedError).
+    take the masks above (a boolean attn_mask "precise" tests element by element, with
+    no tile skipping), granularity "per_thread", and have no backward (a call that
+    records autograd raises QattnUnsupportedError).
 
     Training: where grad mode is on and q, k or v requires grad, the call runs the
     training forward (the same kernel with per-block Q/K groups, SageBwd's, whatever
@@ -1075,9 +1077,11 @@ def _attention_precision(q, k, v, is_causal, scale, layout, return_lse, granular
                          precision):
     """qattn.attention(precision="auto" or "precise"): the options those modes take, then
     their op."""
-    if attn_mask is not None:
-        raise invalid(f"precision = {precision!r} takes no attn_mask (is_causal, window_size "
-                      "and kv_lengths it takes)")
+    _attn_mask_alone(attn_mask, (
+        ("is_causal=True", bool(is_causal)),
+        (f"window_size = {(window_left, window_right)!r}", window_left != -1 or window_right != -1),
+        ("kv_lengths", kv_lengths is not None),
+    ))
     if granularity != "per_thread":
         raise invalid(f"precision = {precision!r} runs granularity 'per_thread' only (the "
                       f"guard is derived for it); got {granularity!r}")
@@ -1085,14 +1089,15 @@ def _attention_precision(q, k, v, is_causal, scale, layout, return_lse, granular
         raise QattnUnsupportedError(
             "backward", f"precision = {precision!r} has no backward; call it under "
             "torch.no_grad() or on tensors that do not require grad")
-    if kv_lengths is not None:
+    if kv_lengths is not None or attn_mask is not None:
         _check_inputs(q, k, v, layout, scale, granularity)
         _check_kv_lengths(kv_lengths, q, layout)
+        _check_attn_mask(attn_mask, q, k, layout)
     lengths = _seq_lengths(q, k, layout)
     window = window_left >= 0 or (not is_causal and window_right >= 0)
     aligned = lengths is not None and lengths[0] != lengths[1] and (is_causal or window)
     mask = _mask_options(kv_lengths, window_left, window_right,
-                         causal_alignment if aligned else "bottom_right")
+                         causal_alignment if aligned else "bottom_right", attn_mask)
     if _direct_call_ok(q, k, v):
         o, lse = _run(q, k, v, is_causal, scale, layout, return_lse, "per_thread",
                       scheme=_PRECISIONS[precision], **mask)

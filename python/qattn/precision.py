@@ -23,8 +23,8 @@ def set_precision(mode: str) -> str:
     """The precision qattn.scaled_dot_product_attention runs inference calls in: "fast"
     (the default; SageAttention2-8b), "auto" (fast, with the heads the precision guard
     flags recomputed in 16 bits) or "precise" (both products in 16 bits). Training calls
-    and calls with an attn_mask run "fast" whatever the mode (the other two have no
-    backward and no attn_mask kernel). The environment variable QATTN_PRECISION sets the
+    run "fast" whatever the mode (the other two have no backward). The environment
+    variable QATTN_PRECISION sets the
     mode at import. Returns the previous mode, so that a caller can restore it."""
     global _mode
     _check_mode(mode, "mode")

@@ -199,10 +199,10 @@ def scaled_dot_product_attention(
     if declined is None:
         # A boolean attn_mask is passed on only when given: a call without one keeps the
         # arguments of a plain call. So is a precision other than "fast" (qattn.set_precision),
-        # which covers inference calls without an attn_mask.
+        # which covers inference calls.
         mask = {} if attn_mask is None else {"attn_mask": attn_mask}
         mode = precision.get_precision()
-        if mode != "fast" and attn_mask is None and not ops._records_autograd(query, key, value):
+        if mode != "fast" and not ops._records_autograd(query, key, value):
             mask["precision"] = mode
         if torch.compiler.is_compiling():
             return ops.attention(query, key, value, is_causal=is_causal, scale=scale,

@@ -126,3 +126,20 @@ def test_set_precision_runs_the_drop_in_in_that_mode():
     want = qattn.attention(q, k, v, is_causal=True, precision="auto")
     assert torch.equal(o, want)
     assert not torch.equal(o, qattn.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+@pytest.mark.parametrize("mode", ["precise", "auto"])
+def test_boolean_attn_mask(mode):
+    """A padding-style boolean mask, as transformers passes it (B, 1, Nq, Nkv), with one
+    entry whose rows see no key (O = 0, the drop-in's convention)."""
+    q, k, v = make(3, 4, 4, 200, 200, 64, torch.bfloat16, "HND", seed=11)
+    lengths = torch.tensor([200, 37, 0], device=DEV)
+    mask = (torch.arange(200, device=DEV)[None, :] < lengths[:, None])[:, None, None, :]
+    mask = mask.expand(3, 1, 200, 200)
+    o = qattn.attention(q, k, v, attn_mask=mask, precision=mode)
+    assert (o[2] == 0).all()
+    for b in range(2):
+        n = int(lengths[b])
+        ref = reference(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n], False, "HND")
+        bound = PRECISE_BOUND[torch.bfloat16] if mode == "precise" else 1e-3  # auto: fast's
+        assert 1 - cossim(o[b:b + 1], ref) <= bound

@@ -274,8 +274,9 @@ def test_precision_argument_is_checked_by_name():
     q = torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16)
     with pytest.raises(qattn.QattnError, match="precision = 'exact'; allowed: 'fast', 'auto', 'precise'"):
         qattn.attention(q, q, q, precision="exact")
-    with pytest.raises(qattn.QattnError, match="takes no attn_mask"):
-        qattn.attention(q, q, q, precision="auto", attn_mask=torch.ones(64, 64, dtype=torch.bool))
+    with pytest.raises(qattn.QattnError, match="attn_mask with is_causal=True; allowed: an attn_mask alone"):
+        qattn.attention(q, q, q, precision="auto", is_causal=True,
+                        attn_mask=torch.ones(64, 64, dtype=torch.bool))
     with pytest.raises(qattn.QattnError, match="per_thread"):
         qattn.attention(q, q, q, precision="precise", granularity="per_block")
     with pytest.raises(qattn.QattnError, match="scheme 'sa2_8b'"):
@@ -299,12 +300,15 @@ def test_precision_ops_trace_on_meta_tensors():
         o = qattn.attention(q.transpose(1, 2), k.transpose(1, 2), k.transpose(1, 2),
                             layout="NHD", precision=mode)
         assert o.shape == (2, 300, 8, 64)
+        mask = torch.ones(2, 1, 300, 500, dtype=torch.bool, device="meta")
+        o = qattn.attention(q, k, k, attn_mask=mask, precision=mode)
+        assert o.shape == q.shape
 
 
 def test_set_precision_routes_the_sdpa_drop_in(monkeypatch):
-    """qattn.set_precision: the mode of the SDPA drop-in's inference calls without an
-    attn_mask; training and masked calls keep "fast". Checked on meta tensors, which take
-    qattn's ops (the op a call reaches is recorded)."""
+    """qattn.set_precision: the mode of the SDPA drop-in's inference calls, with or without
+    an attn_mask; training calls keep "fast". Checked on meta tensors, which take qattn's
+    ops (the op a call reaches is recorded)."""
     assert qattn.get_precision() == "fast"
     with pytest.raises(ValueError, match="'fast' \\(the default\\), 'auto' or 'precise'"):
         qattn.set_precision("exact")
@@ -327,7 +331,7 @@ def test_set_precision_routes_the_sdpa_drop_in(monkeypatch):
         qattn.scaled_dot_product_attention(qg, qg, qg)
     finally:
         qattn.set_precision(previous)
-    assert seen == ["auto", "fast", "fast"]
+    assert seen == ["auto", "auto", "fast"]
 
 
 def test_precision_environment_variable():

@@ -16,7 +16,13 @@ constexpr std::array<api::Arch, 1> kArchs{{{9, 0}}};
 
 // One CTA per 128-row query block, query head and batch entry: the grid's y and z take
 // heads_q and batch (<= 65535 by the ABI), x the blocks (<= 2^30 / 128).
-std::string check_limits(const qattn_fwd_params&) { return {}; }
+std::string check_limits(const qattn_fwd_params& p) {
+  // The mask is the whole rule, as in the SA2-8b family (one API for both).
+  if (p.attn_mask_type != QATTN_MASK_NONE && (p.causal != 0 || p.window != 0 || p.kv_lengths != nullptr))
+    return "takes an attn_mask alone (causal, window and kv_lengths must be off: write "
+           "them into the mask)";
+  return {};
+}
 
 std::size_t workspace_bytes(const qattn_fwd_params&) { return 0; }  // reads the inputs as given
 
@@ -37,7 +43,7 @@ constexpr api::ForwardFamily kFamily{
     .max_head_dim = 128,  // zero-padded to 64 or 128 inside
     .dtypes = (1u << QATTN_DTYPE_FP16) | (1u << QATTN_DTYPE_BF16),
     .masks = api::kMaskNone | api::kMaskCausal | api::kMaskWindow | api::kMaskKeyPadding |
-             api::kMaskTopLeft,
+             api::kMaskTopLeft | api::kMaskBool,
     .check_limits = &check_limits,
     .workspace_bytes = &workspace_bytes,
     .launch = kLaunch,

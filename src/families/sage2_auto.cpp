@@ -64,9 +64,9 @@ constexpr api::ForwardFamily kFamily{
     .min_head_dim = 1,
     .max_head_dim = 128,
     .dtypes = (1u << QATTN_DTYPE_FP16) | (1u << QATTN_DTYPE_BF16),
-    // The masks both of its forwards run (the 16-bit one has no attn_mask or varlen).
+    // The masks both of its forwards run (the 16-bit one has no packed batch).
     .masks = api::kMaskNone | api::kMaskCausal | api::kMaskWindow | api::kMaskKeyPadding |
-             api::kMaskTopLeft,
+             api::kMaskTopLeft | api::kMaskBool,
     .check_limits = &check_limits,
     .workspace_bytes = &workspace_bytes,
     .launch = kLaunch,

@@ -186,7 +186,7 @@ TEST(Registry, Sage2RunsEveryMask) {
 }
 
 // The 16-bit forward: chosen by its scheme alone, with the masks it declares, no
-// workspace; an attn_mask or a packed batch it declines by name.
+// workspace; an attn_mask with causal it declines by name.
 TEST(Registry, PreciseSchemeRunsItsMasksWithoutWorkspace) {
   const Arch hopper{9, 0};
   qattn_fwd_params p = valid_params(100);  // padded inside to 128
@@ -204,14 +204,18 @@ TEST(Registry, PreciseSchemeRunsItsMasksWithoutWorkspace) {
   std::size_t bytes = 1;
   ASSERT_EQ(qattn_fwd_workspace_size(&p, &bytes), QATTN_OK) << qattn_last_error_message();
   EXPECT_EQ(bytes, 0u);
+  // A boolean attn_mask alone it runs; with causal it declines by name, as SA2-8b does.
   p.attn_mask_type = QATTN_MASK_BOOL;
   p.attn_mask = fake(8);
   p.causal = 0;
   p.window = 0;
   p.kv_lengths = nullptr;
+  EXPECT_EQ(qattn_fwd_workspace_size(&p, &bytes), QATTN_OK) << qattn_last_error_message();
+  EXPECT_EQ(bytes, 0u);
+  p.causal = 1;
   EXPECT_EQ(qattn_fwd_workspace_size(&p, &bytes), QATTN_ERROR_UNSUPPORTED);
   const std::string m = qattn_last_error_message();
-  EXPECT_TRUE(contains(m, "precise16_fwd_sm90")) << m;
+  EXPECT_TRUE(contains(m, "precise16_fwd_sm90: takes an attn_mask alone")) << m;
   EXPECT_TRUE(contains(m, "scheme 2")) << m;
   // The other schemes' families decline it for its scheme, not run it.
   EXPECT_TRUE(contains(m, "implements scheme 0, not 2")) << m;

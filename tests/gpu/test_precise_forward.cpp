@@ -61,6 +61,7 @@ struct Case {
   int window_left = -1, window_right = -1;  // >= 0: a sliding window side
   std::vector<int> kv_lengths;              // per batch entry, or none
   float q_gain = 1.0f;                      // 8: the large-logit family
+  bool attn_mask = false;  // a random boolean (B, 1, Nq, Nkv) mask, every 7th row hidden
   std::uint64_t seed = 1;
   int pitch() const { return row_pitch > 0 ? row_pitch : d; }
   std::string describe() const {
@@ -72,7 +73,8 @@ struct Case {
                     (window_left >= 0 || window_right >= 0
                          ? " win" + std::to_string(window_left) + "," + std::to_string(window_right)
                          : "") +
-                    (kv_lengths.empty() ? "" : " kvlen") + (q_gain != 1.f ? " q×8" : "") +
+                    (kv_lengths.empty() ? "" : " kvlen") + (attn_mask ? " attn_mask" : "") +
+                    (q_gain != 1.f ? " q×8" : "") +
                     (bf16 ? " bf16" : " fp16") + (nhd ? " NHD" : " HND");
     return s + " seed " + std::to_string(seed);
   }
@@ -105,7 +107,7 @@ struct Input {
 };
 
 qattn_fwd_params params_for(const Case& c, const Input& q, const Input& k, const Input& v,
-                            void* o, float* lse, const int* kv_lengths) {
+                            void* o, float* lse, const int* kv_lengths, const uint8_t* mask) {
   qattn_fwd_params p;
   qattn_fwd_params_init(&p);
   p.scheme = QATTN_SCHEME_PRECISE16;
@@ -124,6 +126,14 @@ qattn_fwd_params params_for(const Case& c, const Input& q, const Input& k, const
     p.window_right = c.window_right;
   }
   p.kv_lengths = kv_lengths;
+  if (mask != nullptr) {  // (B, 1, Nq, Nkv) bytes: the head dimension broadcast
+    p.attn_mask_type = QATTN_MASK_BOOL;
+    p.attn_mask = mask;
+    p.attn_mask_stride_b = int64_t{c.nq} * c.nkv;
+    p.attn_mask_stride_h = 0;
+    p.attn_mask_stride_q = c.nkv;
+    p.attn_mask_stride_k = 1;
+  }
   p.q = q.view;
   p.k = k.view;
   p.v = v.view;
@@ -142,6 +152,24 @@ void run_case(const Case& c) {
   Input v(c.batch, c.heads_kv, c.nkv, c.d, pitch, c.nhd, c.bf16, 1.f, rng);
   test::DeviceBuffer<int> lens(std::max<std::size_t>(1, c.kv_lengths.size()));
   if (!c.kv_lengths.empty()) lens.upload(c.kv_lengths);
+  // The mask: each key visible with probability 0.7, every 7th row hidden entirely (SDPA
+  // drop-in's convention for such rows: O = 0, LSE = -inf).
+  std::vector<uint8_t> mask_bytes;
+  Tensor4 additive;
+  if (c.attn_mask) {
+    mask_bytes.resize(std::size_t(c.batch) * c.nq * c.nkv);
+    additive = Tensor4(c.batch, 1, c.nq, c.nkv);
+    std::bernoulli_distribution visible(0.7);
+    for (int b = 0; b < c.batch; ++b)
+      for (int i = 0; i < c.nq; ++i)
+        for (int j = 0; j < c.nkv; ++j) {
+          const bool on = i % 7 != 3 && visible(rng);
+          mask_bytes[(std::size_t(b) * c.nq + i) * c.nkv + j] = on ? 1 : 0;
+          additive.at(b, 0, i, j) = on ? 0.f : -INFINITY;
+        }
+  }
+  test::DeviceBuffer<uint8_t> mask_dev(std::max<std::size_t>(1, mask_bytes.size()));
+  if (c.attn_mask) mask_dev.upload(mask_bytes);
 
   // Output (HND with the row pitch) and a guard of 4096 elements after it, all NaN; the
   // row padding must stay NaN too.
@@ -153,7 +181,8 @@ void run_case(const Case& c) {
   QATTN_CUDA_OK(cudaMemset(lse.ptr, 0xFF, lse.count * 4));
 
   const qattn_fwd_params p =
-      params_for(c, q, k, v, o.ptr, lse.ptr, c.kv_lengths.empty() ? nullptr : lens.ptr);
+      params_for(c, q, k, v, o.ptr, lse.ptr, c.kv_lengths.empty() ? nullptr : lens.ptr,
+                 c.attn_mask ? mask_dev.ptr : nullptr);
   std::size_t ws_bytes = 1;
   ASSERT_EQ(qattn_fwd_workspace_size(&p, &ws_bytes), QATTN_OK) << qattn_last_error_message();
   ASSERT_EQ(ws_bytes, 0u) << "the 16-bit forward reads its inputs as given";
@@ -167,6 +196,7 @@ void run_case(const Case& c) {
   ap.window_left = c.window_left;
   ap.window_right = c.window_right;
   ap.kv_lengths = c.kv_lengths;
+  if (c.attn_mask) ap.attn_mask = additive;
   const emulate::PrecisionForward emu = emulate::attention_with_precision(
       q.host, k.host, v.host, ap, emulate::Precision::Precise,
       c.bf16 ? emulate::InputDtype::Bf16 : emulate::InputDtype::Fp16);
@@ -300,6 +330,21 @@ TEST(PreciseForward, MasksWindowsAndKeyPadding) {
   pad.causal = true;
   pad.top_left = true;
   run_case(pad);
+}
+
+TEST(PreciseForward, BooleanAttnMask) {
+  QATTN_SKIP_WITHOUT_GPU();
+  for (const int d : {128, 64}) {
+    Case c;
+    c.batch = 2;
+    c.d = d;
+    c.nq = 333;
+    c.nkv = 290;
+    c.attn_mask = true;
+    c.bf16 = d == 64;
+    run_case(c);
+    if (HasFailure()) return;
+  }
 }
 
 TEST(PreciseForward, LargeLogitsKeepSixteenBitAccuracy) {

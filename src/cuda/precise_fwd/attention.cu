@@ -11,7 +11,9 @@
 // next tile's Q·Kᵀ together with this tile's P·V, so the next softmax runs while P·V
 // computes. The O accumulator is rescaled in place (single-level accumulation: a 16-bit
 // MMA accumulates in full FP32, unlike the FP8 one, so no second level is needed).
-// Epilogue: O / l into shared memory, then TMA stores (sage2_fwd/epilogue.cuh).
+// Epilogue: O / l into shared memory, then TMA stores (sage2_fwd/epilogue.cuh). A
+// boolean attn_mask is read element by element on every tile (no tile lists: this
+// kernel is for accuracy, and the SA2-8b kernel's skipping is for speed).
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -63,6 +65,10 @@ struct Params {
   // every head runs.
   const float* guard_q;  // (B, Hq, 2)
   const float* guard_k;  // (B, Hkv, 2)
+  // A boolean attn_mask (the C ABI's: byte strides, 0 broadcasts), tested element by
+  // element on every tile; null without one. With it the key rule is every key.
+  const uint8_t* mask;
+  int64_t mask_sb, mask_sh, mask_sq, mask_sk;
 };
 
 template <int D>
@@ -227,11 +233,31 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     hopper::wgmma_commit();
   };
+  // A boolean attn_mask on the thread's elements of the tile at key kv0: hidden ones
+  // become -inf. Rows past Nq (never stored) and keys past Nkv (hidden by the key rule)
+  // are not read.
+  const uint8_t* mask_head =
+      p.mask == nullptr ? nullptr : p.mask + b * p.mask_sb + hq * p.mask_sh;
+  auto apply_attn_mask = [&](float(&sc)[kS], int kv0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = thread_row0 + 8 * r;
+      if (row >= p.seqlen_q) continue;
+      const uint8_t* mrow = mask_head + row * p.mask_sq;
+#pragma unroll
+      for (int i = 0; i < kS; ++i) {
+        if ((i % 4) / 2 != r) continue;
+        const int key = kv0 + fc.col(i);
+        if (key < p.seqlen_kv && mrow[key * p.mask_sk] == 0) sc[i] = -INFINITY;
+      }
+    }
+  };
   // The online softmax of tile `it` on acc_s (complete): masks, updates the max, leaves
   // P = exp2(x − m) in acc_s and the factor of the old O and l in alpha.
   auto softmax = [&](int it, float (&alpha)[2]) {
     const int kv0 = (tile0 + it) * kBlockN;
     if (kv0 > unmasked_until || kv0 < unmasked_from) mask.apply(acc_s, fc, kv0, thread_row0);
+    if (p.mask != nullptr) apply_attn_mask(acc_s, kv0);
     // max(s)·scale = max(s·scale) (rounding is monotonic); two chains per row.
     float mp[2][2] = {{-INFINITY, -INFINITY}, {-INFINITY, -INFINITY}};
 #pragma unroll
@@ -398,6 +424,14 @@ cudaError_t launch_d(const qattn_fwd_params& p, const guard::Stats* guard, cudaS
                                    p.window != 0 ? p.window_right : -1, p.seqlen_kv);
   a.kv_lengths = p.kv_lengths;
   a.num_m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
+  if (p.attn_mask_type != QATTN_MASK_NONE) {
+    // Strides of dimensions of one are never multiplied by a non-zero index.
+    a.mask = static_cast<const uint8_t*>(p.attn_mask);
+    a.mask_sb = p.batch > 1 ? p.attn_mask_stride_b : 0;
+    a.mask_sh = p.heads_q > 1 ? p.attn_mask_stride_h : 0;
+    a.mask_sq = p.seqlen_q > 1 ? p.attn_mask_stride_q : 0;
+    a.mask_sk = p.seqlen_kv > 1 ? p.attn_mask_stride_k : 0;
+  }
   a.guard_q = guard != nullptr ? guard->q : nullptr;
   a.guard_k = guard != nullptr ? guard->k : nullptr;
 
