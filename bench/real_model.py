@@ -14,7 +14,8 @@ transformers' SDPA path with padding masks, as a retrieval or clustering pipelin
 does. Its head dim is 32 (qattn zero-pads it to 64). No causal language model of this
 size was found on PyPI with a license that allows the use.
 
-Attentions: SDPA (the reference), eager (the floor), qattn, and qattn_hadamard (qattn
+Attentions: SDPA (the reference), eager (the floor), qattn in its three precision modes
+(qattn: "fast", qattn_auto, qattn_precise; qattn.set_precision), and qattn_hadamard (qattn
 on Q and K rotated by a signed Hadamard matrix first, qattn.tools.hadamard_rotated: does
 a real model's Q·Kᵀ have the heavy tails the rotation helps with?).
 
@@ -177,6 +178,20 @@ def layerwise(model, fn, sdpa_layers):
     return call
 
 
+def with_precision(mode: str):
+    """qattn's SDPA drop-in in one precision mode (qattn.set_precision around each call)."""
+    import qattn
+
+    def call(*args, **kwargs):
+        previous = qattn.set_precision(mode)
+        try:
+            return qattn.scaled_dot_product_attention(*args, **kwargs)
+        finally:
+            qattn.set_precision(previous)
+
+    return call
+
+
 def retrieval(e, ref, k: int = 10):
     """top1 and overlap10 of embeddings e against ref (each row a query over the others)."""
     import torch
@@ -246,6 +261,8 @@ def main(argv=None) -> int:
             candidates[f"{mode}_emulated"] = qattn.tools.hadamard_rotated(fn) if mode == "hadamard" else fn
     else:
         candidates = {"qattn": qattn.scaled_dot_product_attention,
+                      "qattn_auto": with_precision("auto"),
+                      "qattn_precise": with_precision("precise"),
                       "qattn_hadamard": qattn.tools.hadamard_rotated(qattn.scaled_dot_product_attention)}
     report = qattn.tools.compare(run, candidates, ablate=True, layer_of=lambda i: i % n_layers,
                                  guard=True, keep_outputs=True)
