@@ -207,11 +207,11 @@ TEST(ApiValidation, EnumsAndFlags) {
     EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "sage2.granularity",
                    "QATTN_QK_PER_WARP");
   }
-  for (int bad : {2, -1, 1000}) {
+  for (int bad : {4, -1, 1000}) {
     qattn_fwd_params p = valid_params();
     p.scheme = bad;
     EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "scheme", "QATTN_SCHEME_SAGE2_8B",
-                   "QATTN_SCHEME_SAGE3_NVFP4");
+                   "QATTN_SCHEME_SAGE3_NVFP4", "QATTN_SCHEME_PRECISE16", "QATTN_SCHEME_SAGE2_8B_AUTO");
   }
   for (int g : {0, 1, 2}) {
     qattn_fwd_params p = valid_params();
