@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/common/fragment.cuh"
 #include "numerics/int32_scores.h"
@@ -36,12 +37,13 @@ struct KeyMask {
     return kv0 > unmasked_until(row_first) || kv0 < unmasked_from(row_first);
   }
 
-  // Masked raw INT32 products become kMaskedScore (-inf once converted). Per row the
-  // visible elements are an interval, so two limits per row and two compares against a
-  // constant column offset per element decide it (row0: the thread's upper row).
-  template <int kCols>
-  __device__ __forceinline__ void apply(int32_t (&s)[kCols], FragCoord fc, int kv0,
-                                        int row0) const {
+  // Masked scores become `masked`: raw INT32 products kMaskedScore (-inf once
+  // converted), FP32 scores (the 16-bit forward) -inf. Per row the visible elements are
+  // an interval, so two limits per row and two compares against a constant column
+  // offset per element decide it (row0: the thread's upper row).
+  template <typename S, int kCols>
+  __device__ __forceinline__ void apply(S (&s)[kCols], FragCoord fc, int kv0, int row0) const {
+    const S masked = std::is_same_v<S, float> ? S(-INFINITY) : S(scores::kMaskedScore);
     int hi[2], lo[2];  // rows g, g + 8
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -51,23 +53,7 @@ struct KeyMask {
 #pragma unroll
     for (int i = 0; i < kCols; ++i) {
       const int col = 8 * (i / 4) + (i % 2), r = FragCoord::upper_row(i) ? 1 : 0;
-      if (col > hi[r] || col < lo[r]) s[i] = scores::kMaskedScore;
-    }
-  }
-
-  // The same on FP32 scores (the 16-bit forward): masked ones become -inf.
-  template <int kCols>
-  __device__ __forceinline__ void apply(float (&s)[kCols], FragCoord fc, int kv0, int row0) const {
-    int hi[2], lo[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      hi[r] = rule.last_key(row0 + 8 * r) - kv0 - 2 * fc.t;
-      lo[r] = rule.first_key(row0 + 8 * r) - kv0 - 2 * fc.t;
-    }
-#pragma unroll
-    for (int i = 0; i < kCols; ++i) {
-      const int col = 8 * (i / 4) + (i % 2), r = FragCoord::upper_row(i) ? 1 : 0;
-      if (col > hi[r] || col < lo[r]) s[i] = -INFINITY;
+      if (col > hi[r] || col < lo[r]) s[i] = masked;
     }
   }
 };
