@@ -70,7 +70,7 @@ else:
         set_backward_options,
     )
     from .kv_cache import KVCache, decode  # noqa: F401
-    from .precision import get_precision, set_precision  # noqa: F401
+    from .precision import get_precision, set_precision, using_precision  # noqa: F401
     from .sdpa import get_fallback, scaled_dot_product_attention, set_fallback  # noqa: F401
     from .varlen import varlen_attention  # noqa: F401
 
@@ -87,5 +87,6 @@ else:
         "set_backward_options",
         "set_fallback",
         "set_precision",
+        "using_precision",
         "varlen_attention",
     ]

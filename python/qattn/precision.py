@@ -2,6 +2,8 @@
 it): "fast", "auto" or "precise" (qattn.attention's precision= argument says what each
 computes). One setting for the process, so that a model patched through SDPA needs no
 change of its own code."""
+import contextlib
+import contextvars
 import os
 import threading
 
@@ -17,6 +19,8 @@ def _check_mode(mode, what: str) -> str:
 
 _mode = _check_mode(os.environ.get(_ENV) or "fast", _ENV)
 _lock = threading.Lock()
+# using_precision's mode for the code it wraps (this thread or task only); None: _mode.
+_scoped = contextvars.ContextVar("qattn_precision", default=None)
 
 
 def set_precision(mode: str) -> str:
@@ -34,5 +38,22 @@ def set_precision(mode: str) -> str:
 
 
 def get_precision() -> str:
-    """The current precision mode of the SDPA drop-in (see set_precision)."""
-    return _mode
+    """The current precision mode of the SDPA drop-in: using_precision's where one is
+    active in this thread (or asyncio task), else set_precision's."""
+    scoped = _scoped.get()
+    return _mode if scoped is None else scoped
+
+
+@contextlib.contextmanager
+def using_precision(mode: str):
+    """The SDPA drop-in (and the plug-ins) in `mode` for the code inside, in this thread
+    or task only; other threads keep theirs. Nests. E.g.
+
+        with qattn.using_precision("auto"):
+            image = pipe(prompt).images[0]
+    """
+    token = _scoped.set(_check_mode(mode, "mode"))
+    try:
+        yield
+    finally:
+        _scoped.reset(token)

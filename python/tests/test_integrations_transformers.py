@@ -145,6 +145,32 @@ def test_sdpa_layers_stay_on_transformers_sdpa(calls):
         qattn_tf.register("qattn_bad", sdpa_layers=("last",))
 
 
+def test_register_with_a_precision(monkeypatch):
+    """register(name, precision=...) runs that registration's calls in that precision
+    (qattn.using_precision around each), and the process's mode elsewhere."""
+    modes = []
+    real = qattn.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        modes.append(qattn.get_precision())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(qattn, "scaled_dot_product_attention", spy)
+    name = qattn_tf.register("qattn_auto_test", precision="auto", sdpa_layers=(0,))
+    assert qattn_tf.is_registered(name)
+    torch.manual_seed(SEED)
+    ref = AutoModelForCausalLM.from_config(tiny_config(num_hidden_layers=3), attn_implementation="sdpa").eval()
+    ours = AutoModelForCausalLM.from_config(tiny_config(num_hidden_layers=3), attn_implementation=name).eval()
+    ours.load_state_dict(ref.state_dict())
+    ids = tokens(2, 9)
+    with torch.no_grad():
+        close(ours(ids).logits, ref(ids).logits)  # CPU: the drop-in runs PyTorch's SDPA
+    assert modes == ["auto", "auto"]  # layers 1 and 2; layer 0 on transformers' SDPA
+    assert qattn.get_precision() == "fast"
+    with pytest.raises(ValueError, match="precision = 'exact'"):
+        qattn_tf.register("qattn_bad", precision="exact")
+
+
 def test_from_config_and_set_attn_implementation_select_qattn(calls):
     ref, ours = tiny_pair()
     assert ours.config._attn_implementation == "qattn"

@@ -346,3 +346,24 @@ def test_precision_environment_variable():
     env["QATTN_PRECISION"] = "exact"
     bad = subprocess.run([sys.executable, "-c", "import qattn"], env=env, capture_output=True, text=True)
     assert bad.returncode != 0 and "QATTN_PRECISION = 'exact'" in bad.stderr
+
+
+def test_using_precision_is_scoped_to_its_thread():
+    """qattn.using_precision: the mode inside the block, nested blocks restore theirs, and
+    another thread keeps the process's mode meanwhile."""
+    import threading
+
+    assert qattn.get_precision() == "fast"
+    seen = {}
+    with qattn.using_precision("auto"):
+        assert qattn.get_precision() == "auto"
+        with qattn.using_precision("precise"):
+            assert qattn.get_precision() == "precise"
+        assert qattn.get_precision() == "auto"
+        t = threading.Thread(target=lambda: seen.setdefault("other", qattn.get_precision()))
+        t.start()
+        t.join()
+    assert seen["other"] == "fast" and qattn.get_precision() == "fast"
+    with pytest.raises(ValueError, match="'fast' \\(the default\\), 'auto' or 'precise'"):
+        with qattn.using_precision("exact"):
+            pass

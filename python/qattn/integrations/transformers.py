@@ -168,7 +168,19 @@ def _sdpa_in_layers(layers: Tuple[int, ...]):
     return forward
 
 
-def register(name: str = NAME, sdpa_layers: Tuple[int, ...] = ()) -> str:
+def _in_precision(fn, mode: str):
+    """fn with qattn's attention in precision `mode` for each of its calls."""
+
+    def forward(*args, **kwargs):
+        with qattn.using_precision(mode):
+            return fn(*args, **kwargs)
+
+    forward.qattn_precision = mode
+    forward.qattn_sdpa_layers = getattr(fn, "qattn_sdpa_layers", ())
+    return forward
+
+
+def register(name: str = NAME, sdpa_layers: Tuple[int, ...] = (), precision: Optional[str] = None) -> str:
     """Registers qattn with transformers under `name` (default "qattn"): the attention
     function (AttentionInterface) and SDPA's mask builder (AttentionMaskInterface), so
     that from_pretrained(..., attn_implementation=name) and
@@ -179,13 +191,19 @@ def register(name: str = NAME, sdpa_layers: Tuple[int, ...] = ()) -> str:
     whose attention stays on transformers' "sdpa", in the model's own 16-bit type — the
     layers where the model is most sensitive to the attention's error, e.g. the last one
     of an encoder whose output is pooled (SageAttention3 keeps such layers in 16 bits;
-    `qattn.tools.compare(..., ablate=True)` ranks a model's layers)."""
+    `qattn.tools.compare(..., ablate=True)` ranks a model's layers).
+    precision: None (the process's, qattn.set_precision) or "fast", "auto", "precise"
+    for this registration's layers (e.g. register("qattn_auto", precision="auto"))."""
     import transformers
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in sdpa_layers):
         raise ValueError(f"sdpa_layers = {sdpa_layers!r}; allowed: a tuple of layer indices (ints)")
+    if precision is not None and precision not in ("fast", "auto", "precise"):
+        raise ValueError(f"precision = {precision!r}; allowed: None, 'fast', 'auto' or 'precise'")
     fn = _sdpa_in_layers(tuple(sdpa_layers)) if sdpa_layers else attention_forward
+    if precision is not None:
+        fn = _in_precision(fn, precision)
     transformers.AttentionInterface.register(name, fn)
     AttentionMaskInterface.register(name, sdpa_mask)
     return name
