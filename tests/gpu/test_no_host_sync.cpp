@@ -274,4 +274,34 @@ TEST(NoHostSync, ForwardCallsNeverWait) {
   EXPECT_TRUE(refused.empty()) << "a refused qattn_fwd synchronized: " << join(refused);
 }
 
+// The precision modes: "precise" (one kernel, no workspace) and "auto" (SA2-8b, the
+// guard's memsets and kernels, the 16-bit forward reading the guard's maxima) decide
+// everything on the device.
+TEST(NoHostSync, PrecisionModesNeverWait) {
+  SKIP_WITHOUT_CUPTI_OR_GPU();
+  Forward f;
+  ASSERT_NE(f.ws, nullptr);
+  for (int32_t scheme : {QATTN_SCHEME_PRECISE16, QATTN_SCHEME_SAGE2_8B_AUTO}) {
+    f.p.scheme = scheme;
+    std::size_t bytes = 0;
+    ASSERT_EQ(qattn_fwd_workspace_size(&f.p, &bytes), QATTN_OK) << qattn_last_error_message();
+    qattn::test::DeviceBuffer<uint8_t> ws(std::max<std::size_t>(bytes, 1));
+    for (int causal : {0, 1}) {
+      f.p.causal = causal;
+      for (int call = 0; call < 2; ++call) {
+        SCOPED_TRACE("scheme " + std::to_string(scheme) + " causal=" + std::to_string(causal) +
+                     " call " + std::to_string(call));
+        qattn_status st = QATTN_OK;
+        std::vector<std::string> calls;
+        const auto syncs =
+            syncs_during([&] { st = qattn_fwd(&f.p, ws.ptr, bytes, f.stream); }, &calls);
+        ASSERT_EQ(st, QATTN_OK) << qattn_last_error_message();
+        EXPECT_TRUE(syncs.empty()) << "qattn_fwd synchronized: " << join(syncs)
+                                   << "\nall CUDA calls it made: " << join(calls);
+      }
+    }
+    QATTN_CUDA_OK(cudaStreamSynchronize(f.stream));
+  }
+}
+
 }  // namespace
