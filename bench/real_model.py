@@ -15,7 +15,7 @@ does. Its head dim is 32 (qattn zero-pads it to 64). No causal language model of
 size was found on PyPI with a license that allows the use.
 
 Attentions: SDPA (the reference), eager (the floor), qattn in its three precision modes
-(qattn: "fast", qattn_auto, qattn_precise; qattn.set_precision), and qattn_hadamard (qattn
+(qattn: "fast", qattn_auto, qattn_precise; qattn.using_precision), and qattn_hadamard (qattn
 on Q and K rotated by a signed Hadamard matrix first, qattn.tools.hadamard_rotated: does
 a real model's Q·Kᵀ have the heavy tails the rotation helps with?).
 
@@ -179,15 +179,12 @@ def layerwise(model, fn, sdpa_layers):
 
 
 def with_precision(mode: str):
-    """qattn's SDPA drop-in in one precision mode (qattn.set_precision around each call)."""
+    """qattn's SDPA drop-in in one precision mode (qattn.using_precision around each call)."""
     import qattn
 
     def call(*args, **kwargs):
-        previous = qattn.set_precision(mode)
-        try:
+        with qattn.using_precision(mode):
             return qattn.scaled_dot_product_attention(*args, **kwargs)
-        finally:
-            qattn.set_precision(previous)
 
     return call
 
