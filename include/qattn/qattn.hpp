@@ -81,6 +81,15 @@ enum class Granularity {
   kPerBlock = QATTN_QK_PER_BLOCK,
 };
 
+// The precision modes of the SageAttention2-8b scheme (qattn.h's schemes): fast (INT8
+// Q·Kᵀ, FP8 P·V), auto (fast with the heads the precision guard flags recomputed in 16
+// bits), precise (both products in the inputs' 16-bit type).
+enum class Precision {
+  kFast = QATTN_SCHEME_SAGE2_8B,
+  kAuto = QATTN_SCHEME_SAGE2_8B_AUTO,
+  kPrecise = QATTN_SCHEME_PRECISE16,
+};
+
 // Memory order of a contiguous (B, H, N, d) tensor: HND = [B][H][N][d] (PyTorch SDPA),
 // NHD = [B][N][H][d] (FlashAttention's varlen-friendly order).
 enum class Layout { kHND, kNHD };
@@ -196,6 +205,11 @@ class ForwardParams {
   }
   ForwardParams& granularity(Granularity g) {
     p_.sage2.granularity = static_cast<int32_t>(g);
+    return *this;
+  }
+  // The precision mode (the scheme it runs).
+  ForwardParams& precision(Precision m) {
+    p_.scheme = static_cast<int32_t>(m);
     return *this;
   }
   // A sliding window around the diagonal (qattn.h): keys more than `left` before or

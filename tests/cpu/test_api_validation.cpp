@@ -857,6 +857,13 @@ TEST(ApiCpp, BuilderSetsEveryField) {
   EXPECT_EQ(p.sm_scale, 0.5f);
   EXPECT_EQ(p.sage2.granularity, QATTN_QK_PER_BLOCK);
   EXPECT_EQ(p.lse, fake(5));
+  EXPECT_EQ(p.scheme, QATTN_SCHEME_SAGE2_8B);  // precision "fast" by default
+  fp.precision(qattn::Precision::kAuto);
+  EXPECT_EQ(p.scheme, QATTN_SCHEME_SAGE2_8B_AUTO);
+  fp.precision(qattn::Precision::kPrecise);
+  EXPECT_EQ(p.scheme, QATTN_SCHEME_PRECISE16);
+  fp.precision(qattn::Precision::kFast);
+  EXPECT_EQ(p.scheme, QATTN_SCHEME_SAGE2_8B);
   // Masks beyond causal: unset by default, each setter fills its fields.
   EXPECT_EQ(p.window, 0);
   EXPECT_EQ(p.window_left, -1);
