@@ -5,7 +5,9 @@
 // optionally writes JSON in the same row format as bench/forward.py.
 //
 // Methods: "qattn" = end-to-end qattn_fwd (quantization + attention);
-// "qattn_kernel" = qattn_fwd_attention_only on the workspace the forward filled.
+// "qattn_kernel" = qattn_fwd_attention_only on the workspace the forward filled;
+// "qattn_auto" and "qattn_precise" = end-to-end qattn_fwd in those precision modes
+// (--precision), timed on the same inputs as "qattn".
 // host_us: the CPU time of one call (checks and enqueueing; the calls never wait for the
 // GPU), the median over the timed calls: it bounds how fast a framework can issue calls
 // at short N, where a call's GPU time is ~0.1 ms.
@@ -24,6 +26,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cli_checks.h"
@@ -42,6 +45,7 @@ struct BenchOptions {
   std::string causal = "both", dtype = "bf16", layout = "HND";
   int warmup = 10, iters = 30, passes = 2;
   bool kernel_only = true;
+  std::string precision = "fast";  // fast, auto, precise or all
   std::string json_path, commit;
 };
 
@@ -229,8 +233,19 @@ std::vector<Row> run_config(const BenchOptions& o, const Config& c, std::size_t 
     fp.o(data.back()->o.ptr, layout).causal(c.causal);
     params.push_back(fp);
   }
+  // The modes to time besides fast, and one workspace large enough for every mode.
+  std::vector<std::pair<const char*, Precision>> modes;
+  if (o.precision == "auto" || o.precision == "all") modes.emplace_back("qattn_auto", Precision::kAuto);
+  if (o.precision == "precise" || o.precision == "all")
+    modes.emplace_back("qattn_precise", Precision::kPrecise);
   std::size_t ws_bytes = 0;
   workspace_size(params[0], &ws_bytes).throw_if_error();
+  for (const auto& m : modes) {
+    ForwardParams fp = params[0];
+    std::size_t bytes = 0;
+    workspace_size(fp.precision(m.second), &bytes).throw_if_error();
+    ws_bytes = std::max(ws_bytes, bytes);
+  }
   DeviceBuffer<uint8_t> ws(ws_bytes);
 
   std::vector<Row> rows;
@@ -249,6 +264,13 @@ std::vector<Row> run_config(const BenchOptions& o, const Config& c, std::size_t 
     forward(last, ws.ptr, ws_bytes, stream).throw_if_error();
     add_row("qattn_kernel", time_calls(o, stream, [&](int) {
               forward_attention_only(last, ws.ptr, ws_bytes, stream).throw_if_error();
+            }));
+  }
+  for (const auto& [method, mode] : modes) {
+    std::vector<ForwardParams> in_mode = params;
+    for (ForwardParams& fp : in_mode) fp.precision(mode);
+    add_row(method, time_calls(o, stream, [&](int i) {
+              forward(in_mode[i % sets], ws.ptr, ws_bytes, stream).throw_if_error();
             }));
   }
   check(cudaGetLastError(), "kernels");
@@ -331,10 +353,12 @@ int run_bench(const BenchOptions& o) {
   RandomFill rnd(o.dtype == "bf16", 0x5A6E);
   Progress progress(static_cast<int>(configs.size()));
   std::vector<Row> rows;
+  const std::size_t rows_per_config =
+      1 + (o.kernel_only ? 1 : 0) + (o.precision == "all" ? 2 : o.precision == "fast" ? 0 : 1);
   for (const Config& c : configs) {
     for (Row& r : run_config(o, c, d.l2_bytes, rnd, stream)) rows.push_back(std::move(r));
     progress.step(fmt::format("d={} N={} causal={}: {:.1f} TOPS", c.d, c.n, c.causal ? 1 : 0,
-                              rows[rows.size() - (o.kernel_only ? 2 : 1)].tops));
+                              rows[rows.size() - rows_per_config].tops));
   }
   cudaStreamDestroy(stream);
   fmt::print("{} ({} SMs, up to {} MHz), qattn {}, {} {}\n", d.name, d.sm_count, d.sm_clock_mhz,
@@ -387,6 +411,10 @@ Runner add_bench(CLI::App& app) {
       ->capture_default_str()
       ->check(integer_in(1, kMaxInt));
   cmd->add_flag("!--no-kernel-only", o->kernel_only, "Skip the attention-kernel-only rows");
+  cmd->add_option("--precision", o->precision,
+                  "Also time these precision modes end to end: fast (none), auto, precise or all")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"fast", "auto", "precise", "all"}));
   cmd->add_option("--json", o->json_path, "Write the rows and the environment to this file");
   cmd->add_option("--commit", o->commit, "Commit id to record in the JSON");
   return [o] { return run_bench(*o); };
