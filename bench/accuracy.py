@@ -122,6 +122,12 @@ def emulated_table(path: Optional[Path], args) -> Dict[tuple, float]:
     return table
 
 
+def flagged_share(q, k) -> float:
+    """The share of (batch, head) pairs that precision "auto" runs in 16 bits: the
+    precision guard's rule, computed as the kernel computes it."""
+    return qattn.tools.precision_guard(q, k)[1].double().mean().item()
+
+
 def _fp32_sdpa(q, k, v, scale=None):
     return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=scale).to(q.dtype)
 
@@ -148,6 +154,9 @@ def measure(args, device: torch.device) -> List[dict]:
         for precision, fn in runs.items():
             row = {"family": family, "precision": precision, **metrics(fn(q, k, v), ref),
                    "ms": time_ms(lambda: fn(tq, tk, tv), args, device)}
+            if precision == "auto":  # which heads ran in 16 bits, at each shape
+                row["flagged"] = flagged_share(q, k)
+                row["flagged_timing"] = flagged_share(tq, tk)
             if (family, EMULATED_AS.get(precision, precision)) in emulated:
                 row["emulated_cos"] = emulated[(family, EMULATED_AS.get(precision, precision))]
             family_rows.append(row)
@@ -159,11 +168,13 @@ def measure(args, device: torch.device) -> List[dict]:
 
 def print_table(rows: List[dict]) -> None:
     print(f"\n{'family':<18}{'precision':<15}{'CosSim':>10}{'rel L1':>9}{'RMSE':>9}"
-          f"{'ms':>8}{'/ fast':>8}{'emulated':>10}")
+          f"{'ms':>8}{'/ fast':>8}{'emulated':>10}{'flagged':>14}")
     for r in rows:
         emu = f"{r['emulated_cos']:.5f}" if "emulated_cos" in r else "-"
+        flagged = f"{r['flagged']:.2f} / {r['flagged_timing']:.2f}" if "flagged" in r else "-"
         print(f"{r['family']:<18}{r['precision']:<15}{r['cos']:>10.5f}{r['l1']:>9.4f}"
-              f"{r['rmse']:>9.4f}{r['ms']:>8.3f}{r['ms'] / r['ms_fast']:>8.2f}{emu:>10}")
+              f"{r['rmse']:>9.4f}{r['ms']:>8.3f}{r['ms'] / r['ms_fast']:>8.2f}{emu:>10}"
+              f"{flagged:>14}")
 
 
 def main(argv=None) -> int:
