@@ -1,8 +1,8 @@
-// Declaration of precision "auto" on Hopper: the SA2-8b forward on every head, the
-// precision guard's pass over Q and the INT8 K, then the 16-bit forward on the heads the
-// guard flags (it overwrites their O and LSE). Three families' kernels in one stream,
-// nothing read back to the host. Host C++ in every build; the launch exists only where
-// the CUDA kernels are built.
+// Declaration of precision "auto" on Hopper: the SA2-8b forward on every head (its K
+// quantizer gathers the precision guard's K maxima), the guard's pass over Q, then the
+// 16-bit forward on the heads the guard flags (it overwrites their O and LSE). Three
+// families' kernels in one stream, nothing read back to the host. Host C++ in every build;
+// the launch exists only where the CUDA kernels are built.
 #include "families/sage2_auto.h"
 
 #include <array>
@@ -14,6 +14,7 @@
 
 #if QATTN_HAVE_CUDA
 #include "cuda/precise_fwd/launch.h"
+#include "cuda/precision_guard/launch.h"
 #include "cuda/sage2_fwd/launch.h"
 #endif
 
@@ -40,16 +41,15 @@ std::size_t workspace_bytes(const qattn_fwd_params& p) { return guard_offset(p) 
 
 #if QATTN_HAVE_CUDA
 int launch(const qattn_fwd_params& p, void* workspace, void* stream, api::ForwardPart part) {
-  const int e = part == api::ForwardPart::kAll ? sage2::launch_forward(p, workspace, stream)
-                                               : sage2::launch_attention_only(p, workspace, stream);
+  const guard::Stats stats = guard::stats_at(p, static_cast<uint8_t*>(workspace) + guard_offset(p));
+  // The K maxima are gathered by the K quantizer; an attention-only launch reads those of
+  // the forward that filled the workspace.
+  const int e = part == api::ForwardPart::kAll
+                    ? sage2::launch_forward(p, workspace, stream, false, sage2::RegisterSplit::kAuto,
+                                            stats.k)
+                    : sage2::launch_attention_only(p, workspace, stream);
   if (e != 0) return e;
-  const sage2::WorkspaceLayout w = sage2::workspace_layout(p);
-  auto* base = static_cast<uint8_t*>(workspace);
-  const guard::KView k{reinterpret_cast<const int8_t*>(base + w.k_i8),
-                       reinterpret_cast<const float*>(base + w.k_scale), w.nkv_pad,
-                       w.head_dim_padded};
-  const guard::Stats stats = guard::stats_at(p, base + guard_offset(p));
-  if (auto g = guard::launch_guard(p, k, stats, static_cast<cudaStream_t>(stream)); g != 0) return g;
+  if (auto g = guard::launch_q_maxima(p, stats.q, static_cast<cudaStream_t>(stream)); g != 0) return g;
   return precise::launch_forward(p, stream, &stats);
 }
 constexpr auto kLaunch = &launch;

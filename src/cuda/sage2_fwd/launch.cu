@@ -221,7 +221,7 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
 
 template <typename T, int D>
 cudaError_t quantize_d(const qattn_fwd_params& p, const WorkspaceLayout& w, void* ws,
-                       cudaStream_t stream) {
+                       cudaStream_t stream, float* guard_k) {
   QuantizeParams qp{};
   qp.batch = p.batch;
   qp.heads_kv = p.heads_kv;
@@ -235,12 +235,14 @@ cudaError_t quantize_d(const qattn_fwd_params& p, const WorkspaceLayout& w, void
   qp.kv_tiles = w.varlen ? std::max(1, (p.max_seqlen_k + groups::kKvTile - 1) / groups::kKvTile)
                          : w.nkv_pad / groups::kKvTile;
   qp.granularity = static_cast<qattn_qk_granularity>(p.sage2.granularity);
-  return launch_quantize<T, D>(view<T>(p.k), view<T>(p.v), qp, outputs(w, ws), stream);
+  QuantizeOutputs out = outputs(w, ws);
+  out.guard_k = guard_k;
+  return launch_quantize<T, D>(view<T>(p.k), view<T>(p.v), qp, out, stream);
 }
 
 template <typename T>
 cudaError_t run(const qattn_fwd_params& p, void* ws, cudaStream_t stream, bool quantize,
-                bool keep_q, RegisterSplit split) {
+                bool keep_q, RegisterSplit split, float* guard_k) {
   const WorkspaceLayout w = workspace_layout(p, keep_q);
   // A packed batch's plan first: the quantization and the attention kernel read it.
   if (quantize && w.varlen) {
@@ -263,11 +265,11 @@ cudaError_t run(const qattn_fwd_params& p, void* ws, cudaStream_t stream, bool q
       return e;
   if (w.head_dim_padded == 64) {
     if (quantize)
-      if (auto e = quantize_d<T, 64>(p, w, ws, stream); e != cudaSuccess) return e;
+      if (auto e = quantize_d<T, 64>(p, w, ws, stream, guard_k); e != cudaSuccess) return e;
     return launch_attention_d<64, T>(p, w, ws, stream, keep_q, split);
   }
   if (quantize)
-    if (auto e = quantize_d<T, 128>(p, w, ws, stream); e != cudaSuccess) return e;
+    if (auto e = quantize_d<T, 128>(p, w, ws, stream, guard_k); e != cudaSuccess) return e;
   return launch_attention_d<128, T>(p, w, ws, stream, keep_q, split);
 }
 
@@ -278,17 +280,18 @@ std::size_t workspace_bytes(const qattn_fwd_params& p, bool keep_q) {
 }
 
 int launch_forward(const qattn_fwd_params& p, void* workspace, void* stream, bool keep_q,
-                   RegisterSplit split) {
+                   RegisterSplit split, float* guard_k) {
   auto s = static_cast<cudaStream_t>(stream);
-  return p.dtype == QATTN_DTYPE_BF16 ? run<__nv_bfloat16>(p, workspace, s, true, keep_q, split)
-                                     : run<__half>(p, workspace, s, true, keep_q, split);
+  return p.dtype == QATTN_DTYPE_BF16
+             ? run<__nv_bfloat16>(p, workspace, s, true, keep_q, split, guard_k)
+             : run<__half>(p, workspace, s, true, keep_q, split, guard_k);
 }
 
 int launch_attention_only(const qattn_fwd_params& p, void* workspace, void* stream) {
   auto s = static_cast<cudaStream_t>(stream);
   return p.dtype == QATTN_DTYPE_BF16
-             ? run<__nv_bfloat16>(p, workspace, s, false, false, RegisterSplit::kAuto)
-             : run<__half>(p, workspace, s, false, false, RegisterSplit::kAuto);
+             ? run<__nv_bfloat16>(p, workspace, s, false, false, RegisterSplit::kAuto, nullptr)
+             : run<__half>(p, workspace, s, false, false, RegisterSplit::kAuto, nullptr);
 }
 
 }  // namespace qattn::sage2

@@ -51,9 +51,11 @@ enum class RegisterSplit {
 };
 
 // Enqueues quantization and attention on `stream`. Returns cudaSuccess or the first
-// CUDA error; never synchronizes.
+// CUDA error; never synchronizes. guard_k (precision "auto"; dense calls with per-thread
+// groups only): (B, Hkv, 2) floats that the K quantizer zeroes and fills with the
+// precision guard's K maxima (cuda/precision_guard/stats.h).
 int launch_forward(const qattn_fwd_params& p, void* workspace, void* stream, bool keep_q = false,
-                   RegisterSplit split = RegisterSplit::kAuto);
+                   RegisterSplit split = RegisterSplit::kAuto, float* guard_k = nullptr);
 
 // Only the attention kernel (which quantizes Q itself), on a workspace that an earlier
 // launch_forward with the same parameters filled (for kernel-only benchmarks; k and v

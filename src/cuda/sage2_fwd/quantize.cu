@@ -2,6 +2,7 @@
 #include "cuda/hopper/per_device.h"
 #include "cuda/hopper/sync.cuh"
 #include "cuda/common/amax.cuh"
+#include "cuda/precision_guard/maxima.cuh"
 #include "cuda/common/e4m3.cuh"
 #include "cuda/common/quant_math.cuh"
 #include "cuda/sage2_fwd/quantize.cuh"
@@ -225,6 +226,9 @@ __global__ void __launch_bounds__(kThreads, kStatsMinBlocksPerSm)
   // The attention kernel's work counters start from zero (its last CTA also puts them
   // back, for attention-only launches on this workspace).
   if (id == 0 && threadIdx.x < 2) out.item_counter[threadIdx.x] = 0;
+  // The guard's K maxima start from zero too (the K/V kernel merges into them after its
+  // wait for this grid).
+  if (out.guard_k != nullptr && id < heads && threadIdx.x < 2) out.guard_k[2 * id + threadIdx.x] = 0.f;
   if (id < heads)
     k_mean_block<T, D, kFullDim, kVarlen>(k, p, stage, id % p.heads_kv, id / p.heads_kv, out.k_mean);
   else
@@ -326,7 +330,10 @@ __device__ void quantize_k_tile(const InputView<T>& k, const QuantizeParams& p,
   const bool zero = !(a > 0.f) || a == INFINITY;
   // amax below 127 / FLT_MAX makes inv infinite: quantize_int8x4's saturating path.
   const bool tiny = !zero && inv == INFINITY;
-  auto store_codes = [&](auto full, auto rn) {
+  // Writes the codes; with the guard (precision "auto") also returns the largest |k̂|² of
+  // the group's tokens (a token's row spans kChunks lanes: summed across them), else 0.
+  auto store_codes = [&](auto full, auto rn, auto guard) {
+    int norm2_max = 0;
 #pragma unroll
     for (int i = 0; i < kItems; ++i) {
       const uint4 x = slot[i][lane];
@@ -340,17 +347,34 @@ __device__ void quantize_k_tile(const InputView<T>& k, const QuantizeParams& p,
       } else {
         codes = make_uint2(common::quantize_int8x4(ks, inv, zero), common::quantize_int8x4(ks + 4, inv, zero));
       }
+      if constexpr (guard) {
+        int n2 = __dp4a(static_cast<int>(codes.x), static_cast<int>(codes.x),
+                        __dp4a(static_cast<int>(codes.y), static_cast<int>(codes.y), 0));
+#pragma unroll
+        for (int off = 1; off < kChunks; off <<= 1) n2 += __shfl_xor_sync(0xffffffff, n2, off);
+        norm2_max = max(norm2_max, n2);
+      }
       *reinterpret_cast<uint2*>(out.k_i8 + (workspace_slice<kVarlen>(p, b, h) * p.nkv_pad +
                                             workspace_row0<kVarlen>(p, b) + token(i)) * D + ch0) =
           codes;
     }
+    return norm2_max;
   };
-  if (zero || tiny)  // rare: the clamping path, which also writes the zeros
-    store_codes(std::false_type{}, std::false_type{});
-  else if (full_tile)
-    store_codes(std::true_type{}, std::true_type{});
-  else
-    store_codes(std::false_type{}, std::true_type{});
+  auto store = [&](auto guard) {
+    if (zero || tiny)  // rare: the clamping path, which also writes the zeros
+      return store_codes(std::false_type{}, std::false_type{}, guard);
+    if (full_tile) return store_codes(std::true_type{}, std::true_type{}, guard);
+    return store_codes(std::false_type{}, std::true_type{}, guard);
+  };
+  if (out.guard_k == nullptr) {
+    store(std::false_type{});
+  } else {  // the group's {b², b²·max |k̂|²} into its KV head's maxima (one warp = one group)
+    int norm2_max = store(std::true_type{});
+#pragma unroll
+    for (int off = 16; off >= kChunks; off >>= 1)
+      norm2_max = max(norm2_max, __shfl_xor_sync(0xffffffff, norm2_max, off));
+    if (lane == 0) guard::merge_k_group(out.guard_k + 2 * bh, a / common::kInt8Max, norm2_max);
+  }
   if (lane == 0)
     out.k_scale[workspace_slice<kVarlen>(p, b, h) * (p.nkv_pad / groups::kKvTile * groups::kKThreadGroupsPerTile) +
                 (workspace_row0<kVarlen>(p, b) / groups::kKvTile + tile) * groups::kKThreadGroupsPerTile + g] =

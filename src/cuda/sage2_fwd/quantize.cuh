@@ -43,6 +43,10 @@ struct QuantizeOutputs {
   float* v_amax;      // (B, Hkv, D): V's per-channel amax bound; scale = amax / 448
   uint32_t* v_over;   // (B, Hkv, D): 0, or the exact amax bits where values exceed it
   int* item_counter;  // the attention kernel's two work counters, zeroed here
+  // Precision "auto" (null otherwise, and in a packed batch): per (batch, KV head) the
+  // precision guard's {max b², max b²·|k̂|²} of the smoothed INT8 K
+  // (numerics/precision_guard.h), zeroed and gathered here.
+  float* guard_k = nullptr;
 };
 
 // Enqueues the quantization passes on the stream: the statistics (K mean and V's amax
