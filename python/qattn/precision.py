@@ -7,6 +7,8 @@ import contextvars
 import os
 import threading
 
+import torch
+
 _MODES = ("fast", "auto", "precise")
 _ENV = "QATTN_PRECISION"
 
@@ -39,7 +41,12 @@ def set_precision(mode: str) -> str:
 
 def get_precision() -> str:
     """The current precision mode of the SDPA drop-in: using_precision's where one is
-    active in this thread (or asyncio task), else set_precision's."""
+    active in this thread (or asyncio task), else set_precision's. Inside a graph that
+    torch.compile traces, set_precision's: the compiler guards on it (a new mode compiles
+    the graph again), while a context variable is not traceable (torch 2.11 stops
+    fullgraph there), so using_precision applies to eager calls only."""
+    if torch.compiler.is_compiling():
+        return _mode
     scoped = _scoped.get()
     return _mode if scoped is None else scoped
 
@@ -47,7 +54,8 @@ def get_precision() -> str:
 @contextlib.contextmanager
 def using_precision(mode: str):
     """The SDPA drop-in (and the plug-ins) in `mode` for the code inside, in this thread
-    or task only; other threads keep theirs. Nests. E.g.
+    or task only; other threads keep theirs. Nests. Eager calls only: a graph compiled
+    by torch.compile runs set_precision's mode. E.g.
 
         with qattn.using_precision("auto"):
             image = pipe(prompt).images[0]

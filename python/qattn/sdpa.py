@@ -164,7 +164,9 @@ def _fallback(declined, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_
     if fallback.get_fallback() == "raise":
         fallback.refuse_sdpa(key, why)
     if not torch.compiler.is_compiling():
-        fallback.warn_once(key, why)
+        # The frame that called scaled_dot_product_attention (or the plug-in's attention
+        # function, which calls sdpa_in_mode): above warn_once, _fallback, sdpa_in_mode and it.
+        fallback.warn_once(key, why, stacklevel=5)
     return out
 
 
@@ -195,13 +197,21 @@ def scaled_dot_product_attention(
     SDPA rejects raises SDPA's error. Under torch.compile the fallback issues no
     warning. Returns (B, Hq, Nq, d) in query's dtype, contiguous on the qattn path.
     """
+    return sdpa_in_mode(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                        precision.get_precision())
+
+
+def sdpa_in_mode(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                 mode: str) -> torch.Tensor:
+    """scaled_dot_product_attention in precision `mode` ("fast", "auto" or "precise") given
+    by the caller instead of qattn.get_precision(): the plug-ins pass a registration's
+    mode this way, which torch.compile traces (a context variable it does not)."""
     declined = _decline(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if declined is None:
         # A boolean attn_mask is passed on only when given: a call without one keeps the
         # arguments of a plain call. So is a precision other than "fast" (qattn.set_precision),
         # which covers inference calls.
         mask = {} if attn_mask is None else {"attn_mask": attn_mask}
-        mode = precision.get_precision()
         if mode != "fast" and not ops._records_autograd(query, key, value):
             mask["precision"] = mode
         if torch.compiler.is_compiling():

@@ -43,6 +43,7 @@ from typing import Optional, Tuple
 import torch
 
 import qattn
+from qattn.sdpa import sdpa_in_mode
 
 NAME = "qattn"
 
@@ -93,12 +94,15 @@ def attention_forward(
     scaling: Optional[float] = None,
     is_causal: Optional[bool] = None,
     position_bias: Optional[torch.Tensor] = None,
+    precision: Optional[str] = None,
     **kwargs,
 ) -> Tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query (B, Hq, Nq, d), key and value
     (B, Hkv, Nkv, d), attention_mask None or SDPA's (boolean: True = attend, or
     additive float) broadcastable to (B, Hq, Nq, Nkv). Returns (attn_output of shape
-    (B, Nq, Hq, d), contiguous; None: no attention weights)."""
+    (B, Nq, Hq, d), contiguous; None: no attention weights). precision: this call's mode
+    ("fast", "auto", "precise"; register(..., precision=) passes it), None: the
+    process's (qattn.set_precision)."""
     if kwargs.get("softcap") is not None:
         raise ValueError(
             "attn_implementation='qattn' does not support softcap (as 'sdpa' does not); use "
@@ -136,10 +140,10 @@ def attention_forward(
         attention_mask = _position_bias_mask(position_bias, attention_mask, is_causal, query, key)
         is_causal = False
 
-    out = qattn.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=bool(is_causal),
-        scale=scaling, **sdpa_kwargs,
-    )
+    # A registration's own precision mode (register(..., precision=)), else the process's.
+    mode = precision if precision is not None else qattn.get_precision()
+    out = sdpa_in_mode(query, key, value, attention_mask, dropout, bool(is_causal), scaling,
+                       sdpa_kwargs.get("enable_gqa", False), mode)
     # The batch from the output: SDPA broadcasts it (e.g. learned queries of batch 1).
     out = out.reshape(out.shape[0], -1, q_length, value.shape[-1])
     return out.transpose(1, 2).contiguous(), None
@@ -152,7 +156,7 @@ def _sdpa_in_layers(layers: Tuple[int, ...]):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     def forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                is_causal=None, **kwargs):
+                is_causal=None, precision=None, **kwargs):
         idx = getattr(module, "layer_idx", None)
         if idx is not None:
             n = getattr(getattr(module, "config", None), "num_hidden_layers", None)
@@ -162,18 +166,19 @@ def _sdpa_in_layers(layers: Tuple[int, ...]):
                                               dropout=dropout, scaling=scaling,
                                               is_causal=is_causal, **kwargs)
         return attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                 scaling=scaling, is_causal=is_causal, **kwargs)
+                                 scaling=scaling, is_causal=is_causal, precision=precision,
+                                 **kwargs)
 
     forward.qattn_sdpa_layers = layers
     return forward
 
 
 def _in_precision(fn, mode: str):
-    """fn with qattn's attention in precision `mode` for each of its calls."""
+    """fn with qattn's attention in precision `mode` for each of its calls (passed as an
+    argument, which torch.compile traces)."""
 
     def forward(*args, **kwargs):
-        with qattn.using_precision(mode):
-            return fn(*args, **kwargs)
+        return fn(*args, precision=mode, **kwargs)
 
     forward.qattn_precision = mode
     forward.qattn_sdpa_layers = getattr(fn, "qattn_sdpa_layers", ())
