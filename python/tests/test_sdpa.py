@@ -375,6 +375,34 @@ def test_compile_fullgraph_traces_the_qattn_path(nq, nkv):
     assert out.shape == q.shape and out.dtype == q.dtype
 
 
+def test_compile_fullgraph_follows_set_precision():
+    # Inside a traced graph the mode is set_precision's: the op of that mode is in the
+    # graph, and a new mode compiles the graph again (the compiler guards on it).
+    def f(q, k, v):
+        return qattn.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        return gm
+
+    q = meta(1, 2, 128, 64)
+    qattn.set_fallback("raise")
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend=backend)
+    previous = qattn.set_precision("auto")
+    try:
+        compiled(q, q, q)
+        qattn.set_precision("fast")
+        compiled(q, q, q)
+    finally:
+        qattn.set_precision(previous)
+    assert len(seen) == 2, seen
+    assert any("attention_precision" in t for t in seen[0]), seen[0]
+    assert not any("attention_precision" in t for t in seen[1]), seen[1]
+
+
 def test_compile_fullgraph_fallback_is_sdpa_without_a_warning():
     def f(q, k, v):
         return qattn.scaled_dot_product_attention(q, k, v, is_causal=True)
