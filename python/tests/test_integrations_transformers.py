@@ -147,15 +147,15 @@ def test_sdpa_layers_stay_on_transformers_sdpa(calls):
 
 def test_register_with_a_precision(monkeypatch):
     """register(name, precision=...) runs that registration's calls in that precision
-    (qattn.using_precision around each), and the process's mode elsewhere."""
+    (passed to the drop-in as an argument), and the process's mode elsewhere."""
     modes = []
-    real = qattn.scaled_dot_product_attention
+    real = qattn_tf.sdpa_in_mode
 
-    def spy(*args, **kwargs):
-        modes.append(qattn.get_precision())
-        return real(*args, **kwargs)
+    def spy(*args):
+        modes.append(args[-1])
+        return real(*args)
 
-    monkeypatch.setattr(qattn, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(qattn_tf, "sdpa_in_mode", spy)
     name = qattn_tf.register("qattn_auto_test", precision="auto", sdpa_layers=(0,))
     assert qattn_tf.is_registered(name)
     torch.manual_seed(SEED)
@@ -169,6 +169,27 @@ def test_register_with_a_precision(monkeypatch):
     assert qattn.get_precision() == "fast"
     with pytest.raises(ValueError, match="precision = 'exact'"):
         qattn_tf.register("qattn_bad", precision="exact")
+
+
+def test_a_registrations_precision_traces_under_compile():
+    # The mode is an argument, so torch.compile(fullgraph=True) keeps the call in its graph
+    # as that mode's op (meta tensors take qattn's op).
+    ops = []
+
+    def backend(gm, example_inputs):
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    forward = qattn_tf._in_precision(qattn_tf.attention_forward, "auto")
+    q = torch.empty(1, 4, 64, 64, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(1, 2, 64, 64, dtype=torch.bfloat16, device="meta")
+    module = torch.nn.Module()
+    module.is_causal = True
+    torch._dynamo.reset()
+    out, _ = torch.compile(lambda q, k, v: forward(module, q, k, v, None), fullgraph=True,
+                           backend=backend)(q, k, k)
+    assert out.shape == (1, 64, 4, 64)
+    assert any("attention_precision" in t for t in ops), ops
 
 
 def test_from_config_and_set_attn_implementation_select_qattn(calls):

@@ -140,10 +140,14 @@ def attention_forward(
         attention_mask = _position_bias_mask(position_bias, attention_mask, is_causal, query, key)
         is_causal = False
 
-    # A registration's own precision mode (register(..., precision=)), else the process's.
-    mode = precision if precision is not None else qattn.get_precision()
-    out = sdpa_in_mode(query, key, value, attention_mask, dropout, bool(is_causal), scaling,
-                       sdpa_kwargs.get("enable_gqa", False), mode)
+    if precision is None:  # the process's mode (qattn.set_precision)
+        out = qattn.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+            is_causal=bool(is_causal), scale=scaling, **sdpa_kwargs,
+        )
+    else:  # a registration's own mode, passed as an argument (torch.compile traces it)
+        out = sdpa_in_mode(query, key, value, attention_mask, dropout, bool(is_causal), scaling,
+                           sdpa_kwargs.get("enable_gqa", False), precision)
     # The batch from the output: SDPA broadcasts it (e.g. learned queries of batch 1).
     out = out.reshape(out.shape[0], -1, q_length, value.shape[-1])
     return out.transpose(1, 2).contiguous(), None
