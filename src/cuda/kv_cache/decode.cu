@@ -25,6 +25,7 @@
 #include <cstdint>
 
 #include "cuda/common/mma_sync.cuh"
+#include "cuda/common/quant_math.cuh"
 #include "cuda/hopper/per_device.h"
 #include "cuda/kv_cache/dequant.cuh"
 #include "cuda/kv_cache/launch.h"
@@ -111,14 +112,6 @@ struct Smem {
   static_assert(kMergeEnd <= kMisc, "the merge scratch must not overlap q·c");
   static constexpr int kBytes = kLoopBytes;
 };
-
-template <typename T>
-__device__ __forceinline__ float to_float(T x) {
-  if constexpr (std::is_same_v<T, __half>)
-    return __half2float(x);
-  else
-    return __bfloat162float(x);
-}
 
 __device__ __forceinline__ float warp_sum(float x) {
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
@@ -611,7 +604,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_kernel(const DecodeArgs a)
     __nv_bfloat16* dst = reinterpret_cast<__nv_bfloat16*>(smem + S::kQ + r * S::kOpRow);
     float qc = 0.f;
     for (int e = lane; e < a.d; e += 32) {
-      const __nv_bfloat16 x = __float2bfloat16_rn(to_float(qrow[e]));
+      const __nv_bfloat16 x = __float2bfloat16_rn(common::to_float(qrow[e]));
       dst[e] = x;
       if (c != nullptr) qc += __bfloat162float(x) * __ldg(c + e);
     }

@@ -313,7 +313,7 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm<F>(NQB))
     float amax = 0.f, dot = 0.f;
 #pragma unroll
     for (int e = 0; e < D / 4; ++e) {
-      x[e] = real ? __bfloat162float(__float2bfloat16_rn(to_float(q[e]))) : 0.f;
+      x[e] = real ? __bfloat162float(__float2bfloat16_rn(common::to_float(q[e]))) : 0.f;
       amax = fmaxf(amax, fabsf(x[e]));
       if (c != nullptr) dot += x[e] * __ldg(c + t * (D / 4) + e);
     }
