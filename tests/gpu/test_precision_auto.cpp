@@ -190,6 +190,21 @@ TEST(PrecisionAuto, EveryFamilyMatchesItsParts) {
   }
 }
 
+TEST(PrecisionAuto, PaddedHeadDims) {
+  // d = 100: rows of 200 bytes, so the guard's Q pass takes its element-wise loads, and
+  // the K quantizer pads to 128; d = 40 pads to 64.
+  QATTN_SKIP_WITHOUT_GPU();
+  for (const int d : {100, 40})
+    for (InputFamily f : {InputFamily::Gaussian, InputFamily::OutlierChannels}) {
+      Case c;
+      c.family = f;
+      c.d = d;
+      c.n = 300;
+      run_case(c);
+      if (HasFailure()) return;
+    }
+}
+
 TEST(PrecisionAuto, FreshSeedsAndShapes) {
   QATTN_SKIP_WITHOUT_GPU();
   const std::uint64_t seed = test::fresh_seed();
@@ -205,7 +220,10 @@ TEST(PrecisionAuto, FreshSeedsAndShapes) {
     c.heads_kv = pick(1, 2);
     c.heads_q = c.heads_kv * pick(1, 3);
     c.n = pick(1, 700);
-    c.d = pick(0, 1) ? 128 : 64;
+    // 64 and 128, and head dims the kernels pad (the guard's Q pass then reads element by
+    // element where rows are not 16-byte chunks: 100 and 40).
+    const int dims[] = {64, 128, 100, 40};
+    c.d = dims[pick(0, 3)];
     c.causal = pick(0, 1) == 1;
     c.bf16 = pick(0, 1) == 1;
     c.seed = rng();
