@@ -267,6 +267,7 @@ def bad_options(binary):
         (["bench", "--batch", "0"], "--batch"),
         (["bench", "--seq-lens", "1,,2"], "--seq-lens"),
         (["bench", "--head-dims", "0"], "--head-dims"),
+        (["bench", "--precision", "exact"], "--precision"),
     ]
     for args, names in cases:
         what = f"qattn {' '.join(args)}"
