@@ -49,6 +49,13 @@ row says which backend really ran. A varlen row's cossim_vs_cudnn is against cuD
 output only (padded SDPA or cuDNN varlen, whichever ran); the note adds the CosSim to
 flash_varlen.
 
+Short sequences (--graph, up to --graph-max-n): where a call's GPU time nears its CPU
+time, per-call events measure the host too. --graph adds
+  qattn_graph       qattn.attention, 20 calls captured in one CUDA graph, per call
+  sdpa_cudnn_graph  the same for cuDNN
+(GPU time without the Python and launch-API part) and records host_us on the qattn and
+sdpa_cudnn rows: the median CPU time of one call, timed around the call alone.
+
 Timing: CUDA events around every call, after warm-up; the median of each of two
 passes over the same configuration (both kept, to show the noise; `ms` is the lower
 one); random normal bf16 inputs; several input sets rotated when one set would fit in
@@ -58,6 +65,7 @@ Run on the device from the repo root (after python/build_on_device.sh):
   PYTHONPATH=python python3 bench/forward.py --out $OUT            # full, ~3-5 min
   PYTHONPATH=python python3 bench/forward.py --quick --out $OUT    # ~1 min
   PYTHONPATH=python python3 bench/forward.py --varlen-only --name forward-varlen --out $OUT  # ~30 s
+  PYTHONPATH=python python3 bench/forward.py --quick --graph --no-masks --name forward-graph --out $OUT
 """
 
 from __future__ import annotations
@@ -88,7 +96,8 @@ except ImportError as e:  # --replot needs only matplotlib
     _import_error = e
 
 METHODS = ("qattn", "qattn_kernel", "sdpa_cudnn", "sdpa_flash", "qattn_same_work",
-           "qattn_padded", "sdpa_efficient", "flash_varlen", "cudnn_varlen", "qattn_checked")
+           "qattn_padded", "sdpa_efficient", "flash_varlen", "cudnn_varlen", "qattn_checked",
+           "qattn_graph", "sdpa_cudnn_graph")
 TABLE_METHODS = METHODS[:5]  # always in the table; the varlen methods only where they ran
 L2_FALLBACK_BYTES = 60 << 20  # H200
 
@@ -158,6 +167,7 @@ class Row:
     d_v: int = 0
     tokens: int = 0  # real query tokens (varlen: the pack's, no padding; else B·N)
     seqs: int = 0  # sequences (varlen: in the pack; else B)
+    host_us: Optional[float] = None  # --graph: the CPU time of one call (enqueueing only)
 
 
 def standard_grid(quick: bool) -> List[Shape]:
@@ -309,6 +319,59 @@ def time_fn(fn: Callable[[int], object], *, warmup: int, min_iters: int, max_ite
     return medians, iters
 
 
+def time_graph(fn: Callable[[int], object], *, calls: int, warmup: int, replays: int = 10,
+               passes: int = 2):
+    """Median milliseconds per call of `calls` calls of fn captured in one CUDA graph, for
+    each pass of `replays` replays: the GPU time without the host's part (launch
+    overheads between kernels remain, as in any graph)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream, as capture requires
+        for i in range(warmup):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    medians = []
+    for _ in range(passes):
+        ms = []
+        for _ in range(replays):
+            start.record()
+            graph.replay()
+            stop.record()
+            stop.synchronize()
+            ms.append(start.elapsed_time(stop) / calls)
+        ms.sort()
+        medians.append(ms[len(ms) // 2] if len(ms) % 2 else 0.5 * (ms[len(ms) // 2 - 1] + ms[len(ms) // 2]))
+    del graph
+    return medians, calls * replays
+
+
+def graphed(s: Shape, args) -> bool:
+    """Whether --graph times this shape: up to --graph-max-n (the lengths where the host's
+    part matters; a graph keeps every captured call's output and workspace alive)."""
+    return args.graph and s.n <= args.graph_max_n
+
+
+def host_us(fn: Callable[[int], object], iters: int = 50) -> float:
+    """Median CPU microseconds of one call of fn, timed around the call alone (the GPU
+    runs behind; 50 calls stay well inside the launch queue)."""
+    torch.cuda.synchronize()
+    us = []
+    for i in range(iters):
+        t = time.perf_counter()
+        fn(i)
+        us.append((time.perf_counter() - t) * 1e6)
+    torch.cuda.synchronize()
+    us.sort()
+    return us[len(us) // 2]
+
+
 def input_sets(s: Shape, l2_bytes: int, seed: int = 0):
     """Random normal bf16 (q, k, v) sets in HND; several when one set fits in L2."""
     set_bytes = 2 * (s.batch * s.heads * s.n * s.d * 2 + 2 * s.batch * s.heads_kv * s.n * s.d)
@@ -383,7 +446,12 @@ def measure_shape(s: Shape, args, l2_bytes: int) -> List[Row]:
                 # A row is named after the backend that ran: cuDNN's refusal makes it
                 # SDPA's memory-efficient row, never a cuDNN one.
                 ran = "sdpa_efficient" if be == SDPBackend.EFFICIENT_ATTENTION else method
-                row(ran, medians, iters, "; ".join(notes))
+                r = row(ran, medians, iters, "; ".join(notes))
+                if graphed(s, args) and ran == "sdpa_cudnn" and not masked:
+                    r.host_us = host_us(fn)
+                    medians, iters = time_graph(fn, calls=args.graph_calls, warmup=args.warmup)
+                    row("sdpa_cudnn_graph", medians, iters,
+                        f"CUDA graph of {args.graph_calls} calls, per call")
                 break
             except RuntimeError as e:  # backend refuses the shape
                 errors.append(str(e).splitlines()[0][:120])
@@ -411,6 +479,10 @@ def measure_shape(s: Shape, args, l2_bytes: int) -> List[Row]:
         r = row("qattn", medians, iters, f"{n_sets} rotating input sets" if n_sets > 1 else "")
         if ref is not None:
             r.cossim_vs_cudnn = cossim(out, ref)
+        if graphed(s, args) and not mask_kwargs:
+            r.host_us = host_us(fn)
+            medians, iters = time_graph(fn, calls=args.graph_calls, warmup=args.warmup)
+            row("qattn_graph", medians, iters, f"CUDA graph of {args.graph_calls} calls, per call")
     if "qattn_same_work" in args.methods and s.bool_mask == "padding":
         lengths = torch.full((s.batch,), s.n // 2, dtype=torch.int32, device="cuda")
         fn = lambda i: qattn.attention(*sets[i % n_sets], kv_lengths=lengths)  # noqa: E731
@@ -748,6 +820,11 @@ def print_table(rows: List[Row]) -> None:
         shape, b, h, hkv, d, causal, n = key
         print(f"{shape:<16}{b:>3}{h:>4}{hkv:>4}{d:>5}{int(causal):>7}{n:>7}" + "".join(cells) + cos)
     print("(TOPS; cos = CosSim of qattn's output to cuDNN's)")
+    host = [r for r in rows if r.host_us is not None]
+    if host:
+        print("CPU time of one call (--graph): "
+              + "; ".join(f"{r.method} d={r.d} causal={int(r.causal)} N={r.n}: {r.host_us:.1f} us"
+                          for r in host))
 
 
 def replot(json_path: Path, commit: str) -> int:
@@ -781,6 +858,12 @@ def main() -> int:
                     help="skip the SDPA baselines above this N (0: never)")
     ap.add_argument("--time-limit-s", type=float, default=540,
                     help="stop measuring (and still write the results) after this long")
+    ap.add_argument("--graph", action="store_true",
+                    help="also time qattn and cuDNN inside a CUDA graph (GPU time without the "
+                         "host's part; rows qattn_graph, sdpa_cudnn_graph) and record each "
+                         "call's CPU time (host_us) on their plain rows")
+    ap.add_argument("--graph-calls", type=int, default=20, help="calls captured in one graph")
+    ap.add_argument("--graph-max-n", type=int, default=4096, help="--graph only up to this N")
     ap.add_argument("--commit", default="", help="commit id to record (else $QATTN_COMMIT or git)")
     ap.add_argument("--replot", metavar="JSON",
                     help="only redraw the PNG next to a results file (with --commit: record that commit)")
