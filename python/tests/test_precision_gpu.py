@@ -144,3 +144,32 @@ def test_boolean_attn_mask(mode):
         ref = reference(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n], False, "HND")
         bound = PRECISE_BOUND[torch.bfloat16] if mode == "precise" else 1 - MIN_COSSIM
         assert 1 - cossim(o[b:b + 1], ref) <= bound
+
+
+@pytest.mark.parametrize("mode", ["precise", "auto"])
+def test_cuda_graph_replays_decide_on_the_new_inputs(mode):
+    """Both modes capture into a CUDA graph (nothing is read back to the host), and a
+    replay on new inputs equals an eager call on them bit for bit: for "auto" the guard
+    decides again on the GPU, so a replay after Gaussian inputs that gets outlier-channel
+    inputs runs those heads in 16 bits."""
+    q, k, v = family("gaussian", heads=2, n=256)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture, as torch recommends
+        for _ in range(2):
+            qattn.attention(q, k, v, is_causal=True, precision=mode)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = qattn.attention(q, k, v, is_causal=True, precision=mode)
+    for name in ("outlier_channels", "gaussian"):
+        nq, nk, nv = family(name, heads=2, n=256, seed=5)
+        q.copy_(nq)
+        k.copy_(nk)
+        v.copy_(nv)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, qattn.attention(nq, nk, nv, is_causal=True, precision=mode)), name
+        if mode == "auto" and name == "outlier_channels":
+            ref = reference(nq, nk, nv, True, "HND")
+            assert 1 - cossim(out, ref) <= PRECISE_BOUND[torch.float16]
