@@ -20,10 +20,10 @@
 namespace qattn::guard {
 namespace {
 
-constexpr int kThreads = 128;           // four warps, one 16-row slice each
-constexpr int kGroupsPerWarp = 8;       // row pairs (g, g + 8) of a slice
-constexpr int kChunkElems = 8;          // 16 bytes of 16-bit values
-constexpr int kLanesPerRow = 16;        // head dims up to 128: 16 chunks per row
+constexpr int kThreads = 128;      // four warps, one 16-row slice each
+constexpr int kGroupsPerWarp = 8;  // row pairs (g, g + 8) of a slice
+constexpr int kChunkElems = 8;     // 16 bytes of 16-bit values
+constexpr int kLanesPerRow = 16;   // head dims up to 128: 16 chunks per row
 
 struct QArgs {
   const void* q;
@@ -109,8 +109,8 @@ void launch_q(const QArgs& qa, dim3 grid, bool vector, cudaStream_t stream) {
 }  // namespace
 
 cudaError_t launch_q_maxima(const qattn_fwd_params& p, float* q_maxima, cudaStream_t stream) {
-  if (auto e = cudaMemsetAsync(q_maxima, 0, std::size_t(p.batch) * p.heads_q * 2 * sizeof(float), stream);
-      e != cudaSuccess)
+  const std::size_t bytes = std::size_t(p.batch) * p.heads_q * 2 * sizeof(float);
+  if (auto e = cudaMemsetAsync(q_maxima, 0, bytes, stream); e != cudaSuccess)
     return e;
   constexpr float kLog2e = 1.4426950408889634f;
   const float sm_scale = p.sm_scale > 0.f ? p.sm_scale : 1.f / sqrtf(static_cast<float>(p.head_dim));
