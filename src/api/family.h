@@ -16,6 +16,17 @@
 
 namespace qattn::api {
 
+// The rule of the families whose boolean attn_mask is the call's whole key rule (the
+// SA2-8b forward's tile lists and the 16-bit forward know no other): "" or the reason the
+// call is refused.
+inline std::string attn_mask_alone(const qattn_fwd_params& p) {
+  const bool other_rule = p.causal != 0 || p.window != 0 || p.kv_lengths != nullptr;
+  if (p.attn_mask_type != QATTN_MASK_NONE && other_rule)
+    return "takes an attn_mask alone (causal, window and kv_lengths must be off: write "
+           "them into the mask)";
+  return {};
+}
+
 // A device's compute capability, e.g. {9, 0} for sm_90.
 struct Arch {
   int major = 0, minor = 0;

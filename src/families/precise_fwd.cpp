@@ -17,11 +17,7 @@ constexpr std::array<api::Arch, 1> kArchs{{{9, 0}}};
 // One CTA per 128-row query block, query head and batch entry: the grid's y and z take
 // heads_q and batch (<= 65535 by the ABI), x the blocks (<= 2^30 / 128).
 std::string check_limits(const qattn_fwd_params& p) {
-  // The mask is the whole rule, as in the SA2-8b family (one API for both).
-  if (p.attn_mask_type != QATTN_MASK_NONE && (p.causal != 0 || p.window != 0 || p.kv_lengths != nullptr))
-    return "takes an attn_mask alone (causal, window and kv_lengths must be off: write "
-           "them into the mask)";
-  return {};
+  return api::attn_mask_alone(p);  // as the SA2-8b family's (one API for both)
 }
 
 std::size_t workspace_bytes(const qattn_fwd_params&) { return 0; }  // reads the inputs as given

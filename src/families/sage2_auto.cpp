@@ -25,7 +25,7 @@ constexpr std::array<api::Arch, 1> kArchs{{{9, 0}}};
 
 // The guard's stats after the SA2-8b workspace (256-aligned both).
 std::size_t guard_offset(const qattn_fwd_params& p) {
-  return (sage2::workspace_layout(p).total + 255) / 256 * 256;
+  return guard::align256(sage2::workspace_layout(p).total);
 }
 
 std::string check_limits(const qattn_fwd_params& p) {

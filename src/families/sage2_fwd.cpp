@@ -51,10 +51,7 @@ std::string check_limits(const qattn_fwd_params& p) {
                       " work items; allowed: below 2^31 (heads_q x (total_q + 127 x batch) / 128)");
   }
   if (p.attn_mask_type != QATTN_MASK_NONE) {
-    // The mask is the whole rule in this version: the tile lists know no other.
-    if (p.causal != 0 || p.window != 0 || p.kv_lengths != nullptr)
-      return "takes an attn_mask alone (causal, window and kv_lengths must be off: write "
-             "them into the mask)";
+    if (std::string why = api::attn_mask_alone(p); !why.empty()) return why;
     // The mask pass's grid: query blocks and slices are grid dimensions.
     const int64_t slices = sage2::mask_slices(p);
     if (nq_pad / q_tile > 65535 || slices > 65535)

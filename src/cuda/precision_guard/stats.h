@@ -16,11 +16,14 @@ struct Stats {
   float* k;  // (B, Hkv, 2)
 };
 
+// Workspace regions start at 256-byte boundaries.
+inline std::size_t align256(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
+
 inline std::size_t stats_q_bytes(const qattn_fwd_params& p) {
-  return (std::size_t(p.batch) * p.heads_q * 2 * sizeof(float) + 255) / 256 * 256;
+  return align256(std::size_t(p.batch) * p.heads_q * 2 * sizeof(float));
 }
 inline std::size_t stats_k_bytes(const qattn_fwd_params& p) {
-  return (std::size_t(p.batch) * p.heads_kv * 2 * sizeof(float) + 255) / 256 * 256;
+  return align256(std::size_t(p.batch) * p.heads_kv * 2 * sizeof(float));
 }
 // Bytes of both arrays (each 256-aligned), and their places from `base`.
 inline std::size_t stats_bytes(const qattn_fwd_params& p) { return stats_q_bytes(p) + stats_k_bytes(p); }
