@@ -1049,9 +1049,23 @@ def attention(
         return _attention_precision(q, k, v, is_causal, scale, layout, return_lse, granularity,
                                     causal_alignment, window_left, window_right, kv_lengths,
                                     attn_mask, precision)
+    mask, lengths = _call_mask_options(q, k, v, is_causal, scale, layout, granularity,
+                                       causal_alignment, window_left, window_right, kv_lengths,
+                                       attn_mask)
+    if set(mask) == {"alignment"} and min(lengths) > 0 and _records_autograd(q, k, v):
+        o, lse = _top_left(q, k, v, scale, layout, return_lse, granularity)  # causal, top-left
+    else:
+        o, lse = _forward(q, k, v, is_causal, scale, layout, return_lse, granularity, **mask)
+    return (o, lse) if return_lse else o
+
+
+def _call_mask_options(q, k, v, is_causal, scale, layout, granularity, causal_alignment,
+                       window_left, window_right, kv_lengths, attn_mask):
+    """A call's mask arguments checked and turned into its op's options (the ones of the
+    SA2-8b scheme in every precision mode); returns (options, (Nq, Nkv) or None)."""
     _attn_mask_alone(attn_mask, (
         ("is_causal=True", bool(is_causal)),
-        (f"window_size = {tuple(window_size)!r}", window_left != -1 or window_right != -1),
+        (f"window_size = {(window_left, window_right)!r}", window_left != -1 or window_right != -1),
         ("kv_lengths", kv_lengths is not None),
     ))
     if kv_lengths is not None or attn_mask is not None:  # checked before the dispatcher sees a non-tensor
@@ -1065,11 +1079,7 @@ def attention(
     aligned = lengths is not None and lengths[0] != lengths[1] and (is_causal or window)
     mask = _mask_options(kv_lengths, window_left, window_right,
                          causal_alignment if aligned else "bottom_right", attn_mask)
-    if set(mask) == {"alignment"} and min(lengths) > 0 and _records_autograd(q, k, v):
-        o, lse = _top_left(q, k, v, scale, layout, return_lse, granularity)  # causal, top-left
-    else:
-        o, lse = _forward(q, k, v, is_causal, scale, layout, return_lse, granularity, **mask)
-    return (o, lse) if return_lse else o
+    return mask, lengths
 
 
 def _attention_precision(q, k, v, is_causal, scale, layout, return_lse, granularity,
@@ -1077,11 +1087,8 @@ def _attention_precision(q, k, v, is_causal, scale, layout, return_lse, granular
                          precision):
     """qattn.attention(precision="auto" or "precise"): the options those modes take, then
     their op."""
-    _attn_mask_alone(attn_mask, (
-        ("is_causal=True", bool(is_causal)),
-        (f"window_size = {(window_left, window_right)!r}", window_left != -1 or window_right != -1),
-        ("kv_lengths", kv_lengths is not None),
-    ))
+    mask, _ = _call_mask_options(q, k, v, is_causal, scale, layout, granularity, causal_alignment,
+                                 window_left, window_right, kv_lengths, attn_mask)
     if granularity != "per_thread":
         raise invalid(f"precision = {precision!r} runs granularity 'per_thread' only (the "
                       f"guard is derived for it); got {granularity!r}")
@@ -1089,15 +1096,6 @@ def _attention_precision(q, k, v, is_causal, scale, layout, return_lse, granular
         raise QattnUnsupportedError(
             "backward", f"precision = {precision!r} has no backward; call it under "
             "torch.no_grad() or on tensors that do not require grad")
-    if kv_lengths is not None or attn_mask is not None:
-        _check_inputs(q, k, v, layout, scale, granularity)
-        _check_kv_lengths(kv_lengths, q, layout)
-        _check_attn_mask(attn_mask, q, k, layout)
-    lengths = _seq_lengths(q, k, layout)
-    window = window_left >= 0 or (not is_causal and window_right >= 0)
-    aligned = lengths is not None and lengths[0] != lengths[1] and (is_causal or window)
-    mask = _mask_options(kv_lengths, window_left, window_right,
-                         causal_alignment if aligned else "bottom_right", attn_mask)
     if _direct_call_ok(q, k, v):
         o, lse = _run(q, k, v, is_causal, scale, layout, return_lse, "per_thread",
                       scheme=_PRECISIONS[precision], **mask)
