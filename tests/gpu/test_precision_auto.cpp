@@ -40,14 +40,22 @@ using emulate::InputFamily;
 // integer norms, FP64 products. The relative difference is a few FP32 roundings.
 constexpr double kSigmaRel = 1e-5;
 
+// Rows are padded to a multiple of 8 elements (the API's 16-byte row stride); the pad
+// columns hold a large finite value (0x7BFF: 65504 in fp16, ~2.7e36 in bf16) that would
+// change the guard's maxima and O if a kernel read them.
+int row_stride(int d) { return (d + 7) / 8 * 8; }
+constexpr uint16_t kPadBits = 0x7BFF;
+
 struct Device16 {
   test::DeviceBuffer<uint16_t> buf;
   qattn_tensor view{};
-  Device16(const Tensor4& t, bool bf16) : buf(t.size()) {
-    std::vector<uint16_t> bits(t.size());
-    for (std::size_t i = 0; i < t.size(); ++i) bits[i] = test::to_bits16(t.data[i], bf16);
+  Device16(const Tensor4& t, bool bf16) : buf(t.size() / t.d * row_stride(t.d)) {
+    const int ds = row_stride(t.d);
+    std::vector<uint16_t> bits(buf.count, kPadBits);
+    for (std::size_t r = 0; r < t.size() / t.d; ++r)
+      for (int c = 0; c < t.d; ++c) bits[r * ds + c] = test::to_bits16(t.data[r * t.d + c], bf16);
     buf.upload(bits);
-    view = {buf.ptr, int64_t{t.h} * t.n * t.d, int64_t{t.n} * t.d, t.d};
+    view = {buf.ptr, int64_t{t.h} * t.n * ds, int64_t{t.n} * ds, ds};
   }
 };
 
@@ -59,7 +67,8 @@ struct Run {
 
 Run run_scheme(int32_t scheme, const Tensor4& q, const Device16& dq, const Device16& dk,
                const Device16& dv, int heads_kv, int nkv, bool causal, bool bf16) {
-  const std::size_t o_count = q.size();
+  const int ds = row_stride(q.d);
+  const std::size_t o_count = q.size() / q.d * ds;
   test::DeviceBuffer<uint16_t> o(o_count);
   test::DeviceBuffer<float> lse(std::size_t(q.b) * q.h * q.n);
   cudaMemset(o.ptr, 0xFF, o_count * 2);
@@ -78,7 +87,7 @@ Run run_scheme(int32_t scheme, const Tensor4& q, const Device16& dq, const Devic
   p.q = dq.view;
   p.k = dk.view;
   p.v = dv.view;
-  p.o = {o.ptr, int64_t{q.h} * q.n * q.d, int64_t{q.n} * q.d, q.d};
+  p.o = {o.ptr, int64_t{q.h} * q.n * ds, int64_t{q.n} * ds, ds};
   p.lse = lse.ptr;
   Run r;
   std::size_t bytes = 0;
@@ -86,7 +95,15 @@ Run run_scheme(int32_t scheme, const Tensor4& q, const Device16& dq, const Devic
   test::DeviceBuffer<uint8_t> ws(std::max<std::size_t>(bytes, 1));
   EXPECT_EQ(qattn_fwd(&p, ws.ptr, bytes, nullptr), QATTN_OK) << qattn_last_error_message();
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  r.o = o.download();
+  const std::vector<uint16_t> o_padded = o.download();
+  r.o.resize(q.size());
+  for (std::size_t row = 0; row < q.size() / q.d; ++row) {
+    std::copy_n(o_padded.begin() + row * ds, q.d, r.o.begin() + row * q.d);
+    // O's pad columns are the caller's: still the 0xFFFF written before the call.
+    EXPECT_TRUE(std::all_of(o_padded.begin() + row * ds + q.d, o_padded.begin() + (row + 1) * ds,
+                            [](uint16_t x) { return x == 0xFFFF; }))
+        << "O row " << row << ": a pad column was written";
+  }
   r.lse = lse.download();
   if (scheme == QATTN_SCHEME_SAGE2_8B_AUTO) {
     const std::size_t off = (sage2::workspace_layout(p).total + 255) / 256 * 256;
