@@ -3,14 +3,21 @@ short N (run on the GPU machine).
 
 At N = 1K a call's GPU work is ~0.1 ms, so the host work of a call (the Python layer,
 the C checks, four enqueues) decides whether the GPU waits between calls. Printed:
-- host us: the median CPU time of one call, over `--iters` calls issued back to back
-  at a tiny shape (the GPU keeps up, so nothing waits for it);
+- host us: the median CPU time of one call, timed around the call alone with the GPU
+  idle before it (a synchronization before each call, outside the timing), so that no
+  call waits for room in the launch queue;
+- queued us: the same over 50 calls issued back to back without synchronizing (the GPU
+  runs behind; 50 calls stay well inside the launch queue): a cost that appears only
+  while the GPU is busy shows as queued > host;
 - e2e ms: CUDA events around each call, the median (as bench/forward.py times): a call
   whose host work is longer than the GPU's shows it here;
 - stream ms: the wall time of `--iters` calls issued back to back, over the count, with
   one synchronization at the end: what a model that issues nothing else would see.
+--pieces adds, per shape, the host time of each part of qattn's direct path (the
+checks, the allocations, the C workspace query, the C launch), idle and queued, and a
+cProfile of 100 calls (tottime order).
 
-    PYTHONPATH=python python3 bench/call_overhead.py [--json out.json]
+    PYTHONPATH=python python3 bench/call_overhead.py [--pieces] [--json out.json]
 """
 
 import argparse
@@ -26,17 +33,59 @@ import qattn
 from forward import clock_env  # bench/forward.py, next to this file
 
 
-def host_us(fn, iters):
+def host_us(fn, iters, idle=True):
+    """Median CPU microseconds of one call: with the GPU idle before each (idle), or over
+    min(iters, 50) calls issued back to back (queued)."""
     for _ in range(20):
         fn()
     torch.cuda.synchronize()
     times = []
-    for _ in range(iters):
+    for _ in range(iters if idle else min(iters, 50)):
+        if idle:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
     torch.cuda.synchronize()
     return statistics.median(times) * 1e6
+
+
+def pieces(q, k, v):
+    """The parts of qattn.attention's direct path (python/qattn/ops.py), each callable
+    alone with the same arguments as the call."""
+    from qattn import ops
+
+    call = ops._Call(q, k, v, False, None, "HND", False, "per_thread")
+    return {
+        "_direct_call_ok": lambda: ops._direct_call_ok(q, k, v),
+        "_check_inputs": lambda: ops._check_inputs(q, k, v, "HND", None, "per_thread"),
+        "_Call (all before launch)": lambda: ops._Call(q, k, v, False, None, "HND", False, "per_thread"),
+        "O allocation": lambda: q.new_empty(q.shape),
+        "workspace allocation": lambda: torch.empty(call.ws_bytes, dtype=torch.uint8, device=q.device),
+        "C workspace_size": lambda: ops._C.workspace_size(*call.args, call.mask, call.scheme),
+        "current_stream": lambda: torch.cuda.current_stream(q.device).cuda_stream,
+        "launch (C forward)": call.launch,
+    }
+
+
+def profile_calls(fn, calls=100):
+    import cProfile
+    import io
+    import pstats
+
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(calls):
+        fn()
+        if i % 10 == 9:
+            torch.cuda.synchronize()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(12)
+    return out.getvalue()
 
 
 def event_ms(fn, iters):
@@ -82,6 +131,8 @@ def methods(q, k, v, causal):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--iters", type=int, default=1000)
+    ap.add_argument("--pieces", action="store_true",
+                    help="also time the parts of qattn's call and profile it")
     ap.add_argument("--json")
     ap.add_argument("--commit", default="unknown", help="commit id to record in the JSON")
     args = ap.parse_args()
@@ -95,11 +146,19 @@ def main():
             for name, fn in methods(q, k, v, causal).items():
                 row = {"method": name, "batch": b, "heads": h, "n": n, "d": d, "causal": causal,
                        "host_us": host_us(fn, args.iters),
+                       "queued_us": host_us(fn, args.iters, idle=False),
                        "e2e_ms": event_ms(fn, 50), "stream_ms": stream_ms(fn, 200)}
                 rows.append(row)
                 print(f"{name:<11} B={b} H={h:<3} N={n:<5} d={d:<4} causal={int(causal)}  "
-                      f"host {row['host_us']:7.1f} us   e2e {row['e2e_ms']:.4f} ms   "
-                      f"stream {row['stream_ms']:.4f} ms", flush=True)
+                      f"host {row['host_us']:7.1f} us  queued {row['queued_us']:7.1f} us   "
+                      f"e2e {row['e2e_ms']:.4f} ms   stream {row['stream_ms']:.4f} ms", flush=True)
+            if args.pieces and not causal:
+                for part, fn in pieces(q, k, v).items():
+                    row = {"method": "piece", "piece": part, "batch": b, "heads": h, "n": n, "d": d,
+                           "host_us": host_us(fn, 200), "queued_us": host_us(fn, 200, idle=False)}
+                    rows.append(row)
+                    print(f"  {part:<26} host {row['host_us']:7.1f} us  queued {row['queued_us']:7.1f} us")
+                print(profile_calls(methods(q, k, v, causal)["qattn"]))
     if args.json:
         env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                "qattn": qattn.__version__, "commit": args.commit, **clock_env(),
