@@ -14,8 +14,8 @@ the C checks, four enqueues) decides whether the GPU waits between calls. Printe
 - stream ms: the wall time of `--iters` calls issued back to back, over the count, with
   one synchronization at the end: what a model that issues nothing else would see.
 --pieces adds, per shape, the host time of each part of qattn's direct path (the
-checks, the allocations, the C workspace query, the C launch), idle and queued, and a
-cProfile of 100 calls (tottime order).
+checks, the allocations, the C workspace query, the C call's checks alone and the whole C
+call with its launches), idle and queued, and a cProfile of 100 calls (tottime order).
 
     PYTHONPATH=python python3 bench/call_overhead.py [--pieces] [--json out.json]
 """
@@ -64,6 +64,8 @@ def pieces(q, k, v):
         "workspace allocation": lambda: torch.empty(call.ws_bytes, dtype=torch.uint8, device=q.device),
         "C workspace_size": lambda: ops._C.workspace_size(*call.args, call.mask, call.scheme),
         "current_stream": lambda: torch.cuda.current_stream(q.device).cuda_stream,
+        "C checks, no launch": lambda: ops._C.forward_checks(
+            *call.args, call.workspace.data_ptr(), call.ws_bytes, call.mask, call.scheme),
         "launch (C forward)": call.launch,
     }
 

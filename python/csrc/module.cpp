@@ -278,6 +278,23 @@ NB_MODULE(_C, m) {
       "mask and varlen as for workspace_size.");
 
   m.def(
+      "forward_checks",
+      [](const TensorArg& q, const TensorArg& k, const TensorArg& v, const TensorArg& o,
+         std::uintptr_t lse, int dtype, const ShapeArg& shape, int causal, float sm_scale,
+         int granularity, std::uintptr_t workspace, std::uint64_t workspace_bytes,
+         const MaskArg& mask, int scheme) {
+        const qattn_fwd_params p = make_params(q, k, v, o, lse, dtype, shape, causal, sm_scale,
+                                               granularity, mask, scheme, kNotPacked);
+        return static_cast<int>(
+            qattn_fwd_checks_only(&p, reinterpret_cast<void*>(workspace), workspace_bytes));
+      },
+      "q"_a, "k"_a, "v"_a, "o"_a, "lse"_a, "dtype"_a, "shape"_a, "causal"_a, "sm_scale"_a,
+      "granularity"_a, "workspace"_a, "workspace_bytes"_a, "mask"_a = kNoMask,
+      "scheme"_a = int{QATTN_SCHEME_SAGE2_8B},
+      "forward's checks without its launch (a bench hook: the host cost of the checks); "
+      "returns the status.");
+
+  m.def(
       "bwd_workspace_size",
       [](const TensorArg& q, const TensorArg& k, const TensorArg& v, const TensorArg& o,
          const TensorArg& dout, std::uintptr_t lse, const TensorArg& dq, const TensorArg& dk,

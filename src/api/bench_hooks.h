@@ -18,6 +18,12 @@ extern "C" {
 qattn_status qattn_fwd_attention_only(const qattn_fwd_params* p, void* workspace,
                                       size_t workspace_bytes, void* stream);
 
+/* Everything qattn_fwd does before it enqueues (the parameters, the workspace, the
+ * device, the family, the pointers' allocations) and nothing after: the host cost of a
+ * call's checks, apart from its launches. */
+qattn_status qattn_fwd_checks_only(const qattn_fwd_params* p, void* workspace,
+                                   size_t workspace_bytes);
+
 #ifdef __cplusplus
 }  // extern "C"
 

@@ -163,6 +163,14 @@ qattn_status qattn_fwd_attention_only(const qattn_fwd_params* p, void* workspace
                  ForwardPart::kAttentionOnly);
 }
 
+qattn_status qattn_fwd_checks_only(const qattn_fwd_params* p, void* workspace,
+                                   size_t workspace_bytes) {
+  return run("qattn_fwd_checks_only", p, workspace, workspace_bytes,
+             [](const qattn::api::ForwardFamily&, const qattn_fwd_params&, void*) {
+               return 0;  // cudaSuccess: everything but the enqueue
+             });
+}
+
 void qattn_bwd_params_init(qattn_bwd_params* p) {
   if (p == nullptr) return;
   std::memset(p, 0, sizeof(*p));

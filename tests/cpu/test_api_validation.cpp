@@ -650,6 +650,22 @@ TEST(ApiValidation, AttentionOnlyValidatesToo) {
             std::string::npos);
 }
 
+// The bench hook that stops before the enqueue makes qattn_fwd's checks, in order: a bad
+// parameter first, then (valid parameters, no usable device here, or host memory on a
+// GPU machine) the device or the pointers; never QATTN_OK off a GPU.
+TEST(ApiValidation, ChecksOnlyMakesTheForwardsChecks) {
+  qattn_fwd_params p = valid_params();
+  p.head_dim = 256;
+  EXPECT_EQ(qattn_fwd_checks_only(&p, fake(6), 1 << 30), QATTN_ERROR_UNSUPPORTED);
+  EXPECT_NE(std::string(qattn_last_error_message()).find("qattn_fwd_checks_only"),
+            std::string::npos);
+  p = valid_params();
+  EXPECT_EQ(qattn_fwd_checks_only(&p, fake(6), 0), QATTN_ERROR_WORKSPACE_TOO_SMALL);
+  const qattn_status s = qattn_fwd_checks_only(&p, fake(6), 1 << 30);
+  EXPECT_TRUE(s == QATTN_ERROR_NO_DEVICE || s == QATTN_ERROR_INVALID_ARGUMENT)
+      << s << ": " << qattn_last_error_message();
+}
+
 // ---- a valid call with no usable device launches nothing ---------------------------
 
 // Host buffers stand in for device memory: a valid call must stop at the device
