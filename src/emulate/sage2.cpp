@@ -88,6 +88,15 @@ void validate_options(const Sage2Options& o, const Tensor4& k) {
   if (o.accumulator != Fp8Accumulator::Fp32 && o.accumulator != Fp8Accumulator::Fp22) {
     fail("options.accumulator: expected Fp32 or Fp22");
   }
+  if (o.levels != AccumulationLevels::TwoLevel && o.levels != AccumulationLevels::Single) {
+    fail("options.levels: expected TwoLevel or Single");
+  }
+  // Single accumulation sums the tiles' raw V codes in O, scaled once at the end: V's
+  // scale must be the same in every tile.
+  if (o.levels == AccumulationLevels::Single && o.v_scale != Granularity::PerChannel &&
+      o.v_scale != Granularity::PerTensor) {
+    fail("options.levels: Single needs v_scale PerChannel or PerTensor (one scale for every tile)");
+  }
 }
 
 // Step 1: the smoothing vector c of every (batch, KV head), FP32 (numerics::token_mean
@@ -514,7 +523,7 @@ EmulatedForward sage2_attend(const Sage2Quantized& z) {
           }
           detail::online_softmax_tile(st, x, z.v_value.data() + (bk * nkv_pad + t * kKvTile) * Dv,
                                       kKvTile, Dv, z.v_scale.data() + (bk * tiles + t) * Dv, spec,
-                                      z.options.accumulator, AccumulationLevels::TwoLevel,
+                                      z.options.accumulator, z.options.levels,
                                       z.options.row_sum);
         }
         float* orow = out.o.row(b, h, i);
@@ -523,7 +532,12 @@ EmulatedForward sage2_attend(const Sage2Quantized& z) {
           lse = kNegInf;
           continue;
         }
-        for (int c = 0; c < dv; ++c) orow[c] = st.o[c] / st.l;
+        // Single accumulation: O holds the tiles' sums over V's codes; V's scale (equal in
+        // every tile, validated) applies once.
+        const float* vs = z.options.levels == AccumulationLevels::Single
+                              ? z.v_scale.data() + bk * tiles * Dv
+                              : nullptr;
+        for (int c = 0; c < dv; ++c) orow[c] = (vs != nullptr ? st.o[c] * vs[c] : st.o[c]) / st.l;
         lse = (st.m + std::log2(st.l / spec.p_mult)) * detail::kLn2 + z.q_dot_c[qr];
       }
     }

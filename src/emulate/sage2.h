@@ -48,6 +48,11 @@ struct Sage2Options {
   // (docs/sage2-kernel-arithmetic.md step 7; bench/NOTES.md v15c). FloatP (FP32 sums of
   // P before the cast, the kernel's before v15c) is the ablation.
   RowSum row_sum = RowSum::QuantizedP;
+  // The kernel's: a fresh accumulator per KV tile (SageAttention2's two-level
+  // accumulation). Single (every tile's P·V straight into O, as FlashAttention-3's FP8
+  // kernel does) is the ablation a kernel with no registers for a second accumulator
+  // would run (bench/NOTES.md v38).
+  AccumulationLevels levels = AccumulationLevels::TwoLevel;
 };
 
 // The quantized tensors, in the workspace layout of src/cuda/sage2_fwd/launch.h:
