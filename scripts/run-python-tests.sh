@@ -5,7 +5,7 @@
 # GPU cases skip themselves without a Hopper GPU, as the C++ ones do.
 # Needs PyTorch, pytest and nanobind for python3; without them it says what is missing
 # and skips (exit 0), so a machine without a Python stack still runs the C++ suite.
-#   QATTN_PRESET  release (default) or cpu: which build folder to use
+#   QATTN_PRESET  release (default), cpu or debug: which build folder to use
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,7 +20,10 @@ if [ -n "$missing" ]; then
   echo "run-python-tests.sh: skipped, $py lacks: $missing (pip install torch pytest nanobind)"
   exit 0
 fi
-build=$([ "$preset" = cpu ] && echo build-cpu || echo build)
+case "$preset" in  # the presets' binaryDir (CMakePresets.json)
+  release) build=build ;;
+  *) build=build-$preset ;;
+esac
 cmake --preset "$preset" -DQATTN_BUILD_PYTHON=ON -DPython_EXECUTABLE="$(command -v "$py")" >/dev/null
 cmake --build --preset "$preset" -j "${JOBS:-2}" --target qattn_C
 stage="$build/python-stage"
