@@ -261,21 +261,24 @@ NB_MODULE(_C, m) {
          std::uintptr_t lse, int dtype, const ShapeArg& shape, int causal, float sm_scale,
          int granularity, std::uintptr_t workspace, std::uint64_t workspace_bytes,
          std::uintptr_t stream, bool attention_only, const MaskArg& mask, int scheme,
-         const VarlenArg& varlen) {
+         const VarlenArg& varlen, bool check_pointers) {
         const qattn_fwd_params p = make_params(q, k, v, o, lse, dtype, shape, causal, sm_scale,
                                                granularity, mask, scheme, varlen);
         auto* ws = reinterpret_cast<void*>(workspace);
         auto* st = reinterpret_cast<void*>(stream);
         nb::gil_scoped_release release;  // an enqueue; other Python threads may run
-        return static_cast<int>(attention_only
-                                    ? qattn_fwd_attention_only(&p, ws, workspace_bytes, st)
-                                    : qattn_fwd(&p, ws, workspace_bytes, st));
+        if (attention_only) return static_cast<int>(qattn_fwd_attention_only(&p, ws, workspace_bytes, st));
+        return static_cast<int>(check_pointers
+                                    ? qattn_fwd(&p, ws, workspace_bytes, st)
+                                    : qattn_fwd_pointers_unchecked(&p, ws, workspace_bytes, st));
       },
       "q"_a, "k"_a, "v"_a, "o"_a, "lse"_a, "dtype"_a, "shape"_a, "causal"_a, "sm_scale"_a,
       "granularity"_a, "workspace"_a, "workspace_bytes"_a, "stream"_a, "attention_only"_a = false,
       "mask"_a = kNoMask, "scheme"_a = int{QATTN_SCHEME_SAGE2_8B}, "varlen"_a = kNotPacked,
+      "check_pointers"_a = true,
       "Enqueues the forward on the stream (a cudaStream_t as an int); returns the status. "
-      "mask and varlen as for workspace_size.");
+      "mask and varlen as for workspace_size; check_pointers=False skips the allocation "
+      "queries of the buffers (a bench hook: qattn_fwd_pointers_unchecked).");
 
   m.def(
       "forward_checks",

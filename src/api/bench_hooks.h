@@ -24,6 +24,11 @@ qattn_status qattn_fwd_attention_only(const qattn_fwd_params* p, void* workspace
 qattn_status qattn_fwd_checks_only(const qattn_fwd_params* p, void* workspace,
                                    size_t workspace_bytes);
 
+/* qattn_fwd without its pointer checks (the allocation queries of each buffer; every
+ * other check stays): the host cost of those checks, timed against qattn_fwd. */
+qattn_status qattn_fwd_pointers_unchecked(const qattn_fwd_params* p, void* workspace,
+                                          size_t workspace_bytes, void* stream);
+
 #ifdef __cplusplus
 }  // extern "C"
 

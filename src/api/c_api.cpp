@@ -46,13 +46,17 @@ qattn_status validate(const char* fn, const qattn_bwd_params& p) {
   return qattn::api::validate_backward(fn, p);
 }
 
+// Whether a call checks its pointers' allocations (every public entry point does; a
+// bench hook times a call without them).
+enum class PointerChecks { kCheck, kSkip };
+
 // One call of either direction: read the caller's struct, validate it and the
 // workspace, find the device and the family that runs the call there, check the
 // pointers, launch. `launch(family, params, workspace)` enqueues and returns a
 // cudaError_t; nothing is launched before every check has passed.
 template <typename Params, typename Launch>
 qattn_status run(const char* fn, const Params* caller, void* workspace, size_t workspace_bytes,
-                 Launch&& launch) {
+                 Launch&& launch, PointerChecks pointers = PointerChecks::kCheck) {
   return guarded([&] {
     namespace api = qattn::api;
     Params p;
@@ -69,19 +73,23 @@ qattn_status run(const char* fn, const Params* caller, void* workspace, size_t w
     if (family->launch == nullptr)  // a family declared without its kernels in this build
       return api::fail(QATTN_ERROR_NO_DEVICE, fn, ": ", family->name,
                        " has no kernels in this build of qattn");
-    if (s = api::check_pointers(fn, api::buffer_spans(p, workspace), device); s != QATTN_OK)
-      return s;
+    if (pointers == PointerChecks::kCheck)
+      if (s = api::check_pointers(fn, api::buffer_spans(p, workspace), device); s != QATTN_OK)
+        return s;
     return api::launch_status(fn, family->name,
                               launch(*family, api::resolve_defaults(p), workspace));
   });
 }
 
 qattn_status forward(const char* fn, const qattn_fwd_params* caller, void* workspace,
-                     size_t workspace_bytes, void* stream, ForwardPart part) {
-  return run(fn, caller, workspace, workspace_bytes,
-             [&](const qattn::api::ForwardFamily& f, const qattn_fwd_params& p, void* ws) {
-               return f.launch(p, ws, stream, part);
-             });
+                     size_t workspace_bytes, void* stream, ForwardPart part,
+                     PointerChecks pointers = PointerChecks::kCheck) {
+  return run(
+      fn, caller, workspace, workspace_bytes,
+      [&](const qattn::api::ForwardFamily& f, const qattn_fwd_params& p, void* ws) {
+        return f.launch(p, ws, stream, part);
+      },
+      pointers);
 }
 
 // The workspace size of either direction: validates the parameters, no device.
@@ -161,6 +169,12 @@ qattn_status qattn_fwd_attention_only(const qattn_fwd_params* p, void* workspace
                                       size_t workspace_bytes, void* stream) {
   return forward("qattn_fwd_attention_only", p, workspace, workspace_bytes, stream,
                  ForwardPart::kAttentionOnly);
+}
+
+qattn_status qattn_fwd_pointers_unchecked(const qattn_fwd_params* p, void* workspace,
+                                          size_t workspace_bytes, void* stream) {
+  return forward("qattn_fwd_pointers_unchecked", p, workspace, workspace_bytes, stream,
+                 ForwardPart::kAll, PointerChecks::kSkip);
 }
 
 qattn_status qattn_fwd_checks_only(const qattn_fwd_params* p, void* workspace,

@@ -666,6 +666,19 @@ TEST(ApiValidation, ChecksOnlyMakesTheForwardsChecks) {
       << s << ": " << qattn_last_error_message();
 }
 
+// The hook without the pointer checks keeps every other check: a bad parameter and a
+// short workspace are refused by name. (No valid call here: with fake pointers on a GPU
+// machine, nothing would stop its launch.)
+TEST(ApiValidation, PointersUncheckedKeepsTheOtherChecks) {
+  qattn_fwd_params p = valid_params();
+  p.head_dim = 256;
+  EXPECT_EQ(qattn_fwd_pointers_unchecked(&p, fake(6), 1 << 30, nullptr), QATTN_ERROR_UNSUPPORTED);
+  EXPECT_NE(std::string(qattn_last_error_message()).find("qattn_fwd_pointers_unchecked"),
+            std::string::npos);
+  p = valid_params();
+  EXPECT_EQ(qattn_fwd_pointers_unchecked(&p, fake(6), 0, nullptr), QATTN_ERROR_WORKSPACE_TOO_SMALL);
+}
+
 // ---- a valid call with no usable device launches nothing ---------------------------
 
 // Host buffers stand in for device memory: a valid call must stop at the device
