@@ -64,8 +64,9 @@ def pieces(q, k, v):
         "workspace allocation": lambda: torch.empty(call.ws_bytes, dtype=torch.uint8, device=q.device),
         "C workspace_size": lambda: ops._C.workspace_size(*call.args, call.mask, call.scheme),
         "current_stream": lambda: torch.cuda.current_stream(q.device).cuda_stream,
-        "C checks, no launch": lambda: ops._C.forward_checks(
-            *call.args, call.workspace.data_ptr(), call.ws_bytes, call.mask, call.scheme),
+        "C checks, no launch": lambda: ops._C.forward(
+            *call.args, call.workspace.data_ptr(), call.ws_bytes, 0, mask=call.mask,
+            scheme=call.scheme, checks_only=True),
         "launch (C forward)": call.launch,
         "launch, pointers unchecked": lambda: ops._C.forward(
             *call.args, call.workspace.data_ptr(), call.ws_bytes,

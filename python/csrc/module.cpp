@@ -261,12 +261,13 @@ NB_MODULE(_C, m) {
          std::uintptr_t lse, int dtype, const ShapeArg& shape, int causal, float sm_scale,
          int granularity, std::uintptr_t workspace, std::uint64_t workspace_bytes,
          std::uintptr_t stream, bool attention_only, const MaskArg& mask, int scheme,
-         const VarlenArg& varlen, bool check_pointers) {
+         const VarlenArg& varlen, bool check_pointers, bool checks_only) {
         const qattn_fwd_params p = make_params(q, k, v, o, lse, dtype, shape, causal, sm_scale,
                                                granularity, mask, scheme, varlen);
         auto* ws = reinterpret_cast<void*>(workspace);
         auto* st = reinterpret_cast<void*>(stream);
         nb::gil_scoped_release release;  // an enqueue; other Python threads may run
+        if (checks_only) return static_cast<int>(qattn_fwd_checks_only(&p, ws, workspace_bytes));
         if (attention_only) return static_cast<int>(qattn_fwd_attention_only(&p, ws, workspace_bytes, st));
         return static_cast<int>(check_pointers
                                     ? qattn_fwd(&p, ws, workspace_bytes, st)
@@ -275,27 +276,12 @@ NB_MODULE(_C, m) {
       "q"_a, "k"_a, "v"_a, "o"_a, "lse"_a, "dtype"_a, "shape"_a, "causal"_a, "sm_scale"_a,
       "granularity"_a, "workspace"_a, "workspace_bytes"_a, "stream"_a, "attention_only"_a = false,
       "mask"_a = kNoMask, "scheme"_a = int{QATTN_SCHEME_SAGE2_8B}, "varlen"_a = kNotPacked,
-      "check_pointers"_a = true,
+      "check_pointers"_a = true, "checks_only"_a = false,
       "Enqueues the forward on the stream (a cudaStream_t as an int); returns the status. "
-      "mask and varlen as for workspace_size; check_pointers=False skips the allocation "
-      "queries of the buffers (a bench hook: qattn_fwd_pointers_unchecked).");
-
-  m.def(
-      "forward_checks",
-      [](const TensorArg& q, const TensorArg& k, const TensorArg& v, const TensorArg& o,
-         std::uintptr_t lse, int dtype, const ShapeArg& shape, int causal, float sm_scale,
-         int granularity, std::uintptr_t workspace, std::uint64_t workspace_bytes,
-         const MaskArg& mask, int scheme) {
-        const qattn_fwd_params p = make_params(q, k, v, o, lse, dtype, shape, causal, sm_scale,
-                                               granularity, mask, scheme, kNotPacked);
-        return static_cast<int>(
-            qattn_fwd_checks_only(&p, reinterpret_cast<void*>(workspace), workspace_bytes));
-      },
-      "q"_a, "k"_a, "v"_a, "o"_a, "lse"_a, "dtype"_a, "shape"_a, "causal"_a, "sm_scale"_a,
-      "granularity"_a, "workspace"_a, "workspace_bytes"_a, "mask"_a = kNoMask,
-      "scheme"_a = int{QATTN_SCHEME_SAGE2_8B},
-      "forward's checks without its launch (a bench hook: the host cost of the checks); "
-      "returns the status.");
+      "mask and varlen as for workspace_size. Bench hooks (src/api/bench_hooks.h): "
+      "check_pointers=False skips the buffers' allocation queries "
+      "(qattn_fwd_pointers_unchecked); checks_only=True makes every check and enqueues "
+      "nothing (qattn_fwd_checks_only).");
 
   m.def(
       "bwd_workspace_size",
