@@ -5,8 +5,9 @@
 # GPU and no CUDA binary tools beyond nvcc are needed (readelf reads the cubins).
 #   bench/compare_machine_code.sh REV FILE.cu [FILE.cu ...]
 #     e.g. bench/compare_machine_code.sh HEAD src/cuda/sage2_fwd/launch.cu
-# Prints one line per kernel that differs and a summary; exits 1 when any differs or a
-# kernel exists in one build only.
+# Prints one line per kernel that differs and a summary; kernels that exist in one build
+# only are listed (a change that adds kernels still has the others compared); exits 1
+# when a kernel of both builds differs or one of the base build's is gone.
 set -euo pipefail
 rev=${1:?"a git revision to compare with, e.g. HEAD"}
 shift
@@ -19,10 +20,13 @@ trap 'git -C "$root" worktree remove --force "$tmp/base" >/dev/null 2>&1 || true
 git -C "$root" worktree add --detach --quiet "$tmp/base" "$rev"
 
 sections() { readelf -W -S "$1" 2>/dev/null | grep -o '\.text\.[^ ]*' | sort -u; }
-# A kernel in an anonymous namespace carries a hash of its translation unit's contents in
-# its name (_GLOBAL__N__<hash>_<file>_<path hash>), which changes with any edit of the
-# file or its includes: kernels are paired by their names with that hash left out.
-normalize() { sed -E 's/_GLOBAL__N__[0-9a-f]+_/_GLOBAL__N__/'; }
+# A kernel in an anonymous namespace carries hashes of its translation unit in its name
+# (_GLOBAL__N__<hash>_<len>_<file>_<hash>_<n>, nvcc 13), which change with any edit of
+# the file or its includes: kernels are paired by their names with those left out.
+normalize() {
+  sed -E -e 's/_GLOBAL__N__[0-9a-f]+_[0-9]+_[A-Za-z0-9_]+_cu_[0-9a-f]+_[0-9]+/_GLOBAL__N__/' \
+         -e 's/_GLOBAL__N__[0-9a-f]+_/_GLOBAL__N__/'
+}
 section_of() {  # the section of cubin $1 whose normalized name is $2
   sections "$1" | while read -r s; do if [ "$(echo "$s" | normalize)" = "$2" ]; then echo "$s"; fi; done
 }
@@ -38,16 +42,15 @@ for file in "$@"; do
     wait "$pid" || { echo "$file: does not compile at one of the two revisions"; exit 2; }
   done
   pids=()
-  if ! diff <(sections "$tmp/base.cubin" | normalize | sort) <(sections "$tmp/new.cubin" | normalize | sort) >/dev/null; then
-    echo "$file: the two builds have different kernels:"
-    diff <(sections "$tmp/base.cubin" | normalize | sort) <(sections "$tmp/new.cubin" | normalize | sort) || true
-    status=1
-    continue
-  fi
+  gone=$(comm -23 <(sections "$tmp/base.cubin" | normalize | sort) <(sections "$tmp/new.cubin" | normalize | sort))
+  added=$(comm -13 <(sections "$tmp/base.cubin" | normalize | sort) <(sections "$tmp/new.cubin" | normalize | sort))
+  for k in $gone; do echo "only in $rev: ${k#.text.}"; status=1; done
+  for k in $added; do echo "new: ${k#.text.}"; done
   total=0 differ=0
   while read -r s; do
-    total=$((total + 1))
     n=$(section_of "$tmp/new.cubin" "$(echo "$s" | normalize)")
+    [ -n "$n" ] || continue
+    total=$((total + 1))
     # readelf -x prints the section's name first: compare the bytes only.
     if ! cmp -s <(readelf -x "$s" "$tmp/base.cubin" 2>/dev/null | tail -n +3) \
                 <(readelf -x "$n" "$tmp/new.cubin" 2>/dev/null | tail -n +3); then
@@ -55,7 +58,7 @@ for file in "$@"; do
       echo "differs: $(echo "${s#.text.}" | normalize)"
     fi
   done < <(sections "$tmp/base.cubin")
-  echo "$file: $total kernels, $differ differ from $rev"
+  echo "$file: $total kernels in both, $differ differ from $rev; $(echo $added | wc -w) new"
   [ "$differ" -eq 0 ] || status=1
 done
 exit $status
