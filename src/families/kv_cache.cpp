@@ -38,7 +38,8 @@ int32_t choose_splits(const qattn_kv_decode_params& p, const qattn_kv_cache& c) 
   const int64_t pairs = int64_t{p.batch} * c.heads_kv;
   const int64_t rows = int64_t{p.heads_q} / c.heads_kv * p.nq;
   const int64_t slots =
-      kSms * kv_cache::decode_ctas_per_sm(static_cast<kvcache::KvFormat>(c.format), rows);
+      kSms * kv_cache::decode_ctas_per_sm(static_cast<kvcache::KvFormat>(c.format),
+                                          c.head_dim, rows);
   const int64_t by_len = std::clamp<int64_t>(len / kMinChunk, 1, QATTN_KV_MAX_SPLITS);
   const int64_t by_waves = std::max<int64_t>(1, kMaxWaves * slots / pairs);
   int64_t best = 1;

@@ -725,19 +725,41 @@ DecodeArgs make_args(const qattn_kv_decode_params& p, const qattn_kv_cache& c, i
   return a;
 }
 
+// The direct kernel's dynamic shared memory is above the default 48 KB and its CTAs per
+// SM need the largest shared-memory carveout: both set once per context.
+template <typename T, KvFormat F, int DP, int NQB>
+cudaError_t run_direct(const DecodeArgs& a, int batch, cudaStream_t stream) {
+  static std::atomic<unsigned long long> done{0};
+  auto kernel = direct::decode_direct_kernel<T, F, DP, NQB>;
+  constexpr int kBytes = direct::direct_smem_bytes<F, DP, NQB>();
+  if (auto e = hopper::once_per_context(done,
+                                        [&] {
+                                          cudaError_t r = cudaFuncSetAttribute(
+                                              kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              kBytes);
+                                          if (r != cudaSuccess) return r;
+                                          return cudaFuncSetAttribute(
+                                              kernel,
+                                              cudaFuncAttributePreferredSharedMemoryCarveout,
+                                              int{cudaSharedmemCarveoutMaxShared});
+                                        });
+      e != cudaSuccess)
+    return e;
+  const int row_groups = NQB == 1 ? 1 : (a.rows + 15) / 16;
+  const dim3 grid(a.splits * row_groups, a.heads_kv, batch);
+  kernel<<<grid, direct::kWarps * 32, kBytes, stream>>>(a);
+  return cudaSuccess;
+}
+
 template <typename T, int DP, KvFormat F>
 cudaError_t run(const DecodeArgs& a, int batch, cudaStream_t stream) {
   using S = Smem<DP, F>;
   if constexpr (F != KvFormat::Bf16 && (DP == 64 || DP == 128)) {
     if (a.d == DP) {  // the register-direct kernel (decode_direct.cuh)
       // 8 query rows per CTA when the group × new tokens fit (one n-block), else 16.
-      if (a.rows <= 8) {
-        const dim3 grid(a.splits, a.heads_kv, batch);
-        direct::decode_direct_kernel<T, F, DP, 1><<<grid, direct::kWarps * 32, 0, stream>>>(a);
-      } else {
-        const dim3 grid(a.splits * ((a.rows + 15) / 16), a.heads_kv, batch);
-        direct::decode_direct_kernel<T, F, DP, 2><<<grid, direct::kWarps * 32, 0, stream>>>(a);
-      }
+      cudaError_t e = a.rows <= 8 ? run_direct<T, F, DP, 1>(a, batch, stream)
+                                  : run_direct<T, F, DP, 2>(a, batch, stream);
+      if (e != cudaSuccess) return e;
       if (a.splits > 1) {
         const int64_t rows = int64_t{batch} * a.heads_q * a.nq;
         const auto blocks =

@@ -1,8 +1,10 @@
-// The register-direct decode of NVFP4, FP8 E4M3 and INT8 caches at head dim 64 and 128
-// (bench/NOTES.md v24b, v25, v30): no shared memory in the key loop and no barriers.
-// Each warp owns 8 or 16 query rows and every fourth 16-key block of its chunk, loads
-// its keys' rows from the pages straight into registers, and runs its own online
-// softmax; the CTA's four warps merge once at the end.
+// The direct decode of NVFP4, FP8 E4M3 and INT8 caches at head dim 64 and 128
+// (bench/NOTES.md v24b, v25, v30, v41): no barriers in the key loop. Each warp owns 8 or
+// 16 query rows and every fourth 16-key block of its chunk; each thread copies the bytes
+// of its own fragments from the pages into its slots of the warp's stages (cp.async, a
+// few blocks ahead), reads them back once they have landed, and the warp runs its own
+// online softmax; the CTA's four warps merge once at the end. The stages hold what a
+// register ring held before, so the kernel fits 128 registers and four CTAs per SM.
 //
 // The products are transposed so the keys fill the 16 rows of mma.sync m16n8k16 and the
 // few query rows (GQA group × new tokens) its 8 columns: Sᵀ = K̂·Qᵀ and Oᵀ += V̂ᵀ·Pᵀ.
@@ -61,7 +63,7 @@ struct Bytes {
   static constexpr int kOperandExp = F == KvFormat::NvFp4 ? 14 : 0;
 };
 
-// The raw bytes one thread holds for one 16-key block.
+// The raw bytes one thread holds for one 16-key block, read back from its stage.
 template <KvFormat F, int D>
 struct Raw {
   using B = Bytes<F, D>;
@@ -71,41 +73,63 @@ struct Raw {
   // NVFP4: the scale byte of each V key's element range; else the FP32 V scales of keys
   // g and 8 + g (entries 0 and 1), which fold into those keys' P.
   uint32_t v_scales[B::kRowScales ? 2 : 4];
-  bool bad;  // a page index outside the pool
 };
 
 // INT8 codes are held as unsigned bytes x + 128 (the sign bit flipped), which the FP16
 // conversion below reads as 1024 + 128 + x.
 constexpr uint32_t kInt8Bias = 0x80808080u;
 
-// `N` bytes at p (N a multiple of 4; p aligned to min(N, 16)) into words, or zeros.
+// A warp's stage: the bytes of one 16-key block, copied by cp.async into shared memory
+// by the thread that will read them (no barrier: each thread waits for its own copies).
+// A thread's record is kCodeSlots 16-byte slots of codes (K keys g, 8+g, then V keys 2t,
+// 2t+1, 8+2t, 9+2t, each key's bytes contiguous) and kScaleSlots of scale words (per key
+// the aligned 4-byte word holding its scale bytes). Slot s of lane l sits at 16·(32s + l),
+// so a warp's 16-byte accesses to one slot are conflict-free.
+template <KvFormat F, int D>
+struct Stage {
+  using B = Bytes<F, D>;
+  static constexpr int kCodeBytes = 2 * B::kK + 4 * B::kV;
+  static constexpr int kCodeSlots = kCodeBytes / 16;
+  static constexpr int kScaleWords = B::kRowScales ? 4 : 6;  // K keys' words, then V keys'
+  static constexpr int kScaleSlots = (kScaleWords + 3) / 4;
+  static constexpr int kSlots = kCodeSlots + kScaleSlots;
+  static constexpr int kBytes = kSlots * 32 * 16;  // one stage of one warp
+  static_assert(kCodeBytes % 16 == 0 && B::kV % 4 == 0 && (2 * B::kK) % B::kV == 0,
+                "every key's bytes are one aligned piece inside a slot or whole slots");
+};
+
+// The shared-memory address of byte `o` of this lane's record in the stage at `stage`.
+__device__ __forceinline__ uint32_t record_byte(uint32_t stage, int o, int lane) {
+  return stage + 16 * (32 * (o / 16) + lane) + o % 16;
+}
+
+// `N` bytes (4, 8 or a multiple of 16) at p into the record at byte o, or zeros.
 template <int N>
-__device__ __forceinline__ void load_words(const uint8_t* p, bool ok, uint32_t (&w)[N / 4]) {
+__device__ __forceinline__ void stage_piece(uint32_t stage, int o, int lane, const uint8_t* p,
+                                            bool ok) {
   if constexpr (N % 16 == 0) {
 #pragma unroll
-    for (int i = 0; i < N / 16; ++i) {
-      const uint4 x = ok ? __ldg(reinterpret_cast<const uint4*>(p) + i) : make_uint4(0, 0, 0, 0);
-      w[4 * i] = x.x, w[4 * i + 1] = x.y, w[4 * i + 2] = x.z, w[4 * i + 3] = x.w;
-    }
-  } else if constexpr (N == 8) {
-    const uint2 x = ok ? __ldg(reinterpret_cast<const uint2*>(p)) : make_uint2(0, 0);
-    w[0] = x.x, w[1] = x.y;
+    for (int i = 0; i < N / 16; ++i)
+      common::cp_async_zfill<16>(record_byte(stage, o + 16 * i, lane), p + 16 * i, ok);
   } else {
-    static_assert(N == 4, "4, 8 or a multiple of 16 bytes");
-    w[0] = ok ? __ldg(reinterpret_cast<const uint32_t*>(p)) : 0u;
+    static_assert(N == 8 || N == 4, "4, 8 or a multiple of 16 bytes");
+    common::cp_async_zfill<N>(record_byte(stage, o, lane), p, ok);
   }
 }
 
+// Copies one 16-key block's bytes for this thread into `stage` (not committed); returns
+// whether a page index of the block lies outside the pool (its keys read as zeros).
 template <KvFormat F, int D>
-__device__ __forceinline__ void load_block(const DecodeArgs& a, const int32_t* table,
-                                           const uint8_t* k_codes, const uint8_t* v_codes,
-                                           const uint8_t* k_scales, const uint8_t* v_scales, int j0,
-                                           int je, Raw<F, D>& r) {
+__device__ __forceinline__ bool stage_block(const DecodeArgs& a, const int32_t* table,
+                                            const uint8_t* k_codes, const uint8_t* v_codes,
+                                            const uint8_t* k_scales, const uint8_t* v_scales,
+                                            int j0, int je, uint32_t stage) {
   using B = Bytes<F, D>;
+  using S = Stage<F, D>;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  r.bad = false;
+  bool bad = false;
   // The byte offset of key j's page plus its slot (-1 outside [jb, je) or for a bad
-  // entry, which zero-fills the registers).
+  // entry, which zero-fills its bytes).
   auto locate = [&](int j, int64_t& page_off, int& slot) {
     page_off = -1;
     if (j >= je) return;
@@ -113,38 +137,97 @@ __device__ __forceinline__ void load_block(const DecodeArgs& a, const int32_t* t
     slot = a.page_shift >= 0 ? j & (a.page_size - 1) : j - pi * a.page_size;
     const int32_t p = __ldg(table + pi);
     if (p < 0 || p >= a.num_pages) {
-      r.bad = true;
+      bad = true;
       return;
     }
     page_off = p * a.page_bytes;
   };
+  constexpr int kScale0 = S::kCodeSlots * 16;  // the record's first scale word
   int64_t off;
   int slot = 0;
+#pragma unroll
   for (int i = 0; i < 2; ++i) {
     locate(j0 + 8 * i + g, off, slot);
     const bool ok = off >= 0;
-    load_words<B::kK>(k_codes + off + slot * a.code_row_bytes + B::kK * t, ok, r.k[i]);
-    if constexpr (F == KvFormat::Int8)
-      for (auto& w : r.k[i]) w ^= kInt8Bias;
-    const int64_t srow = off + slot * a.scale_row_bytes;
+    const int64_t row = ok ? off + slot * a.code_row_bytes : 0;
+    stage_piece<B::kK>(stage, B::kK * i, lane, k_codes + row + B::kK * t, ok);
+    const int64_t srow = ok ? off + slot * a.scale_row_bytes : 0;
     if constexpr (B::kRowScales) {
-      r.k_scales[i] = ok ? __ldg(reinterpret_cast<const uint32_t*>(k_scales + srow)) : 0u;
-      r.v_scales[i] = ok ? __ldg(reinterpret_cast<const uint32_t*>(v_scales + srow)) : 0u;
-    } else if constexpr (D == 128) {
-      r.k_scales[i] = ok ? __ldg(reinterpret_cast<const uint16_t*>(k_scales + srow + 2 * t)) : 0u;
+      stage_piece<4>(stage, kScale0 + 4 * i, lane, k_scales + srow, ok);
+      stage_piece<4>(stage, kScale0 + 4 * (2 + i), lane, v_scales + srow, ok);
     } else {
-      r.k_scales[i] = ok ? __ldg(k_scales + srow + t) : 0u;
+      // Scale bytes 2t, 2t+1 (D = 128) or byte t (D = 64) of the row: the word holding them.
+      const int sb = D == 128 ? 2 * t : t;
+      stage_piece<4>(stage, kScale0 + 4 * i, lane, k_scales + srow + (sb & ~3), ok);
     }
   }
   const int vkeys[4] = {2 * t, 2 * t + 1, 8 + 2 * t, 9 + 2 * t};
+#pragma unroll
   for (int i = 0; i < 4; ++i) {
     locate(j0 + vkeys[i], off, slot);
     const bool ok = off >= 0;
-    load_words<B::kV>(v_codes + off + slot * a.code_row_bytes + B::kV * g, ok, r.v[i]);
-    if constexpr (F == KvFormat::Int8)
-      for (auto& w : r.v[i]) w ^= kInt8Bias;
-    if constexpr (!B::kRowScales)
-      r.v_scales[i] = ok ? __ldg(v_scales + off + slot * a.scale_row_bytes + g * D / 128) : 0u;
+    const int64_t row = ok ? off + slot * a.code_row_bytes : 0;
+    stage_piece<B::kV>(stage, 2 * B::kK + B::kV * i, lane, v_codes + row + B::kV * g, ok);
+    if constexpr (!B::kRowScales) {
+      const int sb = g * D / 128;  // this thread's element range's scale byte
+      const int64_t srow = ok ? off + slot * a.scale_row_bytes : 0;
+      stage_piece<4>(stage, kScale0 + 4 * (2 + i), lane, v_scales + srow + (sb & ~3), ok);
+    }
+  }
+  return bad;
+}
+
+// Part of this thread's record in the stage at `stage` (its copies complete) as a
+// block's registers: kKeys, the K codes and every scale (what Sᵀ and the softmax read),
+// or else the V codes (read after the softmax, so they are not live across it). The
+// loads are volatile: they stay between the wait for the stage and its next refill.
+template <bool kKeys, KvFormat F, int D>
+__device__ __forceinline__ void read_block(uint32_t stage, Raw<F, D>& r) {
+  using B = Bytes<F, D>;
+  using S = Stage<F, D>;
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  constexpr int kFirst = kKeys ? 0 : (2 * B::kK) / 16;
+  constexpr int kEnd = kKeys ? (2 * B::kK + 15) / 16 : S::kCodeSlots;
+  constexpr int kScaleEnd = kKeys ? S::kSlots : 0;
+  uint32_t w[S::kSlots * 4];
+  auto load = [&](int s) {
+    uint4 x;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
+                 : "r"(record_byte(stage, 16 * s, lane))
+                 : "memory");
+    w[4 * s] = x.x, w[4 * s + 1] = x.y, w[4 * s + 2] = x.z, w[4 * s + 3] = x.w;
+  };
+#pragma unroll
+  for (int s = kFirst; s < kEnd; ++s) load(s);
+#pragma unroll
+  for (int s = S::kCodeSlots; s < kScaleEnd; ++s) load(s);
+  constexpr uint32_t kBias = F == KvFormat::Int8 ? kInt8Bias : 0u;
+  if constexpr (kKeys) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int e = 0; e < B::kK / 4; ++e) r.k[i][e] = w[(B::kK * i) / 4 + e] ^ kBias;
+    constexpr int kW0 = S::kCodeSlots * 4;
+    if constexpr (B::kRowScales) {
+      r.k_scales[0] = w[kW0], r.k_scales[1] = w[kW0 + 1];
+      r.v_scales[0] = w[kW0 + 2], r.v_scales[1] = w[kW0 + 3];
+    } else {
+      // The scale bytes at their offsets inside the staged words (stage_block).
+      const int kb = D == 128 ? 2 * t : t, vb = g * D / 128;
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+        r.k_scales[i] = D == 128 ? __byte_perm(w[kW0 + i], 0u, (kb & 3) == 0 ? 0x4410u : 0x4432u)
+                                 : __byte_perm(w[kW0 + i], 0u, 0x4440u | (kb & 3));
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        r.v_scales[i] = __byte_perm(w[kW0 + 2 + i], 0u, 0x4440u | (vb & 3));
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int e = 0; e < B::kV / 4; ++e) r.v[i][e] = w[(2 * B::kK + B::kV * i) / 4 + e] ^ kBias;
   }
 }
 
@@ -155,7 +238,7 @@ __device__ __forceinline__ uint32_t code_pair(uint32_t x) {
   if constexpr (F == KvFormat::Fp8E4M3) {
     return e4m3x2_to_f16x2_bits(static_cast<uint16_t>(__byte_perm(x, 0u, kSel)));
   } else {
-    // 0x64 over a byte u is the FP16 value 1024 + u; u = x + 128 (load_block flipped the
+    // 0x64 over a byte u is the FP16 value 1024 + u; u = x + 128 (read_block flipped the
     // sign bits).
     constexpr uint32_t kBiasSel = 0x4040u | ((kSel & 0xFu) | ((kSel >> 4) << 8));
     const uint32_t h = __byte_perm(x, 0x64646464u, kBiasSel);
@@ -251,24 +334,46 @@ __device__ __forceinline__ void v_fragment(const Raw<F, D>& r, int mt, uint32_t 
 }
 
 // CTAs per SM (workspace.h): 8 query rows per n-block.
-template <KvFormat F>
+template <KvFormat F, int D>
 constexpr int ctas_per_sm(int nqb) {
-  return decode_ctas_per_sm(F, 8 * nqb);
+  return decode_ctas_per_sm(F, D, 8 * nqb);
 }
 
-// Blocks in flight per warp (one computed, the rest loading): three where two CTAs per
-// SM leave the registers for them (FP8 with one n-block: 242; INT8's conversions take
-// the rest and it would spill), else two.
-template <KvFormat F>
-constexpr int ring_depth(int nqb) {
-  return F == KvFormat::Fp8E4M3 && nqb == 1 ? 3 : 2;
+// The merge's buffers of one warp (its output fragments, then its m and l), which reuse
+// that warp's stages once its loop is done.
+template <int D, int NQB>
+constexpr int merge_bytes() {
+  return (NQB * (D / 16) * 4 + NQB * 4) * 32 * 4;
+}
+
+// Stages per warp (blocks in flight: one computed, the rest loading), the most that fit
+// the CTAs per SM in the 227 KB of shared memory an SM gives (1 KB of it per CTA kept by
+// the system), at most four.
+template <KvFormat F, int D, int NQB>
+constexpr int stages_per_warp() {
+  constexpr int kPerCta = 227 * 1024 / ctas_per_sm<F, D>(NQB) - 1024 - 256;  // - static
+  int n = 4;
+  while (n > 2 && kWarps * n * Stage<F, D>::kBytes > kPerCta) --n;
+  return n;
+}
+
+template <KvFormat F, int D, int NQB>
+constexpr int warp_region_bytes() {
+  constexpr int kStages = stages_per_warp<F, D, NQB>() * Stage<F, D>::kBytes;
+  return kStages > merge_bytes<D, NQB>() ? kStages : merge_bytes<D, NQB>();
+}
+
+// The dynamic shared memory of a CTA.
+template <KvFormat F, int D, int NQB>
+constexpr int direct_smem_bytes() {
+  return kWarps * warp_region_bytes<F, D, NQB>();
 }
 
 // 2^e as a float for e in [-126, 127].
 __device__ __forceinline__ float pow2(int e) { return __uint_as_float(uint32_t(e + 127) << 23); }
 
 template <typename T, KvFormat F, int D, int NQB>
-__global__ void __launch_bounds__(kWarps * 32, ctas_per_sm<F>(NQB))
+__global__ void __launch_bounds__(kWarps * 32, ctas_per_sm<F, D>(NQB))
     decode_direct_kernel(const DecodeArgs a) {
   constexpr bool kRowScales = Bytes<F, D>::kRowScales;
   constexpr int kOperandExp = Bytes<F, D>::kOperandExp;
@@ -276,10 +381,16 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm<F>(NQB))
   constexpr int kMt = D / 16;    // m-tiles of Oᵀ
   constexpr int kRange = D / 8;  // output elements per thread and column
   constexpr int kRows = 8 * NQB;
-  __shared__ float s_o[kWarps - 1][NQB * kMt * 4][32];
-  __shared__ float s_ml[kWarps - 1][NQB * 4][32];
+  constexpr int kRegion = warp_region_bytes<F, D, NQB>();
+  extern __shared__ __align__(16) uint8_t smem[];  // kWarps regions: stages, then the merge
   __shared__ int s_bad;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
+  // Warp w's merge buffers (w ≥ 1) in its own region: s_o(w, i) and s_ml(w, i) are rows
+  // of 32 floats.
+  auto s_o = [&](int w, int i) { return reinterpret_cast<float*>(smem + w * kRegion) + 32 * i; };
+  auto s_ml = [&](int w, int i) {
+    return reinterpret_cast<float*>(smem + w * kRegion) + 32 * (NQB * kMt * 4 + i);
+  };
   const int split = blockIdx.x % a.splits, row0 = (blockIdx.x / a.splits) * kRows;
   const int hk = blockIdx.y, b = blockIdx.z;
   if (threadIdx.x == 0) s_bad = 0;
@@ -352,8 +463,10 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm<F>(NQB))
   float sigma = 0.f;  // row-scale formats: the running maximum of this warp's V scales
 
   const int nblocks = (je - jb + kBlock - 1) / kBlock;
-  auto compute = [&](const Raw<F, D>& r, int blk) {
+  auto compute = [&](uint32_t stage, int blk) {
     const int j0 = jb + blk * kBlock;
+    Raw<F, D> r;
+    read_block<true>(stage, r);
     // ---- Sᵀ = K̂·Qᵀ ----
     float s[NQB][4] = {};
 #pragma unroll
@@ -432,6 +545,7 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm<F>(NQB))
       pl[qb][1] = common::movmatrix_trans(lo);
     }
     // ---- Oᵀ += V̂ᵀ·Pᵀ: pairs of keys (2t, 2t+1) and (8+2t, 9+2t) at one element ----
+    read_block<false>(stage, r);
 #pragma unroll
     for (int mt = 0; mt < kMt; ++mt) {
       uint32_t av[4];
@@ -444,29 +558,28 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm<F>(NQB))
     }
   };
 
-  // kDepth blocks in flight per warp: each is computed, then refilled kDepth ahead.
-  constexpr int kDepth = ring_depth<F>(NQB);
-  Raw<F, D> ring[kDepth];
-#pragma unroll
-  for (int s = 0; s < kDepth; ++s) {
-    const int blk = warp + s * kWarps;
+  // kStages blocks in flight per warp: block i waits for its own copies (group i), is
+  // computed, and its stage is refilled with block i + kStages. Every step commits a
+  // group, empty ones included, so group i is always the i-th.
+  constexpr int kStages = stages_per_warp<F, D, NQB>();
+  const uint32_t region = static_cast<uint32_t>(__cvta_generic_to_shared(smem)) + warp * kRegion;
+  auto stage_at = [&](int s) { return region + s * Stage<F, D>::kBytes; };
+  auto refill = [&](int blk, int s) {
     if (blk < nblocks)
-      load_block<F, D>(a, table, k_codes, v_codes, k_scales, v_scales, jb + blk * kBlock, je,
-                       ring[s]);
-  }
-  for (int base = warp; base < nblocks; base += kDepth * kWarps) {
+      bad |= stage_block<F, D>(a, table, k_codes, v_codes, k_scales, v_scales,
+                               jb + blk * kBlock, je, stage_at(s));
+    common::cp_async_commit();
+  };
 #pragma unroll
-    for (int s = 0; s < kDepth; ++s) {
-      const int blk = base + s * kWarps;
-      if (blk >= nblocks) break;
-      compute(ring[s], blk);
-      bad |= ring[s].bad;
-      const int next = blk + kDepth * kWarps;
-      if (next < nblocks)
-        load_block<F, D>(a, table, k_codes, v_codes, k_scales, v_scales, jb + next * kBlock, je,
-                         ring[s]);
-    }
+  for (int s = 0; s < kStages; ++s) refill(warp + s * kWarps, s);
+  int s = 0;
+  for (int blk = warp; blk < nblocks; blk += kWarps) {
+    common::cp_async_wait<kStages - 1>();
+    compute(stage_at(s), blk);
+    refill(blk + kStages * kWarps, s);
+    s = s == kStages - 1 ? 0 : s + 1;
   }
+  common::cp_async_wait<0>();  // no copy outlives the loop (the region is reused below)
 
   // ---- merge the four warps (same fragment layout: lane by lane) ----
   for (int qb = 0; qb < NQB; ++qb)
@@ -484,10 +597,10 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm<F>(NQB))
   if (warp > 0) {
     for (int qb = 0; qb < NQB; ++qb) {
       for (int mt = 0; mt < kMt; ++mt)
-        for (int e = 0; e < 4; ++e) s_o[warp - 1][(qb * kMt + mt) * 4 + e][lane] = o[qb][mt][e];
+        for (int e = 0; e < 4; ++e) s_o(warp, (qb * kMt + mt) * 4 + e)[lane] = o[qb][mt][e];
       for (int cc = 0; cc < 2; ++cc) {
-        s_ml[warp - 1][qb * 4 + cc][lane] = m[qb][cc];
-        s_ml[warp - 1][qb * 4 + 2 + cc][lane] = l[qb][cc];
+        s_ml(warp, qb * 4 + cc)[lane] = m[qb][cc];
+        s_ml(warp, qb * 4 + 2 + cc)[lane] = l[qb][cc];
       }
     }
   }
@@ -500,13 +613,13 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm<F>(NQB))
     float wgt[kWarps][2];
     for (int cc = 0; cc < 2; ++cc) {
       float M = m[qb][cc];
-      for (int k = 0; k < kWarps - 1; ++k) M = fmaxf(M, s_ml[k][qb * 4 + cc][lane]);
+      for (int k = 0; k < kWarps - 1; ++k) M = fmaxf(M, s_ml(k + 1, qb * 4 + cc)[lane]);
       wgt[0][cc] = m[qb][cc] == kNegInf ? 0.f : exp2f(m[qb][cc] - M);
       float lsum = wgt[0][cc] * l[qb][cc];
       for (int k = 0; k < kWarps - 1; ++k) {
-        const float mk = s_ml[k][qb * 4 + cc][lane];
+        const float mk = s_ml(k + 1, qb * 4 + cc)[lane];
         wgt[k + 1][cc] = mk == kNegInf ? 0.f : exp2f(mk - M);
-        lsum += wgt[k + 1][cc] * s_ml[k][qb * 4 + 2 + cc][lane];
+        lsum += wgt[k + 1][cc] * s_ml(k + 1, qb * 4 + 2 + cc)[lane];
       }
       m[qb][cc] = M;
       l[qb][cc] = lsum;
@@ -517,7 +630,7 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm<F>(NQB))
       for (int e = 0; e < 4; ++e) {
         float acc = wgt[0][e & 1] * o[qb][mt][e];
         for (int k = 0; k < kWarps - 1; ++k)
-          acc += wgt[k + 1][e & 1] * s_o[k][(qb * kMt + mt) * 4 + e][lane];
+          acc += wgt[k + 1][e & 1] * s_o(k + 1, (qb * kMt + mt) * 4 + e)[lane];
         o[qb][mt][e] = acc;
       }
     // ---- outputs: column cc is query row row0 + 8qb + 2t + cc; this thread owns its
