@@ -893,27 +893,29 @@ TEST(KvDecodeAbi, AutomaticSplitCountFollowsTheFamilysRule) {
     int32_t format = QATTN_KV_NVFP4;
     int heads_q = 0, nq = 1;  // heads_q 0: heads_kv
   };
+  // Direct formats (NVFP4, FP8, INT8 at head dim 128) with up to 8 query rows: four CTAs
+  // per SM, 528 slots; BF16 two (264); NVFP4 with 16 rows three (396).
   const std::array<Case, 19> cases{{
-      {1, 1, 4096, 0, 128, "396 slots, 65536 / 256 = 256 chunks: capped at 128 (0.32 of a wave)"},
-      {1, 8, 256, 0, 16, "49 chunks fill one wave, 4096 / 256 = 16: the length decides"},
-      {4, 8, 2048, 0, 12, "12 chunks: 384 of 396 slots (24 would be 1.94 waves, one more)"},
-      {32, 8, 2048, 0, 3, "256 pairs: 1 chunk fills 0.65 of a wave, 3 fill 1.94 waves"},
-      {33, 8, 2048, 0, 3, "264 pairs: 3 chunks are exactly 2 waves"},
-      {64, 8, 2048, 0, 3, "512 pairs: 1, 2, 3 chunks fill 0.65, 0.86, 0.97 of their waves"},
-      {128, 8, 2048, 0, 1, "1024 pairs: 2.6 waves already; more chunks would exceed 4 waves"},
+      {1, 1, 4096, 0, 128, "528 slots, 65536 / 256 = 256 chunks: capped at 128 (0.24 of a wave)"},
+      {1, 8, 256, 0, 16, "128 chunks fill a quarter wave, 4096 / 256 = 16: the length decides"},
+      {4, 8, 2048, 0, 33, "33 chunks: 1056 CTAs, exactly two waves of 528"},
+      {32, 8, 2048, 0, 2, "256 pairs: 1 chunk fills 0.48 of a wave, 2 fill 0.97"},
+      {33, 8, 2048, 0, 2, "264 pairs: 2 chunks are exactly one wave"},
+      {64, 8, 2048, 0, 1, "512 pairs: 1 chunk fills 0.97 of a wave"},
+      {128, 8, 2048, 0, 1, "1024 pairs: 1.94 waves already"},
       {1, 1, 8, 0, 1, "128 keys: less than one 256-key chunk"},
       {1, 1, 4096, 1000, 3, "max_length 1000: 3 chunks of at least 256"},
       {1, 1, 4096, 255, 1, "max_length 255: one chunk"},
       {1, 1, 4096, 512, 2, "max_length 512: two chunks of 256"},
       {1, 8, 256, 1000000, 16, "max_length beyond the capacity: the capacity (4096) decides"},
-      {2, 2, 4096, 40000, 99, "99 chunks: 396 CTAs, one full wave; 40000 / 256 = 156"},
-      {4, 8, 2048, 0, 8, "FP8: 264 slots, 8 chunks: 256 CTAs", QATTN_KV_FP8_E4M3},
-      {8, 8, 4096, 0, 4, "INT8: 4 chunks, one wave of two CTAs per SM", QATTN_KV_INT8},
+      {2, 2, 4096, 40000, 128, "40000 / 256 = 156 chunks, capped at 128: 512 CTAs, 0.97 of a wave"},
+      {4, 8, 2048, 0, 33, "FP8: four CTAs per SM too, 33 chunks: two full waves", QATTN_KV_FP8_E4M3},
+      {8, 8, 4096, 0, 8, "INT8: 8 chunks, 512 CTAs in 528 slots", QATTN_KV_INT8},
       {1, 1, 4096, 0, 128, "BF16: 264 slots, 256 chunks: capped at 128", QATTN_KV_BF16},
-      {2, 2, 4096, 40000, 66, "FP8: 66 chunks: 264 CTAs, one full wave", QATTN_KV_FP8_E4M3},
-      {32, 8, 2048, 0, 1, "INT8: 256 pairs fill 0.97 of 264 slots", QATTN_KV_INT8},
-      {8, 8, 4096, 0, 4, "NVFP4 with 16 query rows: two CTAs per SM, 264 slots", QATTN_KV_NVFP4, 32, 4},
-  }};
+      {16, 8, 4096, 0, 2, "BF16: 128 pairs, 2 chunks: 256 CTAs, 0.97 of 264 slots", QATTN_KV_BF16},
+      {32, 8, 2048, 0, 2, "INT8: 256 pairs, 2 chunks fill 0.97 of 528 slots", QATTN_KV_INT8},
+      {8, 8, 4096, 0, 6, "NVFP4 with 16 query rows: three CTAs per SM, 396 slots, 384 CTAs", QATTN_KV_NVFP4, 32, 4},
+  }};;
   const KvCacheFamily& family = *qattn::api::kv_cache_families()[0];
   for (const Case& k : cases) {
     SCOPED_TRACE(k.why);

@@ -11,7 +11,7 @@
 namespace qattn::kv_cache {
 
 // CTAs of the decode kernel that run at once on one SM, by format, head dim and query
-// rows per (sequence, KV head) (GQA group × new tokens). The register-direct kernels
+// rows per (sequence, KV head) (GQA group × new tokens). The direct kernels
 // (NVFP4, FP8 and INT8 at head dims 64 and 128, decode_direct.cuh) stage their keys in
 // shared memory, which keeps them within 128 registers with one n-block of 8 rows (four
 // CTAs) and 168 with two (three), except FP8 and INT8 with two n-blocks at head dim 128,
