@@ -455,7 +455,7 @@ EmulatedForward decode_emulated(const Tensor4& q, const PagedCache& cache,
   for (int b = 0; b < q.b; ++b) {
     const int seq = seqs[b];
     const int L = cache.lengths[seq];
-    const int chunk = (L + S - 1) / S;  // 0 when L = 0: every chunk empty
+    const int chunk = kvcache::decode_chunk_keys(L, S);  // 0 when L = 0: every chunk empty
     for (int hq = 0; hq < q.h; ++hq) {
       const int h = hq / group;
       const float* c = cache.k_mean.data() + (static_cast<std::size_t>(seq) * hk + h) * d;

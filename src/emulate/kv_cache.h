@@ -30,8 +30,9 @@
 // of nq (1..16), with L = lengths[b] cached keys (the nq new tokens already appended):
 //  1. q ← bf16_round(q). qc = Σ_c q[c]·c_hk[c] (FP32, c in order).
 //  2. Key j is visible iff j < L and, with a causal mask, j ≤ i + L − nq (bottom right).
-//  3. Split the keys into S = num_splits chunks of ceil(L/S) tokens (chunk s covers
-//     [s·ceil(L/S), min(L, (s+1)·ceil(L/S))); trailing chunks may be empty).
+//  3. Split the keys into S = num_splits chunks of C = ceil(L/S) rounded up to a
+//     multiple of 16 tokens (kvcache::decode_chunk_keys; chunk s covers [s·C, min(L,
+//     (s+1)·C)); trailing chunks may be empty).
 //  4. Per chunk, tiles of kv_tile tokens, online softmax in the log2 domain:
 //       x_j = (Σ_c q[c]·k̂_j[c]) · scale_log2, FP32, c in order; k̂ = dequantized K − c;
 //       scale_log2 = FP32(sm_scale·log2 e);

@@ -20,6 +20,16 @@ inline constexpr int kAlignment = 16;   // bytes; sections and head slices of a 
 inline constexpr int kNvFp4Block = 16;  // elements along d per NVFP4 scale
 inline constexpr int kMaxHeadDim = 256;
 inline constexpr int kMaxQueryTokens = 16;
+inline constexpr int kDecodeChunkAlign = 16;  // keys; a decode chunk starts on a multiple
+
+// Keys per chunk of a decode split `splits` ways over `length` cached keys: ⌈length /
+// splits⌉ rounded up to a multiple of 16, so every chunk starts on a 16-key boundary and
+// a 16-key block of a chunk lies in one page wherever pages hold a multiple of 16 keys
+// (the direct decode kernel then reads one block-table entry per block). 0 for length 0.
+constexpr int decode_chunk_keys(int length, int splits) {
+  const int even = (length + splits - 1) / splits;
+  return (even + kDecodeChunkAlign - 1) / kDecodeChunkAlign * kDecodeChunkAlign;
+}
 
 // Byte layout of one page (all offsets from the page's first byte).
 struct KvPageLayout {

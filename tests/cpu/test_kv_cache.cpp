@@ -11,6 +11,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "attention_test_util.h"
 #include "emulate/kv_cache.h"
@@ -469,6 +470,26 @@ TEST(KvCacheDecode, Bf16CacheMatchesFp64OnBf16RoundedInputs) {
       }
     }
   }
+}
+
+// The decode's chunks (kvcache::decode_chunk_keys): S chunks of C keys cover [0, L) in
+// order, every chunk starts on a multiple of 16 (the direct kernel reads one block-table
+// entry per 16-key block on that), no chunk is longer than needed by more than 15 keys,
+// and the last non-empty one ends at L. Every L up to 2000 and a few large ones, S 1..64.
+TEST(KvCacheDecode, ChunksStartOnSixteenKeyBoundariesAndCoverTheKeys) {
+  std::vector<int> lengths(2001);
+  std::iota(lengths.begin(), lengths.end(), 0);
+  for (int big : {65535, 65536, 65537, 1 << 20, (1 << 30) - 1, 1 << 30}) lengths.push_back(big);
+  for (int L : lengths)
+    for (int S = 1; S <= 64; ++S) {
+      const int C = kvcache::decode_chunk_keys(L, S);
+      const int even = (L + S - 1) / S;
+      ASSERT_EQ(C % 16, 0) << "L " << L << " S " << S;
+      ASSERT_GE(C, even) << "L " << L << " S " << S;
+      ASSERT_LT(C - even, 16) << "L " << L << " S " << S;
+      // Chunk s is [min(L, s·C), min(L, (s+1)·C)): the last one reaches L.
+      ASSERT_GE(static_cast<int64_t>(S) * C, L) << "L " << L << " S " << S;
+    }
 }
 
 // Split-KV: S chunks merged by their LSE equal the unsplit decode to FP32 rounding (the

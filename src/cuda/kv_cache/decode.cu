@@ -241,7 +241,7 @@ __device__ __forceinline__ void decode_cta(const DecodeArgs& a, uint8_t* smem, i
   int* s_bad = reinterpret_cast<int*>(smem + S::kBad);
   const float* s_qc = reinterpret_cast<const float*>(smem + S::kQc);
 
-  const int chunk = (L + a.splits - 1) / a.splits;
+  const int chunk = kvcache::decode_chunk_keys(L, a.splits);
   const int jb = min(L, split * chunk), je = min(L, (split + 1) * chunk);
   const int ntiles = (je - jb + kTile - 1) / kTile;
   const int32_t* table = a.block_tables + int64_t{b} * a.max_pages_per_seq;

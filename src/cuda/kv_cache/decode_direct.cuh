@@ -103,6 +103,23 @@ __device__ __forceinline__ uint32_t record_byte(uint32_t stage, int o, int lane)
   return stage + 16 * (32 * (o / 16) + lane) + o % 16;
 }
 
+// cp.async of N (4, 8 or 16) bytes at src, or N zero bytes without reading src (the
+// copy's ignore-src operand): a key outside the sequence or the pool needs no valid
+// address, so its address is computed as any other's.
+template <int N>
+__device__ __forceinline__ void copy_or_zeros(uint32_t dst, const void* src, bool read) {
+  if constexpr (N == 16)
+    asm volatile(
+        "{\n .reg .pred z;\n setp.eq.u32 z, %2, 0;\n"
+        " cp.async.cg.shared.global [%0], [%1], 16, z;\n}\n" ::"r"(dst),
+        "l"(src), "r"(static_cast<uint32_t>(read)));
+  else
+    asm volatile(
+        "{\n .reg .pred z;\n setp.eq.u32 z, %2, 0;\n"
+        " cp.async.ca.shared.global [%0], [%1], %3, z;\n}\n" ::"r"(dst),
+        "l"(src), "r"(static_cast<uint32_t>(read)), "n"(N));
+}
+
 // `N` bytes (4, 8 or a multiple of 16) at p into the record at byte o, or zeros.
 template <int N>
 __device__ __forceinline__ void stage_piece(uint32_t stage, int o, int lane, const uint8_t* p,
@@ -110,15 +127,26 @@ __device__ __forceinline__ void stage_piece(uint32_t stage, int o, int lane, con
   if constexpr (N % 16 == 0) {
 #pragma unroll
     for (int i = 0; i < N / 16; ++i)
-      common::cp_async_zfill<16>(record_byte(stage, o + 16 * i, lane), p + 16 * i, ok);
+      copy_or_zeros<16>(record_byte(stage, o + 16 * i, lane), p + 16 * i, ok);
   } else {
     static_assert(N == 8 || N == 4, "4, 8 or a multiple of 16 bytes");
-    common::cp_async_zfill<N>(record_byte(stage, o, lane), p, ok);
+    copy_or_zeros<N>(record_byte(stage, o, lane), p, ok);
   }
 }
 
+// Where a key's bytes are: its page's byte offset in the pool, its slot in the page, and
+// whether it is read (false past the chunk's end or for a page outside the pool).
+struct KeyPlace {
+  int64_t page_off;
+  int slot;
+  bool ok;
+};
+
 // Copies one 16-key block's bytes for this thread into `stage` (not committed); returns
 // whether a page index of the block lies outside the pool (its keys read as zeros).
+// Pages of a multiple of 16 keys (the page sizes engines use, but 1 and 8): the block
+// lies in one page, so one block-table entry serves the thread's six keys; other page
+// sizes look up each key.
 template <KvFormat F, int D>
 __device__ __forceinline__ bool stage_block(const DecodeArgs& a, const int32_t* table,
                                             const uint8_t* k_codes, const uint8_t* v_codes,
@@ -127,53 +155,63 @@ __device__ __forceinline__ bool stage_block(const DecodeArgs& a, const int32_t* 
   using B = Bytes<F, D>;
   using S = Stage<F, D>;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  bool bad = false;
-  // The byte offset of key j's page plus its slot (-1 outside [jb, je) or for a bad
-  // entry, which zero-fills its bytes).
-  auto locate = [&](int j, int64_t& page_off, int& slot) {
-    page_off = -1;
-    if (j >= je) return;
-    const int pi = a.page_shift >= 0 ? j >> a.page_shift : j / a.page_size;
-    slot = a.page_shift >= 0 ? j & (a.page_size - 1) : j - pi * a.page_size;
-    const int32_t p = __ldg(table + pi);
-    if (p < 0 || p >= a.num_pages) {
-      bad = true;
-      return;
-    }
-    page_off = p * a.page_bytes;
-  };
   constexpr int kScale0 = S::kCodeSlots * 16;  // the record's first scale word
-  int64_t off;
-  int slot = 0;
+  // A slot's byte offset in its page section (slots and row sizes are non-negative).
+  auto in_page = [](int slot, int row_bytes) {
+    return static_cast<int64_t>(static_cast<uint64_t>(static_cast<uint32_t>(slot)) *
+                                static_cast<uint32_t>(row_bytes));
+  };
+  // `place(k)`: the KeyPlace of key j0 + k.
+  auto copy = [&](auto&& place) {
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    locate(j0 + 8 * i + g, off, slot);
-    const bool ok = off >= 0;
-    const int64_t row = ok ? off + slot * a.code_row_bytes : 0;
-    stage_piece<B::kK>(stage, B::kK * i, lane, k_codes + row + B::kK * t, ok);
-    const int64_t srow = ok ? off + slot * a.scale_row_bytes : 0;
-    if constexpr (B::kRowScales) {
-      stage_piece<4>(stage, kScale0 + 4 * i, lane, k_scales + srow, ok);
-      stage_piece<4>(stage, kScale0 + 4 * (2 + i), lane, v_scales + srow, ok);
-    } else {
-      // Scale bytes 2t, 2t+1 (D = 128) or byte t (D = 64) of the row: the word holding them.
-      const int sb = D == 128 ? 2 * t : t;
-      stage_piece<4>(stage, kScale0 + 4 * i, lane, k_scales + srow + (sb & ~3), ok);
+    for (int i = 0; i < 2; ++i) {
+      const KeyPlace kp = place(8 * i + g);
+      const int64_t row = kp.page_off + in_page(kp.slot, a.code_row_bytes);
+      stage_piece<B::kK>(stage, B::kK * i, lane, k_codes + row + B::kK * t, kp.ok);
+      const int64_t srow = kp.page_off + in_page(kp.slot, a.scale_row_bytes);
+      if constexpr (B::kRowScales) {
+        stage_piece<4>(stage, kScale0 + 4 * i, lane, k_scales + srow, kp.ok);
+        stage_piece<4>(stage, kScale0 + 4 * (2 + i), lane, v_scales + srow, kp.ok);
+      } else {
+        // Scale bytes 2t, 2t+1 (D = 128) or byte t (D = 64) of the row: the word holding them.
+        const int sb = D == 128 ? 2 * t : t;
+        stage_piece<4>(stage, kScale0 + 4 * i, lane, k_scales + srow + (sb & ~3), kp.ok);
+      }
     }
-  }
-  const int vkeys[4] = {2 * t, 2 * t + 1, 8 + 2 * t, 9 + 2 * t};
+    const int vkeys[4] = {2 * t, 2 * t + 1, 8 + 2 * t, 9 + 2 * t};
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    locate(j0 + vkeys[i], off, slot);
-    const bool ok = off >= 0;
-    const int64_t row = ok ? off + slot * a.code_row_bytes : 0;
-    stage_piece<B::kV>(stage, 2 * B::kK + B::kV * i, lane, v_codes + row + B::kV * g, ok);
-    if constexpr (!B::kRowScales) {
-      const int sb = g * D / 128;  // this thread's element range's scale byte
-      const int64_t srow = ok ? off + slot * a.scale_row_bytes : 0;
-      stage_piece<4>(stage, kScale0 + 4 * (2 + i), lane, v_scales + srow + (sb & ~3), ok);
+    for (int i = 0; i < 4; ++i) {
+      const KeyPlace kp = place(vkeys[i]);
+      const int64_t row = kp.page_off + in_page(kp.slot, a.code_row_bytes);
+      stage_piece<B::kV>(stage, 2 * B::kK + B::kV * i, lane, v_codes + row + B::kV * g, kp.ok);
+      if constexpr (!B::kRowScales) {
+        const int sb = g * D / 128;  // this thread's element range's scale byte
+        const int64_t srow = kp.page_off + in_page(kp.slot, a.scale_row_bytes);
+        stage_piece<4>(stage, kScale0 + 4 * (2 + i), lane, v_scales + srow + (sb & ~3), kp.ok);
+      }
     }
+  };
+  auto page_of = [&](int j) { return a.page_shift >= 0 ? j >> a.page_shift : j / a.page_size; };
+  auto in_pool = [&](int32_t p) { return p >= 0 && p < a.num_pages; };
+  const int kend = je - j0;  // keys k < kend are the chunk's
+  if (a.page_size % kBlock == 0) {
+    // The block starts on a multiple of 16 (decode_chunk_keys), so its keys share a page.
+    const int pi = page_of(j0), slot0 = j0 - pi * a.page_size;
+    const int32_t p = __ldg(table + pi);
+    const bool ok = in_pool(p);
+    const int64_t off = p * a.page_bytes;
+    copy([&](int k) { return KeyPlace{off, slot0 + k, ok && k < kend}; });
+    return !ok;
   }
+  bool bad = false;
+  copy([&](int k) {
+    if (k >= kend) return KeyPlace{0, 0, false};
+    const int pi = page_of(j0 + k);
+    const int32_t p = __ldg(table + pi);
+    const bool ok = in_pool(p);
+    bad |= !ok;
+    return KeyPlace{p * a.page_bytes, j0 + k - pi * a.page_size, ok};
+  });
   return bad;
 }
 
@@ -398,7 +436,7 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm<F, D>(NQB))
   int L = __ldg(a.lengths + b);
   const bool bad_length = L < 0 || L > a.capacity;
   if (bad_length) L = 0;
-  const int chunk = (L + a.splits - 1) / a.splits;
+  const int chunk = kvcache::decode_chunk_keys(L, a.splits);  // a multiple of 16
   const int jb = min(L, split * chunk), je = min(L, (split + 1) * chunk);
   const int32_t* table = a.block_tables + int64_t{b} * a.max_pages_per_seq;
   const uint8_t* k_codes = a.pages + a.k_codes + hk * a.head_code_bytes;
