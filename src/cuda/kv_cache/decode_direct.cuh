@@ -567,12 +567,16 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm<F, D>(NQB))
         l[qb][cc] = l[qb][cc] * alpha[cc] + sum;
         alpha[cc] *= sigma_ratio;
       }
+      // Once the row maxima settle, every α of the warp is 1 for most blocks: the
+      // rescale is skipped then (a multiply by 1 is exact, so nothing changes).
+      if (!__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) {
 #pragma unroll
-      for (int mt = 0; mt < kMt; ++mt) {
-        o[qb][mt][0] *= alpha[0];
-        o[qb][mt][1] *= alpha[1];
-        o[qb][mt][2] *= alpha[0];
-        o[qb][mt][3] *= alpha[1];
+        for (int mt = 0; mt < kMt; ++mt) {
+          o[qb][mt][0] *= alpha[0];
+          o[qb][mt][1] *= alpha[1];
+          o[qb][mt][2] *= alpha[0];
+          o[qb][mt][3] *= alpha[1];
+        }
       }
       uint32_t hi, lo;
       split_pair<__half>(s[qb][0], s[qb][1], hi, lo);  // key g, queries 2t, 2t+1
