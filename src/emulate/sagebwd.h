@@ -60,7 +60,11 @@ enum class DoVFormat {
 struct SageBwdOptions {
   Bwd8Format format = Bwd8Format::Int8;
   DoVFormat dov = DoVFormat::Fp16;
-  KSmoothing k_smoothing = KSmoothing::Mean;  // None, Mean or SampledMean
+  // None, Mean or SampledMean. SampledMean (the GPU backward's) smooths K with the mean
+  // of the training forward's token sample, so the backward's scores are smoothed as the
+  // forward's were (bench/NOTES.md v23c, v42: the full mean costs peaked attention
+  // ~1e-3 of every gradient's CosSim).
+  KSmoothing k_smoothing = KSmoothing::SampledMean;
   bool dq_mean_term = false;  // add sm_scale·rowsum(dS)·c to dQ (paper; step 5 above)
 };
 

@@ -26,8 +26,8 @@ bool add(int64_t a, int64_t b, int64_t* r) { return !__builtin_add_overflow(a, b
 // with D <= 128: a Q-side row holds q_i8, qt_i8, do_i8, dot_i8 (D each), do_16 (2D),
 // dq_acc (4D), lse2, delta (4 each) and 8/64 bytes of scales: at most 10·128 + 9 =
 // 1289; a KV-side row holds k_i8, kt_i8, v_i8 (D each), v_16 (2D), 8/128 bytes of
-// scales and k_colsum's and k_mean's 4D bytes per 128 rows: at most 5·128 + 9 = 649.
-// Each of the 18 buffers rounds up to 256 bytes. The bounds below are looser, so a sum that
+// scales and k_mean's 4D bytes per 128 rows (at most): at most 5·128 + 9 = 649.
+// Each of the 17 buffers rounds up to 256 bytes. The bounds below are looser, so a sum that
 // fits them fits the layout's size_t arithmetic (int64 is narrower than size_t here).
 constexpr int64_t kQRowBound = 2048, kKvRowBound = 1024, kAlignSlack = 18 * 256;
 

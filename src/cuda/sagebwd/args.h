@@ -26,8 +26,7 @@ struct Args {
   // Workspace (workspace.h).
   int8_t *q_i8, *qt_i8, *do_i8, *dot_i8, *k_i8, *kt_i8, *v_i8;
   void *do_16, *v_16;
-  float *q_scale, *do_scale, *lse2, *delta, *dq_acc, *k_scale, *v_scale, *k_colsum,
-      *k_mean;
+  float *q_scale, *do_scale, *lse2, *delta, *dq_acc, *k_scale, *v_scale, *k_mean;
 };
 
 }  // namespace qattn::sagebwd

@@ -64,7 +64,6 @@ Args make_args(const qattn_bwd_params& p, void* workspace) {
   a.dq_acc = f(w.dq_acc);
   a.k_scale = f(w.k_scale);
   a.v_scale = f(w.v_scale);
-  a.k_colsum = f(w.k_colsum);
   a.k_mean = f(w.k_mean);
   return a;
 }

@@ -13,6 +13,7 @@
 #include "cuda/sagebwd/permute.cuh"
 #include "numerics/block_scale.h"
 #include "numerics/formats.h"
+#include "numerics/token_sample.h"
 
 namespace qattn::sagebwd {
 namespace {
@@ -81,28 +82,22 @@ __device__ __forceinline__ uint2 pack8(const float (&x)[8], float inv) {
 
 // ---- K side ------------------------------------------------------------------------
 
+// The smoothing vector c: the mean of K over the forward's token sample (every token up
+// to 256, else 256 spread evenly; numerics/token_sample.h), so the backward's scores are
+// smoothed as the training forward's were. Summed in FP64 row by row, as the emulator's
+// numerics::token_mean, so c is its FP32 rounding of the mean bit for bit.
 template <typename T, int D>
-__global__ void __launch_bounds__(D) k_colsum_kernel(Args a) {
-  const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z, col = threadIdx.x;
-  const int j0 = tile * kKvTileRows, rows = min(kKvTileRows, a.nkv - j0);
-  float s = 0.0f;
-  if (col < a.d) {
-    const T* base = row_ptr<T>(a.k, b, h, j0) + col;
-#pragma unroll 8
-    for (int r = 0; r < rows; ++r) s += common::to_float(base[static_cast<int64_t>(r) * a.k.sn]);
-  }
-  const int tiles = a.nkv_pad / kKvTileRows;
-  a.k_colsum[((static_cast<int64_t>(b) * a.heads_kv + h) * tiles + tile) * D + col] = s;
-}
-
-template <int D>
 __global__ void __launch_bounds__(D) k_mean_kernel(Args a) {
-  const int bh = blockIdx.x, col = threadIdx.x;
-  const int tiles = a.nkv_pad / kKvTileRows;
-  const float* p = a.k_colsum + static_cast<int64_t>(bh) * tiles * D + col;
-  float s = 0.0f;
-  for (int t = 0; t < tiles; ++t) s += p[t * D];  // fixed order: deterministic
-  a.k_mean[static_cast<int64_t>(bh) * D + col] = s / static_cast<float>(a.nkv);
+  const int h = blockIdx.x % a.heads_kv, b = blockIdx.x / a.heads_kv, col = threadIdx.x;
+  const int64_t n = a.nkv < numerics::kSmoothSampleTokens ? a.nkv : numerics::kSmoothSampleTokens;
+  double s = 0.0;
+  if (col < a.d) {
+    const T* base = row_ptr<T>(a.k, b, h, 0) + col;
+    for (int64_t i = 0; i < n; ++i)
+      s += common::to_float(base[numerics::sampled_row(i, a.nkv) * a.k.sn]);
+  }
+  a.k_mean[static_cast<int64_t>(blockIdx.x) * D + col] =
+      col < a.d ? static_cast<float>(s / static_cast<double>(n)) : 0.0f;
 }
 
 template <typename T, int D, bool kQuantDov>
@@ -311,8 +306,7 @@ __global__ void __launch_bounds__(kThreads) dq_finalize_kernel(Args a) {
 template <typename T, int D>
 cudaError_t launch_prepare(const Args& a, bool quant_dov, cudaStream_t stream) {
   const int tiles = a.nkv_pad / kKvTileRows, blocks = a.nq_pad / kQBlockRows;
-  k_colsum_kernel<T, D><<<dim3(tiles, a.heads_kv, a.batch), D, 0, stream>>>(a);
-  k_mean_kernel<D><<<a.batch * a.heads_kv, D, 0, stream>>>(a);
+  k_mean_kernel<T, D><<<a.batch * a.heads_kv, D, 0, stream>>>(a);
   if (quant_dov) {
     k_prepare_kernel<T, D, true><<<dim3(tiles, a.heads_kv, a.batch), kThreads, 0, stream>>>(a);
     q_prepare_kernel<T, D, true><<<dim3(blocks, a.heads_q, a.batch), kThreads, 0, stream>>>(a);

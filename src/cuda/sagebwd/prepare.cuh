@@ -1,5 +1,5 @@
 // The SageBwd backward's passes around the main kernels (prepare.cu):
-//   k_colsum -> k_mean -> k_prepare (smoothed K, Kᵀ, V per KV tile)
+//   k_mean (over the forward's token sample) -> k_prepare (smoothed K, Kᵀ, V per KV tile)
 //   -> q_prepare (Q, Qᵀ, dO, dOᵀ per Q block; lse2, delta; zeroes the dQ accumulators)
 //   ... dkdv / dq kernels ...  -> dq_finalize (the FP32 dQ to 16-bit).
 #pragma once

@@ -22,8 +22,8 @@
 //   v_16      16-bit (B, Hkv, Nkv_pad, D) V in the inputs' format
 //   v_i8      int8  (B, Hkv, Nkv_pad, D)  V per KV tile (quantized dO·Vᵀ only)
 //   k_scale, v_scale  float (B, Hkv, Nkv_pad / 128)
-//   k_colsum  float (B, Hkv, Nkv_pad / 128, D) K's column sums per tile (for the mean)
-//   k_mean    float (B, Hkv, D)           the smoothing vector c
+//   k_mean    float (B, Hkv, D)           the smoothing vector c: the mean of the
+//                                         forward's token sample (numerics/token_sample.h)
 #pragma once
 
 #include <cstddef>
@@ -43,7 +43,7 @@ struct WorkspaceLayout {
   int nq_pad = 0, nkv_pad = 0;
   std::size_t q_i8 = 0, qt_i8 = 0, do_16 = 0, do_i8 = 0, dot_i8 = 0, q_scale = 0, do_scale = 0,
               lse2 = 0, delta = 0, dq_acc = 0, k_i8 = 0, kt_i8 = 0, v_16 = 0,
-              v_i8 = 0, k_scale = 0, v_scale = 0, k_colsum = 0, k_mean = 0, total = 0;
+              v_i8 = 0, k_scale = 0, v_scale = 0, k_mean = 0, total = 0;
 };
 
 inline int padded_head_dim(int d) { return d <= 64 ? 64 : 128; }
@@ -80,7 +80,6 @@ inline WorkspaceLayout workspace_layout(const qattn_bwd_params& p) {
   w.v_i8 = take(quant_dov ? rk * D : 0);
   w.k_scale = take(rk / kKvTile * sizeof(float));
   w.v_scale = take(rk / kKvTile * sizeof(float));
-  w.k_colsum = take(rk / kKvTile * D * sizeof(float));
   w.k_mean = take(static_cast<std::size_t>(p.batch) * p.heads_kv * D * sizeof(float));
   w.total = off;
   return w;
