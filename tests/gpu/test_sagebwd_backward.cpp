@@ -35,14 +35,12 @@ using test::Layout;
 
 int round8(int d) { return (d + 7) / 8 * 8; }
 
-// The K smoothing of the kernel: the backward smooths K with the mean over all its
-// tokens (emulate/options.h, Mean), whatever the forward used: the saved LSE is the
+// The K smoothing of the kernel: the backward smooths K with the mean of the training
+// forward's 256-token sample (emulate/options.h, SampledMean), summed in FP64 row by row
+// as the emulator's token_mean, so c is the emulator's bit for bit. The saved LSE is the
 // unsmoothed scores' (the forward adds sm_scale·q·c back), so the backward converts it
-// to its own smoothed domain with its own c. The emulator sums in double and the kernel
-// in FP32: c differs in its last bits, which moves a K code only where a value sits
-// within ~1e-7 of a rounding boundary (one in ~10^5 codes), inside the "to rounding"
-// bound below.
-constexpr emulate::KSmoothing kKernelKSmoothing = emulate::KSmoothing::Mean;
+// to its own smoothed domain with that c.
+constexpr emulate::KSmoothing kKernelKSmoothing = emulate::KSmoothing::SampledMean;
 // The name the backward's kernel family carries in messages (registry: "considered N;
 // <family>: <why>").
 constexpr const char* kBwdFamily = "sagebwd";
