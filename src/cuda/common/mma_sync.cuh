@@ -107,6 +107,24 @@ __device__ __forceinline__ void cp_async_zfill(uint32_t dst, const void* src, bo
   }
 }
 
+// The same copy in cp.async's ignore-src form: where !read it writes zeros and src is
+// never used, so the caller needs no valid address and no computed source size (ptxas
+// turns the flag straight into the copy's predicate).
+template <int kBytes>
+__device__ __forceinline__ void cp_async_or_zeros(uint32_t dst, const void* src, bool read) {
+  if constexpr (kBytes == 16) {
+    asm volatile(
+        "{\n .reg .pred z;\n setp.eq.u32 z, %2, 0;\n"
+        " cp.async.cg.shared.global [%0], [%1], 16, z;\n}\n" ::"r"(dst),
+        "l"(src), "r"(static_cast<uint32_t>(read)));
+  } else {
+    asm volatile(
+        "{\n .reg .pred z;\n setp.eq.u32 z, %2, 0;\n"
+        " cp.async.ca.shared.global [%0], [%1], %3, z;\n}\n" ::"r"(dst),
+        "l"(src), "r"(static_cast<uint32_t>(read)), "n"(kBytes));
+  }
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {

@@ -48,6 +48,9 @@ namespace qattn::kv_cache::direct {
 
 constexpr int kWarps = 4;
 constexpr int kBlock = 16;  // keys per step of a warp
+// A chunk starts on a block boundary (kvcache::decode_chunk_keys), so a block lies in one
+// page wherever pages hold a multiple of kBlock keys (stage_block's single lookup).
+static_assert(kvcache::kDecodeChunkAlign % kBlock == 0, "decode chunks start on block boundaries");
 
 // What a format puts in one thread's registers per 16-key block (bytes per key).
 template <KvFormat F, int D>
@@ -103,23 +106,6 @@ __device__ __forceinline__ uint32_t record_byte(uint32_t stage, int o, int lane)
   return stage + 16 * (32 * (o / 16) + lane) + o % 16;
 }
 
-// cp.async of N (4, 8 or 16) bytes at src, or N zero bytes without reading src (the
-// copy's ignore-src operand): a key outside the sequence or the pool needs no valid
-// address, so its address is computed as any other's.
-template <int N>
-__device__ __forceinline__ void copy_or_zeros(uint32_t dst, const void* src, bool read) {
-  if constexpr (N == 16)
-    asm volatile(
-        "{\n .reg .pred z;\n setp.eq.u32 z, %2, 0;\n"
-        " cp.async.cg.shared.global [%0], [%1], 16, z;\n}\n" ::"r"(dst),
-        "l"(src), "r"(static_cast<uint32_t>(read)));
-  else
-    asm volatile(
-        "{\n .reg .pred z;\n setp.eq.u32 z, %2, 0;\n"
-        " cp.async.ca.shared.global [%0], [%1], %3, z;\n}\n" ::"r"(dst),
-        "l"(src), "r"(static_cast<uint32_t>(read)), "n"(N));
-}
-
 // `N` bytes (4, 8 or a multiple of 16) at p into the record at byte o, or zeros.
 template <int N>
 __device__ __forceinline__ void stage_piece(uint32_t stage, int o, int lane, const uint8_t* p,
@@ -127,10 +113,10 @@ __device__ __forceinline__ void stage_piece(uint32_t stage, int o, int lane, con
   if constexpr (N % 16 == 0) {
 #pragma unroll
     for (int i = 0; i < N / 16; ++i)
-      copy_or_zeros<16>(record_byte(stage, o + 16 * i, lane), p + 16 * i, ok);
+      common::cp_async_or_zeros<16>(record_byte(stage, o + 16 * i, lane), p + 16 * i, ok);
   } else {
     static_assert(N == 8 || N == 4, "4, 8 or a multiple of 16 bytes");
-    copy_or_zeros<N>(record_byte(stage, o, lane), p, ok);
+    common::cp_async_or_zeros<N>(record_byte(stage, o, lane), p, ok);
   }
 }
 
