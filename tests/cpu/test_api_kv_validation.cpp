@@ -882,7 +882,8 @@ TEST(KvDecodeAbi, WorkspaceSizeIsTheSplitLayout) {
 }
 
 // num_splits = 0: the chunk count S whose waves fill the CTA slots best. slots = 132 SMs ×
-// CTAs per SM (NVFP4 with ≤ 8 query rows per KV head: 3; otherwise 2); with
+// CTAs per SM (kv_cache::decode_ctas_per_sm: the direct formats at head dim 128 with ≤ 8
+// query rows per KV head 4, NVFP4 with 16 rows 3, BF16 2); with
 // w = batch·heads_kv·S / slots, S maximizes w/⌈w⌉ − 0.02·⌈w⌉ (the smallest S on a tie)
 // over 1 ≤ S ≤ min(keys / 256, 4 waves' worth, QATTN_KV_MAX_SPLITS); the keys are
 // max_length when set (capped by the capacity), else the capacity.
@@ -915,7 +916,7 @@ TEST(KvDecodeAbi, AutomaticSplitCountFollowsTheFamilysRule) {
       {16, 8, 4096, 0, 2, "BF16: 128 pairs, 2 chunks: 256 CTAs, 0.97 of 264 slots", QATTN_KV_BF16},
       {32, 8, 2048, 0, 2, "INT8: 256 pairs, 2 chunks fill 0.97 of 528 slots", QATTN_KV_INT8},
       {8, 8, 4096, 0, 6, "NVFP4 with 16 query rows: three CTAs per SM, 396 slots, 384 CTAs", QATTN_KV_NVFP4, 32, 4},
-  }};;
+  }};
   const KvCacheFamily& family = *qattn::api::kv_cache_families()[0];
   for (const Case& k : cases) {
     SCOPED_TRACE(k.why);
