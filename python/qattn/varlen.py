@@ -37,7 +37,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from . import _C, fallback, ops
-from .errors import QattnUnsupportedError, check, invalid
+from .errors import QattnError, QattnUnsupportedError, check, invalid
 
 
 def _check_tensors(q, k, v) -> None:
@@ -282,9 +282,12 @@ def varlen_attention(
                                 softmax_scale, window_left, window_right, causal_alignment,
                                 bool(return_attn_probs))
             return (o, lse, None) if return_attn_probs else o
-        except QattnUnsupportedError:
-            # What the kernel does not run (e.g. head_dim > 128): one qattn.attention call
-            # per sequence below, with its fallback rules.
+        except QattnError as e:
+            # What the kernel does not run (e.g. head_dim > 128; the C library refuses it
+            # with QATTN_ERROR_UNSUPPORTED): one qattn.attention call per sequence below,
+            # with its fallback rules. Any other error is the caller's to see.
+            if e.status != _C.ERROR_UNSUPPORTED:
+                raise
             if offsets is None:
                 offsets = read_offsets()
 

@@ -13,6 +13,7 @@
 #include "api/checks.h"
 #include "api/error.h"
 #include "api/registry.h"
+#include "numerics/sm_scale.h"
 
 namespace qattn::api {
 // The shared checks (checks.h) are defined here with this file's own helpers.
@@ -421,7 +422,7 @@ qattn_status check_reserved(const char* fn, const char* name, int32_t value,
 template <typename Params>
 Params with_default_scale(const Params& p) {
   Params r = p;
-  if (r.sm_scale == 0.f) r.sm_scale = 1.f / std::sqrt(static_cast<float>(r.head_dim));
+  if (r.sm_scale == 0.f) r.sm_scale = numerics::default_sm_scale(r.head_dim);
   return r;
 }
 

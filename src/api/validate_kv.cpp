@@ -8,6 +8,7 @@
 #include "api/error.h"
 #include "api/registry.h"
 #include "kvcache/layout.h"
+#include "numerics/sm_scale.h"
 
 namespace qattn::api {
 namespace {
@@ -335,7 +336,7 @@ std::array<BufferSpan, 8> buffer_spans(const qattn_kv_decode_params& p, const qa
 
 qattn_kv_decode_params resolve_defaults(const qattn_kv_decode_params& p, const qattn_kv_cache& c) {
   qattn_kv_decode_params r = p;
-  if (r.sm_scale == 0.f) r.sm_scale = 1.f / std::sqrt(static_cast<float>(c.head_dim));
+  if (r.sm_scale == 0.f) r.sm_scale = numerics::default_sm_scale(c.head_dim);
   return r;
 }
 

@@ -262,6 +262,23 @@ TEST(ApiValidation, SmScale) {
   EXPECT_EQ(qattn::api::resolve_defaults(p).sm_scale, 0.3f);
 }
 
+// The default scale is the FP64 reference's 1/sqrt(d) rounded once to float, the value
+// the emulators quantize Q with, at every head dim. Computed in float (1.f / sqrtf(d):
+// two roundings) it is one ulp off at 31 head dims of 1..128 (96 and 112 among them),
+// where a kernel would quantize Q with another scale than its emulation.
+TEST(ApiValidation, DefaultScaleIsTheReferenceScaleRoundedOnce) {
+  int float_formula_differs = 0;
+  for (int d = 1; d <= 128; ++d) {
+    qattn_fwd_params p = valid_params();
+    p.head_dim = d;
+    p.sm_scale = 0.f;
+    const float reference = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
+    EXPECT_EQ(qattn::api::resolve_defaults(p).sm_scale, reference) << "head_dim " << d;
+    float_formula_differs += 1.f / std::sqrt(static_cast<float>(d)) != reference;
+  }
+  EXPECT_EQ(float_formula_differs, 31);  // what the test guards against exists
+}
+
 // ---- masks beyond causal: window, alignment, key-padding lengths --------------------
 
 TEST(ApiValidation, WindowFlag) {

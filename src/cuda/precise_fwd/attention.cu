@@ -37,6 +37,7 @@
 #include "cuda/sage2_fwd/epilogue.cuh"
 #include "numerics/key_range.h"
 #include "numerics/precision_guard.h"
+#include "numerics/sm_scale.h"
 
 namespace qattn::precise {
 namespace {
@@ -405,7 +406,7 @@ cudaError_t launch_d(const qattn_fwd_params& p, const guard::Stats* guard, cudaS
     return e;
 
   Params a{};
-  const float sm_scale = p.sm_scale > 0.f ? p.sm_scale : 1.f / std::sqrt(static_cast<float>(p.head_dim));
+  const float sm_scale = p.sm_scale > 0.f ? p.sm_scale : numerics::default_sm_scale(p.head_dim);
   a.scale_log2 = sm_scale * kLog2e;
   a.o = p.o.data;
   a.o_stride_b = p.o.stride_b;

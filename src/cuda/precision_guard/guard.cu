@@ -16,6 +16,7 @@
 #include "cuda/precision_guard/launch.h"
 #include "cuda/precision_guard/maxima.cuh"
 #include "numerics/mma_groups.h"
+#include "numerics/sm_scale.h"
 
 namespace qattn::guard {
 namespace {
@@ -113,7 +114,7 @@ cudaError_t launch_q_maxima(const qattn_fwd_params& p, float* q_maxima, cudaStre
   if (auto e = cudaMemsetAsync(q_maxima, 0, bytes, stream); e != cudaSuccess)
     return e;
   constexpr float kLog2e = 1.4426950408889634f;
-  const float sm_scale = p.sm_scale > 0.f ? p.sm_scale : 1.f / sqrtf(static_cast<float>(p.head_dim));
+  const float sm_scale = p.sm_scale > 0.f ? p.sm_scale : numerics::default_sm_scale(p.head_dim);
   const QArgs qa{p.q.data,   p.q.stride_b, p.q.stride_h, p.q.stride_n, p.heads_q,
                  p.seqlen_q, p.head_dim,   sm_scale * kLog2e, q_maxima};
   const int q_blocks = (p.seqlen_q + groups::kQBlock - 1) / groups::kQBlock;

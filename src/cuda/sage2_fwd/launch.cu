@@ -10,6 +10,7 @@
 #include "cuda/common/work_order.h"
 #include "cuda/sage2_fwd/varlen.cuh"
 #include "cuda/sage2_fwd/workspace.h"
+#include "numerics/sm_scale.h"
 
 namespace qattn::sage2 {
 namespace {
@@ -19,7 +20,7 @@ static_assert(sizeof(SeqPlace) == kSeqPlaceBytes);
 constexpr float kLog2e = 1.4426950408889634f;
 
 float resolved_sm_scale(const qattn_fwd_params& p) {
-  return p.sm_scale > 0.f ? p.sm_scale : 1.f / std::sqrt(static_cast<float>(p.head_dim));
+  return p.sm_scale > 0.f ? p.sm_scale : numerics::default_sm_scale(p.head_dim);
 }
 
 // Which keys each row sees (numerics/key_range.h), key padding aside (the lengths are
