@@ -11,10 +11,12 @@
 // With g = lane / 4, t = lane % 4 and D the head dim:
 //   Sᵀ: A = K̂ (keys g and 8 + g of the block), B = Qᵀ (query row g of the n-block). The
 //     head dimension is permuted for K and Q alike (a dot product does not change):
-//     thread (g, t) holds elements [t·D/4, (t+1)·D/4) of its keys, one 16-byte load of
-//     codes at D = 128. Word w of that range (elements 8w .. 8w+7 of it) feeds k-steps
-//     2w and 2w+1: slots (2t, 2t+1) get elements (0, 2) then (4, 6), slots (2t+8, 2t+9)
-//     get (1, 3) then (5, 7). (FP8/INT8: two 16-byte loads at D = 128, same mapping.)
+//     thread (g, t) holds D/4 elements of its keys (Bytes::k_elem): NVFP4 elements
+//     [t·D/4, (t+1)·D/4), one 16-byte load of codes at D = 128; FP8/INT8 at D = 128 the
+//     16-element pieces at 16t and 64 + 16t (two 16-byte loads that fill whole sectors).
+//     Word w of that range (elements 8w .. 8w+7 of it) feeds k-steps 2w and 2w+1: slots
+//     (2t, 2t+1) get elements (0, 2) then (4, 6), slots (2t+8, 2t+9) get (1, 3) then
+//     (5, 7).
 //   Pᵀ: the Sᵀ accumulator holds (keys g, 8 + g) × (queries 2t, 2t+1); movmatrix
 //     transposes each 8×8 half into the B layout (keys 2t, 2t+1 | 8+2t, 9+2t × query g).
 //   Oᵀ: A = V̂ᵀ. Row g of m-tile mt is element g·D/8 + 2mt and row 8 + g is the next
@@ -60,8 +62,22 @@ struct Bytes {
   static_assert(D == 64 || D == 128, "the direct decode runs head dims 64 and 128");
   static constexpr bool kRowScales = F != KvFormat::NvFp4;  // one FP32 scale per row
   static constexpr int kElemBits = F == KvFormat::NvFp4 ? 4 : 8;
-  static constexpr int kK = D / 4 * kElemBits / 8;  // elements [t·D/4, (t+1)·D/4)
+  static constexpr int kK = D / 4 * kElemBits / 8;  // D/4 elements of each of keys g, 8+g
   static constexpr int kV = D / 8 * kElemBits / 8;  // elements [g·D/8, (g+1)·D/8)
+  // A thread's K bytes are 16-byte pieces p = 0, 1, ... at bytes 16·(4p + t) of the key's
+  // row (pieces of 8 bytes: at kK·t), so the four threads of a key read 64 contiguous
+  // bytes in each copy instruction, whole 32-byte sectors (one 32-byte piece at 32·t
+  // would take half of each of twice the sectors per instruction).
+  static constexpr int kKPiece = kK >= 16 ? 16 : kK;
+  static constexpr int kKPieceElems = kKPiece * 8 / kElemBits;
+  // Byte offset in the key's row of piece p of thread t's K bytes.
+  static __device__ __forceinline__ int k_piece_byte(int p, int t) {
+    return kK >= 16 ? 16 * (4 * p + t) : kK * t;
+  }
+  // The head-dim index of element e of thread t's K range (Q and the mean c alike).
+  static __device__ __forceinline__ int k_elem(int e, int t) {
+    return k_piece_byte(e / kKPieceElems, t) * 8 / kElemBits + e % kKPieceElems;
+  }
   // The FP16 operands are 2^-kOperandExp of the values they stand for (E2M1 bits).
   static constexpr int kOperandExp = F == KvFormat::NvFp4 ? 14 : 0;
 };
@@ -153,7 +169,10 @@ __device__ __forceinline__ bool stage_block(const DecodeArgs& a, const int32_t* 
     for (int i = 0; i < 2; ++i) {
       const KeyPlace kp = place(8 * i + g);
       const int64_t row = kp.page_off + in_page(kp.slot, a.code_row_bytes);
-      stage_piece<B::kK>(stage, B::kK * i, lane, k_codes + row + B::kK * t, kp.ok);
+#pragma unroll
+      for (int p = 0; p < B::kK / B::kKPiece; ++p)
+        stage_piece<B::kKPiece>(stage, B::kK * i + B::kKPiece * p, lane,
+                                k_codes + row + B::k_piece_byte(p, t), kp.ok);
       const int64_t srow = kp.page_off + in_page(kp.slot, a.scale_row_bytes);
       if constexpr (B::kRowScales) {
         stage_piece<4>(stage, kScale0 + 4 * i, lane, k_scales + srow, kp.ok);
@@ -443,14 +462,15 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm<F, D>(NQB))
     const bool real = r < a.rows;
     const int rr = real ? r : a.rows - 1;
     const int i = rr % a.nq, hq = hk * a.group + rr / a.nq;
-    const T* q = static_cast<const T*>(a.q) + b * a.q_sb + hq * a.q_sh + i * a.q_sn + t * (D / 4);
+    const T* q = static_cast<const T*>(a.q) + b * a.q_sb + hq * a.q_sh + i * a.q_sn;
     float x[D / 4];
     float amax = 0.f, dot = 0.f;
 #pragma unroll
     for (int e = 0; e < D / 4; ++e) {
-      x[e] = real ? __bfloat162float(__float2bfloat16_rn(common::to_float(q[e]))) : 0.f;
+      const int dim = Bytes<F, D>::k_elem(e, t);  // the K range's permuted head dimension
+      x[e] = real ? __bfloat162float(__float2bfloat16_rn(common::to_float(q[dim]))) : 0.f;
       amax = fmaxf(amax, fabsf(x[e]));
-      if (c != nullptr) dot += x[e] * __ldg(c + t * (D / 4) + e);
+      if (c != nullptr) dot += x[e] * __ldg(c + dim);
     }
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
