@@ -24,7 +24,10 @@ case "$preset" in  # the presets' binaryDir (CMakePresets.json)
   release) build=build ;;
   *) build=build-$preset ;;
 esac
-cmake --preset "$preset" -DQATTN_BUILD_PYTHON=ON -DPython_EXECUTABLE="$(command -v "$py")" >/dev/null
+# The interpreter's own path (a pyenv shim or a venv link would hide its headers from
+# CMake's FindPython), and any Python found by an earlier configure forgotten.
+exe=$("$py" -c 'import sys; print(sys.executable)')
+cmake --preset "$preset" -U 'Python_*' -U '_Python*' -DQATTN_BUILD_PYTHON=ON -DPython_EXECUTABLE="$exe" >/dev/null
 cmake --build --preset "$preset" -j "${JOBS:-2}" --target qattn_C
 stage="$build/python-stage"
 rm -rf "$stage" && mkdir -p "$stage"
