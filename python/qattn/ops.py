@@ -424,14 +424,17 @@ def _keep_plan(key, plan) -> None:
 class _Plan:
     """The C ABI's arguments of a _Call but its pointers, and its workspace size."""
 
-    __slots__ = ("q_strides", "k_strides", "v_strides", "o_strides", "o_shape", "lse_shape",
-                 "fixed", "mask", "scheme", "ws_bytes")
+    __slots__ = ("q_strides", "k_strides", "v_strides", "o_strides", "o_shape", "o_like_q",
+                 "lse_shape", "fixed", "mask", "scheme", "ws_bytes")
 
     def __init__(self, call: "_Call"):
         q, k, v, o, _, *fixed = call.args
         self.q_strides, self.k_strides, self.v_strides, self.o_strides = (
             q[1:], k[1:], v[1:], o[1:])
         self.o_shape, self.lse_shape = tuple(call.o.shape), tuple(call.lse.shape)
+        # Where q itself has O's strides (q contiguous, every stride the contiguous one),
+        # torch.empty_like(q) is O's allocation: the same tensor, cheaper to ask for.
+        self.o_like_q = call.q.stride() == call.o.stride() and call.q.is_contiguous()
         self.fixed = tuple(fixed)  # dtype, shape, causal, sm_scale, granularity
         self.mask, self.scheme, self.ws_bytes = call.mask, call.scheme, call.ws_bytes
 
@@ -442,7 +445,7 @@ def _launch_plan(plan: _Plan, q, k, v, return_lse, lse_tensor, index):
     qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
     if (qp | kp | vp) % _ALIGN_BYTES != 0:
         return None
-    o = q.new_empty(plan.o_shape)
+    o = torch.empty_like(q) if plan.o_like_q else q.new_empty(plan.o_shape)
     lse = q.new_empty(plan.lse_shape, dtype=torch.float32) if return_lse or lse_tensor else None
     stream = _current_stream(index)
     ws_bytes = plan.ws_bytes

@@ -117,6 +117,21 @@ def test_planned_call_passes_what_the_first_call_passed(device, case):
         assert log == [] and planned[10] == 0
 
 
+@pytest.mark.parametrize("make", [
+    lambda t: t,  # contiguous: O is torch.empty_like(q)
+    lambda t: t.transpose(1, 2).contiguous().transpose(1, 2),  # a view in the other layout
+    lambda t: t[:1].expand(1, *t.shape[1:]).as_strided(t[:1].shape, (7,) + t.stride()[1:]),  # odd size-1 stride
+])
+def test_planned_output_is_contiguous_whatever_q_is(device, make):
+    c, _ = device
+    q, k, v = qkv(b=1)
+    q = make(q)
+    key, (o1, _) = first_call(q, k, v)
+    o2, _ = ops._launch_plan(ops._plans[key], q, k, v, False, True, 0)
+    assert o2.is_contiguous() and o2.stride() == o1.stride() and o2.shape == q.shape
+    assert c.calls[1][3][1:] == tuple(o2.stride()[:3])
+
+
 def test_direct_calls_get_no_lse_tensor_they_did_not_ask_for(device):
     q, k, v = qkv()
     key, _ = first_call(q, k, v)
