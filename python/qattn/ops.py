@@ -932,7 +932,7 @@ def _bwd_run(grad_o, q, k, v, o, lse, is_causal, scale, layout, format, dov, det
     status, ws_bytes = _C.bwd_workspace_size(*args)
     check(status)
     workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=q.device)
-    stream = torch.cuda.current_stream(q.device).cuda_stream
+    stream = _current_stream(q.device.index)
     check(_C.bwd(*args, workspace.data_ptr(), ws_bytes, stream))
     if d != d_pad:
         dq, dk, dv = (t[..., :d].contiguous() for t in (dq, dk, dv))
