@@ -1,9 +1,12 @@
 """PyTorch integration: qattn.attention as the torch.library custom op "qattn::attention".
 
 The op calls the C ABI through qattn._C with raw pointers, strides and the current
-CUDA stream; its workspace is a uint8 tensor from PyTorch's caching allocator on that
-stream, so a call never synchronizes and can be captured in a CUDA graph. A fake
-(meta) implementation lets torch.compile(fullgraph=True) trace through it.
+CUDA stream; its workspace comes from PyTorch's caching allocator on that stream (a
+uint8 tensor, or a raw block freed after the enqueue where the call's plan is kept), so a
+call never synchronizes and can be captured in a CUDA graph. A fake (meta)
+implementation lets torch.compile(fullgraph=True) trace through it. Plans: the first
+eager call of a shape runs every check and asks the C library for the workspace size;
+the later ones reuse what it found (see "plans" below).
 
 Training: where autograd records the call (grad mode on and an input that requires
 grad), qattn.attention runs "qattn::attention_train", the training forward (the same
