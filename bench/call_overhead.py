@@ -68,6 +68,8 @@ def pieces(q, k, v):
     stream = ops._current_stream(index)
 
     def workspace():
+        if ops._raw_alloc is None:  # a PyTorch without the hook: the tensor the call takes
+            return torch.empty(call.ws_bytes, dtype=torch.uint8, device=q.device)
         ops._raw_delete(ops._raw_alloc(call.ws_bytes, stream))
 
     return {
