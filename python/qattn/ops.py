@@ -413,9 +413,11 @@ def _plan_key(q, k, v, causal, scale, layout, return_lse, granularity, scheme, w
             type(layout) is str and type(granularity) is str and type(alignment) is str
             and type(window_left) is int and type(window_right) is int):
         return None
+    # Devices by type and index (an index alone would not tell cuda:0 from another
+    # backend's device 0).
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
-            v.dtype, q.get_device(), k.get_device(), v.get_device(), causal, scale, layout,
-            return_lse, granularity, scheme, window_left, window_right, alignment)
+            v.dtype, q.device, k.device, v.device, causal, scale, layout, return_lse,
+            granularity, scheme, window_left, window_right, alignment)
 
 
 def _keep_plan(key, plan) -> None:

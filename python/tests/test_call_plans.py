@@ -162,25 +162,24 @@ def test_keys_tell_apart_everything_the_checks_read():
 
 
 class OnDevice:
-    """A tensor's key-relevant facts with another device index."""
+    """A tensor's key-relevant facts on another device."""
 
-    def __init__(self, t, index):
-        self.t, self.index = t, index
+    def __init__(self, t, device):
+        self.t, self.device = t, torch.device(device)
         self.shape, self.dtype = t.shape, t.dtype
 
     def stride(self):
         return self.t.stride()
 
-    def get_device(self):
-        return self.index
-
 
 def test_keys_tell_apart_devices():
     q, k, v = qkv()
-    on = [key_of(*(OnDevice(t, i) for t in (q, k, v))) for i in (0, 1)]
+    on = [key_of(*(OnDevice(t, d) for t in (q, k, v))) for d in ("cuda:0", "cuda:1")]
     assert on[0] != on[1]
-    # Each input's device is in the key (the checks refuse inputs on two devices).
-    assert key_of(OnDevice(q, 0), OnDevice(k, 1), OnDevice(v, 0)) not in on
+    # Each input's device is in the key (the checks refuse inputs on two devices), by
+    # type as well as index.
+    assert key_of(OnDevice(q, "cuda:0"), OnDevice(k, "cuda:1"), OnDevice(v, "cuda:0")) not in on
+    assert key_of(OnDevice(q, "cuda:0"), OnDevice(k, "xpu:0"), OnDevice(v, "cuda:0")) not in on
 
 
 @pytest.mark.parametrize("make", [
