@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # One call on the GPU machine for the host path of a Python call (issue 21, bench/NOTES.md
-# v45): builds the Python binding (python/build_on_device.sh; carry .deps), runs
-# bench/call_overhead.py --pieces into $OUT (JSON, and its log with the cProfile of a
-# call), then the Python tests of the paths v45 changed (the direct call and its plans,
-# the ops, the SDPA drop-in, the masks, varlen, the precision modes, SA3, training) in
-# what is left of the call's 10 minutes (pytest's log in $OUT/logs.tgz). A short table
-# last: host µs per call of qattn (planned), qattn with its plan cache off (the pre-v45
-# path), the SDPA drop-in, the op, and PyTorch SDPA; then the pieces of a call.
+# v45): builds the Python binding and the C++ API device test (python/build_on_device.sh;
+# carry .deps), runs that test and bench/call_overhead.py --pieces into $OUT (JSON, and
+# its log with the cProfile of a call), then the Python tests of the paths v45 changed
+# (the direct call and its plans, the ops, the SDPA drop-in, the masks, varlen, the
+# precision modes, SA3, training) in what is left of the call's 10 minutes (pytest's log
+# in $OUT/logs.tgz). A short table last: host µs per call of qattn (planned), qattn with
+# its plan cache off (the pre-v45 path), the SDPA drop-in, the op, and PyTorch SDPA;
+# then the pieces of a call.
 #   run: bench/device_host_path.sh <commit>          (carry .deps)
 # Pass the commit as a literal hash (git in the device's copy of the tree may be absent
 # or older). SKIP_BUILD=1 reuses build-py/ and python/qattn/_C*.so of a warm machine;
-# SKIP_TESTS=1 leaves out pytest; SKIP_BENCH=1 leaves out the benchmark.
+# SKIP_TESTS=1 leaves out the tests; SKIP_BENCH=1 leaves out the benchmark.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 commit=${1:-unknown}
@@ -24,13 +25,25 @@ t0=$(date +%s)
 
 if [[ -z "${SKIP_BUILD:-}" ]]; then
   start=$(date +%s)
-  if ! python/build_on_device.sh >"$logs/build.log" 2>&1; then
+  # The binding, and the C++ test of the API on the device (a forward after a context
+  # reset: the compute capability kept per device, the attributes set again).
+  if ! QATTN_BUILD_TESTS=ON QATTN_TARGETS="qattn_C gpu_test_api_on_device" \
+      python/build_on_device.sh >"$logs/build.log" 2>&1; then
     tail -30 "$logs/build.log"
     echo "build: FAIL"
     exit 1
   fi
   status+=("build: $(($(date +%s) - start)) s")
   tail -1 "$logs/build.log"
+fi
+
+if [[ -z "${SKIP_TESTS:-}" && -x build-py/tests/gpu_test_api_on_device ]]; then
+  if timeout 120 build-py/tests/gpu_test_api_on_device >"$logs/gpu_test_api_on_device.log" 2>&1; then
+    status+=("gpu_test_api_on_device: PASS")
+  else
+    status+=("gpu_test_api_on_device: FAIL")
+    grep -E "FAILED|Failure" "$logs/gpu_test_api_on_device.log" | head -10
+  fi
 fi
 
 if [[ -z "${SKIP_BENCH:-}" ]]; then
