@@ -13,9 +13,13 @@ the C checks, four enqueues) decides whether the GPU waits between calls. Printe
   whose host work is longer than the GPU's shows it here;
 - stream ms: the wall time of `--iters` calls issued back to back, over the count, with
   one synchronization at the end: what a model that issues nothing else would see.
---pieces adds, per shape, the host time of each part of qattn's direct path (the
-checks, the allocations, the C workspace query, the C call's checks alone and the whole C
-call with its launches), idle and queued, and a cProfile of 100 calls (tottime order).
+qattn_unplanned is qattn.attention with its plan cache off (every call checks its inputs and
+asks the C library for the workspace size, as before v45); sdpa_dropin is
+qattn.scaled_dot_product_attention.
+--pieces adds, per shape, the host time of each part of qattn's direct path (the planned
+call's key, buffers, stream and C call; the general path's checks, allocations, C
+workspace query; the C call's checks alone and the whole C call with its launches), idle
+and queued, and a cProfile of 100 calls (tottime order).
 
     PYTHONPATH=python python3 bench/call_overhead.py [--pieces] [--json out.json]
 """
@@ -52,27 +56,62 @@ def host_us(fn, iters, idle=True):
 
 def pieces(q, k, v):
     """The parts of qattn.attention's direct path (python/qattn/ops.py), each callable
-    alone with the same arguments as the call."""
+    alone with the same arguments as the call: the planned call's (key, lookup, the
+    buffers, the stream, the C forward) and the general path's that it skips."""
     from qattn import ops
 
+    scheme = ops._C.SCHEME_SAGE2_8B
     call = ops._Call(q, k, v, False, None, "HND", False, "per_thread")
+    key = ops._plan_key(q, k, v, 0, None, "HND", False, "per_thread", scheme, -1, -1, "bottom_right")
+    plan = ops._Plan(call)
+    index = q.get_device()
+    stream = ops._current_stream(index)
+
+    def workspace():
+        if ops._raw_alloc is None:  # a PyTorch without the hook: the tensor the call takes
+            return torch.empty(call.ws_bytes, dtype=torch.uint8, device=q.device)
+        ops._raw_delete(ops._raw_alloc(call.ws_bytes, stream))
+
     return {
         "_direct_call_ok": lambda: ops._direct_call_ok(q, k, v),
+        "_plan_key": lambda: ops._plan_key(q, k, v, 0, None, "HND", False, "per_thread", scheme,
+                                           -1, -1, "bottom_right"),
+        "_launch_plan (buffers + C)": lambda: ops._launch_plan(plan, q, k, v, False, False, index),
+        "O allocation": lambda: q.new_empty(q.shape),
+        "workspace, raw alloc+free": workspace,
+        "workspace allocation": lambda: torch.empty(call.ws_bytes, dtype=torch.uint8, device=q.device),
+        "current stream, raw": lambda: ops._current_stream(index),
+        "current_stream": lambda: torch.cuda.current_stream(q.device).cuda_stream,
+        "current device, raw": ops._current_device,
         "_check_inputs": lambda: ops._check_inputs(q, k, v, "HND", None, "per_thread"),
         "_Call (all before launch)": lambda: ops._Call(q, k, v, False, None, "HND", False, "per_thread"),
-        "O allocation": lambda: q.new_empty(q.shape),
-        "workspace allocation": lambda: torch.empty(call.ws_bytes, dtype=torch.uint8, device=q.device),
         "C workspace_size": lambda: ops._C.workspace_size(*call.args, call.mask, call.scheme),
-        "current_stream": lambda: torch.cuda.current_stream(q.device).cuda_stream,
         "C checks, no launch": lambda: ops._C.forward(
             *call.args, call.workspace.data_ptr(), call.ws_bytes, 0, mask=call.mask,
             scheme=call.scheme, checks_only=True),
         "launch (C forward)": call.launch,
         "launch, pointers unchecked": lambda: ops._C.forward(
-            *call.args, call.workspace.data_ptr(), call.ws_bytes,
-            torch.cuda.current_stream(q.device).cuda_stream, mask=call.mask, scheme=call.scheme,
-            check_pointers=False),
+            *call.args, call.workspace.data_ptr(), call.ws_bytes, ops._current_stream(index),
+            mask=call.mask, scheme=call.scheme, check_pointers=False),
+        "_plans lookup": lambda: ops._plans.get(key),
     }
+
+
+def unplanned(fn):
+    """fn with qattn's plan cache off (every call takes the general path: the checks, the
+    C workspace query, _Call), for the side-by-side row."""
+    from qattn import ops
+
+    def run():
+        keep = ops._keep_plan
+        ops._keep_plan = lambda key, plan: None
+        ops._plans.clear()
+        try:
+            return fn()
+        finally:
+            ops._keep_plan = keep
+
+    return run
 
 
 def profile_calls(fn, calls=100):
@@ -91,7 +130,7 @@ def profile_calls(fn, calls=100):
             torch.cuda.synchronize()
     prof.disable()
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(12)
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
     return out.getvalue()
 
 
@@ -129,6 +168,8 @@ def methods(q, k, v, causal):
 
     return {
         "qattn": lambda: qattn.attention(q, k, v, is_causal=causal),
+        "qattn_unplanned": unplanned(lambda: qattn.attention(q, k, v, is_causal=causal)),
+        "sdpa_dropin": lambda: qattn.scaled_dot_product_attention(q, k, v, is_causal=causal),
         "qattn_op": lambda: torch.ops.qattn.attention(q, k, v, causal, None, "HND", False, "per_thread"),
         "sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
         "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION),

@@ -1,9 +1,12 @@
 """PyTorch integration: qattn.attention as the torch.library custom op "qattn::attention".
 
 The op calls the C ABI through qattn._C with raw pointers, strides and the current
-CUDA stream; its workspace is a uint8 tensor from PyTorch's caching allocator on that
-stream, so a call never synchronizes and can be captured in a CUDA graph. A fake
-(meta) implementation lets torch.compile(fullgraph=True) trace through it.
+CUDA stream; its workspace comes from PyTorch's caching allocator on that stream (a
+uint8 tensor, or a raw block freed after the enqueue where the call's plan is kept), so a
+call never synchronizes and can be captured in a CUDA graph. A fake (meta)
+implementation lets torch.compile(fullgraph=True) trace through it. Plans: the first
+eager call of a shape runs every check and asks the C library for the workspace size;
+the later ones reuse what it found (see "plans" below).
 
 Training: where autograd records the call (grad mode on and an input that requires
 grad), qattn.attention runs "qattn::attention_train", the training forward (the same
@@ -55,6 +58,8 @@ _LENGTH_DTYPES = (torch.int32, torch.int64)
 # bottom-right, no attn_mask (the C ABI's qattn_fwd_params_init).
 _NO_MASK = {"kv_lengths": None, "window_left": -1, "window_right": -1, "alignment": "bottom_right",
             "attn_mask": None}
+# attention()'s default window_size: a call that passes it (by leaving it out) has no window.
+_NO_WINDOW = (-1, -1)
 
 
 # ---- shape checks (run on real and on fake tensors) ----------------------------------
@@ -329,7 +334,7 @@ class _Call:
         self.workspace = torch.empty(self.ws_bytes, dtype=torch.uint8, device=q.device)
 
     def launch(self, attention_only: bool = False) -> None:
-        stream = torch.cuda.current_stream(self.device).cuda_stream
+        stream = _current_stream(self.device.index)
         status = _C.forward(
             *self.args, self.workspace.data_ptr(), self.ws_bytes, stream, attention_only, self.mask,
             self.scheme,
@@ -342,19 +347,154 @@ class _Call:
 
 
 def _run(q, k, v, is_causal, scale, layout, return_lse, granularity, scheme=_C.SCHEME_SAGE2_8B,
-         **mask):
+         lse_tensor=True, **mask):
     """One forward through the C ABI; `mask` holds the mask arguments that are not at
-    their defaults (_mask_options); `scheme` a qattn_scheme."""
+    their defaults (_mask_options); `scheme` a qattn_scheme. Returns (o, lse); without
+    return_lse, lse is an empty tensor (lse_tensor, what an op returns) or None.
+    A call whose plan is cached (_plan_key) skips the checks, the workspace query and
+    the argument building that its first call made."""
     if q.device.type != "cuda":
         raise invalid(f"q is on {q.device}; allowed: a CUDA device")
+    key = None
+    if "kv_lengths" not in mask and "attn_mask" not in mask:
+        key = _plan_key(q, k, v, 1 if is_causal else 0, scale, layout, bool(return_lse),
+                        granularity, scheme, mask.get("window_left", -1),
+                        mask.get("window_right", -1), mask.get("alignment", "bottom_right"))
     # The C library runs on the current device; switching costs host time, so only when
     # q lives elsewhere.
-    same = q.device.index == torch.cuda.current_device()
-    with contextlib.nullcontext() if same else torch.cuda.device(q.device):
-        call = _Call(q, k, v, is_causal, scale, layout, return_lse, granularity, scheme=scheme,
-                     **mask)
-        call.launch()
-        return call.outputs()
+    index = q.get_device()
+    if index == _current_device():
+        if key is not None:
+            plan = _plans.get(key)
+            if plan is not None:
+                out = _launch_plan(plan, q, k, v, return_lse, lse_tensor, index)
+                if out is not None:
+                    return out
+        return _run_call(key, q, k, v, is_causal, scale, layout, return_lse, granularity,
+                         scheme, lse_tensor, mask)
+    with torch.cuda.device(q.device):
+        return _run_call(key, q, k, v, is_causal, scale, layout, return_lse, granularity, scheme,
+                         lse_tensor, mask)
+
+
+def _run_call(key, q, k, v, is_causal, scale, layout, return_lse, granularity, scheme, lse_tensor,
+              mask):
+    """_run through _Call (every check, the C workspace query); keeps the call's plan
+    under `key` where it can serve the next call of that key."""
+    call = _Call(q, k, v, is_causal, scale, layout, return_lse, granularity, scheme=scheme, **mask)
+    call.launch()
+    if key is not None and call.q is q and call.k is k and call.v is v and call.d == call.d_pad:
+        _keep_plan(key, _Plan(call))
+    o, lse = call.outputs()
+    return o, (lse if return_lse or lse_tensor else None)
+
+
+# ---- plans: what the first call of a shape computes, for the next ones ----------------
+#
+# A call's checks (_check_inputs, _check_mask, the C workspace query's validation), its
+# workspace size and the C ABI's arguments other than the pointers depend only on the
+# inputs' shapes, strides, dtypes and devices and on the options: _plan_key. A call that
+# finds its key skips all of that (the C forward validates everything again, pointers
+# included, before it launches anything). A plan is kept only for inputs the C ABI takes
+# as they are (no copy, no padded head_dim) and with no mask tensor; a pointer that is
+# not 16-byte aligned (the one fact of the inputs a key does not hold) sends that call
+# through _Call, which copies it.
+
+_plans = {}  # _plan_key -> _Plan
+_PLANS_MAX = 512  # a process with more shapes than this starts the cache again
+
+
+def _plan_key(q, k, v, causal, scale, layout, return_lse, granularity, scheme, window_left,
+              window_right, alignment):
+    """The plan key of a call, or None where the call takes no plan (an option of a type
+    a key cannot hold the way the checks read it: a bool or tensor scale, a non-str
+    layout, ...). causal is 0 or 1, return_lse a bool."""
+    if not (scale is None or type(scale) is float or type(scale) is int) or not (
+            type(layout) is str and type(granularity) is str and type(alignment) is str
+            and type(window_left) is int and type(window_right) is int):
+        return None
+    # Devices by type and index (an index alone would not tell cuda:0 from another
+    # backend's device 0).
+    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
+            v.dtype, q.device, k.device, v.device, causal, scale, layout, return_lse,
+            granularity, scheme, window_left, window_right, alignment)
+
+
+def _keep_plan(key, plan) -> None:
+    if len(_plans) >= _PLANS_MAX:
+        _plans.clear()
+    _plans[key] = plan
+
+
+class _Plan:
+    """The C ABI's arguments of a _Call but its pointers, and its workspace size."""
+
+    __slots__ = ("q_strides", "k_strides", "v_strides", "o_strides", "o_shape", "o_like_q",
+                 "lse_shape", "fixed", "mask", "scheme", "ws_bytes")
+
+    def __init__(self, call: "_Call"):
+        q, k, v, o, _, *fixed = call.args
+        self.q_strides, self.k_strides, self.v_strides, self.o_strides = (
+            q[1:], k[1:], v[1:], o[1:])
+        self.o_shape, self.lse_shape = tuple(call.o.shape), tuple(call.lse.shape)
+        # Where q itself has O's strides (q contiguous, every stride the contiguous one),
+        # torch.empty_like(q) is O's allocation: the same tensor, cheaper to ask for.
+        self.o_like_q = call.q.stride() == call.o.stride() and call.q.is_contiguous()
+        self.fixed = tuple(fixed)  # dtype, shape, causal, sm_scale, granularity
+        self.mask, self.scheme, self.ws_bytes = call.mask, call.scheme, call.ws_bytes
+
+
+def _launch_plan(plan: _Plan, q, k, v, return_lse, lse_tensor, index):
+    """The call of `plan` on these inputs (q's device current): (o, lse), or None where a
+    pointer is not 16-byte aligned (then _Call copies that input)."""
+    qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
+    if (qp | kp | vp) % _ALIGN_BYTES != 0:
+        return None
+    o = torch.empty_like(q) if plan.o_like_q else q.new_empty(plan.o_shape)
+    lse = q.new_empty(plan.lse_shape, dtype=torch.float32) if return_lse or lse_tensor else None
+    stream = _current_stream(index)
+    ws_bytes = plan.ws_bytes
+    args = ((qp,) + plan.q_strides, (kp,) + plan.k_strides, (vp,) + plan.v_strides,
+            (o.data_ptr(),) + plan.o_strides, lse.data_ptr() if return_lse else 0, *plan.fixed)
+    if ws_bytes == 0:
+        status = _C.forward(*args, 0, 0, stream, False, plan.mask, plan.scheme)
+    elif _raw_alloc is not None:
+        # The caching allocator's block, freed when the call is enqueued: stream-ordered
+        # like a tensor's (the next allocation on this stream runs after this call).
+        workspace = _raw_alloc(ws_bytes, stream)
+        try:
+            status = _C.forward(*args, workspace, ws_bytes, stream, False, plan.mask, plan.scheme)
+        finally:
+            _raw_delete(workspace)
+    else:
+        workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=q.device)
+        status = _C.forward(*args, workspace.data_ptr(), ws_bytes, stream, False, plan.mask,
+                            plan.scheme)
+    check(status)
+    return o, lse
+
+
+# PyTorch's cheap forms of the current device, the current stream and a stream-ordered
+# allocation (private hooks, looked up defensively; a PyTorch version without one takes
+# the public call).
+_get_device = getattr(torch._C, "_cuda_getDevice", None)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_raw_alloc = getattr(torch._C, "_cuda_cudaCachingAllocator_raw_alloc", None)
+_raw_delete = getattr(torch._C, "_cuda_cudaCachingAllocator_raw_delete", None)
+if _raw_alloc is None or _raw_delete is None:
+    _raw_alloc = _raw_delete = None
+
+
+def _current_device() -> int:
+    """The current CUDA device's index (the calling thread's)."""
+    return _get_device() if _get_device is not None else torch.cuda.current_device()
+
+
+def _current_stream(index: int) -> int:
+    """The current stream of CUDA device `index`, as the cudaStream_t's integer."""
+    if _raw_stream is not None:
+        return _raw_stream(index)
+    return torch.cuda.current_stream(index).cuda_stream
 
 
 # Private PyTorch hooks that say whether a dispatch or function mode is active; where a
@@ -797,7 +937,7 @@ def _bwd_run(grad_o, q, k, v, o, lse, is_causal, scale, layout, format, dov, det
     status, ws_bytes = _C.bwd_workspace_size(*args)
     check(status)
     workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=q.device)
-    stream = torch.cuda.current_stream(q.device).cuda_stream
+    stream = _current_stream(q.device.index)
     check(_C.bwd(*args, workspace.data_ptr(), ws_bytes, stream))
     if d != d_pad:
         dq, dk, dv = (t[..., :d].contiguous() for t in (dq, dk, dv))
@@ -906,7 +1046,8 @@ def _forward(q, k, v, is_causal, scale, layout, return_lse, granularity, **mask)
                                                  **mask)
         return o, lse
     if _direct_call_ok(q, k, v):
-        return _run(q, k, v, is_causal, scale, layout, return_lse, granularity, **mask)
+        return _run(q, k, v, is_causal, scale, layout, return_lse, granularity, lse_tensor=False,
+                    **mask)
     return torch.ops.qattn.attention(q, k, v, is_causal, scale, layout, return_lse, granularity,
                                      **mask)
 
@@ -954,7 +1095,7 @@ def attention(
     *,
     granularity: str = "per_thread",
     causal_alignment: str = "top_left",
-    window_size: Tuple[int, int] = (-1, -1),
+    window_size: Tuple[int, int] = _NO_WINDOW,
     kv_lengths: Optional[torch.Tensor] = None,
     attn_mask: Optional[torch.Tensor] = None,
     scheme: str = "sa2_8b",
@@ -1032,6 +1173,18 @@ def attention(
     that mode ("warn": the exact FP32 gradients with a QattnFallbackWarning once,
     "raise": QattnUnsupportedError).
     """
+    # (_direct_call_ok first: it is False while torch.compile traces, which then sees
+    # none of the other tests.)
+    if (_direct_call_ok(q, k, v) and kv_lengths is None and attn_mask is None
+            and window_size is _NO_WINDOW and scheme == "sa2_8b" and precision == "fast"):
+        # A plain eager call (no mask beyond causal, no autograd): the direct call, with
+        # the alignment passed only where it changes the mask, as _call_mask_options does.
+        alignment = _plain_alignment(q, k, is_causal, layout, causal_alignment)
+        if alignment is not None:
+            mask = {} if alignment == "bottom_right" else {"alignment": alignment}
+            o, lse = _run(q, k, v, is_causal, scale, layout, return_lse, granularity,
+                          lse_tensor=False, **mask)
+            return (o, lse) if return_lse else o
     if causal_alignment not in _ALIGNMENTS:
         raise invalid(f"causal_alignment = {causal_alignment!r}; allowed: 'top_left' or 'bottom_right'")
     if scheme not in _SCHEMES:
@@ -1057,6 +1210,21 @@ def attention(
     else:
         o, lse = _forward(q, k, v, is_causal, scale, layout, return_lse, granularity, **mask)
     return (o, lse) if return_lse else o
+
+
+def _plain_alignment(q, k, is_causal, layout, causal_alignment) -> Optional[str]:
+    """The alignment a call with no window and no mask tensor passes to its op (the one
+    _call_mask_options gives it): "top_left" for a causal top-left call with Nq != Nkv,
+    else "bottom_right"; None where causal_alignment is not one of the two names or the
+    inputs are not 4-D in a known layout (the general path then names what is wrong)."""
+    if causal_alignment != "bottom_right" and causal_alignment != "top_left":
+        return None
+    if not is_causal or causal_alignment == "bottom_right":
+        return "bottom_right"
+    lengths = _seq_lengths(q, k, layout)
+    if lengths is None:
+        return None
+    return "top_left" if lengths[0] != lengths[1] else "bottom_right"
 
 
 def _call_mask_options(q, k, v, is_causal, scale, layout, granularity, causal_alignment,
@@ -1098,7 +1266,7 @@ def _attention_precision(q, k, v, is_causal, scale, layout, return_lse, granular
             "torch.no_grad() or on tensors that do not require grad")
     if _direct_call_ok(q, k, v):
         o, lse = _run(q, k, v, is_causal, scale, layout, return_lse, "per_thread",
-                      scheme=_PRECISIONS[precision], **mask)
+                      scheme=_PRECISIONS[precision], lse_tensor=False, **mask)
     else:
         o, lse = torch.ops.qattn.attention_precision(q, k, v, is_causal, scale, layout, return_lse,
                                                      precision, **mask)
@@ -1120,7 +1288,7 @@ def _attention_sa3(q, k, v, is_causal, scale, layout, return_lse, causal_alignme
             "or on tensors that do not require grad")
     if _direct_call_ok(q, k, v):
         o, lse = _run(q, k, v, is_causal, scale, layout, return_lse, "per_thread",
-                      scheme=_C.SCHEME_SAGE3_NVFP4)
+                      scheme=_C.SCHEME_SAGE3_NVFP4, lse_tensor=False)
     else:
         o, lse = torch.ops.qattn.attention_sa3_nvfp4(q, k, v, is_causal, scale, layout, return_lse)
     return (o, lse) if return_lse else o

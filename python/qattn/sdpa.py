@@ -80,7 +80,9 @@ def _device_runs_qattn(device_type: str, index: int) -> bool:
 def _decline(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> Optional[Tuple[str, str]]:
     """None when qattn runs the call; otherwise (reason key, why). The key is coarse (one
     warning per key), the text says what was seen."""
-    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+    # Tests written out rather than as generators over (q, k, v): this runs on every call.
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+            and isinstance(v, torch.Tensor)):
         return "arguments", "query, key and value are not all tensors"
     if type(is_causal) is not bool or type(enable_gqa) is not bool:
         return "arguments", "is_causal or enable_gqa is not a bool"
@@ -102,7 +104,8 @@ def _decline(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> Opt
             f"scale = {scale!r}; qattn takes a positive scale whose product with log2(e) is "
             "finite in FP32"
         )
-    if any(t.is_nested or t.layout != torch.strided for t in (q, k, v)):
+    if (q.is_nested or q.layout != torch.strided or k.is_nested or k.layout != torch.strided
+            or v.is_nested or v.layout != torch.strided):
         return "layout", "an input is nested or not strided; qattn takes strided tensors"
     dev = q.device
     if k.device != dev or v.device != dev:

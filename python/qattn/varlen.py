@@ -154,7 +154,7 @@ def _varlen_op(
         status, ws_bytes = _C.workspace_size(*args, mask, _C.SCHEME_SAGE2_8B, packed)
         check(status)
         workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=q.device)
-        stream = torch.cuda.current_stream(q.device).cuda_stream
+        stream = ops._current_stream(q.device.index)
         check(_C.forward(*args, workspace.data_ptr(), ws_bytes, stream, False, mask,
                          _C.SCHEME_SAGE2_8B, packed))
     o = o[0] if d == d_pad else o[0, ..., :d].contiguous()

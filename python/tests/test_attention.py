@@ -228,7 +228,8 @@ def test_no_host_synchronization():
     qattn.attention(q, k, v)  # first call: library load, allocator warm-up
     torch.cuda.set_sync_debug_mode("error")
     try:
-        qattn.attention(q, k, v, is_causal=True, return_lse=True)
+        for _ in range(2):  # the first call of a shape, then its planned call
+            qattn.attention(q, k, v, is_causal=True, return_lse=True)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
@@ -269,6 +270,61 @@ def test_eager_calls_skip_the_dispatcher_and_agree_with_the_op():
         torch.testing.assert_close(o, o_op, rtol=0, atol=0)
     # Calls that record autograd take the training op (test_backward.py).
     assert not qattn.ops._direct_call_ok(q.requires_grad_(True), k, v)
+
+
+@pytest.mark.parametrize("layout,causal,nq,nkv,lse", [
+    ("HND", False, 700, 900, True), ("NHD", True, 700, 900, False), ("HND", True, 512, 512, True),
+])
+def test_planned_calls_give_the_first_calls_bits(layout, causal, nq, nkv, lse):
+    # The first call of a shape makes its plan (ops._plans); the next ones use it.
+    q, k, v = make_qkv(1, 8, 2, nq, nkv, 128, layout=layout, seed=17)
+    qattn.ops._plans.clear()
+    with torch.no_grad():
+        first = qattn.attention(q, k, v, is_causal=causal, layout=layout, return_lse=lse)
+        assert len(qattn.ops._plans) == 1
+        planned = [qattn.attention(q, k, v, is_causal=causal, layout=layout, return_lse=lse)
+                   for _ in range(2)]
+        s = torch.cuda.Stream()  # a plan holds no stream: each call reads the current one
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            planned.append(qattn.attention(q, k, v, is_causal=causal, layout=layout, return_lse=lse))
+        torch.cuda.current_stream().wait_stream(s)
+        assert len(qattn.ops._plans) == 1
+        for out in planned:
+            for got, want in zip(out if lse else (out,), first if lse else (first,)):
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
+        # The op's path (torch.ops) uses the same plans.
+        o_op, _ = torch.ops.qattn.attention(q, k, v, causal, None, layout, lse, "per_thread",
+                                            **({"alignment": "top_left"} if causal and nq != nkv else {}))
+        torch.testing.assert_close(o_op, first[0] if lse else first, rtol=0, atol=0)
+
+
+def test_planned_shape_with_a_misaligned_input_is_copied():
+    q, k, v = make_qkv(1, 4, 4, 256, 256, 64, seed=19)
+    qattn.ops._plans.clear()
+    want = qattn.attention(q, k, v)
+    flat = torch.empty(1 + q.numel(), dtype=q.dtype, device=DEV)
+    q2 = flat[1:].view(q.shape)
+    q2.copy_(q)
+    assert q2.stride() == q.stride() and q2.data_ptr() % 16 != 0
+    torch.testing.assert_close(qattn.attention(q2, k, v), want, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_plans_are_per_device():
+    q, k, v = make_qkv(1, 4, 4, 512, 512, 128, seed=23)
+    qattn.ops._plans.clear()
+    want = qattn.attention(q, k, v, is_causal=True)
+    q1, k1, v1 = (t.to("cuda:1") for t in (q, k, v))
+    for _ in range(2):  # q's device not current: the call switches to it
+        got = qattn.attention(q1, k1, v1, is_causal=True)
+        assert got.device == q1.device
+    with torch.cuda.device(1):  # current: the planned call of device 1
+        for _ in range(2):
+            got = qattn.attention(q1, k1, v1, is_causal=True)
+    torch.cuda.synchronize(1)
+    assert len(qattn.ops._plans) == 2
+    torch.testing.assert_close(got.to(DEV), want, rtol=0, atol=0)
 
 
 def test_dispatch_modes_see_the_op():

@@ -1,5 +1,7 @@
 #include "api/device.h"
 
+#include <atomic>
+
 #include "api/error.h"
 #include "api/registry.h"
 #include "api/validate.h"
@@ -32,10 +34,29 @@ qattn_status device_fail(const char* fn, cudaError_t e) {
   return cuda_fail(fn, "cudaGetDevice", e);
 }
 
-cudaError_t capability(int device, Arch* cc) {
+cudaError_t query_capability(int device, Arch* cc) {
   if (auto e = cudaDeviceGetAttribute(&cc->major, cudaDevAttrComputeCapabilityMajor, device); e)
     return e;
   return cudaDeviceGetAttribute(&cc->minor, cudaDevAttrComputeCapabilityMinor, device);
+}
+
+// A device's compute capability is a fact of the hardware (a context reset keeps it):
+// queried once per device ordinal, then read from `known` (0: not queried yet, else
+// major * 256 + minor + 1). Threads that race both query and store the same value.
+cudaError_t capability(int device, Arch* cc) {
+  constexpr int kDevices = 64;  // ordinals past this are queried every time
+  static std::atomic<int> known[kDevices] = {};
+  const bool cached = device >= 0 && device < kDevices;
+  if (cached)
+    if (const int v = known[device].load(std::memory_order_relaxed); v != 0) {
+      cc->major = (v - 1) / 256;
+      cc->minor = (v - 1) % 256;
+      return cudaSuccess;
+    }
+  if (auto e = query_capability(device, cc); e != cudaSuccess) return e;
+  if (cached && cc->major > 0 && cc->minor >= 0 && cc->minor < 256)
+    known[device].store(cc->major * 256 + cc->minor + 1, std::memory_order_relaxed);
+  return cudaSuccess;
 }
 
 // `ptr` must be memory the device can address: device or managed memory of `device`,
