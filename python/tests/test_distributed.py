@@ -4,11 +4,10 @@ backend in 2 and 4 processes, against one exact attention call over the global
 sequence.
 
 The local attention is qd.exact_attention (FP32) and its backward
-qd.exact_attention_backward: every difference from the single call is FP32 summation
-order (the merge re-weights each partial by exp(lse_i − lse); the backward sums each
-gradient over the ring's blocks), so outputs agree to 1e-5 relative to their scale,
-LSEs to 1e-5 absolute (|lse| is ~5 here) and gradients (entries of order 0.1–1, sums
-over 64–128 keys) to 1e-4. On a GPU the same orchestration calls qattn's kernels.
+qd.exact_attention_backward; the single call they are held to is taken in FP64, so
+every difference is the FP32 rounding of the blocks and of the merge (which re-weights
+each partial by exp(lse_i − lse); the backward sums each gradient over the ring's
+blocks). On a GPU the same orchestration calls qattn's kernels.
 """
 
 import os
@@ -25,14 +24,26 @@ import torch.multiprocessing as mp  # noqa: E402
 
 import qattn.distributed as qd  # noqa: E402
 
-# The ring and the one call sum the same FP32 terms in another order; a broken merge or
-# schedule errs by 1e-2 and more. 1e-5 failed now and then in full-suite runs on a
-# 2-core machine (up to 4.5e-5 on O, 2 of 4096 to 8192 elements; never when the file
-# ran alone), more than the reordering's rounding explains: a dump showed the test's own
-# FP32 reference off its recomputation in the same worker, the distributed output equal to
-# it (bench/NOTES.md v47), so the bound is 1e-4 until the reference is taken in FP64.
+# FP32 against FP64: O entries are |o| < 3 from sums of at most 64 products, so their
+# rounding stays below ~1e-5; the LSE (|lse| ~5) likewise; gradients (entries of order
+# 0.1–1, sums over 64–128 keys) below ~1e-5 too. A broken merge or schedule errs by 1e-2
+# and more. The bounds keep a 10x margin: an FP32 reference (the test's former one) was
+# seen up to 4.5e-5 off its own recomputation in full-suite runs (bench/NOTES.md v47).
 ATOL = 1e-4
 GRAD_TOL = 1e-4
+
+
+def reference64(q, k, v, causal):
+    """One attention call over the global sequence in FP64 (O, natural-log LSE), GQA by
+    head groups, causal top-left (Nq = Nkv here)."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    s = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+    if causal:
+        n = s.shape[-1]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.softmax(s, dim=-1) @ v, lse
 
 
 def make(b, hq, hkv, n, d, seed):
@@ -96,7 +107,7 @@ def _worker(rank, world, port, case):
         method, causal, ordering, hq, hkv, layout = case
         n_global, d = 16 * world, 32
         q, k, v = make(2, hq, hkv, n_global, d, seed=7)  # the same on every rank
-        o_ref, lse_ref = qd.exact_attention(q, k, v, causal, None)
+        o_ref, lse_ref = (t.float() for t in reference64(q.double(), k.double(), v.double(), causal))
 
         if method.startswith("hybrid"):  # "hybrid<U>": Ulysses groups of U ranks
             u = int(method[len("hybrid"):])
@@ -114,8 +125,8 @@ def _worker(rank, world, port, case):
 
         # The gradients of one call over the global sequence, for a fixed random weight w.
         w = torch.randn(o_ref.shape, generator=torch.Generator().manual_seed(11))
-        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-        (qd.exact_attention(qg, kg, vg, causal, None)[0] * w).sum().backward()
+        qg, kg, vg = (t.double().requires_grad_() for t in (q, k, v))
+        (reference64(qg, kg, vg, causal)[0] * w.double()).sum().backward()
 
         qs, ks, vs = (lay(shard(t)).requires_grad_() for t in (q, k, v))
         if method == "ring":
@@ -135,7 +146,7 @@ def _worker(rank, world, port, case):
         for name, mine, ref in (("dq", qs.grad, qg.grad), ("dk", ks.grad, kg.grad),
                                 ("dv", vs.grad, vg.grad)):
             mine = mine if layout == "HND" else mine.transpose(1, 2)
-            torch.testing.assert_close(mine, shard(ref), atol=GRAD_TOL, rtol=GRAD_TOL,
+            torch.testing.assert_close(mine, shard(ref.float()), atol=GRAD_TOL, rtol=GRAD_TOL,
                                        msg=lambda m, name=name: f"{name}: {m}")
     finally:
         dist.destroy_process_group()
