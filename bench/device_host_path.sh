@@ -27,12 +27,8 @@ if [[ -z "${SKIP_BUILD:-}" ]]; then
   start=$(date +%s)
   # The binding, and the C++ test of the API on the device (a forward after a context
   # reset: the compute capability kept per device, the attributes set again).
-  if ! QATTN_BUILD_TESTS=ON QATTN_TARGETS="qattn_C gpu_test_api_on_device" \
-      python/build_on_device.sh >"$logs/build.log" 2>&1; then
-    tail -30 "$logs/build.log"
-    echo "build: FAIL"
-    exit 1
-  fi
+  QATTN_BUILD_TESTS=ON QATTN_TARGETS="qattn_C gpu_test_api_on_device" QATTN_BUILD_LOG="$logs/build.log" \
+      python/build_on_device.sh || exit 1
   status+=("build: $(($(date +%s) - start)) s")
   tail -1 "$logs/build.log"
 fi

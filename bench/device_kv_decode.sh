@@ -18,12 +18,8 @@ export PATH=/usr/local/cuda/bin:$PATH
 status=()
 
 start=$(date +%s)
-if ! QATTN_BUILD_TESTS=ON QATTN_TARGETS="qattn_C gpu_test_kv_decode gpu_test_kv_append" \
-    python/build_on_device.sh >"$logs/build.log" 2>&1; then
-  tail -30 "$logs/build.log"
-  echo "build: FAIL"
-  exit 1
-fi
+QATTN_BUILD_TESTS=ON QATTN_TARGETS="qattn_C gpu_test_kv_decode gpu_test_kv_append" QATTN_BUILD_LOG="$logs/build.log" \
+    python/build_on_device.sh || exit 1
 status+=("build: $(($(date +%s) - start)) s")
 
 if [[ -z "${SKIP_TESTS:-}" ]]; then

@@ -20,12 +20,23 @@
 #   grep -qx '/.deps/' .git/info/exclude || echo /.deps/ >> .git/info/exclude
 # and name ".deps" in the run's carry list. They are unpacked under /tmp, never into /.
 #
-# Environment: QATTN_BUILD_DIR (default build-py), JOBS (default nproc), PYTHON
+# Environment: QATTN_BUILD_LOG (see below), QATTN_BUILD_DIR (default build-py), JOBS (default nproc), PYTHON
 # (default python3), QATTN_BUILD_TESTS / QATTN_BUILD_TOOLS (default OFF), and
 # QATTN_TARGETS (default qattn_C; e.g. "qattn_C qattn_cli" with QATTN_BUILD_TOOLS=ON
 # also builds $QATTN_BUILD_DIR/qattn for `qattn info` and `qattn bench`).
 set -euo pipefail
+self=$(realpath "$0")
 cd "$(dirname "$0")/.."
+
+# QATTN_BUILD_LOG=FILE: the whole output goes to FILE; on a failure its last 30 lines are
+# printed (the device scripts' build step).
+if [[ -n "${QATTN_BUILD_LOG:-}" ]]; then
+  log=$QATTN_BUILD_LOG
+  if QATTN_BUILD_LOG= "$self" >"$log" 2>&1; then exit 0; fi
+  tail -30 "$log"
+  echo "build_on_device.sh: FAIL (log: $log)"
+  exit 1
+fi
 
 build_dir=${QATTN_BUILD_DIR:-build-py}
 jobs=${JOBS:-$(nproc)}
