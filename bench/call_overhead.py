@@ -209,7 +209,7 @@ def main():
                 print(profile_calls(methods(q, k, v, causal)["qattn"]))
     if args.json:
         env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "qattn": qattn.__version__, "commit": args.commit, **clock_env(),
+               "cuda": torch.version.cuda, "qattn": qattn.__version__, "commit": args.commit, **clock_env(),
                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         with open(args.json, "w") as f:
             json.dump({"env": env, "rows": rows}, f, indent=1)
