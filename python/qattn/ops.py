@@ -1213,9 +1213,8 @@ def attention(
 
 
 def _plain_alignment(q, k, is_causal, layout, causal_alignment) -> Optional[str]:
-    """The alignment a call with no window and no mask tensor passes to its op (the one
-    _call_mask_options gives it): "top_left" for a causal top-left call with Nq != Nkv,
-    else "bottom_right"; None where causal_alignment is not one of the two names or the
+    """The alignment a call with no window and no mask tensor passes to its op
+    (_passed_alignment, as _call_mask_options gives it); None where causal_alignment is not one of the two names or the
     inputs are not 4-D in a known layout (the general path then names what is wrong)."""
     if causal_alignment != "bottom_right" and causal_alignment != "top_left":
         return None
@@ -1224,7 +1223,15 @@ def _plain_alignment(q, k, is_causal, layout, causal_alignment) -> Optional[str]
     lengths = _seq_lengths(q, k, layout)
     if lengths is None:
         return None
-    return "top_left" if lengths[0] != lengths[1] else "bottom_right"
+    return _passed_alignment(lengths, True, False, causal_alignment)
+
+
+def _passed_alignment(lengths, is_causal, window: bool, causal_alignment: str) -> str:
+    """The alignment a call passes to its op: causal_alignment only where it changes the
+    mask (causal or a window, Nq != Nkv), else "bottom_right", so that a call it does not
+    change keeps the arguments (and SageBwd) of a plain causal call."""
+    aligned = lengths is not None and lengths[0] != lengths[1] and (is_causal or window)
+    return causal_alignment if aligned else "bottom_right"
 
 
 def _call_mask_options(q, k, v, is_causal, scale, layout, granularity, causal_alignment,
@@ -1242,11 +1249,8 @@ def _call_mask_options(q, k, v, is_causal, scale, layout, granularity, causal_al
         _check_attn_mask(attn_mask, q, k, layout)
     lengths = _seq_lengths(q, k, layout)
     window = window_left >= 0 or (not is_causal and window_right >= 0)
-    # The alignment reaches the ops only where it changes the mask, so that a call it
-    # does not change keeps the arguments (and SageBwd) of a plain causal call.
-    aligned = lengths is not None and lengths[0] != lengths[1] and (is_causal or window)
     mask = _mask_options(kv_lengths, window_left, window_right,
-                         causal_alignment if aligned else "bottom_right", attn_mask)
+                         _passed_alignment(lengths, is_causal, window, causal_alignment), attn_mask)
     return mask, lengths
 
 
