@@ -25,6 +25,9 @@
 
 namespace qattn::emulate {
 
+// The truncation interval of sage2_wide_options() (see Sage2Options::fp22_keys).
+inline constexpr int kWideFp22Keys = 2;
+
 struct Sage2Options {
   QkFormat qk_format = QkFormat::Int8;
   Granularity granularity = Granularity::PerThread;  // of Q and K
@@ -53,7 +56,24 @@ struct Sage2Options {
   // kernel does) is the ablation a kernel with no registers for a second accumulator
   // would run (bench/NOTES.md v38).
   AccumulationLevels levels = AccumulationLevels::TwoLevel;
+  // Keys per online-softmax step (the kernel's KV tile): 128 (the d <= 128 kernel), or 64
+  // (the head-dim-256 kernel). A divisor of 128 that is a multiple of fp22_keys.
+  int softmax_keys = groups::kKvTile;
+  // Products the FP8 MMA's accumulator takes between two FP22 truncations (a divisor of
+  // 32): 32, one truncation per k32 step, is SageAttention2's model; the one-level
+  // head-dim-256 kernel's LSE measured like a truncation after every one or two products
+  // (bench/NOTES.md v44b).
+  int fp22_keys = 32;
+  // The head dim the workspace pads to: 0 for sage2_padded_head_dim(d); the head-dim-256
+  // kernel pads 129..256 to 256.
+  int head_dim_padded = 0;
 };
+
+// The contract of the head-dim-256 kernel (sage2_wide_sm90, docs/sage2-wide-kernel.md):
+// the defaults with 64-key softmax steps, one-level accumulation (O and the row sums, the
+// ones columns of the accumulator, rescaled in FP32 and accumulated through the FP22
+// model), a truncation after every `fp22_keys` products, and the head dim padded to 256.
+Sage2Options sage2_wide_options(int fp22_keys = kWideFp22Keys);
 
 // The quantized tensors, in the workspace layout of src/cuda/sage2_fwd/launch.h:
 // D = head dim padded to 64 or 128 (to a multiple of 64 above 128, which no kernel

@@ -282,6 +282,9 @@ __device__ void quantize_k_tile(const InputView<T>& k, const QuantizeParams& p,
   static_assert(kKvWarps == groups::kKThreadGroupsPerTile, "one warp per K group");
   constexpr int kLaneSlots = sizeof(stage.chunk[0]) / sizeof(stage.chunk[0][0]);
   static_assert(kItems <= kLaneSlots);
+  // D = 256: the code stores in rounds of 8 chunks (fully unrolled, 32 chunks spilled at
+  // 168 registers); D <= 128 unrolls all of them.
+  constexpr int kStoreUnroll = kItems > kKvChunksPerLane ? 8 : kItems;
   __shared__ float warp_amax[kKvWarps];
   const int g = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int ch0 = (lane % kChunks) * 8, sub = lane / kChunks;
@@ -344,7 +347,7 @@ __device__ void quantize_k_tile(const InputView<T>& k, const QuantizeParams& p,
   // the group's tokens (a token's row spans kChunks lanes: summed across them), else 0.
   auto store_codes = [&](auto full, auto rn, auto guard) {
     int norm2_max = 0;
-#pragma unroll
+#pragma unroll kStoreUnroll
     for (int i = 0; i < kItems; ++i) {
       const uint4 x = slot[i][lane];
       float ks[8];
@@ -469,8 +472,14 @@ __device__ __forceinline__ void kv_quantize_body(const InputView<T>& k, const In
                                                  const QuantizeOutputs& out,
                                                  KvStagingFor<D>& stage);
 
+// D = 256: at most three CTAs of 64 KB fit an SM's shared memory; the bound is two (at
+// three and five the K part spilled), which keeps 128 KB of loads in flight per SM.
+constexpr int kKvMinBlocksPerSmWide = 2;
+
 template <typename T, int D, bool kFullDim, bool kVarlen>
-__global__ void __launch_bounds__(kKvThreads, kVarlen ? kKvMinBlocksPerSmVarlen : kKvMinBlocksPerSm)
+__global__ void __launch_bounds__(kKvThreads, D == 256 ? kKvMinBlocksPerSmWide
+                                              : kVarlen ? kKvMinBlocksPerSmVarlen
+                                                        : kKvMinBlocksPerSm)
     kv_quantize_kernel(InputView<T> k, InputView<T> v, QuantizeParams p, QuantizeOutputs out) {
   if constexpr (D == 256) {
     extern __shared__ uint4 kv_stage_dynamic[];  // sizeof(KvStagingWide)
@@ -625,9 +634,13 @@ template <typename T, int D>
 cudaError_t launch_quantize(const InputView<T>& k, const InputView<T>& v, const QuantizeParams& p,
                             const QuantizeOutputs& out, cudaStream_t stream) {
   // A packed batch: its own kernels (varlen.cuh), so the dense ones' code is unchanged.
-  if (p.seqs != nullptr)
+  // (No packed batch at D = 256: the head-dim-256 forward has no varlen kernel.)
+  if constexpr (D == 256) {
+    if (p.seqs != nullptr) return cudaErrorNotSupported;
+  } else if (p.seqs != nullptr) {
     return p.head_dim == D ? launch_quantize_passes<T, D, true, true>(k, v, p, out, stream)
                            : launch_quantize_passes<T, D, false, true>(k, v, p, out, stream);
+  }
   return p.head_dim == D ? launch_quantize_passes<T, D, true, false>(k, v, p, out, stream)
                          : launch_quantize_passes<T, D, false, false>(k, v, p, out, stream);
 }

@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   int32_t acc_s[kS];
   uint32_t a_p[kS / 16][4];  // 448·P of the tile whose P·V is next, as E4M3 A fragments
-  float alpha[2];            // the O rescale that goes with a_p
+  float alpha[2] = {1.f, 1.f};  // the O rescale that goes with a_p
 
   auto issue_qk = [&](const Item& w, int it) {
     qk_mma(acc_s, s.q[w.slot()] + cw * 64 * kHalfBytes, s.k[w.stage(it)]);

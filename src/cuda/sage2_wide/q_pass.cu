@@ -42,9 +42,13 @@ __global__ void __launch_bounds__(kPassThreads) q_pass_kernel(sage2::InputView<T
       const T* at = src + static_cast<int64_t>(row) * q.stride_n + ch;
       if (ch + 8 <= p.head_dim) {
         v = *reinterpret_cast<const uint4*>(at);
-      } else {
-        T* e = reinterpret_cast<T*>(&v);
-        for (int j = 0; j < p.head_dim - ch; ++j) e[j] = at[j];
+      } else {  // the row's last, partial chunk (head_dim % 8 != 0)
+        const uint16_t* e = reinterpret_cast<const uint16_t*>(at);
+        uint32_t w[4] = {0, 0, 0, 0};
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          if (ch + j < p.head_dim) w[j / 2] |= static_cast<uint32_t>(e[j]) << (16 * (j % 2));
+        v = make_uint4(w[0], w[1], w[2], w[3]);
       }
     }
     *reinterpret_cast<uint4*>(in + QTile::in_offset(r, chunk)) = v;

@@ -41,9 +41,9 @@ struct WideParams {
 // consumers (64 query rows each). Registers move to the consumers with setmaxnreg.
 inline constexpr int kThreads = 384;
 inline constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;  // 168
-inline constexpr int kConsumerRegs = 240;
+inline constexpr int kConsumerRegs = 232;
 inline constexpr int kProducerRegs = (kLaunchRegs * kThreads - kConsumerRegs * 256) / 128;
-static_assert(kProducerRegs == 24);
+static_assert(kProducerRegs == 40);
 
 inline constexpr int kBlockM = common::kItemRows;  // 128 query rows per work item
 inline constexpr int kBlockN = 64;                 // keys per tile (one softmax step)
