@@ -467,35 +467,9 @@ constexpr int kv_quantize_grid_x(int tiles) {
 }
 
 template <typename T, int D, bool kFullDim, bool kVarlen>
-__device__ __forceinline__ void kv_quantize_body(const InputView<T>& k, const InputView<T>& v,
-                                                 const QuantizeParams& p,
-                                                 const QuantizeOutputs& out,
-                                                 KvStagingFor<D>& stage);
-
-// D = 256: at most three CTAs of 64 KB fit an SM's shared memory; the bound is two (at
-// three and five the K part spilled), which keeps 128 KB of loads in flight per SM.
-constexpr int kKvMinBlocksPerSmWide = 2;
-
-template <typename T, int D, bool kFullDim, bool kVarlen>
-__global__ void __launch_bounds__(kKvThreads, D == 256 ? kKvMinBlocksPerSmWide
-                                              : kVarlen ? kKvMinBlocksPerSmVarlen
-                                                        : kKvMinBlocksPerSm)
+__global__ void __launch_bounds__(kKvThreads, kVarlen ? kKvMinBlocksPerSmVarlen : kKvMinBlocksPerSm)
     kv_quantize_kernel(InputView<T> k, InputView<T> v, QuantizeParams p, QuantizeOutputs out) {
-  if constexpr (D == 256) {
-    extern __shared__ uint4 kv_stage_dynamic[];  // sizeof(KvStagingWide)
-    kv_quantize_body<T, D, kFullDim, kVarlen>(
-        k, v, p, out, *reinterpret_cast<KvStagingWide*>(kv_stage_dynamic));
-  } else {
-    __shared__ KvStaging stage;
-    kv_quantize_body<T, D, kFullDim, kVarlen>(k, v, p, out, stage);
-  }
-}
-
-template <typename T, int D, bool kFullDim, bool kVarlen>
-__device__ __forceinline__ void kv_quantize_body(const InputView<T>& k, const InputView<T>& v,
-                                                 const QuantizeParams& p,
-                                                 const QuantizeOutputs& out,
-                                                 KvStagingFor<D>& stage) {
+  __shared__ KvStaging stage;
   // Launched early (programmatic dependent launch): the attention kernel may launch once
   // all these CTAs run; the statistics (k_mean, v_amax) are complete after the wait.
   hopper::launch_dependents();
@@ -518,6 +492,51 @@ __device__ __forceinline__ void kv_quantize_body(const InputView<T>& k, const In
       quantize_v_part<T, D, kFullDim, kVarlen>(v, p, out, stage, vwarp / kVWarpsPerTile,
                                       vwarp % kVWarpsPerTile, h, b);
   }
+}
+
+// D = 256 (the head-dim-256 forward): the same steps with a K group's 32 tokens of 32
+// chunks staged per lane (KvStagingWide: 64 KB of dynamic shared memory). Its own kernel,
+// so the D <= 128 kernels' machine code stays as it was. At most three CTAs of 64 KB fit
+// an SM; the bound is two (at three and five the K part spilled), which keeps 128 KB of
+// loads in flight per SM.
+constexpr int kKvMinBlocksPerSmWide = 2;
+
+template <typename T, int D, bool kFullDim, bool kVarlen>
+__global__ void __launch_bounds__(kKvThreads, kKvMinBlocksPerSmWide)
+    kv_quantize_wide_kernel(InputView<T> k, InputView<T> v, QuantizeParams p, QuantizeOutputs out) {
+  static_assert(D == 256 && !kVarlen, "the wide staging is for the dense D = 256 passes");
+  extern __shared__ uint4 kv_stage_dynamic[];  // sizeof(KvStagingWide)
+  KvStagingWide& stage = *reinterpret_cast<KvStagingWide*>(kv_stage_dynamic);
+  // Launched early (programmatic dependent launch): the attention kernel may launch once
+  // all these CTAs run; the statistics (k_mean, v_amax) are complete after the wait.
+  hopper::launch_dependents();
+  hopper::grid_dependency_wait();
+  const int tiles = kVarlen ? p.kv_tiles : p.nkv_pad / groups::kKvTile;
+  // Heads in reverse order: chosen when the statistics kernel read all of V, so that the
+  // V it read last was still in L2 here; now it reads only the sample. The
+  // attention kernel starts with the first heads, whose codes this order writes last.
+  // Not re-measured.
+  const int h = gridDim.y - 1 - blockIdx.y, b = gridDim.z - 1 - blockIdx.z;
+  // A packed sequence has tiles up to its own length (the grid's are the longest one's).
+  int own_tiles = tiles;
+  if constexpr (kVarlen) own_tiles = own_kv_tiles<kVarlen>(p, b);
+  if (blockIdx.x < tiles) {
+    if (blockIdx.x < own_tiles) quantize_k_tile<T, D, kFullDim, kVarlen>(k, p, out, stage, blockIdx.x, h, b);
+  } else {
+    constexpr int kVWarpsPerTile = D / 32;
+    const int vwarp = (blockIdx.x - tiles) * kKvWarps + threadIdx.x / 32;
+    if (vwarp < own_tiles * kVWarpsPerTile)
+      quantize_v_part<T, D, kFullDim, kVarlen>(v, p, out, stage, vwarp / kVWarpsPerTile,
+                                      vwarp % kVWarpsPerTile, h, b);
+  }
+}
+
+template <typename T, int D, bool kFullDim, bool kVarlen>
+constexpr auto kv_quantize_kernel_for() {
+  if constexpr (D == 256)
+    return kv_quantize_wide_kernel<T, D, kFullDim, kVarlen>;
+  else
+    return kv_quantize_kernel<T, D, kFullDim, kVarlen>;
 }
 
 // ---- 4. fix-up: the V channels whose values exceed the sampled bound -----------------------
@@ -587,7 +606,7 @@ cudaError_t launch_quantize_passes(const InputView<T>& k, const InputView<T>& v,
                                    cudaStream_t stream) {
   const dim3 kv_grid(p.kv_tiles, p.heads_kv, p.batch);
   auto statistics = statistics_kernel<T, D, kFullDim, kVarlen>;
-  auto kv_quantize = kv_quantize_kernel<T, D, kFullDim, kVarlen>;
+  auto kv_quantize = kv_quantize_kernel_for<T, D, kFullDim, kVarlen>();
   auto v_fixup = v_fixup_kernel<T, D, kFullDim, kVarlen>;
   // Both stage their loads in shared memory: ask for the largest carveout so that the
   // occupancy the launch bounds aim at (5 CTAs per SM) is not cut by the L1 share.
