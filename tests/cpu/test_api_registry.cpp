@@ -565,9 +565,9 @@ TEST(ApiThreads, ValidationFromManyThreadsAtOnce) {
               !contains(qattn_last_error_message(), mine))
             ++wrong;
           p = base;
-          p.head_dim = 129 + t;  // an unsupported one, through the registry
+          p.head_dim = 257 + t;  // an unsupported one, through the registry
           if (qattn_fwd_workspace_size(&p, &bytes) != QATTN_ERROR_UNSUPPORTED ||
-              !contains(qattn_last_error_message(), "head_dim = " + std::to_string(129 + t)))
+              !contains(qattn_last_error_message(), "head_dim = " + std::to_string(257 + t)))
             ++wrong;
         }
       }

@@ -670,10 +670,10 @@ TEST(Sage2Emulator, WideOptionsTruncationIntervalMovesTheLseLower) {
     EXPECT_LT(gap, previous) << keys;
     previous = gap;
     const auto m = metrics::compare(std::span<const float>(e.o.data), std::span<const float>(base.o.data));
-    EXPECT_GE(m.cos_sim, 1.0 - 1e-6) << keys;
+    EXPECT_GE(m.cos_sim, 1.0 - 2e-5) << keys;  // measured 0.999995 at one product
   }
-  // v44b's probe: every key against the k32 step, ~1.3e-3 on this shape.
-  EXPECT_LT(previous, -5e-4);
+  // Every product against the ideal accumulator: -3.5e-3 on this shape (measured).
+  EXPECT_LT(previous, -2e-3);
 }
 
 // Padding to 256 instead of 192 (d = 136) adds zero channels only: the same O and LSE bits.

@@ -13,7 +13,10 @@ namespace qattn::sage2_wide {
 namespace {
 
 using QTile = sage2::QTileLayout<kD>;
-constexpr int kPassThreads = sage2::kQTileThreads;  // 64: one per scale group of 2 rows
+// 128 threads load the block (more loads in flight); the first 64, one per scale group
+// of two rows, quantize it.
+constexpr int kQuantThreads = sage2::kQTileThreads;
+constexpr int kPassThreads = 2 * kQuantThreads;
 constexpr int kOutBytes = kBlockM * kD;
 constexpr int kSmem = QTile::kInBytes + kOutBytes + (2 * groups::kQThreadGroupsPerBlock +
                                                      kBlockM) * static_cast<int>(sizeof(float));
@@ -34,6 +37,7 @@ __global__ void __launch_bounds__(kPassThreads) q_pass_kernel(sage2::InputView<T
   const T* src = q.data + b * q.stride_b + hq * q.stride_h;
   // The block's 16-bit rows in the in-kernel quantizer's layout; rows past Nq and
   // channels past head_dim are zeros.
+#pragma unroll 8
   for (int i = threadIdx.x; i < kBlockM * (kD / 8); i += kPassThreads) {
     const int r = i / (kD / 8), chunk = i % (kD / 8), ch = chunk * 8;
     const int row = m_block * kBlockM + r;
@@ -60,6 +64,7 @@ __global__ void __launch_bounds__(kPassThreads) q_pass_kernel(sage2::InputView<T
                                      hq / (p.heads_q / p.heads_kv)) * kD;
   __syncthreads();
   const int tid = threadIdx.x;
+  if (tid >= kQuantThreads) return;
   sage2::quantize_q_tile<kD, T>(in, codes, scales, dot_c, c, tid, p.granularity, p.scale_log2,
                                 p.sm_scale);
   __syncwarp();
