@@ -282,9 +282,6 @@ __device__ void quantize_k_tile(const InputView<T>& k, const QuantizeParams& p,
   static_assert(kKvWarps == groups::kKThreadGroupsPerTile, "one warp per K group");
   constexpr int kLaneSlots = sizeof(stage.chunk[0]) / sizeof(stage.chunk[0][0]);
   static_assert(kItems <= kLaneSlots);
-  // D = 256: the code stores in rounds of 8 chunks (fully unrolled, 32 chunks spilled at
-  // 168 registers); D <= 128 unrolls all of them.
-  constexpr int kStoreUnroll = kItems > kKvChunksPerLane ? 8 : kItems;
   __shared__ float warp_amax[kKvWarps];
   const int g = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int ch0 = (lane % kChunks) * 8, sub = lane / kChunks;
@@ -347,7 +344,7 @@ __device__ void quantize_k_tile(const InputView<T>& k, const QuantizeParams& p,
   // the group's tokens (a token's row spans kChunks lanes: summed across them), else 0.
   auto store_codes = [&](auto full, auto rn, auto guard) {
     int norm2_max = 0;
-#pragma unroll kStoreUnroll
+#pragma unroll
     for (int i = 0; i < kItems; ++i) {
       const uint4 x = slot[i][lane];
       float ks[8];
