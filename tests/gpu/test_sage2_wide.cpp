@@ -129,7 +129,10 @@ void check_wide(Sage2Case c) {
   EXPECT_GE(m.cos_sim, 0.99999) << "GPU against its emulation, rel_l1=" << m.rel_l1;
   EXPECT_LE(m.rel_l1, 5e-3) << "GPU against its emulation";
 
-  if (c.lse) {
+  // Score pairs of the case: the emulation runs on one CPU core, so the extra intervals
+  // are emulated only where that stays within seconds.
+  const double pairs = double(c.batch) * c.heads_q * c.seqlen_q * c.seqlen_kv;
+  if (c.lse && pairs <= 2e6) {
     // Which truncation interval the accumulate-into-O follows (bench/NOTES.md v44b: the
     // k32-step model left a steady 4e-4..1.6e-3 gap; one truncation per one or two
     // products matched it within 10%).
@@ -253,11 +256,11 @@ TEST(Sage2Wide, ManyItemsAndRepeatedLaunches) {
   QATTN_SKIP_WITHOUT_GPU();
   Sage2Case c;
   c.head_dim = 256;
-  c.batch = 3;
+  c.batch = 1;  // 16 heads x 10 query blocks = 160 items: more than the SMs
   c.heads_q = 16;
   c.heads_kv = 4;
-  c.seqlen_q = 1000;
-  c.seqlen_kv = 1000;
+  c.seqlen_q = 1200;
+  c.seqlen_kv = 1200;
   c.causal = true;
   c.launches = 2;
   check_wide(c);
@@ -276,7 +279,7 @@ TEST(Sage2Wide, RandomShapes) {
   SCOPED_TRACE(test::seed_trace(seed));
   std::mt19937_64 rng(seed);
   auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
-  for (int i = 0; i < 6; ++i) {
+  for (int i = 0; i < 4; ++i) {
     Sage2Case c;
     c.seed = rng();
     c.batch = pick(1, 2);
