@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // The ones rows of every V stage (0x38 = E4M3 1.0; equal bytes need no swizzle),
     // written once: the TMA fills only the 256 rows before them.
     constexpr int kWords = kVOnesRows * kVRowBytes / 4;
-    for (int i = threadIdx.x; i < kStages * kWords; i += kThreads)
+    for (int i = threadIdx.x; i < kVStages * kWords; i += kThreads)
       reinterpret_cast<uint32_t*>(s.v[i / kWords] + kD * kVRowBytes)[i % kWords] = 0x38383838u;
     hopper::fence_proxy_async();  // read by wgmma
   }
@@ -107,9 +107,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     int first_iter;  // tiles consumed before it: the ring's stage and phase
     int kv_first;    // its first 64-key tile
     __device__ int slot() const { return Ring<kQSlots>{local}.index(); }
-    __device__ Ring<kStages> tile(int it) const { return {first_iter + it}; }
-    __device__ int stage(int it) const { return tile(it).index(); }
-    __device__ uint32_t phase(int it) const { return tile(it).phase(); }
+    // Tile `it` of the item in the K and V rings.
+    __device__ Ring<kKStages> ktile(int it) const { return {first_iter + it}; }
+    __device__ Ring<kVStages> vtile(int it) const { return {first_iter + it}; }
+    __device__ int stage(int it) const { return ktile(it).index(); }
+    __device__ uint32_t phase(int it) const { return ktile(it).phase(); }
+    __device__ int vstage(int it) const { return vtile(it).index(); }
+    __device__ uint32_t vphase(int it) const { return vtile(it).phase(); }
   };
   auto row_in_block = [&](int r) { return cw * 64 + warp * 16 + fc.g + 8 * r; };
   auto row_first = [&](const Item& w) { return w.m_block * kBlockM + cw * 64; };
@@ -157,7 +161,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     sm.step(acc_s, qk, x, alpha_out);
   };
   auto wait_ahead = [&](const Item& w, int it) {
-    hopper::mbarrier_wait(&bar.v_full[w.stage(it)], w.phase(it));
+    hopper::mbarrier_wait(&bar.v_full[w.vstage(it)], w.vphase(it));
     if (it + 1 < w.n_tiles) hopper::mbarrier_wait(&bar.k_full[w.stage(it + 1)], w.phase(it + 1));
   };
 
@@ -227,7 +231,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // around a wgmma (ptxas keeps them asynchronous only on straight-line paths: C7520).
   auto turn = [&](int it, const Item& nw, int nit, Softmax& sm_next, auto has_next,
                   auto new_item) {
-    const int st = cur.stage(it);
+    const int st = cur.vstage(it);
     float qk_next = 0.f;
     if constexpr (new_item) hopper::mbarrier_wait(&bar.k_full[nw.stage(nit)], nw.phase(nit));
     rescale_o();

@@ -37,7 +37,8 @@ struct NamedBarrier {
 struct Barriers {
   // q_full[s]: the loader (INT8 Q tile and side data, as transaction bytes).
   // q_empty[s]: every consumer thread, after its item's epilogue.
-  // k_full / v_full[st]: the loader. k_empty[st]: lanes 0-3 of each consumer warp (the
+  // k_full / v_full[st] (rings of kKStages and kVStages): the loader. k_empty[st]: lanes
+  // 0-3 of each consumer warp (the
   // ones that read the stage's K scales); v_empty[st]: lane 0 of each consumer warp.
   static constexpr uint32_t kQFullArrivals = 1, kQEmptyArrivals = kConsumerThreads;
   static constexpr uint32_t kKFullArrivals = 1, kVFullArrivals = 1;
@@ -45,7 +46,7 @@ struct Barriers {
 
   SlotItem item[kQSlots];
   uint64_t q_full[kQSlots], q_empty[kQSlots];
-  uint64_t k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
+  uint64_t k_full[kKStages], k_empty[kKStages], v_full[kVStages], v_empty[kVStages];
 
   __device__ __forceinline__ void init() {
 #pragma unroll
@@ -54,9 +55,12 @@ struct Barriers {
       hopper::mbarrier_init(&q_empty[i], kQEmptyArrivals);
     }
 #pragma unroll
-    for (int i = 0; i < kStages; ++i) {
+    for (int i = 0; i < kKStages; ++i) {
       hopper::mbarrier_init(&k_full[i], kKFullArrivals);
       hopper::mbarrier_init(&k_empty[i], kKEmptyArrivals);
+    }
+#pragma unroll
+    for (int i = 0; i < kVStages; ++i) {
       hopper::mbarrier_init(&v_full[i], kVFullArrivals);
       hopper::mbarrier_init(&v_empty[i], kVEmptyArrivals);
     }

@@ -1,8 +1,8 @@
 // The head-dim-256 forward's loader: one thread of the producer warpgroup claims the
 // CTA's items, loads each one's INT8 Q tile and side data into its Q slot, then the
 // item's K tiles (with their scales) and Vᵀ tiles into the ring. Q of the next item is
-// loaded once this item's K/V loads are issued: the ring is two tiles deep, so it lands
-// while the consumers still have this item's last tiles to run.
+// loaded once this item's K/V loads are issued: the rings are two (K) and three (V)
+// tiles deep, so it lands while the consumers still have this item's last tiles to run.
 #pragma once
 
 #include <cuda.h>
@@ -28,7 +28,7 @@ __device__ __forceinline__ void loader(const WideParams& p, SharedStorage& s, Ba
   const bool want_lse = p.lse != nullptr;
   const uint32_t q_bytes = 2 * kQHalfBytes + sizeof(ItemSide::q_scale) + sizeof(ItemSide::v_amax) +
                            (want_lse ? sizeof(ItemSide::q_dot_c) : 0);
-  Ring<kStages> kv{0};
+  int tiles = 0;  // KV tiles loaded so far: both rings' position
   for (int local = 0;; ++local) {
     const Ring<kQSlots> q{local};
     const int slot = q.index();
@@ -65,9 +65,10 @@ __device__ __forceinline__ void loader(const WideParams& p, SharedStorage& s, Ba
 
     const TileSpan span = item_tiles(p, si);
 #pragma unroll 1
-    for (int i = span.first; i < span.first + span.count; ++i, ++kv.count) {
-      const int st = kv.index();
-      hopper::mbarrier_wait(&bar.k_empty[st], kv.empty_phase());
+    for (int i = span.first; i < span.first + span.count; ++i, ++tiles) {
+      const Ring<kKStages> kr{tiles};
+      const int st = kr.index();
+      hopper::mbarrier_wait(&bar.k_empty[st], kr.empty_phase());
       hopper::mbarrier_arrive_expect_tx(&bar.k_full[st], 2 * kKHalfBytes + sizeof(s.k_scale[st]));
       // K/V are re-read by every query block of the head: keep them in L2.
 #pragma unroll
@@ -80,9 +81,11 @@ __device__ __forceinline__ void loader(const WideParams& p, SharedStorage& s, Ba
                                      i / (groups::kKvTile / kBlockN)) *
                                         groups::kKThreadGroupsPerTile,
                         sizeof(s.k_scale[st]), &bar.k_full[st]);
-      hopper::mbarrier_wait(&bar.v_empty[st], kv.empty_phase());
-      hopper::mbarrier_arrive_expect_tx(&bar.v_full[st], kD * kVRowBytes);
-      hopper::tma_load_3d(s.v[st], tm_vt, &bar.v_full[st], i * kBlockN, 0, kv_slice,
+      const Ring<kVStages> vr{tiles};
+      const int sv = vr.index();
+      hopper::mbarrier_wait(&bar.v_empty[sv], vr.empty_phase());
+      hopper::mbarrier_arrive_expect_tx(&bar.v_full[sv], kD * kVRowBytes);
+      hopper::tma_load_3d(s.v[sv], tm_vt, &bar.v_full[sv], i * kBlockN, 0, kv_slice,
                           hopper::policy_evict_last());
     }
   }

@@ -47,7 +47,11 @@ static_assert(kProducerRegs == 40);
 
 inline constexpr int kBlockM = common::kItemRows;  // 128 query rows per work item
 inline constexpr int kBlockN = 64;                 // keys per tile (one softmax step)
-inline constexpr int kStages = 2;                  // K/V ring depth
+// The rings: K (with its scales) two tiles deep, Vᵀ three, both indexed by the tile's
+// ordinal on the CTA. V gets the third stage: its load is issued a turn later than K's
+// (its stage frees at the end of a P·V, K's after a softmax).
+inline constexpr int kKStages = 2;
+inline constexpr int kVStages = 3;
 inline constexpr int kQSlots = 2;
 inline constexpr int kConsumerThreads = 256, kConsumerWarps = 8;
 // INT8 Q and K rows of 256 bytes are loaded as two 128-byte column halves, each with the
@@ -83,11 +87,11 @@ struct ItemSide {
 
 struct SharedStorage {
   alignas(1024) uint8_t q[kQSlots][2 * kQHalfBytes];  // INT8 Q: two column halves
-  alignas(1024) uint8_t k[kStages][2 * kKHalfBytes];  // INT8 K: two column halves
-  alignas(1024) uint8_t v[kStages][kVStageStride];     // E4M3 Vᵀ and the ones rows
+  alignas(1024) uint8_t k[kKStages][2 * kKHalfBytes];  // INT8 K: two column halves
+  alignas(1024) uint8_t v[kVStages][kVStageStride];     // E4M3 Vᵀ and the ones rows
   alignas(1024) uint8_t o[2][kOStageBytes];           // per consumer warpgroup
   alignas(16) ItemSide side[kQSlots];
-  alignas(16) float k_scale[kStages][kKScales];
+  alignas(16) float k_scale[kKStages][kKScales];
 };
 inline constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage)) + 1024;
 static_assert(kSmemBytes <= 227 * 1024, "over the sm_90 shared memory per block");
