@@ -146,8 +146,8 @@ void check_wide(Sage2Case c) {
     const LseGap g = lse_gap(r.lse, emu.lse);
     // A single P on either side of an E4M3 boundary moves l by one code: at most
     // ln(1 + 32/704) = 0.0445 in a row (the SA2-8b tests' flip bound). The mean: the
-    // two-level tests' 2e-4 plus the interval model's own uncertainty, half the spread
-    // between the 2- and 1-product models on v44b's shapes (~1.3e-4).
+    // two-level tests' 2e-4 plus the interval model's own uncertainty, the spread between
+    // the 2- and 1-product models on v44b's shapes (up to ~1.5e-4).
     EXPECT_LE(g.max_abs, 0.0445);
     EXPECT_LE(g.mean_abs, 3.5e-4) << "mean GPU - emulation " << g.mean;
   }
