@@ -10,6 +10,7 @@
 # Carry: .devrun .deps
 #   run: bench/device_wide.sh <commit>
 # PHASE=tests (tests, sanitizer, pytest), bench (bench/forward.py only) or all (default).
+# Within one 10-minute device call, run PHASE=tests and PHASE=bench as two calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 commit=${1:-unknown}
