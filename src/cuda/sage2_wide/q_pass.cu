@@ -13,10 +13,12 @@ namespace qattn::sage2_wide {
 namespace {
 
 using QTile = sage2::QTileLayout<kD>;
-// 128 threads load the block (more loads in flight); the first 64, one per scale group
-// of two rows, quantize it.
-constexpr int kQuantThreads = sage2::kQTileThreads;
-constexpr int kPassThreads = 2 * kQuantThreads;
+// 128 threads: all load the block, then each quantizes one row (the SA2-8b kernel's
+// four-warp quantizer, quantize_q_row: the bits of quantize_q_tile, twice the threads).
+constexpr int kPassThreads = 128;
+// The per-block amax exchange of quantize_q_row: named barriers 1 and 2 (one per 64-row
+// block, its two warps).
+constexpr uint32_t kAmaxBarrier = 1, kAmaxThreads = 64;
 constexpr int kOutBytes = kBlockM * kD;
 constexpr int kSmem = QTile::kInBytes + kOutBytes + (2 * groups::kQThreadGroupsPerBlock +
                                                      kBlockM) * static_cast<int>(sizeof(float));
@@ -31,6 +33,7 @@ __global__ void __launch_bounds__(kPassThreads) q_pass_kernel(sage2::InputView<T
   uint8_t* codes = in + QTile::kInBytes;
   float* scales = reinterpret_cast<float*>(codes + kOutBytes);
   float* dot_c = scales + 2 * groups::kQThreadGroupsPerBlock;
+  __shared__ float block_amax[2 * 4];  // quantize_q_row's per-block amax exchange
   // The attention kernel may launch now; it waits for this grid before its loads.
   hopper::launch_dependents();
   const int m_block = blockIdx.x, hq = blockIdx.y, b = blockIdx.z;
@@ -64,15 +67,15 @@ __global__ void __launch_bounds__(kPassThreads) q_pass_kernel(sage2::InputView<T
                                      hq / (p.heads_q / p.heads_kv)) * kD;
   __syncthreads();
   const int tid = threadIdx.x;
-  if (tid >= kQuantThreads) return;
-  sage2::quantize_q_tile<kD, T>(in, codes, scales, dot_c, c, tid, p.granularity, p.scale_log2,
-                                p.sm_scale);
-  __syncwarp();
+  sage2::quantize_q_row<kD, T>(in, codes, scales, tid, p.granularity, p.scale_log2, block_amax,
+                               /*parity=*/0, kAmaxBarrier, kAmaxThreads);
+  if (c != nullptr) sage2::q_row_dot_c<kD, T>(in, dot_c, c, tid, p.sm_scale);
+  __syncwarp();  // each thread copies the row (and scale) it wrote
   const int64_t bh = static_cast<int64_t>(b) * p.heads_q + hq;
-  sage2::copy_q_tile_debug<kD>(codes, scales, c != nullptr ? dot_c : nullptr, tid, out,
-                               bh * p.nq_pad + m_block * kBlockM,
-                               bh * (p.nq_pad / groups::kQBlock) * groups::kQThreadGroupsPerBlock +
-                                   m_block * 2 * groups::kQThreadGroupsPerBlock);
+  sage2::copy_q_row_debug<kD>(codes, scales, c != nullptr ? dot_c : nullptr, tid, out,
+                              bh * p.nq_pad + m_block * kBlockM,
+                              bh * (p.nq_pad / groups::kQBlock) * groups::kQThreadGroupsPerBlock +
+                                  m_block * 2 * groups::kQThreadGroupsPerBlock);
 }
 
 }  // namespace
