@@ -1,8 +1,7 @@
 // The head-dim-256 forward's Q pass: each 128-row block of Q quantized to INT8 with the
 // bits of the SA2-8b kernel's in-kernel quantizer (sage2::quantize_q_row, its four-warp
-// form, one row per thread, on a shared-
-// memory copy of the block in its TMA layout), written to the workspace for the
-// attention kernel's TMA loads.
+// form, one row per thread, on a shared-memory copy of the block in its TMA layout),
+// written to the workspace for the attention kernel's TMA loads.
 #pragma once
 
 #include <cuda_runtime.h>
