@@ -15,6 +15,7 @@
 #include "cuda/sage2_fwd/launch.h"
 #include "cuda/sage2_fwd/workspace.h"
 #include "emulate/sage2.h"
+#include "numerics/sm_scale.h"
 #include "gpu_util.h"
 #include "qattn/qattn.h"
 #include "reference/attention_fp64.h"
@@ -187,7 +188,7 @@ VarlenRun run_varlen(const VarlenCase& c, bool dense, const std::vector<int>* cu
     d.o.data = dout.ptr + static_cast<std::size_t>(lay.q_start(b)) * c.heads_q * row;
     DeviceBuffer<float> lse_b(static_cast<std::size_t>(c.heads_q) * lq);
     d.lse = lse_b.ptr;
-    d.sm_scale = 1.f / std::sqrt(static_cast<float>(c.head_dim));
+    d.sm_scale = numerics::default_sm_scale(c.head_dim);  // the varlen call's default
     DeviceBuffer<uint8_t> ws_b(sage2::workspace_bytes(d));
     r.status = sage2::launch_forward(d, ws_b.ptr, nullptr, false, sage2::RegisterSplit::kConsumers240);
     if (r.status != 0 || cudaDeviceSynchronize() != cudaSuccess) {
