@@ -561,7 +561,7 @@ Sage2Options sage2_wide_options(int fp22_keys) {
   Sage2Options o;
   o.softmax_keys = 64;
   o.levels = AccumulationLevels::Single;
-  o.row_sum = RowSum::QuantizedP;
+  o.row_sum = RowSum::FloatP;
   o.fp22_keys = fp22_keys;
   o.head_dim_padded = 256;
   return o;

@@ -25,10 +25,12 @@
 
 namespace qattn::emulate {
 
-// The truncation interval of sage2_wide_options() (see Sage2Options::fp22_keys).
-// One product: on v44b's four shapes it left the smallest residual to the measured gap
-// (at most 8e-5 in the mean LSE; two products: 2.1e-4).
-inline constexpr int kWideFp22Keys = 1;
+// The truncation interval of sage2_wide_options() (see Sage2Options::fp22_keys), which
+// there applies to O's channels only (the row sums are FP32 sums of P: RowSum::FloatP).
+// A k32 step: the head-dim-256 kernel's O at 16K keys matched this model's CosSim and
+// not the one-product model's (bench/NOTES.md v48); the all-positive ones columns that
+// once carried the row sums fell like one truncation per product (v44b).
+inline constexpr int kWideFp22Keys = 32;
 
 struct Sage2Options {
   QkFormat qk_format = QkFormat::Int8;
@@ -51,7 +53,8 @@ struct Sage2Options {
   Fp8Accumulator accumulator = Fp8Accumulator::Fp22;
   // The kernel's: row sums of the cast P from a ones column in the P·V MMA
   // (docs/sage2-kernel-arithmetic.md step 7; bench/NOTES.md v15c). FloatP (FP32 sums of
-  // P before the cast, the kernel's before v15c) is the ablation.
+  // P before the cast, the kernel's before v15c) is the ablation here and the
+  // head-dim-256 kernel's choice (one level: bench/NOTES.md v48).
   RowSum row_sum = RowSum::QuantizedP;
   // The kernel's: a fresh accumulator per KV tile (SageAttention2's two-level
   // accumulation). Single (every tile's P·V straight into O, as FlashAttention-3's FP8
@@ -72,9 +75,10 @@ struct Sage2Options {
 };
 
 // The contract of the head-dim-256 kernel (sage2_wide_sm90, docs/sage2-wide-kernel.md):
-// the defaults with 64-key softmax steps, one-level accumulation (O and the row sums, the
-// ones columns of the accumulator, rescaled in FP32 and accumulated through the FP22
-// model), a truncation after every `fp22_keys` products, and the head dim padded to 256.
+// the defaults with 64-key softmax steps, one-level accumulation (O rescaled in FP32 and
+// accumulated through the FP22 model, a truncation after every `fp22_keys` products), the
+// row sums summed in FP32 from P before its cast (RowSum::FloatP), and the head dim
+// padded to 256.
 Sage2Options sage2_wide_options(int fp22_keys = kWideFp22Keys);
 
 // The quantized tensors, in the workspace layout of src/cuda/sage2_fwd/launch.h:

@@ -1,5 +1,5 @@
 // The head-dim-256 forward's epilogue: a consumer warpgroup's 64 rows of O (times the V
-// scale, divided by the row sum, both from the accumulator) staged in shared memory for
+// scale, divided by the row sum l of the thread's rows g and g + 8) staged in shared memory for
 // the TMA store, and the natural-log LSE.
 #pragma once
 
@@ -17,10 +17,10 @@
 namespace qattn::sage2_wide {
 
 // O's accumulator: channels 0..127 (the n128 product) and 128..255 with the ones
-// columns (the n136 product), whose elements 64 and 66 are rows g's and g + 8's sums.
+// columns (the n136 product; the row sums they form are not used: the kernel sums P in
+// FP32 instead, kernel.cuh).
 struct OAcc {
   static constexpr int kLo = 64, kHi = 68;
-  static constexpr int kRowSum = 64;  // o_hi[kRowSum + 2r]: the row sum of row g + 8r
 };
 
 // Element i of the thread's 128 O values (channel 8(i / 4) + 2t + i % 2).
@@ -33,13 +33,13 @@ __device__ __forceinline__ float o_at(const float (&lo)[OAcc::kLo], const float 
 // 128-byte rows, 16-byte chunks swizzled by row % 8). row_in_wg = warp · 16 + g.
 template <typename TOut>
 __device__ __forceinline__ void stage_output(const float (&lo)[OAcc::kLo],
-                                             const float (&hi)[OAcc::kHi], common::FragCoord fc,
-                                             int row_in_wg, const float* v_amax, uint8_t* stage) {
+                                             const float (&hi)[OAcc::kHi], const float (&l)[2],
+                                             common::FragCoord fc, int row_in_wg,
+                                             const float* v_amax, uint8_t* stage) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const float l = hi[OAcc::kRowSum + 2 * r];
     // A row that sees no key has l = 0: O = 0.
-    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
     const int row = row_in_wg + 8 * r;
 #pragma unroll
     for (int j = 0; j < kD / 8; ++j) {
@@ -57,7 +57,7 @@ __device__ __forceinline__ void stage_output(const float (&lo)[OAcc::kLo],
 // The natural-log LSE of the thread's rows (lanes with t = 0), corrected for the K
 // smoothing by q·c; -inf for a row that saw no key.
 __device__ __forceinline__ void store_lse(const WideParams& p, const float (&m)[2],
-                                          const float (&hi)[OAcc::kHi], common::FragCoord fc,
+                                          const float (&l)[2], common::FragCoord fc,
                                           int64_t bh_q, int block_row0, int row_in_block,
                                           const float* q_dot_c) {
   if (p.lse == nullptr || fc.t != 0) return;
@@ -65,9 +65,8 @@ __device__ __forceinline__ void store_lse(const WideParams& p, const float (&m)[
   for (int r = 0; r < 2; ++r) {
     const int row = block_row0 + row_in_block + 8 * r;
     if (row >= p.seqlen_q) continue;
-    const float l = hi[OAcc::kRowSum + 2 * r];
     p.lse[bh_q * p.seqlen_q + row] =
-        l > 0.f ? (m[r] + log2f(l) - common::kLog2E4M3Max) * sage2::kLn2 +
+        l[r] > 0.f ? (m[r] + log2f(l[r]) - common::kLog2E4M3Max) * sage2::kLn2 +
                       q_dot_c[row_in_block + 8 * r]
                 : -INFINITY;
   }

@@ -3,8 +3,7 @@
 //
 // CTA = 3 warpgroups, 128 query rows per work item (scheduler.cuh). Warpgroup 0: one
 // loader thread (producer.cuh). Warpgroups 1 and 2: consumers of 64 rows each. A
-// consumer's turn on 64-key tile `it`: O (and the row sums in its ones columns) rescaled
-// by the tile's alpha, then Q·Kᵀ of the next tile (8 × m64n64k32 INT8) and P·V of this
+// consumer's turn on 64-key tile `it`: O rescaled by the tile's alpha, then Q·Kᵀ of the next tile (8 × m64n64k32 INT8) and P·V of this
 // one (2 × (m64n128k32 + m64n136k32) E4M3, straight into O) issued together; the next
 // tile's softmax runs under the P·V. docs/sage2-wide-kernel.md draws it.
 #pragma once
@@ -159,6 +158,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         kv0 < rule.first_key(row_first(w) + 63))
       mask.apply(acc_s, fc, kv0, w.m_block * kBlockM + row_in_block(0));
     sm.step(acc_s, qk, x, alpha_out);
+    // The row sums in FP32 from the same 448·P, per thread (its 16 keys of each row; the
+    // quad's partials are added in the epilogue). Not the MMA's ones columns: one-level
+    // accumulation adds every product to a running l, and the hardware's truncation of
+    // those all-positive products lowered l by 0.28 (log) at 16K keys (bench/NOTES.md v48).
+    float sum[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+#pragma unroll
+    for (int i = 0; i < kS; ++i) sum[(i % 4) / 2][(i / 4) % 2] += x[i];
+    sm.add_row_sums(sum[0][0] + sum[0][1], sum[1][0] + sum[1][1], alpha_out);
   };
   auto wait_ahead = [&](const Item& w, int it) {
     hopper::mbarrier_wait(&bar.v_full[w.vstage(it)], w.vphase(it));
@@ -193,8 +200,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     // The staging is free once the previous item's TMA store has read it.
     if (store_thread) hopper::bulk_wait_group_read<0>();
     hopper::named_barrier_sync(NamedBarrier::kOStaged + cw, NamedBarrier::kOStagedThreads);
-    stage_output<T>(o_lo, o_hi, fc, warp * 16 + fc.g, side.v_amax, stage);
-    store_lse(p, sm.m, o_hi, fc, w.bh_q, w.m_block * kBlockM, row_in_block(0), side.q_dot_c);
+    float l[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {  // the quad's four partial row sums
+      l[r] = sm.l[r] + __shfl_xor_sync(0xffffffff, sm.l[r], 1);
+      l[r] += __shfl_xor_sync(0xffffffff, l[r], 2);
+    }
+    stage_output<T>(o_lo, o_hi, l, fc, warp * 16 + fc.g, side.v_amax, stage);
+    store_lse(p, sm.m, l, fc, w.bh_q, w.m_block * kBlockM, row_in_block(0), side.q_dot_c);
     hopper::fence_proxy_async();  // the TMA store reads what this thread wrote
     hopper::named_barrier_sync(NamedBarrier::kOStaged + cw, NamedBarrier::kOStagedThreads);
     if (p.o_tma_cols < p.head_dim) store_output_tail(p, w.bh_q, row_first(w), stage);
