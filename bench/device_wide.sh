@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine for the head-dim-256 forward (sage2_wide_sm90, issue 21;
-# bench/NOTES.md v46): its GPU tests, compute-sanitizer memcheck on a small case, the
+# bench/NOTES.md v46, v48b): its GPU tests, O's scale at long rows (bench/long_n_accuracy.py),
+# compute-sanitizer memcheck on a small case, the
 # Python tests whose routing changed, and bench/forward.py's d = 256 rows beside cuDNN.
 # Logs and results go to $OUT; a short table is printed last.
 #
@@ -54,7 +55,7 @@ if [[ $phase != bench ]]; then
   # The new kernel's tests first, each under its own timeout (a protocol hang costs its
   # timeout, not the call).
   for f in FixedShapes HeadDimNotAMultipleOf8 Masks ManyItemsAndRepeatedLaunches RandomShapes \
-           RefusedCallsWriteNothing; do
+           RefusedCallsWriteNothing LongRowsKeepOsScale; do
     if timeout 240 "$bins/gpu_test_sage2_wide" --gtest_filter="Sage2Wide.$f" \
         >"$logs/wide-$f.log" 2>&1; then
       status+=("Sage2Wide.$f: PASS")
@@ -65,6 +66,11 @@ if [[ $phase != bench ]]; then
   done
   # The settling measurement: GPU - emulation of the LSE at truncation intervals 32/4/2/1.
   cat "$logs"/wide-*.log | grep "^\[wide LSE\]" >"$out/wide-lse-gaps.txt"
+  grep -h "^\[wide long rows\]" "$logs"/wide-*.log >>"$out/wide-lse-gaps.txt"
+  # O's scale and the LSE against FP64 from 1K to 16K keys, d 128 beside d 256.
+  PYTHONPATH=python timeout 200 python3 bench/long_n_accuracy.py >"$out/long-n-accuracy.txt" 2>&1 ||
+    status+=("long_n_accuracy.py: FAIL or timeout")
+  cat "$out/long-n-accuracy.txt"
   if timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 "$bins/gpu_test_sage2_wide" \
       --gtest_filter='Sage2Wide.HeadDimNotAMultipleOf8' >"$logs/memcheck.log" 2>&1; then
     status+=("compute-sanitizer memcheck (d 203 causal): clean")
