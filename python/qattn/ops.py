@@ -1105,7 +1105,12 @@ def attention(
 
     q is (B, Hq, Nq, d) and k, v are (B, Hkv, Nkv, d) for layout "HND", or (B, N, H, d)
     for "NHD"; fp16 or bf16 on one CUDA device; Hq a multiple of Hkv (GQA/MQA: query
-    head h reads key/value head h // (Hq / Hkv)); scale defaults to 1/sqrt(d); d <= 128.
+    head h reads key/value head h // (Hq / Hkv)); scale defaults to 1/sqrt(d); d <= 256.
+    Head dims 129..256 run on the head-dim-256 kernel (sage2_wide_sm90: one-level
+    accumulation, Q quantized by a pass): it takes is_causal, window_size and kv_lengths,
+    but no attn_mask, no precision other than "fast" and no backward (QattnError with
+    status QATTN_ERROR_UNSUPPORTED names what it lacks; a training call's backward
+    follows qattn.set_fallback).
     For a drop-in with SDPA's exact signature and a fallback for what qattn does not
     run, see qattn.scaled_dot_product_attention.
 

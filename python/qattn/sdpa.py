@@ -3,7 +3,9 @@ signature and semantics, run on qattn's SageAttention2-8b kernel where qattn sup
 call and on PyTorch's SDPA where it does not.
 
 What runs on qattn: query (B, Hq, Nq, d), key and value (B, Hkv, Nkv, d) of one shape;
-float16 or bfloat16 on a CUDA GPU of compute capability 9.0; d <= 128; attn_mask None or
+float16 or bfloat16 on a CUDA GPU of compute capability 9.0; d <= 256 (d of 129..256 on
+the head-dim-256 kernel, which takes no attn_mask and has no backward: such calls, and
+training calls at those head dims, go to SDPA); attn_mask None or
 boolean (True = the query sees the key, SDPA's meaning) on query's device with 2 to 4
 dimensions that broadcast to (B, Hq, Nq, Nkv), without is_causal; dropout_p 0; scale None or
 positive; Hq == Hkv, Hkv == 1 (SDPA broadcasts it), or enable_gqa with Hq a multiple of
@@ -51,7 +53,10 @@ from .errors import QattnError
 from .fallback import _warned, get_fallback, set_fallback  # noqa: F401 (the package's API; tests clear _warned)
 
 _DTYPES = (torch.float16, torch.bfloat16)
-_MAX_HEAD_DIM = 128
+_MAX_HEAD_DIM = 256
+# Above this the call runs on the head-dim-256 kernel (sage2_wide_sm90), which has no
+# attn_mask, no precision modes and no backward (SageBwd runs d <= 128).
+_MAX_FULL_HEAD_DIM = 128
 
 # PyTorch's own SDPA (the built-in that torch.nn.functional exports), for the fallback.
 # Not the attribute of torch.nn.functional, which callers replace with this module's
@@ -140,6 +145,16 @@ def _decline(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> Opt
         return "empty", f"an empty dimension: query {tuple(q.shape)}, key {tuple(k.shape)}"
     if d > _MAX_HEAD_DIM:
         return "head_dim", f"head dim {d}; qattn takes 1..{_MAX_HEAD_DIM}"
+    if d > _MAX_FULL_HEAD_DIM and attn_mask is not None:
+        return "attn_mask head_dim", (
+            f"a boolean attn_mask at head dim {d}; qattn's kernel for head dims "
+            f"{_MAX_FULL_HEAD_DIM + 1}..{_MAX_HEAD_DIM} takes none"
+        )
+    if d > _MAX_FULL_HEAD_DIM and ops._records_autograd(q, k, v):
+        return "backward head_dim", (
+            f"a training call at head dim {d}; qattn's backward (SageBwd) runs head dims "
+            f"1..{_MAX_FULL_HEAD_DIM}"
+        )
     if attn_mask is not None:
         if attn_mask.is_nested or attn_mask.layout != torch.strided:
             return "attn_mask layout", "attn_mask is nested or not strided"

@@ -41,7 +41,8 @@ def test_workspace_size_of_valid_params():
     "change,status,words",
     [
         (dict(hkv=3), _C.ERROR_INVALID_ARGUMENT, ["heads_q = 8", "heads_kv = 3"]),
-        (dict(d=256), _C.ERROR_UNSUPPORTED, ["head_dim = 256", "1..128"]),
+        (dict(d=264), _C.ERROR_UNSUPPORTED, ["head_dim = 264", "1..128", "sage2_wide_sm90",
+                                             "129..256"]),
         (dict(causal=2), _C.ERROR_INVALID_ARGUMENT, ["causal = 2"]),
         (dict(scale=float("nan")), _C.ERROR_INVALID_ARGUMENT, ["sm_scale"]),
         (dict(gran=5), _C.ERROR_INVALID_ARGUMENT, ["granularity = 5"]),

@@ -152,8 +152,11 @@ DECLINED = [
     (dict(q=randn(4, 64, 32, **BF16), k=randn(4, 80, 32, **BF16), v=randn(4, 80, 32, **BF16)), "rank"),
     (dict(v=randn(2, 2, 80, 48, **BF16)), "shape"),  # Ev != E
     (dict(q=randn(1, 4, 64, 32, **BF16)), "shape"),  # batch broadcast
-    (dict(q=randn(2, 4, 64, 256, **BF16), k=randn(2, 2, 80, 256, **BF16), v=randn(2, 2, 80, 256, **BF16)),
+    (dict(q=randn(2, 4, 64, 264, **BF16), k=randn(2, 2, 80, 264, **BF16), v=randn(2, 2, 80, 264, **BF16)),
      "head_dim"),
+    # Head dims 129..256 run on the head-dim-256 kernel, which takes no attn_mask.
+    (dict(q=randn(2, 4, 64, 256, **BF16), k=randn(2, 2, 80, 256, **BF16), v=randn(2, 2, 80, 256, **BF16),
+          attn_mask=torch.ones(64, 80, dtype=torch.bool)), "attn_mask head_dim"),
     (dict(k=randn(2, 2, 0, 32, **BF16), v=randn(2, 2, 0, 32, **BF16)), "empty"),
 ]
 
@@ -197,11 +200,27 @@ def test_each_unsupported_call_falls_back_with_its_reason(cpu_counts_as_supporte
     assert info.value.reason == reason
 
 
+WIDE = dict(q=randn(2, 4, 64, 256, **BF16), k=randn(2, 2, 80, 256, **BF16), v=randn(2, 2, 80, 256, **BF16))
+
+
 def test_supported_calls_are_not_declined(cpu_counts_as_supported):
     for change in ({}, dict(is_causal=True), dict(scale=0.125), dict(enable_gqa=False, k=randn(2, 1, 80, 32, **BF16),
-                                                                         v=randn(2, 1, 80, 32, **BF16))):
+                                                                         v=randn(2, 1, 80, 32, **BF16)),
+                   WIDE, dict(WIDE, is_causal=True),
+                   dict(q=randn(2, 4, 64, 136, **BF16), k=randn(2, 2, 80, 136, **BF16),
+                        v=randn(2, 2, 80, 136, **BF16))):
         c = supported_call(**change)
         assert sdpa._decline(c["q"], c["k"], c["v"], None, 0.0, c["is_causal"], c["scale"], c["enable_gqa"]) is None
+
+
+def test_training_calls_above_head_dim_128_go_to_sdpa(cpu_counts_as_supported):
+    """qattn's backward (SageBwd) runs head dims up to 128: a training call at 129..256 is
+    declined with its own reason, and the same call without autograd is not."""
+    q = randn(1, 2, 16, 192, **BF16).requires_grad_()
+    k, v = randn(1, 2, 16, 192, **BF16), randn(1, 2, 16, 192, **BF16)
+    assert sdpa._decline(q, k, v, None, 0.0, False, None, False)[0] == "backward head_dim"
+    with torch.no_grad():
+        assert sdpa._decline(q, k, v, None, 0.0, False, None, False) is None
 
 
 def bad_calls():

@@ -384,6 +384,32 @@ def test_gpu_equals_one_attention_call_per_sequence(gpu, mask):
             tk += nk
 
 
+@pytest.mark.parametrize("d", [192, 256])
+def test_gpu_head_dims_above_128_run_one_call_per_sequence(gpu, d):
+    """The varlen kernel runs head dims up to 128: above, the library refuses the packed
+    call (QATTN_ERROR_UNSUPPORTED) and each sequence runs as one qattn.attention call on
+    the head-dim-256 kernel, with no fallback warning."""
+    lq, lk = [1, 300, 0, 129], [1, 300, 7, 200]
+    q, k, v, cu_q, cu_k = pack(lq, lk, 4, 2, d, seed=13, device="cuda")
+    previous = qattn.set_fallback("raise")
+    try:
+        with torch.no_grad():
+            o, lse, _ = call(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=True,
+                             return_attn_probs=True)
+    finally:
+        qattn.set_fallback(previous)
+    t = tk = 0
+    for nq, nk in zip(lq, lk):
+        if nq and nk:
+            one, one_lse = qattn.attention(q[t:t + nq][None], k[tk:tk + nk][None],
+                                           v[tk:tk + nk][None], is_causal=True, layout="NHD",
+                                           return_lse=True, causal_alignment="bottom_right")
+            assert torch.equal(o[t:t + nq], one[0])
+            assert torch.equal(lse[:, t:t + nq], one_lse[0])
+        t += nq
+        tk += nk
+
+
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("seed", [0, FRESH_SEED])
 def test_gpu_within_the_schemes_bounds_of_fp64(gpu, mask, seed):

@@ -76,10 +76,14 @@ struct RowState {
 // row-major, unscaled values); `v_scale` the per-channel scales applied to this tile's
 // product (two-level) — with AccumulationLevels::Single the product goes straight
 // into `o` and `v_scale` is ignored (the caller applies a per-tensor scale at the end).
+// fp22_keys: products between two FP22 truncations (kMmaK8bit: one per k32 step). With
+// AccumulationLevels::Single and RowSum::QuantizedP the row sum is one more channel of
+// the accumulator: l rescaled by alpha, then the tile's products added through the
+// same truncations (the hardware's ones columns).
 inline void online_softmax_tile(RowState& st, std::vector<float>& x, const float* v, int len,
                                 int dim, const float* v_scale, const PvSpec& spec,
                                 Fp8Accumulator acc, AccumulationLevels levels,
-                                RowSum row_sum = RowSum::FloatP) {
+                                RowSum row_sum = RowSum::FloatP, int fp22_keys = kMmaK8bit) {
   float mx = st.m;
   bool nan = std::isnan(st.m);
   for (int j = 0; j < len; ++j) {
@@ -107,14 +111,16 @@ inline void online_softmax_tile(RowState& st, std::vector<float>& x, const float
   } else {
     for (float& oc : st.o) oc *= alpha;
   }
-  // Each k32 step's 32 products are summed exactly (8-bit products have <= 8
-  // significant bits; double holds the sum exactly), then added to the FP32
+  // Each step's fp22_keys products (32: a k32 step) are summed exactly (8-bit products
+  // have <= 8 significant bits; double holds the sum exactly), then added to the FP32
   // accumulator, which the FP22 model truncates after every step.
-  float tile_sum = 0.0f;  // the ones channel (RowSum::QuantizedP)
-  for (int k0 = 0; k0 < len; k0 += kMmaK8bit) {
+  const bool single_sums = levels == AccumulationLevels::Single && row_sum == RowSum::QuantizedP;
+  // The ones channel (RowSum::QuantizedP): from zero per tile, or (one level) from l·alpha.
+  float tile_sum = single_sums ? st.l * alpha : 0.0f;
+  for (int k0 = 0; k0 < len; k0 += fp22_keys) {
     std::fill(st.step.begin(), st.step.end(), 0.0);
     double step_sum = 0.0;
-    const int k1 = std::min(len, k0 + kMmaK8bit);
+    const int k1 = std::min(len, k0 + fp22_keys);
     for (int j = k0; j < k1; ++j) {
       if (x[j] == 0.0f) continue;
       const double pj = x[j];
@@ -129,7 +135,10 @@ inline void online_softmax_tile(RowState& st, std::vector<float>& x, const float
     const float s = static_cast<float>(static_cast<double>(tile_sum) + step_sum);
     tile_sum = truncate ? truncate_to_fp22(s) : s;
   }
-  if (row_sum == RowSum::QuantizedP) st.l = st.l * alpha + tile_sum;
+  if (single_sums)
+    st.l = tile_sum;
+  else if (row_sum == RowSum::QuantizedP)
+    st.l = st.l * alpha + tile_sum;
   if (levels == AccumulationLevels::TwoLevel) {
     for (int c = 0; c < dim; ++c) {
       const float scaled = st.tile[c] * v_scale[c];

@@ -88,6 +88,15 @@ void validate_options(const Sage2Options& o, const Tensor4& k) {
   if (o.accumulator != Fp8Accumulator::Fp32 && o.accumulator != Fp8Accumulator::Fp22) {
     fail("options.accumulator: expected Fp32 or Fp22");
   }
+  if (o.softmax_keys <= 0 || groups::kKvTile % o.softmax_keys != 0)
+    fail("options.softmax_keys: expected a divisor of 128, got " + std::to_string(o.softmax_keys));
+  if (o.fp22_keys <= 0 || 32 % o.fp22_keys != 0 || o.softmax_keys % o.fp22_keys != 0)
+    fail("options.fp22_keys: expected a divisor of 32 and of softmax_keys, got " +
+         std::to_string(o.fp22_keys));
+  if (o.head_dim_padded != 0 &&
+      (o.head_dim_padded < k.d || o.head_dim_padded % 64 != 0 || o.head_dim_padded > 256))
+    fail("options.head_dim_padded: expected 0, or a multiple of 64 in [d, 256], got " +
+         std::to_string(o.head_dim_padded));
   if (o.levels != AccumulationLevels::TwoLevel && o.levels != AccumulationLevels::Single) {
     fail("options.levels: expected TwoLevel or Single");
   }
@@ -147,11 +156,12 @@ Sage2Quantized quantize_sage2(const Tensor4& q, const Tensor4& k, const Tensor4&
   validate_options(options, k);
   Sage2Quantized z;
   const int B = q.b, Hq = q.h, Hkv = k.h, Nq = q.n, Nkv = k.n, d = q.d;
-  const int D = sage2_padded_head_dim(d);
+  const int D = options.head_dim_padded > 0 ? options.head_dim_padded : sage2_padded_head_dim(d);
   const int nq_pad = round_up(Nq, kPadMultiple), nkv_pad = round_up(Nkv, kPadMultiple);
   z.batch = B, z.heads_q = Hq, z.heads_kv = Hkv, z.seqlen_q = Nq, z.seqlen_kv = Nkv;
   z.head_dim = d, z.head_dim_padded = D, z.nq_pad = nq_pad, z.nkv_pad = nkv_pad;
-  const int dv = v.d, Dv = sage2_padded_head_dim(dv);
+  const int dv = v.d;
+  const int Dv = options.head_dim_padded > 0 && dv == d ? D : sage2_padded_head_dim(dv);
   z.head_dim_v = dv, z.head_dim_v_padded = Dv;
   z.sm_scale = static_cast<float>(sm);
   z.scale_log2 = z.sm_scale * detail::kLog2e;
@@ -473,6 +483,7 @@ EmulatedForward sage2_attend(const Sage2Quantized& z) {
   const int rep = Hq / Hkv;
   std::vector<float> x(kKvTile);
   detail::RowState st(Dv);
+  const int tile_keys = z.options.softmax_keys;  // keys per online-softmax step
   for (int b = 0; b < B; ++b)
     for (int h = 0; h < Hq; ++h) {
       const std::size_t bq = static_cast<std::size_t>(b) * Hq + h;
@@ -490,9 +501,9 @@ EmulatedForward sage2_attend(const Sage2Quantized& z) {
         // does (a fully masked tile would leave m, l and O unchanged anyway).
         const numerics::KeyRange keys = rule.keys(i);
         const int first = keys.first, last = keys.last;
-        for (int t = first / kKvTile; !keys.empty() && t * kKvTile <= last; ++t) {
-          for (int jj = 0; jj < kKvTile; ++jj) {
-            const int j = t * kKvTile + jj;
+        for (int t = first / tile_keys; !keys.empty() && t * tile_keys <= last; ++t) {
+          for (int jj = 0; jj < tile_keys; ++jj) {
+            const int j = t * tile_keys + jj;
             if (j > last || j < first) {
               x[jj] = kNegInf;
               continue;
@@ -521,10 +532,12 @@ EmulatedForward sage2_attend(const Sage2Quantized& z) {
               x[jj] = add == kNegInf ? kNegInf : x[jj] + add * detail::kLog2e;
             }
           }
-          detail::online_softmax_tile(st, x, z.v_value.data() + (bk * nkv_pad + t * kKvTile) * Dv,
-                                      kKvTile, Dv, z.v_scale.data() + (bk * tiles + t) * Dv, spec,
-                                      z.options.accumulator, z.options.levels,
-                                      z.options.row_sum);
+          // V's scale is per 128-key tile (a 64-key step takes its tile's).
+          const std::size_t v_tile = static_cast<std::size_t>(t * tile_keys / kKvTile);
+          detail::online_softmax_tile(st, x, z.v_value.data() + (bk * nkv_pad + t * tile_keys) * Dv,
+                                      tile_keys, Dv, z.v_scale.data() + (bk * tiles + v_tile) * Dv,
+                                      spec, z.options.accumulator, z.options.levels,
+                                      z.options.row_sum, z.options.fp22_keys);
         }
         float* orow = out.o.row(b, h, i);
         float& lse = out.lse[bq * Nq + i];
@@ -542,6 +555,16 @@ EmulatedForward sage2_attend(const Sage2Quantized& z) {
       }
     }
   return out;
+}
+
+Sage2Options sage2_wide_options(int fp22_keys) {
+  Sage2Options o;
+  o.softmax_keys = 64;
+  o.levels = AccumulationLevels::Single;
+  o.row_sum = RowSum::FloatP;
+  o.fp22_keys = fp22_keys;
+  o.head_dim_padded = 256;
+  return o;
 }
 
 EmulatedForward sage2_attention(const Tensor4& q, const Tensor4& k, const Tensor4& v,

@@ -25,6 +25,13 @@
 
 namespace qattn::emulate {
 
+// The truncation interval of sage2_wide_options() (see Sage2Options::fp22_keys), which
+// there applies to O's channels only (the row sums are FP32 sums of P: RowSum::FloatP).
+// A k32 step: the head-dim-256 kernel's O at 16K keys matched this model's CosSim and
+// not the one-product model's (bench/NOTES.md v48); the all-positive ones columns that
+// once carried the row sums fell like one truncation per product (v44b).
+inline constexpr int kWideFp22Keys = 32;
+
 struct Sage2Options {
   QkFormat qk_format = QkFormat::Int8;
   Granularity granularity = Granularity::PerThread;  // of Q and K
@@ -46,14 +53,33 @@ struct Sage2Options {
   Fp8Accumulator accumulator = Fp8Accumulator::Fp22;
   // The kernel's: row sums of the cast P from a ones column in the P·V MMA
   // (docs/sage2-kernel-arithmetic.md step 7; bench/NOTES.md v15c). FloatP (FP32 sums of
-  // P before the cast, the kernel's before v15c) is the ablation.
+  // P before the cast, the kernel's before v15c) is the ablation here and the
+  // head-dim-256 kernel's choice (one level: bench/NOTES.md v48).
   RowSum row_sum = RowSum::QuantizedP;
   // The kernel's: a fresh accumulator per KV tile (SageAttention2's two-level
   // accumulation). Single (every tile's P·V straight into O, as FlashAttention-3's FP8
   // kernel does) is the ablation a kernel with no registers for a second accumulator
   // would run (bench/NOTES.md v38).
   AccumulationLevels levels = AccumulationLevels::TwoLevel;
+  // Keys per online-softmax step (the kernel's KV tile): 128 (the d <= 128 kernel), or 64
+  // (the head-dim-256 kernel). A divisor of 128 that is a multiple of fp22_keys.
+  int softmax_keys = groups::kKvTile;
+  // Products the FP8 MMA's accumulator takes between two FP22 truncations (a divisor of
+  // 32): 32, one truncation per k32 step, is SageAttention2's model; the one-level
+  // head-dim-256 kernel's LSE measured like a truncation after every one or two products
+  // (bench/NOTES.md v44b).
+  int fp22_keys = 32;
+  // The head dim the workspace pads to: 0 for sage2_padded_head_dim(d); the head-dim-256
+  // kernel pads 129..256 to 256.
+  int head_dim_padded = 0;
 };
+
+// The contract of the head-dim-256 kernel (sage2_wide_sm90, docs/sage2-wide-kernel.md):
+// the defaults with 64-key softmax steps, one-level accumulation (O rescaled in FP32 and
+// accumulated through the FP22 model, a truncation after every `fp22_keys` products), the
+// row sums summed in FP32 from P before its cast (RowSum::FloatP), and the head dim
+// padded to 256.
+Sage2Options sage2_wide_options(int fp22_keys = kWideFp22Keys);
 
 // The quantized tensors, in the workspace layout of src/cuda/sage2_fwd/launch.h:
 // D = head dim padded to 64 or 128 (to a multiple of 64 above 128, which no kernel

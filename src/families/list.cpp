@@ -8,15 +8,16 @@
 #include "families/precise_fwd.h"
 #include "families/sage2_auto.h"
 #include "families/sage2_fwd.h"
+#include "families/sage2_wide.h"
 #include "families/sage3_fwd.h"
 #include "families/sagebwd.h"
 
 namespace qattn::api {
 
 std::span<const ForwardFamily* const> forward_families() {
-  static const std::array<const ForwardFamily*, 4> kAll{
-      &families::sage2_fwd_sm90(), &families::sage3_fwd_sm90(), &families::precise_fwd_sm90(),
-      &families::sage2_auto_sm90()};
+  static const std::array<const ForwardFamily*, 5> kAll{
+      &families::sage2_fwd_sm90(), &families::sage2_wide_sm90(), &families::sage3_fwd_sm90(),
+      &families::precise_fwd_sm90(), &families::sage2_auto_sm90()};
   return kAll;
 }
 

@@ -64,8 +64,9 @@ TEST(Registry, NonHopperDeviceIsUnsupportedNamingEveryFamily) {
     EXPECT_EQ(s, QATTN_ERROR_UNSUPPORTED);
     const std::string m = qattn_last_error_message();
     const std::string cc = std::to_string(arch.major) + "." + std::to_string(arch.minor);
-    for (const char* w : {"qattn_fwd: no kernel family runs this call", "considered 4",
-                          "sage2_fwd_sm90", "sage3_nvfp4_fwd_sm90", "precise16_fwd_sm90",
+    for (const char* w : {"qattn_fwd: no kernel family runs this call", "considered 5",
+                          "sage2_fwd_sm90", "sage2_wide_sm90", "sage3_nvfp4_fwd_sm90",
+                          "precise16_fwd_sm90",
                           "sage2_auto_sm90",
                           "its kernels run on sm_90"})
       EXPECT_TRUE(contains(m, w)) << "no '" << w << "' in: " << m;
@@ -77,8 +78,41 @@ TEST(Registry, NonHopperDeviceIsUnsupportedNamingEveryFamily) {
   }
 }
 
+// Head dims 129..256 run on the head-dim-256 family (sage2_wide_sm90); above 256 no
+// family runs the call, and the message names each family's range.
+TEST(Registry, HeadDimsUpTo256RunOnTheWideFamily) {
+  for (int d : {129, 136, 192, 256}) {
+    SCOPED_TRACE(d);
+    qattn_status s = QATTN_ERROR_INTERNAL;
+    const Arch hopper{9, 0};
+    const ForwardFamily* f = qattn::api::select_family("t", valid_params(d), &hopper, &s);
+    ASSERT_NE(f, nullptr) << qattn_last_error_message();
+    EXPECT_EQ(s, QATTN_OK);
+    EXPECT_STREQ(f->name, "sage2_wide_sm90");
+    EXPECT_EQ(f->launch != nullptr, QATTN_HAVE_CUDA != 0);
+    // Its workspace: INT8 Q, K and Vᵀ rows of 256 bytes.
+    std::size_t bytes = 0;
+    qattn_fwd_params p = valid_params(d);
+    ASSERT_EQ(qattn_fwd_workspace_size(&p, &bytes), QATTN_OK) << qattn_last_error_message();
+    EXPECT_GE(bytes, std::size_t{2} * 8 * 384 * 256 + 2 * std::size_t{2} * 2 * 512 * 256);
+  }
+  // What it does not run is refused by name: a boolean attn_mask, a packed batch.
+  {
+    qattn_fwd_params p = valid_params(256);
+    p.attn_mask_type = QATTN_MASK_BOOL;
+    p.attn_mask = fake(5);
+    p.attn_mask_stride_q = 512;
+    p.attn_mask_stride_k = 1;
+    const Arch hopper{9, 0};
+    qattn_status s = QATTN_OK;
+    EXPECT_EQ(qattn::api::select_family("f", p, &hopper, &s), nullptr);
+    const std::string m = qattn_last_error_message();
+    EXPECT_TRUE(contains(m, "sage2_wide_sm90: has no attn_mask kernel")) << m;
+  }
+}
+
 TEST(Registry, HeadDimBeyondEveryFamilyIsUnsupportedOnAnyDevice) {
-  for (int d : {129, 256}) {
+  for (int d : {257, 320}) {
     qattn_status s = QATTN_OK;
     const Arch hopper{9, 0};
     EXPECT_EQ(qattn::api::select_family("f", valid_params(d), &hopper, &s), nullptr);
@@ -86,6 +120,8 @@ TEST(Registry, HeadDimBeyondEveryFamilyIsUnsupportedOnAnyDevice) {
     std::string m = qattn_last_error_message();
     EXPECT_TRUE(contains(m, "sage2_fwd_sm90: head_dim = " + std::to_string(d))) << m;
     EXPECT_TRUE(contains(m, "1..128")) << m;
+    EXPECT_TRUE(contains(m, "sage2_wide_sm90: head_dim = " + std::to_string(d))) << m;
+    EXPECT_TRUE(contains(m, "129..256")) << m;
     // Through the C ABI without a device (workspace size): the same reason.
     std::size_t bytes = 0;
     qattn_fwd_params p = valid_params(d);
@@ -93,7 +129,7 @@ TEST(Registry, HeadDimBeyondEveryFamilyIsUnsupportedOnAnyDevice) {
     m = qattn_last_error_message();
     EXPECT_TRUE(contains(m, "qattn_fwd_workspace_size: no kernel family")) << m;
     EXPECT_TRUE(contains(m, "(any device)")) << m;
-    EXPECT_TRUE(contains(m, "sage2_fwd_sm90: head_dim")) << m;
+    EXPECT_TRUE(contains(m, "sage2_wide_sm90: head_dim")) << m;
   }
 }
 
@@ -529,9 +565,9 @@ TEST(ApiThreads, ValidationFromManyThreadsAtOnce) {
               !contains(qattn_last_error_message(), mine))
             ++wrong;
           p = base;
-          p.head_dim = 129 + t;  // an unsupported one, through the registry
+          p.head_dim = 257 + t;  // an unsupported one, through the registry
           if (qattn_fwd_workspace_size(&p, &bytes) != QATTN_ERROR_UNSUPPORTED ||
-              !contains(qattn_last_error_message(), "head_dim = " + std::to_string(129 + t)))
+              !contains(qattn_last_error_message(), "head_dim = " + std::to_string(257 + t)))
             ++wrong;
         }
       }

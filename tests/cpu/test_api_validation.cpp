@@ -169,10 +169,16 @@ TEST(ApiValidation, HeadsMustGroup) {
 }
 
 TEST(ApiValidation, HeadDim) {
-  for (int d : {129, 192, 256, 100000}) {
+  for (int d : {257, 320, 100000}) {
     qattn_fwd_params p = valid_params();
     p.head_dim = d;
-    EXPECT_REJECTS(size_of(p), QATTN_ERROR_UNSUPPORTED, "head_dim", "1..128");
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_UNSUPPORTED, "head_dim", "1..128", "129..256");
+  }
+  // 129..256: the head-dim-256 family (sage2_wide_sm90), rows padded to a multiple of 8.
+  for (int d : {129, 192, 200, 256}) {
+    Shape s;
+    s.head_dim = d;
+    EXPECT_EQ(size_of(valid_params(s)).status, QATTN_OK) << size_of(valid_params(s)).message;
   }
   // Any d <= 128 is accepted once its rows are padded to a multiple of 8 elements.
   for (int d : {1, 8, 36, 64, 72, 96, 100, 128}) {
@@ -664,7 +670,7 @@ TEST(ApiValidation, Workspace) {
 template <typename Call>
 void expect_refused_as_unsupported(const char* fn, Call call) {
   qattn_fwd_params p = valid_params();
-  p.head_dim = 256;
+  p.head_dim = 264;
   EXPECT_EQ(call(p), QATTN_ERROR_UNSUPPORTED);
   EXPECT_NE(std::string(qattn_last_error_message()).find(fn), std::string::npos);
 }

@@ -10,6 +10,7 @@
 
 #include "cuda/sage2_fwd/launch.h"
 #include "cuda/sage2_fwd/workspace.h"
+#include "cuda/sage2_wide/launch.h"
 #include "gpu_util.h"
 #include "qattn/qattn.h"
 #include "reference/attention_fp64.h"
@@ -52,6 +53,9 @@ struct Sage2Case {
   bool lse = true;  // ask for the LSE (without it the LSE buffer stays poisoned)
   // The attention kernel's register split (launch.h): the launch's choice, or forced.
   sage2::RegisterSplit split = sage2::RegisterSplit::kAuto;
+  // Run the head-dim-256 family's launch (cuda/sage2_wide/launch.h; head dims 129..256,
+  // its workspace always holds the quantized Q) instead of the SA2-8b forward's.
+  bool wide = false;
   // Masks beyond causal (qattn.h): a sliding window (-1: no bound), the diagonal's
   // alignment, and per-batch key-padding lengths (empty: none; uploaded to the device).
   int window_left = -1, window_right = -1;
@@ -73,7 +77,7 @@ struct Sage2Case {
            " Nkv=" + std::to_string(seqlen_kv) + " d=" + std::to_string(head_dim) +
            (causal ? " causal" : "") + (bf16 ? " bf16" : " fp16") +
            (layout == Layout::NHD ? " NHD" : " HND") + " row_pad=" + std::to_string(row_pad) +
-           " seed=" + std::to_string(seed) + masks();
+           " seed=" + std::to_string(seed) + masks() + (wide ? " wide" : "");
   }
   std::string masks() const {
     std::string m;
@@ -238,7 +242,8 @@ inline Sage2Result run_sage2(const Sage2Case& c, const InputHook& hook = {}) {
     dmask.upload(c.bool_mask);
     p.attn_mask = dmask.ptr;
   }
-  const std::size_t ws_bytes = sage2::workspace_bytes(p, c.keep_q);
+  const std::size_t ws_bytes =
+      c.wide ? sage2_wide::workspace_bytes(p) : sage2::workspace_bytes(p, c.keep_q);
   DeviceBuffer<uint8_t> ws(ws_bytes);
   // A caller's workspace holds anything: the forward must zero what it counts on (V's
   // overflow report, the work counters) itself; there is no memset (bench/NOTES.md, v17a).
@@ -248,8 +253,12 @@ inline Sage2Result run_sage2(const Sage2Case& c, const InputHook& hook = {}) {
       cudaMemset(dout.ptr, 0xFF, o_count * sizeof(uint16_t));
       cudaMemset(dlse.ptr, 0xFF, dlse.count * sizeof(float));
     }
-    r.status = launch == 0 ? sage2::launch_forward(p, ws.ptr, nullptr, c.keep_q, c.split)
-                           : sage2::launch_attention_only(p, ws.ptr, nullptr);
+    if (c.wide)
+      r.status = launch == 0 ? sage2_wide::launch_forward(p, ws.ptr, nullptr)
+                             : sage2_wide::launch_attention_only(p, ws.ptr, nullptr);
+    else
+      r.status = launch == 0 ? sage2::launch_forward(p, ws.ptr, nullptr, c.keep_q, c.split)
+                             : sage2::launch_attention_only(p, ws.ptr, nullptr);
     if (r.status != 0) return r;
     if (cudaDeviceSynchronize() != cudaSuccess) {
       r.status = static_cast<int>(cudaGetLastError());

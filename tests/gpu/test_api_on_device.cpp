@@ -122,7 +122,7 @@ TEST(ApiOnDevice, BadCallsFailNamedAndWriteNothing) {
   const std::vector<Bad> cases = {
       {"heads", [](qattn_fwd_params& p) { p.heads_kv = 3; }, bytes, StatusCode::kInvalidArgument,
        "heads_kv"},
-      {"head_dim", [](qattn_fwd_params& p) { p.head_dim = 256; }, bytes, StatusCode::kUnsupported,
+      {"head_dim", [](qattn_fwd_params& p) { p.head_dim = 264; }, bytes, StatusCode::kUnsupported,
        "head_dim"},
       {"o misaligned", [](qattn_fwd_params& p) { p.o.data = static_cast<char*>(p.o.data) + 2; },
        bytes, StatusCode::kInvalidArgument, "o"},

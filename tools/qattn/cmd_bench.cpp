@@ -391,7 +391,7 @@ Runner add_bench(CLI::App& app) {
       ->check(integer_in(1, kMaxInt));
   add_int_list(cmd, "--seq-lens", o->seq_lens, "Sequence lengths (Nq = Nkv), comma-separated", 1,
                kMaxInt);
-  add_int_list(cmd, "--head-dims", o->head_dims, "Head dims, comma-separated", 1, 128);
+  add_int_list(cmd, "--head-dims", o->head_dims, "Head dims, comma-separated", 1, 256);
   cmd->add_option("--causal", o->causal, "Causal mask: 0, 1 or both")
       ->capture_default_str()
       ->check(CLI::IsMember({"0", "1", "both"}));

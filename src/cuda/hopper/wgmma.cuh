@@ -145,6 +145,16 @@ __device__ __forceinline__ void wgmma_m64n136k32_e4m3_rs_init(float (&d)[68],
                : QATTN_WGMMA_D68("=f", d)
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
+// D(64x128, f32) (+)= A(64x32, e4m3, registers) * B(128x32, e4m3, smem, K-major): the
+// first 128 channels of the head-dim-256 P·V (cuda/sage2_wide/), whose ones rows follow
+// in its second, n136 product.
+__device__ __forceinline__ void wgmma_m64n128k32_e4m3_rs(float (&d)[64], const uint32_t (&a)[4],
+                                                         uint64_t desc_b) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " QATTN_WGMMA_REGS64
+               ", {%64, %65, %66, %67}, %68, 1, 1, 1;\n"
+               : QATTN_WGMMA_D64("+f", d)
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
 __device__ __forceinline__ void wgmma_m64n72k32_e4m3_rs(float (&d)[36], const uint32_t (&a)[4],
                                                         uint64_t desc_b) {
   asm volatile("wgmma.mma_async.sync.aligned.m64n72k32.f32.e4m3.e4m3 " QATTN_WGMMA_REGS36

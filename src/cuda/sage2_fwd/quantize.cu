@@ -9,6 +9,8 @@
 #include "numerics/mma_groups.h"
 #include "numerics/token_sample.h"
 
+#include <type_traits>
+
 namespace qattn::sage2 {
 namespace {
 
@@ -255,28 +257,36 @@ constexpr int kKvMinBlocksPerSmVarlen = 4;
 
 // Chunk slots of a warp, slot-major so that a warp's 16-byte accesses to one slot are
 // 512 contiguous bytes (conflict-free).
-struct KvStaging {
-  uint4 chunk[kKvWarps][kKvChunksPerLane][32];
+template <int kChunksPerLane>
+struct KvStagingOf {
+  uint4 chunk[kKvWarps][kChunksPerLane][32];
 };
+using KvStaging = KvStagingOf<kKvChunksPerLane>;
+// D = 256: a K group's 32 tokens of 32 chunks each are 32 slots per lane, 64 KB per CTA
+// (dynamic shared memory; the D <= 128 kernels keep their static 32 KB).
+using KvStagingWide = KvStagingOf<2 * kKvChunksPerLane>;
+template <int D>
+using KvStagingFor = std::conditional_t<D == 256, KvStagingWide, KvStaging>;
 
 // K: warp g quantizes per-thread group g of the tile (the 32 tokens with (c % 8) / 2 == g),
 // so the group amax is a warp reduction. A warp instruction covers whole token rows (2 at
 // D = 128, 4 at D = 64), for the loads and for the 8-byte stores.
 template <typename T, int D, bool kFullDim, bool kVarlen>
 __device__ void quantize_k_tile(const InputView<T>& k, const QuantizeParams& p,
-                                const QuantizeOutputs& out, KvStaging& stage, int tile, int h,
-                                int b) {
+                                const QuantizeOutputs& out, KvStagingFor<D>& stage, int tile,
+                                int h, int b) {
   constexpr int kChunks = D / 8;              // 16-byte chunks per token row
   constexpr int kRowsPerLoad = 32 / kChunks;  // token rows per warp instruction
   constexpr int kGroupTokens = groups::kKvTile / groups::kKThreadGroupsPerTile;
   constexpr int kItems = kGroupTokens / kRowsPerLoad;
   static_assert(kKvWarps == groups::kKThreadGroupsPerTile, "one warp per K group");
-  static_assert(kItems <= kKvChunksPerLane);
+  constexpr int kLaneSlots = sizeof(stage.chunk[0]) / sizeof(stage.chunk[0][0]);
+  static_assert(kItems <= kLaneSlots);
   __shared__ float warp_amax[kKvWarps];
   const int g = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int ch0 = (lane % kChunks) * 8, sub = lane / kChunks;
   const int64_t bh = static_cast<int64_t>(b) * p.heads_kv + h;
-  uint4(&slot)[kKvChunksPerLane][32] = stage.chunk[g];
+  uint4(&slot)[kLaneSlots][32] = stage.chunk[g];
   const int keys = keys_of<kVarlen>(p, b);
   // The i-th token of this lane; the group's tokens in order are 2g, 2g+1, 2g+8, 2g+9, ...
   auto token = [&](int i) {
@@ -390,8 +400,8 @@ __device__ void quantize_k_tile(const InputView<T>& k, const QuantizeParams& p,
 // loads 4 rows x 128 contiguous bytes and stores 8 rows x 64.
 template <typename T, int D, bool kFullDim, bool kVarlen>
 __device__ void quantize_v_part(const InputView<T>& v, const QuantizeParams& p,
-                                const QuantizeOutputs& out, KvStaging& stage, int tile, int part,
-                                int h, int b) {
+                                const QuantizeOutputs& out, KvStagingFor<D>& stage, int tile,
+                                int part, int h, int b) {
   constexpr int kSlices = D / 64;  // 64-channel slices of a token row
   constexpr int kGroup = 16;       // tokens of one permuted group
   static_assert(kGroup <= kKvChunksPerLane);
@@ -399,7 +409,8 @@ __device__ void quantize_v_part(const InputView<T>& v, const QuantizeParams& p,
   const int ch0 = (part % kSlices) * 64 + (lane % 8) * 8;
   const int tok0 = tile * groups::kKvTile + ((part / kSlices) * 4 + lane / 8) * kGroup;
   const int64_t bh = static_cast<int64_t>(b) * p.heads_kv + h;
-  uint4(&slot)[kKvChunksPerLane][32] = stage.chunk[warp];
+  constexpr int kLaneSlots = sizeof(stage.chunk[0]) / sizeof(stage.chunk[0][0]);
+  uint4(&slot)[kLaneSlots][32] = stage.chunk[warp];
 #pragma unroll
   for (int t = 0; t < kGroup; ++t)
     copy_chunk<kFullDim>(&slot[t][lane], head_input<kVarlen>(v, p, b, h), v.stride_n, tok0 + t,
@@ -480,6 +491,51 @@ __global__ void __launch_bounds__(kKvThreads, kVarlen ? kKvMinBlocksPerSmVarlen 
   }
 }
 
+// D = 256 (the head-dim-256 forward): the same steps with a K group's 32 tokens of 32
+// chunks staged per lane (KvStagingWide: 64 KB of dynamic shared memory). Its own kernel,
+// so the D <= 128 kernels' machine code stays as it was. At most three CTAs of 64 KB fit
+// an SM; the bound is two (at three and five the K part spilled), which keeps 128 KB of
+// loads in flight per SM.
+constexpr int kKvMinBlocksPerSmWide = 2;
+
+template <typename T, int D, bool kFullDim, bool kVarlen>
+__global__ void __launch_bounds__(kKvThreads, kKvMinBlocksPerSmWide)
+    kv_quantize_wide_kernel(InputView<T> k, InputView<T> v, QuantizeParams p, QuantizeOutputs out) {
+  static_assert(D == 256 && !kVarlen, "the wide staging is for the dense D = 256 passes");
+  extern __shared__ uint4 kv_stage_dynamic[];  // sizeof(KvStagingWide)
+  KvStagingWide& stage = *reinterpret_cast<KvStagingWide*>(kv_stage_dynamic);
+  // Launched early (programmatic dependent launch): the attention kernel may launch once
+  // all these CTAs run; the statistics (k_mean, v_amax) are complete after the wait.
+  hopper::launch_dependents();
+  hopper::grid_dependency_wait();
+  const int tiles = kVarlen ? p.kv_tiles : p.nkv_pad / groups::kKvTile;
+  // Heads in reverse order: chosen when the statistics kernel read all of V, so that the
+  // V it read last was still in L2 here; now it reads only the sample. The
+  // attention kernel starts with the first heads, whose codes this order writes last.
+  // Not re-measured.
+  const int h = gridDim.y - 1 - blockIdx.y, b = gridDim.z - 1 - blockIdx.z;
+  // A packed sequence has tiles up to its own length (the grid's are the longest one's).
+  int own_tiles = tiles;
+  if constexpr (kVarlen) own_tiles = own_kv_tiles<kVarlen>(p, b);
+  if (blockIdx.x < tiles) {
+    if (blockIdx.x < own_tiles) quantize_k_tile<T, D, kFullDim, kVarlen>(k, p, out, stage, blockIdx.x, h, b);
+  } else {
+    constexpr int kVWarpsPerTile = D / 32;
+    const int vwarp = (blockIdx.x - tiles) * kKvWarps + threadIdx.x / 32;
+    if (vwarp < own_tiles * kVWarpsPerTile)
+      quantize_v_part<T, D, kFullDim, kVarlen>(v, p, out, stage, vwarp / kVWarpsPerTile,
+                                      vwarp % kVWarpsPerTile, h, b);
+  }
+}
+
+template <typename T, int D, bool kFullDim, bool kVarlen>
+constexpr auto kv_quantize_kernel_for() {
+  if constexpr (D == 256)
+    return kv_quantize_wide_kernel<T, D, kFullDim, kVarlen>;
+  else
+    return kv_quantize_kernel<T, D, kFullDim, kVarlen>;
+}
+
 // ---- 4. fix-up: the V channels whose values exceed the sampled bound -----------------------
 // One block of 256 threads per (batch, KV head): a grid small enough that its CTAs,
 // resident early (PDL) while they wait for the K/V kernel, take few of its slots (a
@@ -547,7 +603,7 @@ cudaError_t launch_quantize_passes(const InputView<T>& k, const InputView<T>& v,
                                    cudaStream_t stream) {
   const dim3 kv_grid(p.kv_tiles, p.heads_kv, p.batch);
   auto statistics = statistics_kernel<T, D, kFullDim, kVarlen>;
-  auto kv_quantize = kv_quantize_kernel<T, D, kFullDim, kVarlen>;
+  auto kv_quantize = kv_quantize_kernel_for<T, D, kFullDim, kVarlen>();
   auto v_fixup = v_fixup_kernel<T, D, kFullDim, kVarlen>;
   // Both stage their loads in shared memory: ask for the largest carveout so that the
   // occupancy the launch bounds aim at (5 CTAs per SM) is not cut by the L1 share.
@@ -563,6 +619,12 @@ cudaError_t launch_quantize_passes(const InputView<T>& k, const InputView<T>& v,
                                            cudaSharedmemCarveoutMaxShared);
                   e != cudaSuccess)
                 return e;
+            if constexpr (D == 256)
+              if (cudaError_t e = cudaFuncSetAttribute(
+                      kv_quantize, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                      static_cast<int>(sizeof(KvStagingWide)));
+                  e != cudaSuccess)
+                return e;
             return cudaFuncSetAttribute(statistics, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         stats_stage_bytes<D>());
           });
@@ -575,7 +637,7 @@ cudaError_t launch_quantize_passes(const InputView<T>& k, const InputView<T>& v,
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   if (cudaError_t e = hopper::early_launch(
           kv_quantize, dim3(kv_quantize_grid_x<D>(kv_grid.x), kv_grid.y, kv_grid.z),
-          dim3(kKvThreads), 0, stream, k, v, p, out);
+          dim3(kKvThreads), D == 256 ? sizeof(KvStagingWide) : 0, stream, k, v, p, out);
       e != cudaSuccess)
     return e;
   return hopper::early_launch(v_fixup, dim3(kv_grid.y * kv_grid.z), dim3(kFixupThreads), 0, stream,
@@ -588,9 +650,13 @@ template <typename T, int D>
 cudaError_t launch_quantize(const InputView<T>& k, const InputView<T>& v, const QuantizeParams& p,
                             const QuantizeOutputs& out, cudaStream_t stream) {
   // A packed batch: its own kernels (varlen.cuh), so the dense ones' code is unchanged.
-  if (p.seqs != nullptr)
+  // (No packed batch at D = 256: the head-dim-256 forward has no varlen kernel.)
+  if constexpr (D == 256) {
+    if (p.seqs != nullptr) return cudaErrorNotSupported;
+  } else if (p.seqs != nullptr) {
     return p.head_dim == D ? launch_quantize_passes<T, D, true, true>(k, v, p, out, stream)
                            : launch_quantize_passes<T, D, false, true>(k, v, p, out, stream);
+  }
   return p.head_dim == D ? launch_quantize_passes<T, D, true, false>(k, v, p, out, stream)
                          : launch_quantize_passes<T, D, false, false>(k, v, p, out, stream);
 }
@@ -603,6 +669,9 @@ QATTN_INSTANTIATE(__nv_bfloat16, 64)
 QATTN_INSTANTIATE(__nv_bfloat16, 128)
 QATTN_INSTANTIATE(__half, 64)
 QATTN_INSTANTIATE(__half, 128)
+// The head-dim-256 forward's passes (cuda/sage2_wide/).
+QATTN_INSTANTIATE(__nv_bfloat16, 256)
+QATTN_INSTANTIATE(__half, 256)
 #undef QATTN_INSTANTIATE
 
 }  // namespace qattn::sage2

@@ -16,7 +16,7 @@ inline constexpr int kQTile = common::kItemRows;  // query rows per work item (a
 inline constexpr std::size_t kSeqPlaceBytes = 32;  // sizeof(SeqPlace) (varlen.cuh)
 
 struct WorkspaceLayout {
-  int head_dim_padded = 0;  // 64 or 128
+  int head_dim_padded = 0;  // 64 or 128 (256 in the head-dim-256 forward)
   int nq_pad = 0, nkv_pad = 0;
   std::size_t q_i8 = 0, q_scale = 0, q_dot_c = 0, k_i8 = 0, k_scale = 0, k_mean = 0, vt_f8 = 0,
               v_amax = 0, v_over = 0, item_counter = 0, mask_tiles = 0, mask_bits = 0, mask_classes = 0,
@@ -54,11 +54,14 @@ inline int mask_slices(const qattn_fwd_params& p) {
 }
 
 // keep_q: also room for the quantized Q, its scales and q·c, which the attention kernel
-// otherwise keeps in shared memory only (the GPU tests read them back).
-inline WorkspaceLayout workspace_layout(const qattn_fwd_params& p, bool keep_q = false) {
+// otherwise keeps in shared memory only (the GPU tests read them back; the head-dim-256
+// forward, cuda/sage2_wide/, quantizes Q by a pass into them). head_dim_padded: D, 0 for
+// this family's 64 or 128 (the head-dim-256 forward passes 256).
+inline WorkspaceLayout workspace_layout(const qattn_fwd_params& p, bool keep_q = false,
+                                        int head_dim_padded = 0) {
   auto round_up = [](std::size_t x, std::size_t m) { return (x + m - 1) / m * m; };
   WorkspaceLayout w;
-  w.head_dim_padded = padded_head_dim(p.head_dim);
+  w.head_dim_padded = head_dim_padded > 0 ? head_dim_padded : padded_head_dim(p.head_dim);
   w.nq_pad = static_cast<int>(round_up(static_cast<std::size_t>(p.seqlen_q), kQTile));
   w.nkv_pad = static_cast<int>(round_up(static_cast<std::size_t>(p.seqlen_kv), groups::kKvTile));
   const std::size_t D = static_cast<std::size_t>(w.head_dim_padded);
