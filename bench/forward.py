@@ -123,8 +123,10 @@ class Shape:
     causal: bool
     window: Tuple[int, int] = (-1, -1)  # sliding window (left, right); -1: no bound
     kv_len: int = 0  # key padding: every batch entry's keys from kv_len on hidden; 0: none
-    # A boolean attn_mask given to every method: "padding" (B, 1, 1, N), the first N/2 keys
-    # of each batch entry; "documents" (N, N), causal packed documents of 1024 tokens.
+    # An attn_mask given to every method: "padding" (B, 1, 1, N), the first N/2 keys of
+    # each batch entry; "documents" (N, N), causal packed documents of 1024 tokens (both
+    # boolean); "alibi" (1, H, N, N), ALiBi's bias under the causal rule as an additive mask
+    # in the inputs' dtype (-inf above the diagonal).
     bool_mask: str = ""
     # A varlen pack: the sequence lengths (Lq = Lk each); batch = len(lengths), n = the longest.
     lengths: Tuple[int, ...] = ()
@@ -133,6 +135,8 @@ class Shape:
     def mask(self) -> str:
         if self.lengths:
             return "varlen"
+        if self.bool_mask == "alibi":
+            return "additive"
         if self.bool_mask:
             return "bool"
         if self.kv_len:
@@ -199,7 +203,10 @@ def mask_shapes(quick: bool) -> List[Shape]:
     shapes = [Shape("key_padding", 4, 32, 32, 8192, 128, False, kv_len=4096),
               Shape("sliding_window", 1, 32, 8, 16384, 128, True, window=(4096, 0)),
               Shape("bool_padding", 4, 32, 32, 8192, 128, False, bool_mask="padding"),
-              Shape("bool_documents", 1, 32, 8, 8192, 128, False, bool_mask="documents")]
+              Shape("bool_documents", 1, 32, 8, 8192, 128, False, bool_mask="documents"),
+              # An additive mask beside the causal call doing the same work.
+              Shape("alibi_causal", 1, 32, 32, 4096, 128, False, bool_mask="alibi"),
+              Shape("causal", 1, 32, 32, 4096, 128, True)]
     if quick:
         return shapes
     return shapes + [
@@ -247,6 +254,8 @@ def visible_pairs(s: Shape) -> float:
         return float(s.n) * s.kv_len
     if s.bool_mask:
         m = sdpa_mask(s)
+        if m.dtype != torch.bool:  # additive: the keys above -inf
+            return float((m[:, :1] != float("-inf")).sum())
         return float(m.expand(s.batch, 1, s.n, s.n).sum()) / s.batch
     i = torch.arange(s.n, dtype=torch.float64)
     left, right = s.window
@@ -275,6 +284,13 @@ def sdpa_mask(s: Shape):
         return (m & (j <= i) if s.causal else m.expand(-1, 1, s.n, -1)).contiguous()
     if s.bool_mask == "padding":
         return (torch.arange(s.n, device="cuda") < s.n // 2).view(1, 1, 1, s.n).expand(s.batch, 1, 1, s.n)
+    if s.bool_mask == "alibi":
+        i = torch.arange(s.n, device="cuda")[:, None]
+        j = torch.arange(s.n, device="cuda")[None, :]
+        slopes = torch.tensor([2.0 ** -(8 * (h + 1) / s.heads) for h in range(s.heads)],
+                              device="cuda").view(s.heads, 1, 1)
+        bias = (-slopes * (i - j).float()).masked_fill(j > i, float("-inf"))
+        return bias.view(1, s.heads, s.n, s.n).to(torch.bfloat16)
     if s.bool_mask == "documents":
         i = torch.arange(s.n, device="cuda")[:, None]
         j = torch.arange(s.n, device="cuda")[None, :]
@@ -483,7 +499,7 @@ def measure_shape(s: Shape, args, l2_bytes: int) -> List[Row]:
             *sets[i % n_sets], attn_mask=attn_mask, enable_gqa=gqa)
         out = fn(0)
         medians, iters = time_fn(fn, **timing)
-        r = row("qattn", medians, iters, "boolean attn_mask through the SDPA drop-in")
+        r = row("qattn", medians, iters, f"{s.mask} attn_mask through the SDPA drop-in")
         if ref is not None:
             r.cossim_vs_cudnn = cossim(out, ref)
     elif "qattn" in args.methods:

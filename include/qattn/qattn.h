@@ -180,7 +180,16 @@ typedef struct qattn_fwd_params {
    * never loaded) and those it shows entirely (run without a test), and tests elements
    * only in the others. Rows that see no key get O = 0 and LSE = -inf. In this version
    * it combines with none of causal, window and kv_lengths (write them into the mask,
-   * or use those fields alone: they need no mask read). */
+   * or use those fields alone: they need no mask read).
+   * SDPA's float (additive) attn_mask, attn_mask_type = QATTN_MASK_ADDITIVE: the element
+   * at the same address (an fp16 or bf16 value of the call's dtype; strides still in
+   * bytes) is added to query i's score of key j after the scale, before the softmax;
+   * -inf hides the key. Tiles all of whose values are -inf are skipped, tiles of zeros
+   * run as unmasked, and the others add their values. The SageAttention2-8b family takes
+   * it with keys contiguous (attn_mask_stride_k = 2) and the pointer and the other
+   * strides multiples of 4 bytes; other layouts, and the other families, are declined
+   * (QATTN_ERROR_UNSUPPORTED, the reason named). Rows that see no key (every value -inf)
+   * get O = 0 and LSE = -inf, as with a boolean mask. */
   int32_t attn_mask_type; /* a qattn_mask_type; QATTN_MASK_NONE (default): no attn_mask */
   int32_t reserved1;      /* must be 0 */
   const void* attn_mask;  /* device memory, any alignment; read only */
@@ -227,7 +236,9 @@ typedef struct qattn_fwd_params {
 /* The kinds of attn_mask. */
 typedef enum qattn_mask_type {
   QATTN_MASK_NONE = 0,
-  QATTN_MASK_BOOL = 1 /* one byte per (query, key): nonzero = visible (SDPA's bool mask) */
+  QATTN_MASK_BOOL = 1,    /* one byte per (query, key): nonzero = visible (SDPA's bool mask) */
+  QATTN_MASK_ADDITIVE = 2 /* one fp16/bf16 value (the call's dtype) per (query, key), added
+                             to the scaled score; -inf hides (SDPA's float mask) */
 } qattn_mask_type;
 
 /* The smallest struct_size accepted: the size of the first layout that carried its

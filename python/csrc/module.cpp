@@ -5,11 +5,13 @@
 // A tensor is passed as (data_ptr, stride_b, stride_h, stride_n) in elements, the
 // shape as (batch, heads_q, heads_kv, seqlen_q, seqlen_kv, head_dim), the forward's
 // masks beyond causal as (kv_lengths, window_left, window_right, alignment, attn_mask,
-// attn_mask_stride_b, attn_mask_stride_h, attn_mask_stride_q, attn_mask_stride_k) with
+// attn_mask_stride_b, attn_mask_stride_h, attn_mask_stride_q, attn_mask_stride_k,
+// attn_mask_type) with
 // kv_lengths a device int32 pointer (0 = NULL), a window side -1 for no bound (both -1:
 // no window), alignment a qattn_alignment, and attn_mask a device pointer to SDPA's
-// boolean mask, one byte per (query, key) with byte strides >= 0 (0 broadcasts; the
-// pointer 0 = no attn_mask, QATTN_MASK_NONE, else QATTN_MASK_BOOL); the backward
+// mask with byte strides >= 0 (0 broadcasts) and its qattn_mask_type (QATTN_MASK_NONE:
+// no attn_mask; QATTN_MASK_BOOL: a byte per (query, key); QATTN_MASK_ADDITIVE: a value of
+// the call's dtype); the backward
 // (bwd_workspace_size, bwd) takes the same forms for its tensors; a packed batch (forward
 // only) is (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k). The KV-cache calls
 // take the cache as (format, heads_kv, head_dim, page_size, num_pages,
@@ -50,7 +52,7 @@ namespace {
 using TensorArg = std::tuple<std::uintptr_t, int64_t, int64_t, int64_t>;
 using ShapeArg = std::tuple<int, int, int, int, int, int>;
 using MaskArg = std::tuple<std::uintptr_t, int, int, int, std::uintptr_t, int64_t, int64_t,
-                           int64_t, int64_t>;
+                           int64_t, int64_t, int>;
 using CacheArg = std::tuple<int, int, int, int, int, int, int, std::uintptr_t>;
 // A packed batch: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), the arrays
 // device int32 pointers; (0, 0, 0, 0): not packed.
@@ -63,7 +65,7 @@ qattn_tensor tensor(const TensorArg& t) {
 }
 
 // qattn_fwd_params_init's: every key, no window, bottom-right, no attn_mask; not packed.
-const MaskArg kNoMask{0, -1, -1, QATTN_ALIGN_BOTTOM_RIGHT, 0, 0, 0, 0, 0};
+const MaskArg kNoMask{0, -1, -1, QATTN_ALIGN_BOTTOM_RIGHT, 0, 0, 0, 0, 0, QATTN_MASK_NONE};
 const VarlenArg kNotPacked{0, 0, 0, 0};
 
 qattn_fwd_params make_params(const TensorArg& q, const TensorArg& k, const TensorArg& v,
@@ -87,10 +89,9 @@ qattn_fwd_params make_params(const TensorArg& q, const TensorArg& k, const Tenso
   std::uintptr_t attn_mask = 0;
   std::tie(std::ignore, p.window_left, p.window_right, p.alignment, attn_mask,
            p.attn_mask_stride_b, p.attn_mask_stride_h, p.attn_mask_stride_q,
-           p.attn_mask_stride_k) = mask;
+           p.attn_mask_stride_k, p.attn_mask_type) = mask;
   p.window = p.window_left != -1 || p.window_right != -1 ? 1 : 0;  // (-1, -1): none
   p.attn_mask = reinterpret_cast<const void*>(attn_mask);
-  p.attn_mask_type = attn_mask != 0 ? QATTN_MASK_BOOL : QATTN_MASK_NONE;  // 0: none
   p.cu_seqlens_q = reinterpret_cast<const int32_t*>(std::get<0>(varlen));
   p.cu_seqlens_k = reinterpret_cast<const int32_t*>(std::get<1>(varlen));
   p.max_seqlen_q = std::get<2>(varlen);
@@ -505,6 +506,9 @@ NB_MODULE(_C, m) {
   m.attr("KV_SMOOTH_NONE") = static_cast<int>(QATTN_KV_SMOOTH_NONE);
   m.attr("KV_MAX_QUERY_TOKENS") = QATTN_KV_MAX_QUERY_TOKENS;
   m.attr("KV_MAX_SPLITS") = QATTN_KV_MAX_SPLITS;
+  m.attr("MASK_NONE") = int{QATTN_MASK_NONE};
+  m.attr("MASK_BOOL") = int{QATTN_MASK_BOOL};
+  m.attr("MASK_ADDITIVE") = int{QATTN_MASK_ADDITIVE};
   m.attr("SCHEME_SAGE2_8B") = int{QATTN_SCHEME_SAGE2_8B};
   m.attr("SCHEME_SAGE3_NVFP4") = int{QATTN_SCHEME_SAGE3_NVFP4};
   m.attr("SCHEME_PRECISE16") = int{QATTN_SCHEME_PRECISE16};

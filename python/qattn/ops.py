@@ -176,20 +176,38 @@ def _check_kv_lengths(kv_lengths, q, layout: str) -> None:
                       "q's device")
 
 
+def _additive_layout(mask, b: int, hq: int, nq: int, nkv: int):
+    """An additive mask as the SA2-8b kernel reads it (4-byte pairs of keys): keys
+    contiguous, and the pointer and the strides of the dimensions the call indexes even in
+    elements. Another layout (a key-broadcast mask, odd Nkv rows, a sliced view) is copied
+    into rows padded to an even length, keeping the mask's own broadcast dimensions (a
+    (Nq, Nkv) mask stays one slice)."""
+    m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    keys_ok = nkv == 1 or (m.shape[3] == nkv and m.stride(3) == 1)
+    rows_ok = all(st % 2 == 0 for st, size, full in zip(m.stride()[:3], m.shape[:3], (b, hq, nq))
+                  if full > 1 and size > 1)
+    if keys_ok and rows_ok and m.data_ptr() % 4 == 0:
+        return m
+    lead = tuple(m.shape[:3])
+    out = torch.empty(lead + (nkv + nkv % 2,), dtype=m.dtype, device=m.device)[..., :nkv]
+    out.copy_(m.expand(lead + (nkv,)))
+    return out
+
+
 def _check_attn_mask(attn_mask, q, k, layout: str) -> None:
-    """attn_mask: None, or SDPA's boolean mask (True = the query sees the key), a
-    torch.bool tensor on q's device whose shape broadcasts to (B, Hq, Nq, Nkv) by
-    PyTorch's rules ((Nkv,), (Nq, Nkv), (B, 1, 1, Nkv), ...), in either layout (the mask
-    is never in NHD order). q, k and v have passed _check_inputs."""
+    """attn_mask: None, or SDPA's boolean mask (True = the query sees the key) or its float
+    (additive) mask of q's dtype (added to the scaled scores; -inf hides the key), a
+    tensor on q's device whose shape broadcasts to (B, Hq, Nq, Nkv) by PyTorch's rules
+    ((Nkv,), (Nq, Nkv), (B, 1, 1, Nkv), ...), in either layout (the mask is never in NHD
+    order). q, k and v have passed _check_inputs."""
     if attn_mask is None:
         return
     if not isinstance(attn_mask, torch.Tensor):
         raise invalid(f"attn_mask is a {type(attn_mask).__name__}; allowed: None or a torch.bool "
-                      "tensor broadcastable to (B, Hq, Nq, Nkv) on q's device")
-    if attn_mask.dtype != torch.bool:
+                      "or q-dtype tensor broadcastable to (B, Hq, Nq, Nkv) on q's device")
+    if attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
         raise invalid(f"attn_mask.dtype = {attn_mask.dtype}; allowed: torch.bool (True = the "
-                      "query sees the key); an additive float mask is not taken (qattn."
-                      "scaled_dot_product_attention runs one on PyTorch's SDPA)")
+                      f"query sees the key) or q's dtype {q.dtype} (an additive mask)")
     b, hq, nq, _ = _bhnd(q, layout)
     target = (b, hq, nq, _bhnd(k, layout)[2])
     shape = tuple(attn_mask.shape)
@@ -316,16 +334,23 @@ class _Call:
         self.kv_lengths = None if kv_lengths is None else kv_lengths.contiguous()
         # The mask as a (B, Hq, Nq, Nkv) view: broadcast dimensions get stride 0, nothing
         # is copied. A bool is one byte, so its element strides are the C ABI's byte
-        # strides; any stride >= 0 is taken (a transposed or sliced mask as well).
+        # strides; any stride >= 0 is taken (a transposed or sliced mask as well). An
+        # additive mask is read in 4-byte pairs of keys: _additive_layout copies one whose
+        # keys are not contiguous or whose rows are not 4-byte aligned.
+        additive = attn_mask is not None and attn_mask.dtype != torch.bool
+        if additive:
+            attn_mask = _additive_layout(attn_mask, b, hq, nq, nkv)
         self.attn_mask = None if attn_mask is None else attn_mask.expand(b, hq, nq, nkv)
         m = self.attn_mask
+        item = 2 if additive else 1
         self.mask = (
             0 if self.kv_lengths is None else self.kv_lengths.data_ptr(),
             window_left,
             window_right,
             _ALIGNMENT_CODES[alignment],
             0 if m is None else m.data_ptr(),
-            *((0, 0, 0, 0) if m is None else m.stride()),
+            *((0, 0, 0, 0) if m is None else (st * item for st in m.stride())),
+            _C.MASK_ADDITIVE if additive else (_C.MASK_NONE if m is None else _C.MASK_BOOL),
         )
         self.scheme = scheme
         status, self.ws_bytes = _C.workspace_size(*self.args, self.mask, scheme)
@@ -1133,10 +1158,14 @@ def attention(
     shape broadcasts to (B, Hq, Nq, Nkv) ((Nq, Nkv), (B, 1, 1, Nkv), ...; in either
     layout the mask is (B, H, Nq, Nkv)): query i of batch entry b and head h sees key j
     iff attn_mask[b, h, i, j] is True. It is read in place (broadcast dimensions stay
-    stride 0, any strides). It combines with none of is_causal, window_size and
+    stride 0, any strides). Or SDPA's float (additive) mask of q's dtype: attn_mask[b, h,
+    i, j] is added to the scaled score, -inf hiding the key; it is read in place where its
+    keys are contiguous and its rows 4-byte aligned, else copied once (e.g. odd Nkv), and
+    runs in inference calls ("fast" precision; a training call raises
+    QattnUnsupportedError). Either combines with none of is_causal, window_size and
     kv_lengths: write those rules into the mask (kv_lengths alone is cheaper for key
     padding: no mask read, and the padding keys are left out of the quantization, which
-    the keys an attn_mask hides are not). A float (additive) mask is not taken.
+    the keys an attn_mask hides are not).
     Every mask runs in one kernel call. A row that sees no key gives output 0 and LSE
     -inf.
 
@@ -1210,6 +1239,10 @@ def attention(
     mask, lengths = _call_mask_options(q, k, v, is_causal, scale, layout, granularity,
                                        causal_alignment, window_left, window_right, kv_lengths,
                                        attn_mask)
+    if attn_mask is not None and attn_mask.dtype != torch.bool and _records_autograd(q, k, v):
+        raise QattnUnsupportedError(
+            "backward", "an additive attn_mask in a training call: qattn's backward takes "
+            "boolean masks; qattn.scaled_dot_product_attention runs such calls on PyTorch's SDPA")
     if set(mask) == {"alignment"} and min(lengths) > 0 and _records_autograd(q, k, v):
         o, lse = _top_left(q, k, v, scale, layout, return_lse, granularity)  # causal, top-left
     else:

@@ -5,13 +5,14 @@ call and on PyTorch's SDPA where it does not.
 What runs on qattn: query (B, Hq, Nq, d), key and value (B, Hkv, Nkv, d) of one shape;
 float16 or bfloat16 on a CUDA GPU of compute capability 9.0; d <= 256 (d of 129..256 on
 the head-dim-256 kernel, which takes no attn_mask and has no backward: such calls, and
-training calls at those head dims, go to SDPA); attn_mask None or
-boolean (True = the query sees the key, SDPA's meaning) on query's device with 2 to 4
-dimensions that broadcast to (B, Hq, Nq, Nkv), without is_causal; dropout_p 0; scale None or
-positive; Hq == Hkv, Hkv == 1 (SDPA broadcasts it), or enable_gqa with Hq a multiple of
-Hkv. A boolean mask runs in qattn's kernel as it is given (broadcast dimensions are
-never copied); a row it leaves with no key gives 0, as SDPA's math backend does. A
-float (additive) attn_mask, and everything else, goes to PyTorch's SDPA: with a
+training calls at those head dims, go to SDPA); attn_mask None, boolean (True = the
+query sees the key, SDPA's meaning) or additive (a float mask of the query's dtype, in
+inference calls) on query's device with 2 to 4 dimensions that broadcast to (B, Hq, Nq,
+Nkv), without is_causal; dropout_p 0; scale None or positive; Hq == Hkv, Hkv == 1 (SDPA
+broadcasts it), or enable_gqa with Hq a multiple of Hkv. A mask runs in qattn's kernel as
+it is given (broadcast dimensions are never copied; an additive mask whose rows are not
+4-byte aligned, e.g. odd Nkv, is copied once); a row it leaves with no key gives 0, as
+SDPA's math backend does for a boolean mask. Everything else goes to PyTorch's SDPA: with a
 QattnFallbackWarning once per reason (the default, "warn"), or as a
 QattnUnsupportedError ("raise"); see set_fallback. Meta tensors take qattn's op, whose
 fake implementation gives the shapes.
@@ -95,9 +96,15 @@ def _decline(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> Opt
         if not isinstance(attn_mask, torch.Tensor):
             return "attn_mask", "attn_mask is not a tensor"
         if attn_mask.dtype != torch.bool:
-            return "attn_mask float", (
-                "a float attn_mask; qattn's kernel takes boolean masks (True = attend)"
-            )
+            if not isinstance(q, torch.Tensor) or attn_mask.dtype != q.dtype:
+                return "attn_mask dtype", (
+                    f"a {attn_mask.dtype} attn_mask; qattn takes boolean masks and additive "
+                    "ones of the query's dtype"
+                )
+            if ops._records_autograd(q, k, v):
+                return "attn_mask float grad", (
+                    "an additive attn_mask in a training call; qattn's backward takes boolean masks"
+                )
         if attn_mask.requires_grad:
             return "attn_mask grad", "attn_mask requires grad; qattn gives no mask gradient"
         if is_causal:  # SDPA refuses the pair; its error is the answer
@@ -147,7 +154,7 @@ def _decline(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> Opt
         return "head_dim", f"head dim {d}; qattn takes 1..{_MAX_HEAD_DIM}"
     if d > _MAX_FULL_HEAD_DIM and attn_mask is not None:
         return "attn_mask head_dim", (
-            f"a boolean attn_mask at head dim {d}; qattn's kernel for head dims "
+            f"an attn_mask at head dim {d}; qattn's kernel for head dims "
             f"{_MAX_FULL_HEAD_DIM + 1}..{_MAX_HEAD_DIM} takes none"
         )
     if d > _MAX_FULL_HEAD_DIM and ops._records_autograd(q, k, v):

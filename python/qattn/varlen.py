@@ -148,7 +148,7 @@ def _varlen_op(
             ops._tensor_arg(o, "NHD"), lse.data_ptr() if return_lse else 0, ops._DTYPES[q.dtype],
             (len(cu_q) - 1, hq, hkv, total_q, total_k, d_pad), 1 if causal else 0,
             float(scale) if scale is not None else 1.0 / math.sqrt(d), 0)
-    mask = (0, window_left, window_right, ops._ALIGNMENT_CODES[alignment], 0, 0, 0, 0, 0)
+    mask = (0, window_left, window_right, ops._ALIGNMENT_CODES[alignment], 0, 0, 0, 0, 0, _C.MASK_NONE)
     packed = (cu_q.data_ptr(), cu_k.data_ptr(), max_seqlen_q, max_seqlen_k)
     with torch.cuda.device(q.device):
         status, ws_bytes = _C.workspace_size(*args, mask, _C.SCHEME_SAGE2_8B, packed)

@@ -1,6 +1,6 @@
-"""A boolean attn_mask (SDPA's: True = the query sees the key) from Python to the kernel:
-qattn.attention(..., attn_mask=m), the ops' attn_mask argument, and
-qattn.scaled_dot_product_attention routing a boolean mask to qattn.
+"""SDPA's attn_mask, boolean (True = the query sees the key) or additive (a float mask of
+the query's dtype), from Python to the kernel: qattn.attention(..., attn_mask=m), the ops'
+attn_mask argument, and qattn.scaled_dot_product_attention routing either to qattn.
 
 CPU parts (torch on the CPU, meta tensors): the validation with named errors (dtype,
 shape by PyTorch's broadcasting rules, device, and the combination with is_causal,
@@ -8,8 +8,9 @@ window_size or kv_lengths, which this version of the library refuses); the fake
 implementation's shapes and torch.compile(fullgraph=True) tracing with a mask; which op
 a call dispatches and with which mask (a call without one dispatches just the
 arguments of a plain call); what _Call hands the C ABI (the mask's pointer and byte
-strides of a (B, Hq, Nq, Nkv) broadcast view, no copy); the drop-in sending a boolean
-mask to qattn's op and a float mask to SDPA with one warning; and the backward of a
+strides of a (B, Hq, Nq, Nkv) broadcast view, no copy; an additive mask's layout rule and
+its copy); the drop-in sending a boolean mask, or an additive one of the query's dtype, to
+qattn's op and a float mask of another dtype to SDPA with one warning; and the backward of a
 masked training call: declined by SageBwd with a named reason, the exact FP32
 gradients from the fallback against FP64 autograd.
 
@@ -22,7 +23,10 @@ within LSE_ATOL per row against FP64; rows that see no key exactly 0 with LSE -i
 others finite. Masks: key padding (B, 1, 1, Nkv) with an entry of length 0, documents
 (Nq, Nkv), random (B, H, Nq, Nkv) with fully masked rows, (B, 1, Nq, Nkv) with Nq != Nkv
 under GQA, strided masks (transposed, sliced at an odd byte, a stride-0 batch); fp16 and
-bf16, both layouts, tails (N not a multiple of 128). torch.compile(fullgraph=True) of
+bf16, both layouts, tails (N not a multiple of 128); additive masks (ALiBi under the
+causal rule per head, random values with -inf among them and odd Nkv, 0 / -inf key padding
+with an empty entry, the dtype's lowest value as transformers writes it, a per-head bias
+under GQA) against SDPA given the same float mask. torch.compile(fullgraph=True) of
 the drop-in with a mask equals eager bitwise (the same kernel calls). A masked training
 call's gradients are the fallback's exact FP32 math: CosSim >= 0.99999 and relative
 L1 <= 2^-8 against FP64 (the FP32 result rounded to 16 bits: half an ulp, 2^-9 in bf16,
@@ -69,7 +73,9 @@ Q_SHAPE, K_SHAPE = (2, 4, 64, 32), (2, 2, 80, 32)  # B 2, Hq 4, Hkv 2, Nq 64, Nk
 
 @pytest.mark.parametrize("mask,match", [
     (torch.zeros(64, 80, device="meta"), r"attn_mask.dtype = torch.float32; allowed: torch.bool"),
-    (torch.zeros(64, 80, dtype=torch.bfloat16, device="meta"), r"attn_mask.dtype = torch.bfloat16"),
+    # A float mask of another dtype than q's bf16 (one of q's dtype is an additive mask).
+    (torch.zeros(64, 80, dtype=torch.float16, device="meta"),
+     r"attn_mask.dtype = torch.float16; allowed: torch.bool .* or q's dtype torch.bfloat16"),
     (torch.zeros(64, 80, dtype=torch.uint8, device="meta"), r"attn_mask.dtype = torch.uint8"),
     (meta_mask(64, 81), r"attn_mask has shape \(64, 81\); allowed: a shape broadcastable to "
                         r"\(B, Hq, Nq, Nkv\) = \(2, 4, 64, 80\)"),
@@ -264,7 +270,7 @@ def test_call_passes_the_mask_as_a_broadcast_view():
         c = call_for(q, k, k, attn_mask=mask)
         assert c.mask[:4] == (0, -1, -1, _C.ALIGN_BOTTOM_RIGHT)
         assert c.mask[4] == mask.data_ptr() == mask.untyped_storage().data_ptr() + offset
-        assert c.mask[5:] == strides, (tuple(mask.shape), c.mask)
+        assert c.mask[5:] == strides + (_C.MASK_BOOL,), (tuple(mask.shape), c.mask)
         # Kept alive on the call, a view of the caller's mask (no copy).
         assert c.attn_mask.shape == (b, hq, nq, nkv) and c.attn_mask.data_ptr() == mask.data_ptr()
         assert c.ws_bytes >= plain.ws_bytes
@@ -288,7 +294,11 @@ def test_nhd_call_takes_the_mask_in_bhnk_order():
     k = torch.zeros(2, 300, 2, 64, dtype=torch.float16)
     mask = torch.zeros(2, 4, 100, 300, dtype=torch.bool)
     c = call_for(q, k, k, layout="NHD", attn_mask=mask)
-    assert c.mask[4:] == (mask.data_ptr(), 4 * 100 * 300, 100 * 300, 300, 1)
+    assert c.mask[4:] == (mask.data_ptr(), 4 * 100 * 300, 100 * 300, 300, 1, _C.MASK_BOOL)
+    # An additive mask of q's dtype: its element strides in bytes, read in place.
+    add = torch.zeros(2, 1, 100, 300, dtype=torch.float16)
+    c = call_for(q, k, k, layout="NHD", attn_mask=add)
+    assert c.mask[4:] == (add.data_ptr(), 2 * 100 * 300, 0, 2 * 300, 2, _C.MASK_ADDITIVE)
     with pytest.raises(QattnError, match=r"attn_mask has shape \(2, 100, 4, 300\)"):
         call_for(q, k, k, layout="NHD", attn_mask=torch.zeros(2, 100, 4, 300, dtype=torch.bool))
 
@@ -313,8 +323,10 @@ def op_calls(monkeypatch):
         calls.append(dict(q=q, k=k, is_causal=is_causal, **kw))
         g = q.shape[1] // k.shape[1]
         kk, vv = (t.double().repeat_interleave(g, 1) for t in (k, v))
-        o = F.scaled_dot_product_attention(q.double(), kk, vv, attn_mask=kw.get("attn_mask"),
-                                           is_causal=is_causal, scale=scale)
+        m = kw.get("attn_mask")
+        m = m.double() if m is not None and m.dtype != torch.bool else m  # additive: in FP64 too
+        o = F.scaled_dot_product_attention(q.double(), kk, vv, attn_mask=m, is_causal=is_causal,
+                                           scale=scale)
         return o.to(q.dtype)
 
     monkeypatch.setattr(ops, "attention", attention)
@@ -359,24 +371,59 @@ def test_drop_in_sends_the_bool_mask_to_the_custom_op():
     assert other_masks(log.calls[0][1]) == (None, -1, -1, "bottom_right", False)
 
 
-def test_drop_in_sends_a_float_mask_to_sdpa_with_one_warning(op_calls):
+def test_drop_in_routes_an_additive_mask_of_the_query_dtype_to_qattn(op_calls):
     q, k, v = randn(2, 4, 64, 32), randn(2, 4, 80, 32, seed=8), randn(2, 4, 80, 32, seed=9)
     keep = torch.rand(64, 80, generator=torch.Generator().manual_seed(11)) > 0.3
-    additive = torch.zeros(64, 80, dtype=torch.bfloat16).masked_fill(~keep, float("-inf"))
-    assert sdpa._decline(q, k, v, additive, 0.0, False, None, False) == ("attn_mask float", FLOAT_REASON)
+    additive = torch.randn(64, 80, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
+    additive = additive.masked_fill(~keep, float("-inf"))
+    qattn.set_fallback("raise")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        o = qattn.scaled_dot_product_attention(q, k, v, attn_mask=additive)
+    assert len(op_calls) == 1 and op_calls[0]["attn_mask"] is additive
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=additive.double())
+    torch.testing.assert_close(o.double(), ref, rtol=2.0**-7, atol=2.0**-12)  # bf16 rounding
+    # Another float dtype (SDPA takes FP32 masks with 16-bit inputs), or a training call:
+    # SDPA, each with its reason.
+    declined = sdpa._decline(q, k, v, additive.float(), 0.0, False, None, False)
+    assert declined[0] == "attn_mask dtype" and "torch.float32 attn_mask" in declined[1]
+    grad = [t.clone().requires_grad_() for t in (q, k, v)]
+    assert sdpa._decline(*grad, additive, 0.0, False, None, False)[0] == "attn_mask float grad"
+    qattn.set_fallback("warn")
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        o = qattn.scaled_dot_product_attention(q, k, v, attn_mask=additive)
-        o2 = qattn.scaled_dot_product_attention(q, k, v, attn_mask=additive * 2)
+        o32 = qattn.scaled_dot_product_attention(q, k, v, attn_mask=additive.float())
     msgs = [str(w.message) for w in record if issubclass(w.category, QattnFallbackWarning)]
-    assert len(msgs) == 1 and FLOAT_REASON in msgs[0], msgs  # once per reason
-    assert not op_calls
-    assert torch.equal(o, F.scaled_dot_product_attention(q, k, v, attn_mask=additive))
-    assert torch.equal(o2, F.scaled_dot_product_attention(q, k, v, attn_mask=additive * 2))
-    qattn.set_fallback("raise")
-    with pytest.raises(QattnUnsupportedError, match="a float attn_mask") as info:
-        qattn.scaled_dot_product_attention(q, k, v, attn_mask=additive)
-    assert info.value.reason == "attn_mask float"
+    assert len(msgs) == 1 and "torch.float32 attn_mask" in msgs[0], msgs
+    assert len(op_calls) == 1
+    assert torch.equal(o32, F.scaled_dot_product_attention(q, k, v, attn_mask=additive.float()))
+
+
+def test_attention_takes_an_additive_mask_and_names_a_bad_one():
+    q, k, v = (t.to("meta") for t in (randn(2, 4, 64, 32), randn(2, 4, 80, 32), randn(2, 4, 80, 32)))
+    additive = torch.zeros(64, 80, dtype=torch.bfloat16, device="meta")
+    o = torch.ops.qattn.attention(q, k, v, False, None, "HND", False, "per_thread", attn_mask=additive)[0]
+    assert o.shape == q.shape
+    with pytest.raises(QattnError, match=r"attn_mask.dtype = torch.float16; allowed: torch.bool .* or "
+                                         r"q's dtype torch.bfloat16"):
+        torch.ops.qattn.attention(q, k, v, False, None, "HND", False, "per_thread",
+                                  attn_mask=additive.half())
+
+
+def test_additive_layout_copies_only_what_the_kernel_cannot_read():
+    even = torch.zeros(2, 1, 64, 80, dtype=torch.bfloat16)
+    assert ops._additive_layout(even, 2, 4, 64, 80) is not None
+    assert ops._additive_layout(even, 2, 4, 64, 80).data_ptr() == even.data_ptr()  # read in place
+    odd = torch.randn(64, 81).to(torch.bfloat16)
+    m = ops._additive_layout(odd, 2, 4, 64, 81)  # rows of 162 bytes: copied into 164-byte rows
+    assert m.shape == (1, 1, 64, 81) and m.stride() == (64 * 82, 64 * 82, 82, 1)
+    assert torch.equal(m[0, 0], odd)
+    keys = torch.randn(64, 1).to(torch.bfloat16)  # broadcast over keys: materialized
+    m = ops._additive_layout(keys, 1, 1, 64, 80)
+    assert m.stride(3) == 1 and torch.equal(m[0, 0], keys.expand(64, 80))
+    sliced = torch.randn(64, 82).to(torch.bfloat16)[:, 1:81]  # a pointer 2 bytes off
+    m = ops._additive_layout(sliced, 1, 1, 64, 80)
+    assert m.data_ptr() % 4 == 0 and torch.equal(m[0, 0], sliced)
 
 
 def test_drop_in_declines_what_its_kernel_does_not_take(op_calls):
@@ -390,7 +437,8 @@ def test_drop_in_declines_what_its_kernel_does_not_take(op_calls):
     assert sdpa._decline(q, k, k, ok.to("meta"), 0.0, False, None, False)[0] == "attn_mask device"
     assert sdpa._decline(q, k, k, [[True]], 0.0, False, None, False)[0] == "attn_mask"
     grad = torch.zeros(64, 80, requires_grad=True)  # a float mask that requires grad
-    assert sdpa._decline(q, k, k, grad, 0.0, False, None, False)[0] == "attn_mask float"
+    assert sdpa._decline(q, k, k, grad, 0.0, False, None, False)[0] == "attn_mask dtype"
+    assert sdpa._decline(q, k, k, grad.bfloat16(), 0.0, False, None, False)[0] == "attn_mask grad"
     assert sdpa._decline(q, k, k, ok, 0.0, False, None, False) is None
     # A mask with is_causal is SDPA's to answer, in either mode: its error where it raises
     # one (PyTorch >= 2.12 on every device), else its result (2.11's CPU path).
@@ -726,3 +774,93 @@ def test_gpu_masked_training_falls_back_to_exact_gradients(gpu, layout, dtype):
     with pytest.raises(QattnUnsupportedError, match="a boolean attn_mask") as info:
         o.backward(go)
     assert info.value.reason == "backward mask attn_mask"
+
+
+# ---- additive masks on the GPU ----------------------------------------------------------
+
+
+def check_additive_against_sdpa(q, k, v, mask, what, gqa=False, layout="HND"):
+    """qattn with the additive `mask` (q's dtype) against FP32 SDPA with the same mask: the
+    rows that see a key (a value above -inf) within the scheme's bounds, the LSE against
+    FP64 within LSE_ATOL, rows whose every value is -inf exactly 0 with LSE -inf (where
+    SDPA gives NaN)."""
+    print(what)
+    qh, kh, vh = (to_hnd(t, layout) for t in (q, k, v))
+    b, hq, nq, _ = qh.shape
+    nkv = kh.shape[2]
+    if layout == "HND":
+        o = qattn.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    else:
+        o = qattn.attention(q, k, v, layout="NHD", attn_mask=mask)
+    o = to_hnd(o, layout)
+    _, lse = qattn.attention(q, k, v, layout=layout, attn_mask=mask, return_lse=True)
+    full = mask.expand(b, hq, nq, nkv)
+    dead = torch.isneginf(full).all(-1)
+    assert bool(torch.isfinite(o).all()), f"{what}: non-finite output"
+    assert bool((o[dead] == 0).all()), f"{what}: a row that sees no key is not exactly 0"
+    assert torch.equal(torch.isneginf(lse), dead), f"{what}: LSE -inf rows"
+    ref = sdpa_fp32(qh, kh, vh, mask.float(), gqa or hq != kh.shape[1])
+    live = ~dead
+    cos, rel = metrics(o[live], ref[live])
+    assert cos >= MIN_COSSIM, f"{what}: CosSim {cos:.6f} < {MIN_COSSIM}"
+    assert rel <= MAX_REL_L1, f"{what}: relative L1 {rel:.4f} > {MAX_REL_L1}"
+    g = hq // kh.shape[1]
+    s = (qh.double() @ kh.double().repeat_interleave(g, 1).transpose(-1, -2)) / math.sqrt(qh.shape[-1])
+    ref_lse = torch.logsumexp(s + full.double(), -1)
+    # Rows whose every value is below -2.3e38 (bf16's lowest) average their keys as SDPA
+    # does, with the values saturated there (numerics/additive_mask.h): their LSE is not
+    # SDPA's and is not compared.
+    rows = live & (full.float().amax(-1) > -2.3e38)
+    err = (lse.double() - ref_lse)[rows].abs().max().item()
+    assert err <= LSE_ATOL, f"{what}: LSE error {err:.4f} > {LSE_ATOL}"
+
+
+def alibi_causal(heads, n, dtype):
+    """(1, H, N, N): -slope_h * (i - j) on and below the diagonal, -inf above (ALiBi)."""
+    i = torch.arange(n, device="cuda")[:, None]
+    j = torch.arange(n, device="cuda")[None, :]
+    slopes = torch.tensor([2.0 ** -(1 + h % 8) for h in range(heads)], device="cuda")[:, None, None]
+    bias = -slopes * (i - j).float()
+    return bias.masked_fill(j > i, float("-inf"))[None].to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_additive_alibi_causal(gpu, dtype, d):
+    gen = torch.Generator(device="cuda").manual_seed(41)
+    q, k, v = (cuda_randn((2, 4, 1000, d), dtype, gen) for _ in range(3))
+    check_additive_against_sdpa(q, k, v, alibi_causal(4, 1000, dtype), f"ALiBi causal d {d} {dtype}")
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("seed", [42, FRESH_SEED])
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_gpu_additive_random_values_odd_keys(gpu, dtype, seed, layout):
+    # Nkv = 517: rows of an odd number of values, copied into padded rows; every tile cut;
+    # -inf among the values, a whole row of them.
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = cuda_randn((2, 4, 333, 128), dtype, gen)
+    k, v = cuda_randn((2, 4, 517, 128), dtype, gen), cuda_randn((2, 4, 517, 128), dtype, gen)
+    mask = (2 * torch.randn((2, 1, 333, 517), generator=gen, device="cuda")).to(dtype)
+    mask[torch.rand((2, 1, 333, 517), generator=gen, device="cuda") < 0.25] = float("-inf")
+    mask[:, :, ::17] = float("-inf")
+    if layout == "NHD":
+        q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    check_additive_against_sdpa(q, k, v, mask, f"random values (2, 1, 333, 517) {dtype} seed {seed}",
+                                layout=layout)
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+def test_gpu_additive_padding_and_finfo_min(gpu, dtype):
+    gen = torch.Generator(device="cuda").manual_seed(43)
+    q, k, v = (cuda_randn((3, 8, 600, 64), dtype, gen) for _ in range(3))
+    keep = padding_mask([600, 250, 0], 600)
+    inf = torch.zeros(keep.shape, dtype=dtype, device="cuda").masked_fill(~keep, float("-inf"))
+    check_additive_against_sdpa(q, k, v, inf, f"padding -inf {dtype}")
+    # transformers' form: the dtype's lowest value instead of -inf. Every row then sees
+    # keys (entry 2 at its lowest value everywhere), as in SDPA.
+    low = torch.zeros(keep.shape, dtype=dtype, device="cuda").masked_fill(~keep, torch.finfo(dtype).min)
+    check_additive_against_sdpa(q, k, v, low, f"padding finfo.min {dtype}")
+    # GQA with a per-head (1, Hq, 1, Nkv) bias.
+    bias = torch.randn((1, 8, 1, 600), generator=gen, device="cuda").to(dtype)
+    check_additive_against_sdpa(q, k[:, :2], v[:, :2], bias, f"per-head bias, GQA 8:2 {dtype}", gqa=True)

@@ -71,10 +71,11 @@ def test_forward_stops_before_the_device_without_a_usable_gpu():
 
 
 # ---- the masks beyond causal: (kv_lengths, window_left, window_right, alignment,
-# attn_mask, attn_mask_stride_b, attn_mask_stride_h, attn_mask_stride_q, attn_mask_stride_k)
+# attn_mask, attn_mask_stride_b, attn_mask_stride_h, attn_mask_stride_q, attn_mask_stride_k,
+# attn_mask_type)
 
 
-NO_ATTN_MASK = (0, 0, 0, 0, 0)
+NO_ATTN_MASK = (0, 0, 0, 0, 0, 0)
 NO_MASK = (0, -1, -1, 0) + NO_ATTN_MASK
 
 
@@ -86,7 +87,7 @@ def m(kv_lengths, left, right, alignment):
 def bool_mask(ptr=7 << 40, sb=0, sh=0, sq=500, sk=1):
     """A mask tuple with only an attn_mask (strides in bytes; default a (Nq, Nkv) mask of
     args()'s 300 x 500, broadcast over batch and heads)."""
-    return (0, -1, -1, 0, ptr, sb, sh, sq, sk)
+    return (0, -1, -1, 0, ptr, sb, sh, sq, sk, _C.MASK_BOOL)
 
 
 def test_mask_defaults_to_none_and_constants():

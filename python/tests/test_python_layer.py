@@ -130,7 +130,7 @@ def test_call_arguments_hnd_and_nhd():
 def test_call_without_a_mask_passes_the_abi_defaults():
     q = torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16)
     c = call_for(q, q, q, is_causal=True)
-    assert c.mask == (0, -1, -1, _C.ALIGN_BOTTOM_RIGHT, 0, 0, 0, 0, 0) and c.kv_lengths is None
+    assert c.mask == (0, -1, -1, _C.ALIGN_BOTTOM_RIGHT, 0, 0, 0, 0, 0, _C.MASK_NONE) and c.kv_lengths is None
     assert c.attn_mask is None
 
 
@@ -140,13 +140,13 @@ def test_call_mask_arguments():
     lengths = torch.tensor([7, 0, 300], dtype=torch.int32)
     c = call_for(q, k, k, is_causal=True, kv_lengths=lengths, window_left=64, window_right=0,
                  alignment="top_left")
-    assert c.mask == (lengths.data_ptr(), 64, 0, _C.ALIGN_TOP_LEFT, 0, 0, 0, 0, 0)  # int32, contiguous: no copy
+    assert c.mask == (lengths.data_ptr(), 64, 0, _C.ALIGN_TOP_LEFT, 0, 0, 0, 0, 0, _C.MASK_NONE)  # int32, contiguous: no copy
     assert c.ws_bytes > 0
     # int64 is clamped to [0, Nkv] and converted (a value past int32 must not wrap).
     wide = torch.tensor([-5, 2**40, 123], dtype=torch.int64)
     c = call_for(q, k, k, kv_lengths=wide, window_left=-1, window_right=16)
     assert c.kv_lengths.dtype == torch.int32 and c.kv_lengths.tolist() == [0, 300, 123]
-    assert c.mask == (c.kv_lengths.data_ptr(), -1, 16, _C.ALIGN_BOTTOM_RIGHT, 0, 0, 0, 0, 0)
+    assert c.mask == (c.kv_lengths.data_ptr(), -1, 16, _C.ALIGN_BOTTOM_RIGHT, 0, 0, 0, 0, 0, _C.MASK_NONE)
     # A strided view is made contiguous: the C ABI reads B consecutive int32.
     strided = torch.tensor([1, 9, 2, 9, 3, 9], dtype=torch.int32)[::2]
     c = call_for(q, k, k, kv_lengths=strided)

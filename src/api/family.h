@@ -53,6 +53,8 @@ enum MaskBit : uint32_t {
   // A family declares it only with a kernel that walks the sequences itself (one launch,
   // per-sequence quantization), never by looping over launches.
   kMaskVarlen = 1u << 6,
+  // attn_mask_type = QATTN_MASK_ADDITIVE: SDPA's float mask, added to the scaled scores.
+  kMaskAdditive = 1u << 7,
 };
 
 // Which kernels of a forward to run: all, or (bench hooks) the attention kernel alone

@@ -89,6 +89,7 @@ uint32_t mask_features(const qattn_fwd_params& p) {
       (p.causal != 0 || window))
     bits |= kMaskTopLeft;
   if (p.attn_mask_type == QATTN_MASK_BOOL) bits |= kMaskBool;
+  if (p.attn_mask_type == QATTN_MASK_ADDITIVE) bits |= kMaskAdditive;
   if (varlen) bits |= kMaskVarlen;
   return bits;
 }
@@ -103,6 +104,8 @@ std::string features_reason(uint32_t missing, const qattn_fwd_params& p) {
                ", window_right = ", p.window_right, ")");
   if ((missing & kMaskKeyPadding) != 0) return "has no key-padding kernel (kv_lengths is set)";
   if ((missing & kMaskBool) != 0) return "has no attn_mask kernel (attn_mask_type = QATTN_MASK_BOOL)";
+  if ((missing & kMaskAdditive) != 0)
+    return "has no additive attn_mask kernel (attn_mask_type = QATTN_MASK_ADDITIVE)";
   return cat("has no top-left aligned mask (alignment = QATTN_ALIGN_TOP_LEFT with seqlen_q = ",
              p.seqlen_q, " != seqlen_kv = ", p.seqlen_kv, ")");
 }
@@ -118,6 +121,7 @@ std::string describe(const qattn_fwd_params& p) {
              (features & kMaskKeyPadding) != 0 ? ", key padding" : "",
              (features & kMaskTopLeft) != 0 ? ", top-left" : "",
              (features & kMaskBool) != 0 ? ", boolean attn_mask" : "",
+             (features & kMaskAdditive) != 0 ? ", additive attn_mask" : "",
              (features & kMaskVarlen) != 0 ? ", packed variable-length batch" : "");
 }
 

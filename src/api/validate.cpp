@@ -62,10 +62,11 @@ Span array_span(const void* data, std::size_t bytes) {
 // >= 0 (checked), so the last element is the one at the largest indices. 0 without a mask.
 std::size_t attn_mask_bytes(const qattn_fwd_params& p) {
   if (p.attn_mask_type == QATTN_MASK_NONE) return 0;
+  const int64_t element = p.attn_mask_type == QATTN_MASK_ADDITIVE ? 2 : 1;
   const int64_t last = (p.batch - 1) * p.attn_mask_stride_b + (p.heads_q - 1) * p.attn_mask_stride_h +
                        (p.seqlen_q - 1) * p.attn_mask_stride_q +
                        (p.seqlen_kv - 1) * p.attn_mask_stride_k;
-  return static_cast<std::size_t>(last + 1);
+  return static_cast<std::size_t>(last + element);
 }
 
 // The forward's buffers, in the order the checks name them.
@@ -278,14 +279,15 @@ qattn_status check_window_alignment(const char* fn, const qattn_fwd_params& p) {
 // with causal, window and kv_lengths is the families' to accept (registry.cpp).
 qattn_status check_attn_mask(const char* fn, const qattn_fwd_params& p) {
   if (auto s = check_reserved(fn, "reserved1", p.reserved1, "qattn_fwd_params_init"); s) return s;
-  if (p.attn_mask_type != QATTN_MASK_NONE && p.attn_mask_type != QATTN_MASK_BOOL)
+  if (p.attn_mask_type != QATTN_MASK_NONE && p.attn_mask_type != QATTN_MASK_BOOL &&
+      p.attn_mask_type != QATTN_MASK_ADDITIVE)
     return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": attn_mask_type = ", p.attn_mask_type,
-                "; allowed: QATTN_MASK_NONE (0) or QATTN_MASK_BOOL (1)");
+                "; allowed: QATTN_MASK_NONE (0), QATTN_MASK_BOOL (1) or QATTN_MASK_ADDITIVE (2)");
   if (p.attn_mask_type == QATTN_MASK_NONE) return QATTN_OK;
+  const char* type = p.attn_mask_type == QATTN_MASK_BOOL ? "QATTN_MASK_BOOL" : "QATTN_MASK_ADDITIVE";
   if (p.attn_mask == nullptr)
-    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn,
-                ": attn_mask is NULL with attn_mask_type = QATTN_MASK_BOOL; allowed: a device "
-                "pointer to the mask's bytes");
+    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": attn_mask is NULL with attn_mask_type = ",
+                type, "; allowed: a device pointer to the mask's elements");
   constexpr int64_t kMaxMaskBytes = int64_t{1} << 62;
   int64_t last = 0;
   for (auto [name, stride, extent] :
@@ -301,7 +303,8 @@ qattn_status check_attn_mask(const char* fn, const qattn_fwd_params& p) {
                   "; allowed: a stride in bytes >= 0 (0 broadcasts the dimension)");
   }
   const auto addr = reinterpret_cast<uintptr_t>(p.attn_mask);
-  if (addr > UINTPTR_MAX - static_cast<uintptr_t>(last + 1))
+  const int64_t element = p.attn_mask_type == QATTN_MASK_ADDITIVE ? 2 : 1;
+  if (addr > UINTPTR_MAX - static_cast<uintptr_t>(last + element))
     return fail(QATTN_ERROR_INVALID_ARGUMENT, fn,
                 ": attn_mask runs past the end of the address space (data + strides)");
   return QATTN_OK;
@@ -344,7 +347,9 @@ qattn_status check_varlen(const char* fn, const qattn_fwd_params& p) {
                 "in a packed batch (cu_seqlens_k gives each sequence its keys)");
   if (p.attn_mask_type != QATTN_MASK_NONE)
     return fail(QATTN_ERROR_INVALID_ARGUMENT, fn,
-                ": attn_mask_type = QATTN_MASK_BOOL with cu_seqlens_q/cu_seqlens_k; allowed: "
+                ": attn_mask_type = ",
+                p.attn_mask_type == QATTN_MASK_BOOL ? "QATTN_MASK_BOOL" : "QATTN_MASK_ADDITIVE",
+                " with cu_seqlens_q/cu_seqlens_k; allowed: "
                 "no attn_mask in a packed batch (not combinable in this version)");
   for (auto [name, data] : {std::pair{"cu_seqlens_q", p.cu_seqlens_q},
                             std::pair{"cu_seqlens_k", p.cu_seqlens_k}})

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "emulate/pv_tile.h"
+#include "numerics/additive_mask.h"
 #include "numerics/formats.h"
 #include "numerics/hadamard.h"
 #include "numerics/int32_scores.h"
@@ -529,7 +530,7 @@ EmulatedForward sage2_attend(const Sage2Quantized& z) {
             if (has_mask) {  // after the scale, in log2 units: a -inf hides the key
               const float add = z.attn_mask.at(z.attn_mask.b == 1 ? 0 : b,
                                                z.attn_mask.h == 1 ? 0 : h, i, j);
-              x[jj] = add == kNegInf ? kNegInf : x[jj] + add * detail::kLog2e;
+              x[jj] = add == kNegInf ? kNegInf : x[jj] + numerics::additive_log2(add);
             }
           }
           // V's scale is per 128-key tile (a 64-key step takes its tile's).

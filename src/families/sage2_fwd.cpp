@@ -52,6 +52,21 @@ std::string check_limits(const qattn_fwd_params& p) {
   }
   if (p.attn_mask_type != QATTN_MASK_NONE) {
     if (std::string why = api::attn_mask_alone(p); !why.empty()) return why;
+    // An additive mask's values are read by the consumers as 4-byte pairs of keys
+    // (attn_mask.cuh, load_additive): keys contiguous, rows and the pointer 4-byte aligned
+    // (the strides of dimensions of one are never used).
+    if (p.attn_mask_type == QATTN_MASK_ADDITIVE) {
+      if (p.seqlen_kv > 1 && p.attn_mask_stride_k != 2)
+        return api::cat("an additive attn_mask with attn_mask_stride_k = ", p.attn_mask_stride_k,
+                        "; allowed: 2 (contiguous keys)");
+      const int64_t used = (p.batch > 1 ? p.attn_mask_stride_b : 0) |
+                           (p.heads_q > 1 ? p.attn_mask_stride_h : 0) |
+                           (p.seqlen_q > 1 ? p.attn_mask_stride_q : 0) |
+                           static_cast<int64_t>(reinterpret_cast<uintptr_t>(p.attn_mask));
+      if ((used & 3) != 0)
+        return "an additive attn_mask whose pointer or row strides are not multiples of 4 "
+               "bytes; allowed: 4-byte aligned rows (copy the mask, e.g. with an even Nkv)";
+    }
     // The mask pass's grid: query blocks and slices are grid dimensions.
     const int64_t slices = sage2::mask_slices(p);
     if (nq_pad / q_tile > 65535 || slices > 65535)
@@ -86,7 +101,7 @@ constexpr api::ForwardFamily kFamily{
     .max_head_dim = 128,  // 64 and 128 natively, others zero-padded to the next of them
     .dtypes = (1u << QATTN_DTYPE_FP16) | (1u << QATTN_DTYPE_BF16),
     .masks = api::kMaskNone | api::kMaskCausal | api::kMaskWindow | api::kMaskKeyPadding |
-             api::kMaskTopLeft | api::kMaskBool | api::kMaskVarlen,
+             api::kMaskTopLeft | api::kMaskBool | api::kMaskAdditive | api::kMaskVarlen,
     .check_limits = &check_limits,
     .workspace_bytes = &workspace_bytes,
     .launch = kLaunch,

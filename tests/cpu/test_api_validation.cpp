@@ -421,9 +421,9 @@ TEST(ApiValidation, AttnMaskFields) {
   qattn_fwd_params p = with_bool_mask(valid_params());
   EXPECT_EQ(size_of(p).status, QATTN_OK) << size_of(p).message;
   qattn_fwd_params bad = p;
-  bad.attn_mask_type = 2;
-  EXPECT_REJECTS(size_of(bad), QATTN_ERROR_INVALID_ARGUMENT, "attn_mask_type = 2",
-                 "QATTN_MASK_NONE (0) or QATTN_MASK_BOOL (1)");
+  bad.attn_mask_type = 3;
+  EXPECT_REJECTS(size_of(bad), QATTN_ERROR_INVALID_ARGUMENT, "attn_mask_type = 3",
+                 "QATTN_MASK_NONE (0), QATTN_MASK_BOOL (1) or QATTN_MASK_ADDITIVE (2)");
   bad = p;
   bad.attn_mask = nullptr;
   EXPECT_REJECTS(size_of(bad), QATTN_ERROR_INVALID_ARGUMENT, "attn_mask is NULL");
@@ -456,6 +456,50 @@ TEST(ApiValidation, AttnMaskFields) {
   EXPECT_REJECTS(size_of(bad), QATTN_ERROR_INVALID_ARGUMENT, "o overlaps attn_mask");
   bad.attn_mask = p.k.data;  // inside an input: only read
   EXPECT_EQ(size_of(bad).status, QATTN_OK) << size_of(bad).message;
+}
+
+// SDPA's float mask: two bytes per element in the span (its last element may not reach
+// past o's start), and the SA2-8b family's layout rule (keys contiguous, 4-byte rows and
+// pointer) declines other layouts by name, before anything is launched.
+TEST(ApiValidation, AdditiveAttnMask) {
+  qattn_fwd_params p = with_bool_mask(valid_params());
+  p.attn_mask_type = QATTN_MASK_ADDITIVE;
+  p.attn_mask_stride_k = 2;
+  p.attn_mask_stride_q = 2 * int64_t{p.seqlen_kv};
+  p.attn_mask_stride_h = p.attn_mask_stride_q * p.seqlen_q;
+  p.attn_mask_stride_b = p.attn_mask_stride_h * p.heads_q;
+  EXPECT_EQ(size_of(p).status, QATTN_OK) << size_of(p).message;
+  qattn_fwd_params bad = p;
+  bad.attn_mask = nullptr;
+  EXPECT_REJECTS(size_of(bad), QATTN_ERROR_INVALID_ARGUMENT, "attn_mask is NULL",
+                 "QATTN_MASK_ADDITIVE");
+  // The last element's second byte: a mask ending one byte into o overlaps it.
+  const int64_t span = p.attn_mask_stride_b * (p.batch - 1) + p.attn_mask_stride_h * (p.heads_q - 1) +
+                       p.attn_mask_stride_q * (p.seqlen_q - 1) + p.attn_mask_stride_k * (p.seqlen_kv - 1);
+  bad = p;
+  bad.attn_mask = static_cast<char*>(p.o.data) - span / 4 * 4;  // ends 2 or 4 bytes into o
+  EXPECT_REJECTS(size_of(bad), QATTN_ERROR_INVALID_ARGUMENT, "o overlaps attn_mask");
+  bad.attn_mask = static_cast<char*>(p.o.data) - (span + 2 + 3) / 4 * 4;  // ends at or before o
+  EXPECT_EQ(size_of(bad).status, QATTN_OK) << size_of(bad).message;
+  // Keys not contiguous, a row of an odd number of bytes, a pointer off 4 bytes.
+  bad = p;
+  bad.attn_mask_stride_k = 4;
+  bad.attn_mask_stride_q = 4 * int64_t{p.seqlen_kv};
+  EXPECT_REJECTS(size_of(bad), QATTN_ERROR_UNSUPPORTED, "attn_mask_stride_k = 4");
+  bad = p;
+  bad.attn_mask_stride_q += 2;
+  EXPECT_REJECTS(size_of(bad), QATTN_ERROR_UNSUPPORTED, "multiples of 4 bytes");
+  bad = p;
+  bad.attn_mask = static_cast<char*>(fake(8)) + 2;
+  EXPECT_REJECTS(size_of(bad), QATTN_ERROR_UNSUPPORTED, "multiples of 4 bytes");
+  // A broadcast dimension's stride is never read: 0 passes, so does an odd one at size 1.
+  bad = p;
+  bad.attn_mask_stride_b = bad.attn_mask_stride_h = 0;
+  EXPECT_EQ(size_of(bad).status, QATTN_OK) << size_of(bad).message;
+  // With causal: the family takes an attn_mask alone.
+  bad = p;
+  bad.causal = 1;
+  EXPECT_REJECTS(size_of(bad), QATTN_ERROR_UNSUPPORTED, "attn_mask alone");
 }
 
 // In this version the mask is the whole rule: with causal, a window or key padding the

@@ -64,7 +64,14 @@ struct Sage2Case {
   // A boolean attn_mask (qattn.h), bytes of shape (mask_b, mask_h, mask_q, Nkv), each of
   // the three 1 (broadcast: stride 0) or the full extent; empty: none.
   std::vector<uint8_t> bool_mask;
+  // An additive attn_mask (QATTN_MASK_ADDITIVE): values in the call's dtype (bits), of the
+  // same shape rules; empty: none. (At most one of the two is set.)
+  std::vector<uint16_t> add_mask;
   int mask_b = 1, mask_h = 1, mask_q = 1;
+  std::size_t mask_index(int b, int h, int i, int j) const {
+    return ((static_cast<std::size_t>(mask_b == 1 ? 0 : b) * mask_h + (mask_h == 1 ? 0 : h)) *
+                mask_q + (mask_q == 1 ? 0 : i)) * seqlen_kv + j;
+  }
   uint8_t mask_at(int b, int h, int i, int j) const {
     const std::size_t at = ((static_cast<std::size_t>(mask_b == 1 ? 0 : b) * mask_h +
                              (mask_h == 1 ? 0 : h)) * mask_q + (mask_q == 1 ? 0 : i)) * seqlen_kv + j;
@@ -91,6 +98,9 @@ struct Sage2Case {
     if (!bool_mask.empty())
       m += " bool_mask=(" + std::to_string(mask_b) + "," + std::to_string(mask_h) + "," +
            std::to_string(mask_q) + "," + std::to_string(seqlen_kv) + ")";
+    if (!add_mask.empty())
+      m += " add_mask=(" + std::to_string(mask_b) + "," + std::to_string(mask_h) + "," +
+           std::to_string(mask_q) + "," + std::to_string(seqlen_kv) + ")";
     return m;
   }
   // The same masks for the reference and the emulator.
@@ -104,6 +114,14 @@ struct Sage2Case {
           for (int i = 0; i < seqlen_q; ++i)
             for (int j = 0; j < seqlen_kv; ++j)
               ap.attn_mask.at(b, h, i, j) = mask_at(b, h, i, j) ? 0.f : -INFINITY;
+    }
+    if (!add_mask.empty()) {  // the values as the kernel reads them
+      ap.attn_mask = Tensor4(mask_b, mask_h, seqlen_q, seqlen_kv);
+      for (int b = 0; b < mask_b; ++b)
+        for (int h = 0; h < mask_h; ++h)
+          for (int i = 0; i < seqlen_q; ++i)
+            for (int j = 0; j < seqlen_kv; ++j)
+              ap.attn_mask.at(b, h, i, j) = from_bits16(add_mask[mask_index(b, h, i, j)], bf16);
     }
     return ap;
   }
@@ -176,6 +194,13 @@ inline qattn_fwd_params make_params(const Sage2Case& c) {
     p.attn_mask_stride_h = c.mask_h == 1 ? 0 : int64_t{c.mask_q} * c.seqlen_kv;
     p.attn_mask_stride_b = c.mask_b == 1 ? 0 : int64_t{c.mask_h} * c.mask_q * c.seqlen_kv;
   }
+  if (!c.add_mask.empty()) {  // bytes: two per value, keys contiguous
+    p.attn_mask_type = QATTN_MASK_ADDITIVE;
+    p.attn_mask_stride_k = 2;
+    p.attn_mask_stride_q = c.mask_q == 1 ? 0 : 2 * int64_t{c.seqlen_kv};
+    p.attn_mask_stride_h = c.mask_h == 1 ? 0 : 2 * int64_t{c.mask_q} * c.seqlen_kv;
+    p.attn_mask_stride_b = c.mask_b == 1 ? 0 : 2 * int64_t{c.mask_h} * c.mask_q * c.seqlen_kv;
+  }
   return p;
 }
 
@@ -241,6 +266,11 @@ inline Sage2Result run_sage2(const Sage2Case& c, const InputHook& hook = {}) {
   if (!c.bool_mask.empty()) {
     dmask.upload(c.bool_mask);
     p.attn_mask = dmask.ptr;
+  }
+  DeviceBuffer<uint16_t> dadd(std::max<std::size_t>(c.add_mask.size(), 1));
+  if (!c.add_mask.empty()) {
+    dadd.upload(c.add_mask);
+    p.attn_mask = dadd.ptr;
   }
   const std::size_t ws_bytes =
       c.wide ? sage2_wide::workspace_bytes(p) : sage2::workspace_bytes(p, c.keep_q);

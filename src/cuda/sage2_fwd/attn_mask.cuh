@@ -1,15 +1,20 @@
-// The SA2-8b forward's boolean attn_mask (qattn_fwd_params' attn_mask): how the kernel
-// reads it. A pass before the attention kernel (attn_mask_tiles.cu) classifies every
+// The SA2-8b forward's attn_mask (qattn_fwd_params' attn_mask, boolean or additive):
+// how the kernel reads it. A pass before the attention kernel (attn_mask_tiles.cu) classifies every
 // 128 x 128 tile of each query block and writes, per (mask slice, query block), the
 // list of tiles that have a visible key; the loaders walk that list instead of a span
 // of tiles, so hidden tiles are never loaded. Each entry says whether its tile is
 // entirely visible (run as if unmasked) or cut (each element tested against the
-// mask's bits, which the pass also writes: a bit per (row, key)).
+// mask's bits, which the pass also writes: a bit per (row, key)). An additive mask's
+// tiles are hidden (every value -inf), unchanged (every value ±0: run as if unmasked) or
+// cut (the consumers add the caller's values: AdditivePairs); it has no bits.
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/common/fragment.cuh"
 #include "numerics/int32_scores.h"
@@ -32,6 +37,8 @@ struct AttnMaskView {
   int list_len;      // 1 + the KV tiles of the call
   int per_batch, per_head;  // whether the mask has its own slice per b / per query head
   int heads_q, num_m_blocks;
+  int additive;  // QATTN_MASK_ADDITIVE: data holds 2-byte values of the call's dtype
+  int bf16;      // with additive: the values are bf16 (else fp16)
 
   __host__ __device__ __forceinline__ int slice(int bh_q) const {
     const int b = bh_q / heads_q, hq = bh_q % heads_q;
@@ -74,6 +81,51 @@ __device__ __forceinline__ void apply_attn_mask(int32_t (&s)[kCols], AttnMaskVie
     const int keep = static_cast<int>(w[(i % 4) / 2] << (31 - (2 * (i / 4) + i % 2))) >> 31;
     s[i] = (s[i] & keep) | (scores::kMaskedScore & ~keep);
   }
+}
+
+// An additive attn_mask's values for one consumer thread of a cut tile, as
+// OnlineSoftmax::step_additive asks for them: element i (even) and i + 1 are keys
+// 8 (i / 4) + 2t and the next one of row (i % 4) / 2 of the thread (g, g + 8), one
+// 4-byte load (the family's layout rule: keys contiguous, rows 4-byte aligned; a last
+// odd key alone is a 2-byte load, so nothing past the row's last key is read). Rows past
+// seqlen_q, keys past seqlen_kv and tiles that are not cut read nothing and add 0 (such
+// keys are masked already).
+template <typename M>  // __half or __nv_bfloat16: the call's dtype
+struct AdditivePairs {
+  const uint16_t* row[2];  // the thread's rows at the tile's first key; null: nothing read
+  int valid;               // keys of the tile below seqlen_kv
+  int t;                   // the fragment's column group (lane % 4)
+
+  __device__ __forceinline__ static float2 pair(uint32_t w) {
+    if constexpr (std::is_same_v<M, __nv_bfloat16>)
+      return {__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u)};
+    else
+      return __half22float2(*reinterpret_cast<const __half2*>(&w));
+  }
+  __device__ __forceinline__ float2 operator()(int i) const {
+    const int col = 8 * (i / 4) + 2 * t;
+    const uint16_t* r = row[(i % 4) / 2];
+    if (r == nullptr || col >= valid) return {0.f, 0.f};
+    if (col + 1 < valid) return pair(__ldg(reinterpret_cast<const uint32_t*>(r + col)));
+    return {pair(__ldg(r + col)).x, 0.f};
+  }
+};
+
+// The pairs reader of tile kv0 for the thread whose upper row is row0 (a cut tile; else
+// a reader of nothing).
+template <typename M>
+__device__ __forceinline__ AdditivePairs<M> additive_pairs(const AttnMaskView& m, bool cut,
+                                                            int bh_q, int row0, int kv0,
+                                                            int seqlen_q, int seqlen_kv, int t) {
+  AdditivePairs<M> a{{nullptr, nullptr}, seqlen_kv - kv0, t};
+  if (!cut) return a;
+  const int b = bh_q / m.heads_q, h = bh_q % m.heads_q;
+  const uint8_t* base = m.data + b * m.stride_b + h * m.stride_h + int64_t{kv0} * 2;
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+    if (row0 + 8 * r < seqlen_q)
+      a.row[r] = reinterpret_cast<const uint16_t*>(base + int64_t{row0 + 8 * r} * m.stride_q);
+  return a;
 }
 
 // Enqueues the classification of the mask's tiles and the lists (attn_mask_tiles.cu):

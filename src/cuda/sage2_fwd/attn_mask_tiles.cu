@@ -1,5 +1,5 @@
-// The pass that prepares a boolean attn_mask for the SA2-8b forward (attn_mask.cuh):
-// every (slice, query block, KV tile) is classified from the caller's bytes, then each
+// The pass that prepares an attn_mask for the SA2-8b forward (attn_mask.cuh): every
+// (slice, query block, KV tile) is classified from the caller's bytes or values, then each
 // (slice, query block) gets its list of tiles with a visible key, in ascending order
 // (the order the emulator and the FP64 reference take the tiles in).
 #include <cuda_runtime.h>
@@ -80,6 +80,48 @@ __global__ void __launch_bounds__(kClassifyThreads)
         !any_visible ? kHidden : any_hidden ? kCut : kVisible;
 }
 
+// An additive mask's classes, one CTA per (KV tile, query block, slice) as above: hidden
+// (every value inside (seqlen_q, seqlen_kv) is -inf), unchanged (every one ±0) or cut.
+// A lane reads a pair of keys as one 4-byte word (the family's layout rule), the last
+// odd key of a row alone. Values are compared as bits: neg_inf is -inf's in the dtype.
+__global__ void __launch_bounds__(kClassifyThreads)
+    classify_additive_tiles(AttnMaskView m, int seqlen_q, int seqlen_kv, uint16_t neg_inf,
+                            uint8_t* classes) {
+  const int tile = blockIdx.x, m_block = blockIdx.y, slice = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int b = m.per_batch ? (m.per_head ? slice / m.heads_q : slice) : 0;
+  const int h = m.per_head ? slice % m.heads_q : 0;
+  const uint8_t* base = m.data + b * m.stride_b + h * m.stride_h + int64_t{tile} * kTile * 2;
+  const int rows = min(kTile, seqlen_q - m_block * kTile);
+  const int cols = min(kTile, seqlen_kv - tile * kTile);
+  bool any_visible = false, any_nonzero = false;
+  auto see = [&](uint32_t bits) {
+    any_visible |= bits != neg_inf;
+    any_nonzero |= (bits & 0x7fffu) != 0;
+  };
+#pragma unroll 4
+  for (int r = warp; r < rows; r += kClassifyThreads / 32) {
+    const auto* row = reinterpret_cast<const uint16_t*>(
+        base + (int64_t{m_block} * kTile + r) * m.stride_q);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int c = 2 * (32 * half + lane);  // keys c, c + 1
+      if (c + 1 < cols) {
+        const uint32_t w = __ldg(reinterpret_cast<const uint32_t*>(row + c));
+        see(w & 0xffffu);
+        see(w >> 16);
+      } else if (c < cols) {
+        see(__ldg(row + c));
+      }
+    }
+  }
+  any_visible = __syncthreads_or(any_visible);
+  any_nonzero = __syncthreads_or(any_nonzero);
+  if (threadIdx.x == 0)
+    classes[(static_cast<int64_t>(slice) * gridDim.y + m_block) * gridDim.x + tile] =
+        !any_visible ? kHidden : any_nonzero ? kCut : kVisible;
+}
+
 // One warp per (query block, slice): the visible and cut tiles in order, a ballot per 32.
 __global__ void __launch_bounds__(32) write_lists(AttnMaskView m, int kv_tiles,
                                                   const uint8_t* classes) {
@@ -107,8 +149,12 @@ __global__ void __launch_bounds__(32) write_lists(AttnMaskView m, int kv_tiles,
 cudaError_t launch_attn_mask_tiles(const AttnMaskView& m, int seqlen_q, int seqlen_kv, int slices,
                                    uint8_t* classes, cudaStream_t stream) {
   const int kv_tiles = m.list_len - 1;
-  classify_tiles<<<dim3(kv_tiles, m.num_m_blocks, slices), kClassifyThreads, 0, stream>>>(
-      m, seqlen_q, seqlen_kv, classes);
+  const dim3 grid(kv_tiles, m.num_m_blocks, slices);
+  if (m.additive)
+    classify_additive_tiles<<<grid, kClassifyThreads, 0, stream>>>(
+        m, seqlen_q, seqlen_kv, m.bf16 ? uint16_t{0xff80} : uint16_t{0xfc00}, classes);
+  else
+    classify_tiles<<<grid, kClassifyThreads, 0, stream>>>(m, seqlen_q, seqlen_kv, classes);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   write_lists<<<dim3(m.num_m_blocks, slices), 32, 0, stream>>>(m, kv_tiles, classes);
   return cudaGetLastError();

@@ -44,11 +44,12 @@ namespace qattn::sage2 {
 
 // kPolyChunks (d=128 only): the softmax's exps of that many column chunks in each 8 on the
 // FMA pipe (numerics::exp2_poly) instead of MUFU; 0 or 1 (launch.cu chooses).
-// kAttnMask: the kernel of a boolean attn_mask (attn_mask.cuh), its own instantiation so
-// that the others' machine code is the measured one. kVarlen: the kernel of a packed
-// batch (varlen.cuh), likewise.
+// kAttnMask: the kernel of an attn_mask (attn_mask.cuh), its own instantiation so
+// that the others' machine code is the measured one; kAdditive (with kAttnMask) makes
+// the mask additive: cut tiles add the caller's values (OnlineSoftmax::step_additive).
+// kVarlen: the kernel of a packed batch (varlen.cuh), likewise.
 template <int D, typename T, int kConsumerRegs, int kQuantWarps = 2, int kPolyChunks = 0,
-          bool kAttnMask = false, bool kVarlen = false>
+          bool kAttnMask = false, bool kVarlen = false, bool kAdditive = false>
 __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
     sage2_fwd_kernel(const __grid_constant__ CUtensorMap tm_q,
                      const __grid_constant__ CUtensorMap tm_k,
@@ -138,6 +139,10 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
   constexpr int kS = Tr::kBlockN / 2;  // score elements per thread
   constexpr int kO = D / 2;            // output elements per thread
   constexpr int kOAcc = kO + 4;        // and the ones columns: row sums
+  // An additive mask at d=128: the next tile's softmax after P·V(it) has landed, not under
+  // it (its mask values and float scores beside P·V's accumulator spilled; bench/NOTES.md
+  // v37, v50).
+  constexpr bool kSoftmaxAfterPv = kAdditive && D == 128;
   // Independent max chains per row: 4 at d=128, 2 at d=64  (measured: bench/NOTES.md).
   static_assert(D == 128 || kPolyChunks == 0, "d=64 loses 10-16% with poly exps");
   using Softmax = OnlineSoftmax<kS, D == 64 ? 2 : 4, kPolyChunks>;
@@ -300,13 +305,25 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
     const common::KeyMask mask = item_mask(bar.item[w.slot()].kv_len, w.slot());
     // Tiles before the window's start: a test on kernel constants and the item's row,
     // not one more value live per item.
-    const bool masked = D == 128 ? kv0 > w.unmasked_until || kv0 < mask.unmasked_from(row_first(w))
+    // (The additive kernel at d=128 takes the d=64 test: with the other, a register of
+    // its new-item turn spilled.)
+    const bool masked = D == 128 && !kAdditive ? kv0 > w.unmasked_until || kv0 < mask.unmasked_from(row_first(w))
                                  : mask.needed(kv0, row_first(w));  // a measured choice
     if (masked) mask.apply(acc_s, fc, kv0, w.m_block * Tr::kBlockM + row_in_block(0));
     // kAttnMask: the element test on the tiles the mask cuts (or hides). d=64 branches
     // around it; at d=128 a branch spilled 88-132 bytes, so every tile runs it, with all
     // bits set where the tile is fully visible.
     const int attn_row0 = w.m_block * Tr::kBlockM + row_in_block(0);
+    if constexpr (kAdditive) {
+      // A hidden entry (a block that sees no key) hides its whole tile; a cut tile adds
+      // the mask's values; an unchanged one adds zeros without reading them.
+      if (entry & kMaskTileHidden) apply_attn_mask(acc_s, p.mask, entry, w.bh_q, fc, kv0, attn_row0);
+      sm.step_additive(acc_s, qk,
+                       additive_pairs<T>(p.mask, (entry & kMaskTileCut) != 0, w.bh_q, attn_row0,
+                                         kv0, p.seqlen_q, p.seqlen_kv, fc.t),
+                       x, alpha_out);
+      return;
+    }
     if constexpr (kAttnMask && D == 64) {
       if (entry & (kMaskTileCut | kMaskTileHidden)) {
         apply_attn_mask(acc_s, p.mask, entry, w.bh_q, fc, kv0, attn_row0);
@@ -342,8 +359,12 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
   }
   Softmax sm_cur;
   float o[kO];
+  // (kSoftmaxAfterPv: O's zeros are set after the first tile's softmax, where 64 registers
+  // of zeros beside its mask values spilled.)
+  if constexpr (!kSoftmaxAfterPv) {
 #pragma unroll
-  for (int i = 0; i < kO; ++i) o[i] = 0.f;
+    for (int i = 0; i < kO; ++i) o[i] = 0.f;
+  }
   // The next turn's V tile, and its K tile when it is of the same item, checked while this
   // turn's MMAs run: a completed barrier still takes a try_wait round trip (~70 cycles
   // each), which at a turn's start delays its MMA issue. The stages stay
@@ -372,6 +393,10 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
     softmax_tile(cur, 0, qk, sm_cur, x, alpha, tile_entry(cur, 0));
     pack_p_fragments(x, a_p);
   }
+  if constexpr (kSoftmaxAfterPv) {
+#pragma unroll
+    for (int i = 0; i < kO; ++i) o[i] = 0.f;
+  }
 
   // One round on the tensor cores: P·V of tile `it` of cur and, when there is one, Q·Kᵀ
   // of the next tile (tile it + 1 of cur, or the first tile of the next item). The MMAs
@@ -395,7 +420,7 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
     resolve_store();
     if constexpr (has_next) wait_ahead(nw, nit);
     float x[kS], alpha_next[2];
-    if constexpr (has_next) {
+    if constexpr (has_next && !kSoftmaxAfterPv) {
       // The softmax of the next tile runs while P·V(it) still computes; its P waits in x
       // until P·V(it) has finished reading a_p.
       const int entry = tile_entry(nw, nit);
@@ -413,6 +438,8 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
     for (int i = 0; i < kO; ++i) o[i] = fmaf(o[i], alpha[(i % 4) / 2], acc_o[i]);
     sm_cur.add_row_sums(acc_o[kO], acc_o[kO + 2], alpha);  // the ones columns (rows g, g + 8)
 
+    if constexpr (has_next && kSoftmaxAfterPv)  // P·V's registers are free now
+      softmax_tile(nw, nit, qk_next, sm_next, x, alpha_next, tile_entry(nw, nit));
     if constexpr (has_next) {
       pack_p_fragments(x, a_p);
       alpha[0] = alpha_next[0];

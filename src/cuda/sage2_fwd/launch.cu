@@ -38,7 +38,7 @@ numerics::KeyRule key_rule(const qattn_fwd_params& p) {
                                  p.window != 0 ? p.window_right : -1, p.seqlen_kv);
 }
 
-// A boolean attn_mask as the kernel and its pass read it (tiles null without one).
+// An attn_mask as the kernel and its pass read it (tiles null without one).
 AttnMaskView mask_view(const qattn_fwd_params& p, const WorkspaceLayout& w, void* ws) {
   AttnMaskView m{};
   if (p.attn_mask_type == QATTN_MASK_NONE) return m;
@@ -55,6 +55,8 @@ AttnMaskView mask_view(const qattn_fwd_params& p, const WorkspaceLayout& w, void
   m.per_head = mask_per_head(p);
   m.heads_q = p.heads_q;
   m.num_m_blocks = w.nq_pad / kQTile;
+  m.additive = p.attn_mask_type == QATTN_MASK_ADDITIVE;
+  m.bf16 = p.dtype == QATTN_DTYPE_BF16;
   return m;
 }
 
@@ -184,7 +186,10 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
   // A boolean attn_mask: its own kernel, in the 232-register shape whose loader has the
   // registers for the list lookups (attn_mask.cuh).
   const bool attn_mask = p.attn_mask_type != QATTN_MASK_NONE;
+  const bool additive = p.attn_mask_type == QATTN_MASK_ADDITIVE;
   if (attn_mask) kernel = sage2_fwd_kernel<D, T, 232, 2, 0, true>;
+  // An additive mask: the same shape, its own kernel (kernel.cuh, kAdditive).
+  if (additive) kernel = sage2_fwd_kernel<D, T, 232, 2, 0, true, false, true>;
   // A packed batch: its own kernel, in the 240-register shape (at 232 its d = 128
   // consumers, with the per-sequence epilogue, spilled).
   if (w.varlen) kernel = sage2_fwd_kernel<D, T, 240, 2, 0, false, true>;
@@ -195,9 +200,9 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
   if (auto e = hopper::current_device_sms(&num_sms); e != cudaSuccess) return e;
   // Per kernel shape (kAuto was resolved above; the others are 1-4).
   static_assert(static_cast<int>(RegisterSplit::kConsumers240PolyExp) == 4);
-  static std::atomic<unsigned long long> configured[6] = {0, 0, 0, 0, 0, 0};
+  static std::atomic<unsigned long long> configured[7] = {0, 0, 0, 0, 0, 0, 0};
   if (auto e = hopper::once_per_context(
-          configured[w.varlen ? 5 : attn_mask ? 4 : static_cast<int>(split) - 1],
+          configured[w.varlen ? 5 : additive ? 6 : attn_mask ? 4 : static_cast<int>(split) - 1],
           [&] {
             return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
           });

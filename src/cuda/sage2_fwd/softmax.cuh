@@ -10,6 +10,7 @@
 
 #include "cuda/common/e4m3.cuh"
 #include "cuda/common/exp2.cuh"
+#include "numerics/additive_mask.h"
 #include "numerics/exp2_poly.h"
 #include "numerics/int32_scores.h"
 
@@ -80,6 +81,46 @@ struct OnlineSoftmax {
       // of 16): measured per pattern (bench/NOTES.md).
       p[i] = (i / 4) % 8 < kPolyChunks ? numerics::exp2_poly(y) : common::exp2_approx(y);
     }
+  }
+
+  // step() for a tile of an additive attn_mask: x = float(s)·qk + add·log2(e) in FP32
+  // (numerics::additive_log2; the roundings of the emulator's), then the max and the exps on floats (a float max
+  // and an FADD per element where step() runs the max on the integers). `add(i)` gives
+  // the mask value of element i, read as the caller decides (attn_mask.cuh); -inf hides
+  // the key. x is formed in p, so no second array of kCols values is live.
+  template <typename AddPair>
+  __device__ __forceinline__ void step_additive(const int32_t (&s)[kCols], float qk,
+                                                AddPair add_pair, float (&p)[kCols],
+                                                float (&alpha)[2]) {
+#pragma unroll
+    for (int i = 0; i < kCols; i += 2) {
+      const float2 a = add_pair(i);  // elements i, i + 1: adjacent keys of one row
+      p[i] = __fadd_rn(__fmul_rn(score_to_float(s[i]), qk), numerics::additive_log2(a.x));
+      p[i + 1] = __fadd_rn(__fmul_rn(score_to_float(s[i + 1]), qk), numerics::additive_log2(a.y));
+    }
+    float mp[2][kPartials];
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int k = 0; k < kPartials; ++k) mp[r][k] = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < kCols; ++i)
+      mp[(i % 4) / 2][(i / 4) % kPartials] = fmaxf(mp[(i % 4) / 2][(i / 4) % kPartials], p[i]);
+    float neg_bias[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = m[r];
+#pragma unroll
+      for (int k = 0; k < kPartials; ++k) mx = fmaxf(mx, mp[r][k]);
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+      const bool empty = mx == -INFINITY;  // only hidden keys so far: no inf - inf
+      alpha[r] = empty ? 1.f : common::exp2_approx(m[r] - mx);
+      neg_bias[r] = empty ? 0.f : common::kLog2E4M3Max - mx;
+      m[r] = mx;
+    }
+#pragma unroll
+    for (int i = 0; i < kCols; ++i) p[i] = common::exp2_approx(p[i] + neg_bias[(i % 4) / 2]);
   }
 
   // Adds a tile's row sums (of the cast P: the ones columns of its P·V product, which

@@ -107,7 +107,8 @@ inline WorkspaceLayout workspace_layout(const qattn_fwd_params& p, bool keep_q =
     w.mask_slices = mask_slices(p);
     const std::size_t blocks = static_cast<std::size_t>(w.mask_slices) * (w.nq_pad / kQTile);
     w.mask_tiles = take(blocks * (w.kv_tiles() + 1) * sizeof(int));
-    w.mask_bits = take(blocks * kQTile * (w.nkv_pad / 8));
+    // (An additive mask's cut tiles read the caller's values: no bits.)
+    if (p.attn_mask_type == QATTN_MASK_BOOL) w.mask_bits = take(blocks * kQTile * (w.nkv_pad / 8));
     w.mask_classes = take(blocks * w.kv_tiles());
   }
   if (w.varlen) {
