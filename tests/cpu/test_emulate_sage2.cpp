@@ -16,6 +16,7 @@
 #include "emulate/pv_tile.h"
 #include "emulate/sage2.h"
 #include "emulate/synthetic.h"
+#include "numerics/additive_mask.h"
 #include "numerics/formats.h"
 #include "numerics/mma_groups.h"
 #include "reference/attention_fp64.h"
@@ -1052,6 +1053,38 @@ TEST(Sage2Masks, AdditiveMaskUnquantizedMatchesReference) {
     o.pv_format = PvFormat::Fp32;
     SCOPED_TRACE(::testing::Message() << "mask (" << mb << ", " << mh << ")");
     expect_close(emulate::sage2_attention(in.q, in.k, in.v, p, o), ref, 1e-5, 1e-4);
+  }
+}
+
+// A row whose every value is bf16's lowest (transformers' "masked"): the values saturate
+// at numerics::kLowestAdditive instead of overflowing to -inf in log2 units, so the row
+// averages its keys as the FP64 reference does (the scores vanish beside 3.4e38 in both),
+// and its LSE stays finite. -inf still hides a key.
+TEST(Sage2Masks, LowestValuesAverageTheirKeysAsSdpaDoes) {
+  const float lowest = -3.3895314e38f;  // bf16's lowest, exactly representable in FP32
+  EXPECT_TRUE(std::isfinite(numerics::additive_log2(lowest)));
+  EXPECT_EQ(numerics::additive_log2(-std::numeric_limits<float>::infinity()),
+            -std::numeric_limits<float>::infinity());
+  EXPECT_EQ(numerics::additive_log2(0.f), 0.f);
+  const Case c{1, 2, 2, 40, 300, 32, Mask::None};
+  const Inputs in = make_inputs(c, testutil::fresh_seed(), 1.0f);
+  AttentionParams p{c.mask, std::nullopt};
+  p.attn_mask = Tensor4(1, 1, c.nq, c.nkv);
+  for (int j = 0; j < c.nkv; ++j) p.attn_mask.at(0, 0, 5, j) = lowest;
+  const auto ref = reference::attention_forward(in.q, in.k, in.v, p);
+  Sage2Options o;
+  o.qk_format = QkFormat::Fp32;
+  o.pv_format = PvFormat::Fp32;
+  const auto emu = emulate::sage2_attention(in.q, in.k, in.v, p, o);
+  for (int h = 0; h < c.hq; ++h) {
+    EXPECT_TRUE(std::isfinite(emu.lse[h * c.nq + 5])) << "head " << h;
+    for (int d = 0; d < c.d; ++d) {
+      double mean = 0;  // the reference's row: the plain mean of V over the keys
+      for (int j = 0; j < c.nkv; ++j) mean += in.v.at(0, h / (c.hq / c.hkv), j, d);
+      mean /= c.nkv;
+      EXPECT_NEAR(ref.o.at(0, h, 5, d), mean, 1e-5) << "reference, head " << h << " channel " << d;
+      EXPECT_NEAR(emu.o.at(0, h, 5, d), mean, 1e-5) << "emulation, head " << h << " channel " << d;
+    }
   }
 }
 
