@@ -3,9 +3,10 @@
 //
 // CTA = 3 warpgroups, 128 query rows per work item (scheduler.cuh). Warpgroup 0: one
 // loader thread (producer.cuh). Warpgroups 1 and 2: consumers of 64 rows each. A
-// consumer's turn on 64-key tile `it`: O rescaled by the tile's alpha, then Q·Kᵀ of the next tile (8 × m64n64k32 INT8) and P·V of this
-// one (2 × (m64n128k32 + m64n136k32) E4M3, straight into O) issued together; the next
-// tile's softmax runs under the P·V. docs/sage2-wide-kernel.md draws it.
+// consumer's turn on 64-key tile `it`: O rescaled by the tile's alpha, then Q·Kᵀ of the
+// next tile (8 × m64n64k32 INT8) and P·V of this one (2 × (m64n128k32 + m64n136k32) E4M3,
+// straight into O) issued together; the next tile's softmax runs under the P·V, and adds
+// its 448·P to the FP32 row sums. docs/sage2-wide-kernel.md draws it.
 #pragma once
 
 #include <cuda.h>
