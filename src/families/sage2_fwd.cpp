@@ -53,7 +53,7 @@ std::string check_limits(const qattn_fwd_params& p) {
   if (p.attn_mask_type != QATTN_MASK_NONE) {
     if (std::string why = api::attn_mask_alone(p); !why.empty()) return why;
     // An additive mask's values are read by the consumers as 4-byte pairs of keys
-    // (attn_mask.cuh, load_additive): keys contiguous, rows and the pointer 4-byte aligned
+    // (attn_mask.cuh, AdditivePairs): keys contiguous, rows and the pointer 4-byte aligned
     // (the strides of dimensions of one are never used).
     if (p.attn_mask_type == QATTN_MASK_ADDITIVE) {
       if (p.seqlen_kv > 1 && p.attn_mask_stride_k != 2)

@@ -86,28 +86,33 @@ __device__ __forceinline__ void apply_attn_mask(int32_t (&s)[kCols], AttnMaskVie
 // An additive attn_mask's values for one consumer thread of a cut tile, as
 // OnlineSoftmax::step_additive asks for them: element i (even) and i + 1 are keys
 // 8 (i / 4) + 2t and the next one of row (i % 4) / 2 of the thread (g, g + 8), one
-// 4-byte load (the family's layout rule: keys contiguous, rows 4-byte aligned; a last
+// 4-byte word (the family's layout rule: keys contiguous, rows 4-byte aligned; a last
 // odd key alone is a 2-byte load, so nothing past the row's last key is read). Rows past
 // seqlen_q, keys past seqlen_kv and tiles that are not cut read nothing and add 0 (such
-// keys are masked already).
+// keys are masked already). The caller issues every load() of a tile before it converts
+// any word: a load used at once costs a memory round trip per pair (v51).
 template <typename M>  // __half or __nv_bfloat16: the call's dtype
 struct AdditivePairs {
   const uint16_t* row[2];  // the thread's rows at the tile's first key; null: nothing read
   int valid;               // keys of the tile below seqlen_kv
   int t;                   // the fragment's column group (lane % 4)
+  bool cut;                // whether anything is read (a cut tile)
 
+  // The raw word of elements i, i + 1 (0: adds +0 to both).
+  __device__ __forceinline__ uint32_t load(int i) const {
+    const int col = 8 * (i / 4) + 2 * t;
+    const uint16_t* r = row[(i % 4) / 2];
+    uint32_t w = 0;
+    if (r != nullptr && col < valid)
+      w = col + 1 < valid ? __ldg(reinterpret_cast<const uint32_t*>(r + col))
+                          : static_cast<uint32_t>(__ldg(r + col));
+    return w;
+  }
   __device__ __forceinline__ static float2 pair(uint32_t w) {
     if constexpr (std::is_same_v<M, __nv_bfloat16>)
       return {__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u)};
     else
       return __half22float2(*reinterpret_cast<const __half2*>(&w));
-  }
-  __device__ __forceinline__ float2 operator()(int i) const {
-    const int col = 8 * (i / 4) + 2 * t;
-    const uint16_t* r = row[(i % 4) / 2];
-    if (r == nullptr || col >= valid) return {0.f, 0.f};
-    if (col + 1 < valid) return pair(__ldg(reinterpret_cast<const uint32_t*>(r + col)));
-    return {pair(__ldg(r + col)).x, 0.f};
   }
 };
 
@@ -117,7 +122,7 @@ template <typename M>
 __device__ __forceinline__ AdditivePairs<M> additive_pairs(const AttnMaskView& m, bool cut,
                                                             int bh_q, int row0, int kv0,
                                                             int seqlen_q, int seqlen_kv, int t) {
-  AdditivePairs<M> a{{nullptr, nullptr}, seqlen_kv - kv0, t};
+  AdditivePairs<M> a{{nullptr, nullptr}, seqlen_kv - kv0, t, cut};
   if (!cut) return a;
   const int b = bh_q / m.heads_q, h = bh_q % m.heads_q;
   const uint8_t* base = m.data + b * m.stride_b + h * m.stride_h + int64_t{kv0} * 2;

@@ -90,11 +90,20 @@ struct OnlineSoftmax {
   // the key. x is formed in p, so no second array of kCols values is live.
   template <typename AddPair>
   __device__ __forceinline__ void step_additive(const int32_t (&s)[kCols], float qk,
-                                                AddPair add_pair, float (&p)[kCols],
+                                                const AddPair& add_pair, float (&p)[kCols],
                                                 float (&alpha)[2]) {
+    // Every word of the tile in flight before the first is used: one memory round trip
+    // a tile (a tile that is not cut reads nothing; a warp-uniform branch).
+    uint32_t words[kCols / 2];
+#pragma unroll
+    for (int j = 0; j < kCols / 2; ++j) words[j] = 0;
+    if (add_pair.cut) {
+#pragma unroll
+      for (int j = 0; j < kCols / 2; ++j) words[j] = add_pair.load(2 * j);
+    }
 #pragma unroll
     for (int i = 0; i < kCols; i += 2) {
-      const float2 a = add_pair(i);  // elements i, i + 1: adjacent keys of one row
+      const float2 a = AddPair::pair(words[i / 2]);  // elements i, i + 1: adjacent keys of one row
       p[i] = __fadd_rn(__fmul_rn(score_to_float(s[i]), qk), numerics::additive_log2(a.x));
       p[i + 1] = __fadd_rn(__fmul_rn(score_to_float(s[i + 1]), qk), numerics::additive_log2(a.y));
     }
