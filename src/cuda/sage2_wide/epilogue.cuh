@@ -16,11 +16,10 @@
 
 namespace qattn::sage2_wide {
 
-// O's accumulator: channels 0..127 (the n128 product) and 128..255 with the ones
-// columns (the n136 product; the row sums they form are not used: the kernel sums P in
-// FP32 instead, kernel.cuh).
+// O's accumulator: channels 0..127 and 128..255, one m64n128 product each (the row sums
+// are FP32 sums of P, kernel.cuh).
 struct OAcc {
-  static constexpr int kLo = 64, kHi = 68;
+  static constexpr int kLo = 64, kHi = 64;
 };
 
 // Element i of the thread's 128 O values (channel 8(i / 4) + 2t + i % 2).

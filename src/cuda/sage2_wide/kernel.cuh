@@ -4,7 +4,7 @@
 // CTA = 3 warpgroups, 128 query rows per work item (scheduler.cuh). Warpgroup 0: one
 // loader thread (producer.cuh). Warpgroups 1 and 2: consumers of 64 rows each. A
 // consumer's turn on 64-key tile `it`: O rescaled by the tile's alpha, then Q·Kᵀ of the
-// next tile (8 × m64n64k32 INT8) and P·V of this one (2 × (m64n128k32 + m64n136k32) E4M3,
+// next tile (8 × m64n64k32 INT8) and P·V of this one (2 × 2 × m64n128k32 E4M3,
 // straight into O) issued together; the next tile's softmax runs under the P·V, and adds
 // its 448·P to the FP32 row sums. docs/sage2-wide-kernel.md draws it.
 #pragma once
@@ -48,8 +48,7 @@ __device__ __forceinline__ void qk_mma(int32_t (&acc_s)[32], const uint8_t* q_ro
   hopper::wgmma_commit();
 }
 
-// O += 448·P (E4M3 A fragments) · the V stage: channels 0..127 into lo, 128..255 and the
-// ones rows (row sums) into hi.
+// O += 448·P (E4M3 A fragments) · the V stage: channels 0..127 into lo, 128..255 into hi.
 __device__ __forceinline__ void pv_mma(float (&lo)[OAcc::kLo], float (&hi)[OAcc::kHi],
                                        const uint32_t (&a_p)[kBlockN / 32][4],
                                        const uint8_t* v_stage) {
@@ -58,7 +57,7 @@ __device__ __forceinline__ void pv_mma(float (&lo)[OAcc::kLo], float (&hi)[OAcc:
 #pragma unroll
   for (int kk = 0; kk < kBlockN / 32; ++kk) {
     hopper::wgmma_m64n128k32_e4m3_rs(lo, a_p[kk], hopper::desc_advance(d_lo, kk * 32));
-    hopper::wgmma_m64n136k32_e4m3_rs(hi, a_p[kk], hopper::desc_advance(d_hi, kk * 32));
+    hopper::wgmma_m64n128k32_e4m3_rs(hi, a_p[kk], hopper::desc_advance(d_hi, kk * 32));
   }
   hopper::wgmma_commit();
 }
@@ -77,14 +76,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warpgroup = threadIdx.x / 128;
 
   if (threadIdx.x == 0) bar.init();
-  {
-    // The ones rows of every V stage (0x38 = E4M3 1.0; equal bytes need no swizzle),
-    // written once: the TMA fills only the 256 rows before them.
-    constexpr int kWords = kVOnesRows * kVRowBytes / 4;
-    for (int i = threadIdx.x; i < kVStages * kWords; i += kThreads)
-      reinterpret_cast<uint32_t*>(s.v[i / kWords] + kD * kVRowBytes)[i % kWords] = 0x38383838u;
-    hopper::fence_proxy_async();  // read by wgmma
-  }
   __syncthreads();
 
   if (warpgroup == 0) {

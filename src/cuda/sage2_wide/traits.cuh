@@ -59,11 +59,10 @@ inline constexpr int kConsumerThreads = 256, kConsumerWarps = 8;
 inline constexpr int kHalfBytes = 128;
 inline constexpr int kQHalfBytes = kBlockM * kHalfBytes;  // 16 KB
 inline constexpr int kKHalfBytes = kBlockN * kHalfBytes;  // 8 KB
-// A V stage: the 256 rows of Vᵀ (64 tokens = 64 bytes each, 64-byte swizzle), then 8 rows
-// of E4M3 ones whose product columns are P's row sums.
-inline constexpr int kVOnesRows = 8;
+// A V stage: the 256 rows of Vᵀ (64 tokens = 64 bytes each, 64-byte swizzle). No rows of
+// ones: the row sums are FP32 sums of 448·P (kernel.cuh), not a product's columns.
 inline constexpr int kVRowBytes = kBlockN;
-inline constexpr int kVStageBytes = (kD + kVOnesRows) * kVRowBytes;
+inline constexpr int kVStageBytes = kD * kVRowBytes;
 // Stages 1024-byte aligned (the swizzle pattern is taken from the address bits).
 inline constexpr int kVStageStride = (kVStageBytes + 1023) / 1024 * 1024;
 inline constexpr hopper::Swizzle kQKSwizzle = hopper::Swizzle::k128B;
