@@ -108,6 +108,20 @@ struct AdditivePairs {
                           : static_cast<uint32_t>(__ldg(r + col));
     return w;
   }
+  // Asks L2 for the thread's share of its rows in the next 128-key tile (the next entry
+  // of a list in ascending order, for a bias under a causal or window rule): keys
+  // 32t .. 32t + 31 of each row, two 32-byte sectors, none past seqlen_kv. A hint: no
+  // register waits for it, so the next tile's loads find L2 instead of memory.
+  __device__ __forceinline__ void prefetch_next() const {
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        const int col = 128 + 32 * t + 16 * s;
+        if (row[r] != nullptr && col < valid)
+          asm volatile("prefetch.global.L2 [%0];" ::"l"(row[r] + col));
+      }
+  }
   __device__ __forceinline__ static float2 pair(uint32_t w) {
     if constexpr (std::is_same_v<M, __nv_bfloat16>)
       return {__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u)};

@@ -14,11 +14,19 @@ constexpr int kTile = groups::kKvTile;  // 128 keys; query blocks are 128 rows t
 constexpr int kClassifyThreads = 256;
 enum : uint8_t { kHidden = 0, kVisible = 1, kCut = 2 };
 
+// Rows a warp reads before it looks at any of them: the pass is bound by how many bytes
+// are in flight, and a ballot (or a flag) after each load would wait for that load
+// (v51: one row at a time read the mask at 0.5-2 TB/s).
+constexpr int kWarps = kClassifyThreads / 32;
+constexpr int kRowsPerWarp = kTile / kWarps;  // 16
+constexpr int kChunkRows = 4;                 // rows in flight per warp (additive: 256 B each)
+constexpr int kBoolChunkRows = 16;            // boolean rows are 128 B: all of the warp's
+
 // One CTA per (KV tile, query block, slice): the tile's bits in the consumers' order
 // (AttnMaskView::tile_words) and whether any element inside (seqlen_q, seqlen_kv) is
-// visible and any hidden. A warp takes a row: ballots over its 128 keys give the row's
-// bits, which lanes 0-3 regroup per column group t. Bits outside (seqlen_q, seqlen_kv)
-// are 0.
+// visible and any hidden. A warp takes rows warp + 8k: ballots over a row's 128 keys give
+// its bits, which lanes 0-3 regroup per column group t. Bits outside (seqlen_q,
+// seqlen_kv) are 0.
 __global__ void __launch_bounds__(kClassifyThreads)
     classify_tiles(AttnMaskView m, int seqlen_q, int seqlen_kv, uint8_t* classes) {
   const int tile = blockIdx.x, m_block = blockIdx.y, slice = blockIdx.z;
@@ -33,45 +41,64 @@ __global__ void __launch_bounds__(kClassifyThreads)
   // multiple of 4): a lane reads keys 4l .. 4l + 3 of the row in one load.
   const bool words = m.stride_k == 1 && seqlen_kv % 4 == 0 &&
                      ((reinterpret_cast<uintptr_t>(m.data) | m.stride_b | m.stride_h | m.stride_q) & 3) == 0;
-  // Four rows in flight per warp: the loop is bound by load latency, not bandwidth.
-#pragma unroll 4
-  for (int r = warp; r < kTile; r += kClassifyThreads / 32) {
-    const int64_t row = int64_t{m_block} * kTile + r;
-    const uint8_t* at = base + row * m.stride_q + int64_t{tile} * kTile * m.stride_k;
-    unsigned word = 0;  // lanes 0-3: column group t = lane, keys 8j + 2t + e at bit 2j + e
+  auto row_at = [&](int r) {
+    return base + (int64_t{m_block} * kTile + r) * m.stride_q + int64_t{tile} * kTile * m.stride_k;
+  };
+  for (int c0 = 0; c0 < kRowsPerWarp; c0 += kBoolChunkRows) {
     if (words) {
-      const bool inside = r < rows && 4 * lane < cols;  // cols is a multiple of 4 here
-      const unsigned bytes = inside ? __ldg(reinterpret_cast<const unsigned*>(at) + lane) : 0u;
-      unsigned by_byte[4];  // bit l: key 4l + b visible
+      unsigned bytes[kBoolChunkRows];
 #pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        const bool visible = ((bytes >> (8 * b)) & 0xffu) != 0;
-        any_visible |= visible;
-        any_hidden |= inside && !visible;
-        by_byte[b] = __ballot_sync(0xffffffffu, visible);
+      for (int k = 0; k < kBoolChunkRows; ++k) {
+        const int r = warp + kWarps * (c0 + k);
+        const bool inside = r < rows && 4 * lane < cols;  // cols is a multiple of 4 here
+        bytes[k] = inside ? __ldg(reinterpret_cast<const unsigned*>(row_at(r)) + lane) : 0u;
       }
-      // Key 8j + 2t + e is byte 2 (t % 2) + e of lane 2j + t / 2.
 #pragma unroll
-      for (int j = 0; j < kTile / 8; ++j)
+      for (int k = 0; k < kBoolChunkRows; ++k) {
+        const int r = warp + kWarps * (c0 + k);
+        const bool inside = r < rows && 4 * lane < cols;
+        unsigned by_byte[4];  // bit l: key 4l + b visible
 #pragma unroll
-        for (int e = 0; e < 2; ++e)
-          word |= ((by_byte[2 * (lane % 2) + e] >> (2 * j + lane / 2)) & 1u) << (2 * j + e);
+        for (int b = 0; b < 4; ++b) {
+          const bool visible = ((bytes[k] >> (8 * b)) & 0xffu) != 0;
+          any_visible |= visible;
+          any_hidden |= inside && !visible;
+          by_byte[b] = __ballot_sync(0xffffffffu, visible);
+        }
+        // lanes 0-3: column group t = lane, keys 8j + 2t + e at bit 2j + e; key
+        // 8j + 2t + e is byte 2 (t % 2) + e of lane 2j + t / 2.
+        unsigned word = 0;
+#pragma unroll
+        for (int j = 0; j < kTile / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            word |= ((by_byte[2 * (lane % 2) + e] >> (2 * j + lane / 2)) & 1u) << (2 * j + e);
+        if (lane < 4)
+          m.bits[m.tile_words(slice, m_block * kTile + r, tile) + lane] = word;
+      }
     } else {
-      unsigned by_key[kTile / 32];  // bit c: key 32q + c visible, a byte read per key
+#pragma unroll 1
+      for (int k = 0; k < kBoolChunkRows; ++k) {
+        const int r = warp + kWarps * (c0 + k);
+        const uint8_t* at = row_at(r);
+        unsigned by_key[kTile / 32];  // bit c: key 32q + c visible, a byte read per key
 #pragma unroll
-      for (int q = 0; q < kTile / 32; ++q) {
-        const int c = 32 * q + lane;
-        const bool inside = r < rows && c < cols;
-        const bool visible = inside && __ldg(at + c * m.stride_k) != 0;
-        any_visible |= visible;
-        any_hidden |= inside && !visible;
-        by_key[q] = __ballot_sync(0xffffffffu, visible);
+        for (int q = 0; q < kTile / 32; ++q) {
+          const int c = 32 * q + lane;
+          const bool inside = r < rows && c < cols;
+          const bool visible = inside && __ldg(at + c * m.stride_k) != 0;
+          any_visible |= visible;
+          any_hidden |= inside && !visible;
+          by_key[q] = __ballot_sync(0xffffffffu, visible);
+        }
+        unsigned word = 0;
+#pragma unroll
+        for (int j = 0; j < kTile / 8; ++j)
+          word |= ((by_key[j / 4] >> ((j % 4) * 8 + 2 * lane)) & 3u) << (2 * j);
+        if (lane < 4)
+          m.bits[m.tile_words(slice, m_block * kTile + r, tile) + lane] = word;
       }
-#pragma unroll
-      for (int j = 0; j < kTile / 8; ++j)
-        word |= ((by_key[j / 4] >> ((j % 4) * 8 + 2 * lane)) & 3u) << (2 * j);
     }
-    if (lane < 4) m.bits[m.tile_words(slice, static_cast<int>(row), tile) + lane] = word;
   }
   any_visible = __syncthreads_or(any_visible);
   any_hidden = __syncthreads_or(any_hidden);
@@ -84,6 +111,9 @@ __global__ void __launch_bounds__(kClassifyThreads)
 // (every value inside (seqlen_q, seqlen_kv) is -inf), unchanged (every one ±0) or cut.
 // A lane reads a pair of keys as one 4-byte word (the family's layout rule), the last
 // odd key of a row alone. Values are compared as bits: neg_inf is -inf's in the dtype.
+// A value that is neither -inf nor ±0 (or a -inf beside a ±0) proves the tile cut: the
+// CTA stops reading there (after each chunk of rows), so a tile of a bias is read in
+// part and only hidden and unchanged tiles are read whole.
 __global__ void __launch_bounds__(kClassifyThreads)
     classify_additive_tiles(AttnMaskView m, int seqlen_q, int seqlen_kv, uint16_t neg_inf,
                             uint8_t* classes) {
@@ -99,24 +129,37 @@ __global__ void __launch_bounds__(kClassifyThreads)
     any_visible |= bits != neg_inf;
     any_nonzero |= (bits & 0x7fffu) != 0;
   };
-#pragma unroll 4
-  for (int r = warp; r < rows; r += kClassifyThreads / 32) {
-    const auto* row = reinterpret_cast<const uint16_t*>(
-        base + (int64_t{m_block} * kTile + r) * m.stride_q);
+  for (int c0 = 0; c0 < kRowsPerWarp; c0 += kChunkRows) {
+    uint32_t w[kChunkRows][2];
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int c = 2 * (32 * half + lane);  // keys c, c + 1
-      if (c + 1 < cols) {
-        const uint32_t w = __ldg(reinterpret_cast<const uint32_t*>(row + c));
-        see(w & 0xffffu);
-        see(w >> 16);
-      } else if (c < cols) {
-        see(__ldg(row + c));
+    for (int k = 0; k < kChunkRows; ++k) {
+      const int r = warp + kWarps * (c0 + k);
+      const auto* row = reinterpret_cast<const uint16_t*>(
+          base + (int64_t{m_block} * kTile + r) * m.stride_q);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int c = 2 * (32 * half + lane);  // keys c, c + 1
+        w[k][half] = 0;
+        if (r < rows && c + 1 < cols)
+          w[k][half] = __ldg(reinterpret_cast<const uint32_t*>(row + c));
+        else if (r < rows && c < cols)
+          w[k][half] = __ldg(row + c);
       }
     }
+#pragma unroll
+    for (int k = 0; k < kChunkRows; ++k) {
+      const int r = warp + kWarps * (c0 + k);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int c = 2 * (32 * half + lane);
+        if (r < rows && c < cols) see(w[k][half] & 0xffffu);
+        if (r < rows && c + 1 < cols) see(w[k][half] >> 16);
+      }
+    }
+    any_visible = __syncthreads_or(any_visible);
+    any_nonzero = __syncthreads_or(any_nonzero);
+    if (any_visible && any_nonzero) break;  // cut: proven (the same on every thread)
   }
-  any_visible = __syncthreads_or(any_visible);
-  any_nonzero = __syncthreads_or(any_nonzero);
   if (threadIdx.x == 0)
     classes[(static_cast<int64_t>(slice) * gridDim.y + m_block) * gridDim.x + tile] =
         !any_visible ? kHidden : any_nonzero ? kCut : kVisible;

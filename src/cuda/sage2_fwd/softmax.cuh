@@ -100,6 +100,7 @@ struct OnlineSoftmax {
     if (add_pair.cut) {
 #pragma unroll
       for (int j = 0; j < kCols / 2; ++j) words[j] = add_pair.load(2 * j);
+      add_pair.prefetch_next();
     }
 #pragma unroll
     for (int i = 0; i < kCols; i += 2) {
