@@ -57,24 +57,22 @@ __global__ void __launch_bounds__(kClassifyThreads)
       for (int k = 0; k < kBoolChunkRows; ++k) {
         const int r = warp + kWarps * (c0 + k);
         const bool inside = r < rows && 4 * lane < cols;
-        unsigned by_byte[4];  // bit l: key 4l + b visible
-#pragma unroll
-        for (int b = 0; b < 4; ++b) {
-          const bool visible = ((bytes[k] >> (8 * b)) & 0xffu) != 0;
-          any_visible |= visible;
-          any_hidden |= inside && !visible;
-          by_byte[b] = __ballot_sync(0xffffffffu, visible);
-        }
-        // lanes 0-3: column group t = lane, keys 8j + 2t + e at bit 2j + e; key
-        // 8j + 2t + e is byte 2 (t % 2) + e of lane 2j + t / 2.
-        unsigned word = 0;
-#pragma unroll
-        for (int j = 0; j < kTile / 8; ++j)
-#pragma unroll
-          for (int e = 0; e < 2; ++e)
-            word |= ((by_byte[2 * (lane % 2) + e] >> (2 * j + lane / 2)) & 1u) << (2 * j + e);
+        const unsigned nz = __vcmpne4(bytes[k], 0u) & 0x01010101u;  // bit 8b: key 4l + b visible
+        any_visible |= nz != 0;
+        any_hidden |= inside && nz != 0x01010101u;
+        // Key 8j + 2t + e is byte 2 (t % 2) + e of lane 2j + t / 2: this lane's keys 0, 1
+        // go to column group t = 2 (l % 2), keys 2, 3 to t = 2 (l % 2) + 1, at bits 2j, 2j + 1
+        // (j = l / 2) of that group's word; a reduction per group gathers them.
+        const unsigned lo = ((nz & 1u) | ((nz >> 7) & 2u)) << (2 * (lane / 2));
+        const unsigned hi = (((nz >> 16) & 1u) | ((nz >> 23) & 2u)) << (2 * (lane / 2));
+        const bool odd = lane % 2 != 0;
+        const unsigned w0 = __reduce_or_sync(0xffffffffu, odd ? 0u : lo);
+        const unsigned w1 = __reduce_or_sync(0xffffffffu, odd ? 0u : hi);
+        const unsigned w2 = __reduce_or_sync(0xffffffffu, odd ? lo : 0u);
+        const unsigned w3 = __reduce_or_sync(0xffffffffu, odd ? hi : 0u);
         if (lane < 4)
-          m.bits[m.tile_words(slice, m_block * kTile + r, tile) + lane] = word;
+          m.bits[m.tile_words(slice, m_block * kTile + r, tile) + lane] =
+              lane == 0 ? w0 : lane == 1 ? w1 : lane == 2 ? w2 : w3;
       }
     } else {
 #pragma unroll 1
@@ -129,8 +127,9 @@ __global__ void __launch_bounds__(kClassifyThreads)
     any_visible |= bits != neg_inf;
     any_nonzero |= (bits & 0x7fffu) != 0;
   };
-  for (int c0 = 0; c0 < kRowsPerWarp; c0 += kChunkRows) {
-    uint32_t w[kChunkRows][2];
+  // Rows warp + 8 (c0 + k), k < kChunkRows, as words; the next chunk's loads are issued
+  // before this chunk is examined, so two chunks are in flight.
+  auto load_chunk = [&](uint32_t (&w)[kChunkRows][2], int c0) {
 #pragma unroll
     for (int k = 0; k < kChunkRows; ++k) {
       const int r = warp + kWarps * (c0 + k);
@@ -146,6 +145,12 @@ __global__ void __launch_bounds__(kClassifyThreads)
           w[k][half] = __ldg(row + c);
       }
     }
+  };
+  uint32_t w[kChunkRows][2], next[kChunkRows][2];
+  load_chunk(w, 0);
+#pragma unroll
+  for (int c0 = 0; c0 < kRowsPerWarp; c0 += kChunkRows) {
+    if (c0 + kChunkRows < kRowsPerWarp) load_chunk(next, c0 + kChunkRows);
 #pragma unroll
     for (int k = 0; k < kChunkRows; ++k) {
       const int r = warp + kWarps * (c0 + k);
@@ -159,6 +164,8 @@ __global__ void __launch_bounds__(kClassifyThreads)
     any_visible = __syncthreads_or(any_visible);
     any_nonzero = __syncthreads_or(any_nonzero);
     if (any_visible && any_nonzero) break;  // cut: proven (the same on every thread)
+#pragma unroll
+    for (int k = 0; k < kChunkRows; ++k) w[k][0] = next[k][0], w[k][1] = next[k][1];
   }
   if (threadIdx.x == 0)
     classes[(static_cast<int64_t>(slice) * gridDim.y + m_block) * gridDim.x + tile] =
