@@ -98,6 +98,15 @@ struct AdditivePairs {
   int t;                   // the fragment's column group (lane % 4)
   bool cut;                // whether anything is read (a cut tile)
 
+  // Whether both rows are read and the tile has all 128 keys: then every word is read
+  // with no test, at a constant offset from the row (one instruction a word).
+  __device__ __forceinline__ bool full() const {
+    return row[0] != nullptr && row[1] != nullptr && valid >= 128;
+  }
+  // The raw word of elements i, i + 1 of a full() tile.
+  __device__ __forceinline__ uint32_t load_full(int i) const {
+    return __ldg(reinterpret_cast<const uint32_t*>(row[(i % 4) / 2] + 2 * t) + 4 * (i / 4));
+  }
   // The raw word of elements i, i + 1 (0: adds +0 to both).
   __device__ __forceinline__ uint32_t load(int i) const {
     const int col = 8 * (i / 4) + 2 * t;

@@ -97,7 +97,11 @@ struct OnlineSoftmax {
     uint32_t words[kCols / 2];
 #pragma unroll
     for (int j = 0; j < kCols / 2; ++j) words[j] = 0;
-    if (add_pair.cut) {
+    if (add_pair.full()) {
+#pragma unroll
+      for (int j = 0; j < kCols / 2; ++j) words[j] = add_pair.load_full(2 * j);
+      add_pair.prefetch_next();
+    } else if (add_pair.cut) {
 #pragma unroll
       for (int j = 0; j < kCols / 2; ++j) words[j] = add_pair.load(2 * j);
       add_pair.prefetch_next();
