@@ -46,18 +46,26 @@ __global__ void __launch_bounds__(kClassifyThreads)
   };
   for (int c0 = 0; c0 < kRowsPerWarp; c0 += kBoolChunkRows) {
     if (words) {
+      // Row warp + 8k of the tile is k row steps past row `warp`, for its words and for
+      // its bits (tile_words is linear in the row): no 64-bit index math per row.
+      const int64_t step = int64_t{kWarps} * m.stride_q / 4;
+      const unsigned* in = reinterpret_cast<const unsigned*>(row_at(warp + kWarps * c0)) + lane;
+      const int64_t bits_step = int64_t{kWarps} * (m.list_len - 1) * 4;
+      unsigned* bits = m.bits + m.tile_words(slice, m_block * kTile + warp + kWarps * c0, tile) + lane;
       unsigned bytes[kBoolChunkRows];
 #pragma unroll
       for (int k = 0; k < kBoolChunkRows; ++k) {
         const int r = warp + kWarps * (c0 + k);
         const bool inside = r < rows && 4 * lane < cols;  // cols is a multiple of 4 here
-        bytes[k] = inside ? __ldg(reinterpret_cast<const unsigned*>(row_at(r)) + lane) : 0u;
+        bytes[k] = inside ? __ldg(in + k * step) : 0u;
       }
 #pragma unroll
       for (int k = 0; k < kBoolChunkRows; ++k) {
         const int r = warp + kWarps * (c0 + k);
         const bool inside = r < rows && 4 * lane < cols;
-        const unsigned nz = __vcmpne4(bytes[k], 0u) & 0x01010101u;  // bit 8b: key 4l + b visible
+        // Bit 8b: byte b (key 4l + b) is not 0, i.e. visible.
+        const unsigned x = bytes[k];
+        const unsigned nz = ((((x & 0x7f7f7f7fu) + 0x7f7f7f7fu) | x) >> 7) & 0x01010101u;
         any_visible |= nz != 0;
         any_hidden |= inside && nz != 0x01010101u;
         // Key 8j + 2t + e is byte 2 (t % 2) + e of lane 2j + t / 2: this lane's keys 0, 1
@@ -70,9 +78,7 @@ __global__ void __launch_bounds__(kClassifyThreads)
         const unsigned w1 = __reduce_or_sync(0xffffffffu, odd ? 0u : hi);
         const unsigned w2 = __reduce_or_sync(0xffffffffu, odd ? lo : 0u);
         const unsigned w3 = __reduce_or_sync(0xffffffffu, odd ? hi : 0u);
-        if (lane < 4)
-          m.bits[m.tile_words(slice, m_block * kTile + r, tile) + lane] =
-              lane == 0 ? w0 : lane == 1 ? w1 : lane == 2 ? w2 : w3;
+        if (lane < 4) bits[k * bits_step] = lane == 0 ? w0 : lane == 1 ? w1 : lane == 2 ? w2 : w3;
       }
     } else {
 #pragma unroll 1
