@@ -212,9 +212,10 @@ def scaled_dot_product_attention(
 
     is_causal aligns the mask top-left as SDPA does: query i sees keys j <= i, also when
     Nq != Nkv (for the bottom-right rule of a KV cache, call qattn.attention with
-    causal_alignment="bottom_right"). attn_mask: a boolean mask (True = attend) that
-    broadcasts to (B, Hq, Nq, Nkv) runs in qattn's kernel; a float (additive) one goes
-    to SDPA. scale None is 1/sqrt(d). enable_gqa: Hq must be a multiple of Hkv, and
+    causal_alignment="bottom_right"). attn_mask: a boolean mask (True = attend) or, in
+    inference calls, a float (additive) one of query's dtype that broadcasts to (B, Hq,
+    Nq, Nkv) runs in qattn's kernel; a float mask of another dtype goes to SDPA. scale
+    None is 1/sqrt(d). enable_gqa: Hq must be a multiple of Hkv, and
     query head h reads key/value head h // (Hq / Hkv).
 
     A call qattn cannot run goes to PyTorch's SDPA with a QattnFallbackWarning once per
