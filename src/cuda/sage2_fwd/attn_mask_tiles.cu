@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include "cuda/sage2_fwd/attn_mask.cuh"
+#include "numerics/mask_bits.h"
 #include "numerics/mma_groups.h"
 
 namespace qattn::sage2 {
@@ -63,21 +64,14 @@ __global__ void __launch_bounds__(kClassifyThreads)
       for (int k = 0; k < kBoolChunkRows; ++k) {
         const int r = warp + kWarps * (c0 + k);
         const bool inside = r < rows && 4 * lane < cols;
-        // Bit 8b: byte b (key 4l + b) is not 0, i.e. visible.
-        const unsigned x = bytes[k];
-        const unsigned nz = ((((x & 0x7f7f7f7fu) + 0x7f7f7f7fu) | x) >> 7) & 0x01010101u;
+        // The row's words per column group (numerics/mask_bits.h), one OR reduction each.
+        const unsigned nz = numerics::visible_bytes(bytes[k]);
         any_visible |= nz != 0;
         any_hidden |= inside && nz != 0x01010101u;
-        // Key 8j + 2t + e is byte 2 (t % 2) + e of lane 2j + t / 2: this lane's keys 0, 1
-        // go to column group t = 2 (l % 2), keys 2, 3 to t = 2 (l % 2) + 1, at bits 2j, 2j + 1
-        // (j = l / 2) of that group's word; a reduction per group gathers them.
-        const unsigned lo = ((nz & 1u) | ((nz >> 7) & 2u)) << (2 * (lane / 2));
-        const unsigned hi = (((nz >> 16) & 1u) | ((nz >> 23) & 2u)) << (2 * (lane / 2));
-        const bool odd = lane % 2 != 0;
-        const unsigned w0 = __reduce_or_sync(0xffffffffu, odd ? 0u : lo);
-        const unsigned w1 = __reduce_or_sync(0xffffffffu, odd ? 0u : hi);
-        const unsigned w2 = __reduce_or_sync(0xffffffffu, odd ? lo : 0u);
-        const unsigned w3 = __reduce_or_sync(0xffffffffu, odd ? hi : 0u);
+        const unsigned w0 = __reduce_or_sync(0xffffffffu, numerics::lane_group_bits(nz, lane, 0));
+        const unsigned w1 = __reduce_or_sync(0xffffffffu, numerics::lane_group_bits(nz, lane, 1));
+        const unsigned w2 = __reduce_or_sync(0xffffffffu, numerics::lane_group_bits(nz, lane, 2));
+        const unsigned w3 = __reduce_or_sync(0xffffffffu, numerics::lane_group_bits(nz, lane, 3));
         if (lane < 4) bits[k * bits_step] = lane == 0 ? w0 : lane == 1 ? w1 : lane == 2 ? w2 : w3;
       }
     } else {
