@@ -21,21 +21,10 @@ export QATTN_TOLERANCES=$PWD/tests/tolerances
 status=()
 start=$(date +%s)
 
-bins=build-py/tests
-if [[ -f .devrun/additive-bins.tar.xz ]]; then
-  mkdir -p /tmp/qattn-bins && tar -xJf .devrun/additive-bins.tar.xz -C /tmp/qattn-bins
-  bins=/tmp/qattn-bins
-  cp /tmp/qattn-bins/_C*.so python/qattn/ 2>/dev/null
-  status+=("binaries: prebuilt ($(cat /tmp/qattn-bins/COMMIT 2>/dev/null || echo '?'))")
-fi
-# The binding must take the mask tuple of this tree (ten fields): else build here.
-if ! PYTHONPATH=python python3 -c 'import sys, qattn; from qattn import _C; sys.exit(0 if hasattr(_C, "MASK_ADDITIVE") and qattn.device_supported() else 1)' \
-    2>/dev/null || [[ ! -x $bins/gpu_test_sage2_forward ]]; then
-  QATTN_BUILD_TESTS=ON QATTN_TARGETS="qattn_C gpu_test_sage2_forward" \
-      QATTN_BUILD_LOG="$logs/build.log" python/build_on_device.sh || exit 1
-  bins=build-py/tests
-  status+=("build on the device: $(($(date +%s) - start)) s")
-fi
+# The binding must take the mask tuple of this tree (ten fields).
+source bench/device_bins.sh
+device_bins additive-bins.tar.xz 'hasattr(_C, "MASK_ADDITIVE") and qattn.device_supported()' \
+    gpu_test_sage2_forward || exit 1
 
 if timeout 240 "$bins/gpu_test_sage2_forward" >"$logs/sage2-forward.log" 2>&1; then
   status+=("gpu_test_sage2_forward: PASS")

@@ -24,28 +24,9 @@ export QATTN_TOLERANCES=$PWD/tests/tolerances
 status=()
 start=$(date +%s)
 
-# The Debian packages' shared libraries (libfmt) for binaries built off the device.
-if compgen -G ".deps/*.deb" >/dev/null; then
-  deps=/tmp/qattn-deps
-  mkdir -p "$deps"
-  for deb in .deps/*.deb; do dpkg -x "$deb" "$deps" 2>/dev/null; done
-  export LD_LIBRARY_PATH=$deps/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-fi
-
-bins=build-py/tests
-if [[ -f .devrun/wide-bins.tar.xz ]]; then
-  mkdir -p /tmp/qattn-bins && tar -xJf .devrun/wide-bins.tar.xz -C /tmp/qattn-bins
-  bins=/tmp/qattn-bins
-  cp /tmp/qattn-bins/_C*.so python/qattn/ 2>/dev/null
-  status+=("binaries: prebuilt ($(cat /tmp/qattn-bins/COMMIT 2>/dev/null || echo '?'))")
-fi
-if ! PYTHONPATH=python python3 -c 'import qattn, sys; sys.exit(0 if qattn.device_supported() else 1)' \
-    2>/dev/null || [[ ! -x $bins/gpu_test_sage2_wide ]]; then
-  QATTN_BUILD_TESTS=ON QATTN_TARGETS="qattn_C gpu_test_sage2_wide gpu_test_sage2_forward" \
-      QATTN_BUILD_LOG="$logs/build.log" python/build_on_device.sh || exit 1
-  bins=build-py/tests
-  status+=("build on the device: $(($(date +%s) - start)) s")
-fi
+source bench/device_bins.sh
+device_bins wide-bins.tar.xz 'qattn.device_supported()' \
+    gpu_test_sage2_wide gpu_test_sage2_forward || exit 1
 
 if [[ $phase != bench ]]; then
   # The new kernel's tests first, each under its own timeout (a protocol hang costs its

@@ -1,0 +1,33 @@
+# Sourced by the bench/device_*.sh checks: where the GPU binaries come from on the device.
+#   device_bins <archive> <import test> <targets...>
+# Unpacks .devrun/<archive> (built off the device: gpu_test_* and qattn._C for the
+# device's Python, and a COMMIT file) into /tmp/qattn-bins when it is there; when the
+# binding fails <import test> (a Python expression that is true for a usable build) or the
+# first target's binary is missing, builds the targets here with python/build_on_device.sh
+# (carry .deps: see its header). Sets $bins (the folder of the test binaries) and appends
+# a line to the caller's status array; the Debian packages' libraries in .deps (libfmt
+# of binaries built off the device) go on LD_LIBRARY_PATH.
+device_bins() {
+  local archive=$1 check=$2
+  shift 2
+  if compgen -G ".deps/*.deb" >/dev/null; then
+    local deps=/tmp/qattn-deps
+    mkdir -p "$deps"
+    for deb in .deps/*.deb; do dpkg -x "$deb" "$deps" 2>/dev/null; done
+    export LD_LIBRARY_PATH=$deps/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  fi
+  bins=build-py/tests
+  if [[ -f .devrun/$archive ]]; then
+    mkdir -p /tmp/qattn-bins && tar -xJf ".devrun/$archive" -C /tmp/qattn-bins
+    bins=/tmp/qattn-bins
+    cp /tmp/qattn-bins/_C*.so python/qattn/ 2>/dev/null
+    status+=("binaries: prebuilt ($(cat /tmp/qattn-bins/COMMIT 2>/dev/null || echo '?'))")
+  fi
+  if ! PYTHONPATH=python python3 -c "import sys, qattn; from qattn import _C; sys.exit(0 if ($check) else 1)" \
+      2>/dev/null || [[ ! -x $bins/$1 ]]; then
+    QATTN_BUILD_TESTS=ON QATTN_TARGETS="qattn_C $*" \
+        QATTN_BUILD_LOG="$logs/build.log" python/build_on_device.sh || return 1
+    bins=build-py/tests
+    status+=("build on the device: $(($(date +%s) - start)) s")
+  fi
+}
