@@ -126,7 +126,9 @@ class Shape:
     # An attn_mask given to every method: "padding" (B, 1, 1, N), the first N/2 keys of
     # each batch entry; "documents" (N, N), causal packed documents of 1024 tokens (both
     # boolean); "alibi" (1, H, N, N), ALiBi's bias under the causal rule as an additive mask
-    # in the inputs' dtype (-inf above the diagonal).
+    # in the inputs' dtype (-inf above the diagonal); "alibi_shared" head 0's of it as
+    # (1, 1, N, N); "bias" (1, H, N, N) a finite per-head bias on every score (a relative
+    # position bias: qattn's costliest additive case, every tile read).
     bool_mask: str = ""
     # A varlen pack: the sequence lengths (Lq = Lk each); batch = len(lengths), n = the longest.
     lengths: Tuple[int, ...] = ()
@@ -135,7 +137,7 @@ class Shape:
     def mask(self) -> str:
         if self.lengths:
             return "varlen"
-        if self.bool_mask == "alibi":
+        if self.bool_mask in ADDITIVE_MASKS:
             return "additive"
         if self.bool_mask:
             return "bool"
@@ -199,6 +201,9 @@ def model_shapes(quick: bool) -> List[Shape]:
     ]
 
 
+ADDITIVE_MASKS = ("alibi", "alibi_shared", "bias")
+
+
 def mask_shapes(quick: bool) -> List[Shape]:
     shapes = [Shape("key_padding", 4, 32, 32, 8192, 128, False, kv_len=4096),
               Shape("sliding_window", 1, 32, 8, 16384, 128, True, window=(4096, 0)),
@@ -206,6 +211,8 @@ def mask_shapes(quick: bool) -> List[Shape]:
               Shape("bool_documents", 1, 32, 8, 8192, 128, False, bool_mask="documents"),
               # An additive mask beside the causal call doing the same work.
               Shape("alibi_causal", 1, 32, 32, 4096, 128, False, bool_mask="alibi"),
+              Shape("alibi_shared", 1, 32, 32, 4096, 128, False, bool_mask="alibi_shared"),
+              Shape("bias_per_head", 1, 32, 32, 4096, 128, False, bool_mask="bias"),
               Shape("causal", 1, 32, 32, 4096, 128, True)]
     if quick:
         return shapes
@@ -284,13 +291,17 @@ def sdpa_mask(s: Shape):
         return (m & (j <= i) if s.causal else m.expand(-1, 1, s.n, -1)).contiguous()
     if s.bool_mask == "padding":
         return (torch.arange(s.n, device="cuda") < s.n // 2).view(1, 1, 1, s.n).expand(s.batch, 1, 1, s.n)
-    if s.bool_mask == "alibi":
+    if s.bool_mask in ADDITIVE_MASKS:
         i = torch.arange(s.n, device="cuda")[:, None]
         j = torch.arange(s.n, device="cuda")[None, :]
         slopes = torch.tensor([2.0 ** -(8 * (h + 1) / s.heads) for h in range(s.heads)],
                               device="cuda").view(s.heads, 1, 1)
+        if s.bool_mask == "bias":  # finite everywhere, distinct per head
+            return (-slopes * (i - j).abs().float() / 64).view(1, s.heads, s.n, s.n).to(torch.bfloat16)
         bias = (-slopes * (i - j).float()).masked_fill(j > i, float("-inf"))
-        return bias.view(1, s.heads, s.n, s.n).to(torch.bfloat16)
+        if s.bool_mask == "alibi_shared":
+            bias = bias[:1]
+        return bias.view(1, -1, s.n, s.n).to(torch.bfloat16)
     if s.bool_mask == "documents":
         i = torch.arange(s.n, device="cuda")[:, None]
         j = torch.arange(s.n, device="cuda")[None, :]
