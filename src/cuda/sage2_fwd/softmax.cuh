@@ -93,7 +93,8 @@ struct OnlineSoftmax {
                                                 const AddPair& add_pair, float (&p)[kCols],
                                                 float (&alpha)[2]) {
     // Every word of the tile in flight before the first is used: one memory round trip
-    // a tile (a tile that is not cut reads nothing; a warp-uniform branch).
+    // a tile. A tile that is not cut reads nothing (the same on every thread); full()
+    // differs between threads only on the last rows or keys of the call.
     uint32_t words[kCols / 2];
 #pragma unroll
     for (int j = 0; j < kCols / 2; ++j) words[j] = 0;
