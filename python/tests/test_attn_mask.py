@@ -567,6 +567,17 @@ def sdpa_fp32(q, k, v, mask, gqa):
         return F.scaled_dot_product_attention(q.float(), k, v, attn_mask=mask)
 
 
+def run_qattn(q, k, v, mask, layout, gqa):
+    """qattn's output (in `layout`) and LSE with `mask`: the SDPA drop-in for HND inputs,
+    qattn.attention for NHD ones (the drop-in takes HND only)."""
+    if layout == "HND":
+        o = qattn.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    else:
+        o = qattn.attention(q, k, v, layout="NHD", attn_mask=mask)
+    _, lse = qattn.attention(q, k, v, layout=layout, attn_mask=mask, return_lse=True)
+    return o, lse
+
+
 def check_against_sdpa(q, k, v, mask, what, gqa=False, layout="HND"):
     """qattn with `mask` against FP32 SDPA: the rows that see a key within the scheme's
     bounds, the others exactly 0 with LSE -inf (q, k, v in `layout`, the mask (B, H, Nq,
@@ -575,13 +586,9 @@ def check_against_sdpa(q, k, v, mask, what, gqa=False, layout="HND"):
     qh, kh, vh = (to_hnd(t, layout) for t in (q, k, v))
     b, hq, nq, _ = qh.shape
     nkv = kh.shape[2]
-    if layout == "HND":
-        o = qattn.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-    else:
-        o = qattn.attention(q, k, v, layout="NHD", attn_mask=mask)
+    o, lse = run_qattn(q, k, v, mask, layout, gqa)
     assert o.shape == q.shape and o.dtype == q.dtype and o.is_contiguous(), what
     o = to_hnd(o, layout)
-    _, lse = qattn.attention(q, k, v, layout=layout, attn_mask=mask, return_lse=True)
     seen = mask.expand(b, hq, nq, nkv)
     dead = ~seen.any(-1)  # (B, Hq, Nq): rows that see no key
     assert bool(torch.isfinite(o).all()), f"{what}: non-finite output"
@@ -788,12 +795,8 @@ def check_additive_against_sdpa(q, k, v, mask, what, gqa=False, layout="HND"):
     qh, kh, vh = (to_hnd(t, layout) for t in (q, k, v))
     b, hq, nq, _ = qh.shape
     nkv = kh.shape[2]
-    if layout == "HND":
-        o = qattn.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-    else:
-        o = qattn.attention(q, k, v, layout="NHD", attn_mask=mask)
+    o, lse = run_qattn(q, k, v, mask, layout, gqa)
     o = to_hnd(o, layout)
-    _, lse = qattn.attention(q, k, v, layout=layout, attn_mask=mask, return_lse=True)
     full = mask.expand(b, hq, nq, nkv)
     dead = torch.isneginf(full).all(-1)
     assert bool(torch.isfinite(o).all()), f"{what}: non-finite output"

@@ -171,8 +171,11 @@ inline Tensor4 random_tensor(int b, int h, int n, int d, std::mt19937_64& rng, f
   return t;
 }
 
+// The case's parameters, from qattn_fwd_params_init's defaults (so a public qattn_fwd
+// call takes them as they are: struct size and scheme set).
 inline qattn_fwd_params make_params(const Sage2Case& c) {
-  qattn_fwd_params p{};
+  qattn_fwd_params p;
+  qattn_fwd_params_init(&p);
   p.dtype = c.bf16 ? QATTN_DTYPE_BF16 : QATTN_DTYPE_FP16;
   p.batch = c.batch;
   p.heads_q = c.heads_q;

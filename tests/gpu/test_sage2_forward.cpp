@@ -982,10 +982,6 @@ TEST(Sage2AdditiveMask, RefusedLayoutsLaunchNothing) {
   c.mask_q = c.seqlen_q;
   c.add_mask.assign(std::size_t(c.seqlen_q) * c.seqlen_kv, 0);
   qattn_fwd_params p = test::make_params(c);
-  // make_params fills the fields the internal launchers read; the public API also checks
-  // the caller's struct size and the scheme (qattn_fwd_params_init's).
-  p.struct_size = sizeof(qattn_fwd_params);
-  p.scheme = QATTN_SCHEME_SAGE2_8B;
   std::vector<uint16_t> poison(std::size_t(c.heads_q) * c.seqlen_q * 128, test::kOutputPoison);
   const std::size_t kv_count = std::size_t(c.heads_kv) * c.seqlen_kv * 128;
   DeviceBuffer<uint16_t> q(poison.size()), k(kv_count), v(kv_count), o(poison.size());

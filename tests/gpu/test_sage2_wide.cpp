@@ -367,7 +367,6 @@ TEST(Sage2Wide, RefusedCallsWriteNothing) {
     DeviceBuffer<uint8_t> mask(std::size_t(c.seqlen_q) * c.seqlen_kv);
     cudaMemset(mask.ptr, 1, mask.count);
     qattn_fwd_params p = test::make_params(c);
-    p.struct_size = sizeof(qattn_fwd_params);  // a public call: qattn_fwd checks the header's size
     p.q = test::make_view(q.ptr, Layout::HND, c.batch, c.heads_q, c.seqlen_q, row);
     p.k = test::make_view(k.ptr, Layout::HND, c.batch, c.heads_kv, c.seqlen_kv, row);
     p.v = test::make_view(v.ptr, Layout::HND, c.batch, c.heads_kv, c.seqlen_kv, row);

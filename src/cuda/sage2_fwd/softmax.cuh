@@ -85,9 +85,9 @@ struct OnlineSoftmax {
 
   // step() for a tile of an additive attn_mask: x = float(s)·qk + add·log2(e) in FP32
   // (numerics::additive_log2; the roundings of the emulator's), then the max and the exps on floats (a float max
-  // and an FADD per element where step() runs the max on the integers). `add(i)` gives
-  // the mask value of element i, read as the caller decides (attn_mask.cuh); -inf hides
-  // the key. x is formed in p, so no second array of kCols values is live.
+  // and an FADD per element where step() runs the max on the integers). `add_pair` reads
+  // the mask values of element pairs (attn_mask.cuh, AdditivePairs); -inf hides the key.
+  // x is formed in p, so no second array of kCols values is live.
   template <typename AddPair>
   __device__ __forceinline__ void step_additive(const int32_t (&s)[kCols], float qk,
                                                 const AddPair& add_pair, float (&p)[kCols],
