@@ -1196,10 +1196,23 @@ TEST(Sage2Masks, SaturatedTilesBesideAZeroTileAddNothing) {
   for (std::size_t e = 0; e < a.o.data.size(); ++e)
     ASSERT_EQ(a.o.data[e], z.o.data[e]) << "O element " << e;
   for (std::size_t r = 0; r < a.lse.size(); ++r) ASSERT_EQ(a.lse[r], z.lse[r]) << "LSE row " << r;
-  // Rows 0..39 of batch entry 0 see no key: their O is the mean of V (not 0).
-  double mean = 0;
-  for (int j = 0; j < c.nkv; ++j) mean += in.v.at(0, 0, j, 0);
-  EXPECT_NEAR(a.o.at(0, 0, 3, 0), mean / c.nkv, 0.05) << "a row of lowest values averages";
+  // The rule needs the zero tile: block 0 of batch entry 0 has none (rows 0..39 see no
+  // key), and leaving out its saturated values changes those rows (with them they
+  // average their keys, Sage2Masks.LowestValuesAverageTheirKeysAsSdpaDoes; without them
+  // they see no key and give 0).
+  AttentionParams wrong = cut;
+  for (int i = 0; i < 128; ++i)
+    for (int j = 0; j < c.nkv; ++j)
+      if (wrong.attn_mask.at(0, 0, i, j) == lowest)
+        wrong.attn_mask.at(0, 0, i, j) = -std::numeric_limits<float>::infinity();
+  const auto w = emulate::sage2_attention(in.q, in.k, in.v, wrong, o);
+  double a_norm = 0, w_norm = 0;
+  for (int e = 0; e < c.d; ++e) {
+    a_norm += std::fabs(a.o.at(0, 0, 3, e));
+    w_norm += std::fabs(w.o.at(0, 0, 3, e));
+  }
+  EXPECT_GT(a_norm, 0.0) << "a row of lowest values averages its keys";
+  EXPECT_EQ(w_norm, 0.0) << "the same row with its saturated tile left out sees no key";
 }
 
 }  // namespace
