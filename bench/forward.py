@@ -128,7 +128,9 @@ class Shape:
     # boolean); "alibi" (1, H, N, N), ALiBi's bias under the causal rule as an additive mask
     # in the inputs' dtype (-inf above the diagonal); "alibi_shared" head 0's of it as
     # (1, 1, N, N); "bias" (1, H, N, N) a finite per-head bias on every score (a relative
-    # position bias: qattn's costliest additive case, every tile read).
+    # position bias: qattn's costliest additive case, every tile read); "lowest" (B, 1, N, N)
+    # transformers' causal mask of a batch, 0 where a query sees a key and bf16's lowest
+    # elsewhere.
     bool_mask: str = ""
     # A varlen pack: the sequence lengths (Lq = Lk each); batch = len(lengths), n = the longest.
     lengths: Tuple[int, ...] = ()
@@ -201,7 +203,7 @@ def model_shapes(quick: bool) -> List[Shape]:
     ]
 
 
-ADDITIVE_MASKS = ("alibi", "alibi_shared", "bias")
+ADDITIVE_MASKS = ("alibi", "alibi_shared", "bias", "lowest")
 
 
 def mask_shapes(quick: bool) -> List[Shape]:
@@ -213,6 +215,7 @@ def mask_shapes(quick: bool) -> List[Shape]:
               Shape("alibi_causal", 1, 32, 32, 4096, 128, False, bool_mask="alibi"),
               Shape("alibi_shared", 1, 32, 32, 4096, 128, False, bool_mask="alibi_shared"),
               Shape("bias_per_head", 1, 32, 32, 4096, 128, False, bool_mask="bias"),
+              Shape("lowest_causal", 2, 32, 32, 4096, 128, False, bool_mask="lowest"),
               Shape("causal", 1, 32, 32, 4096, 128, True)]
     if quick:
         return shapes
@@ -261,8 +264,8 @@ def visible_pairs(s: Shape) -> float:
         return float(s.n) * s.kv_len
     if s.bool_mask:
         m = sdpa_mask(s)
-        if m.dtype != torch.bool:  # additive: the keys above -inf
-            return float((m[:, :1] != float("-inf")).sum())
+        if m.dtype != torch.bool:  # additive: the keys neither -inf nor saturated (bf16's lowest)
+            return float((m[:1, :1].float() > -2.3e38).sum())
         return float(m.expand(s.batch, 1, s.n, s.n).sum()) / s.batch
     i = torch.arange(s.n, dtype=torch.float64)
     left, right = s.window
@@ -296,6 +299,10 @@ def sdpa_mask(s: Shape):
         j = torch.arange(s.n, device="cuda")[None, :]
         slopes = torch.tensor([2.0 ** -(8 * (h + 1) / s.heads) for h in range(s.heads)],
                               device="cuda").view(s.heads, 1, 1)
+        if s.bool_mask == "lowest":  # transformers' 0 / lowest causal mask, one per batch entry
+            low = torch.finfo(torch.bfloat16).min
+            m = torch.zeros(s.n, s.n, device="cuda").masked_fill(j > i, low).to(torch.bfloat16)
+            return m.view(1, 1, s.n, s.n).expand(s.batch, 1, s.n, s.n).contiguous()
         if s.bool_mask == "bias":  # finite everywhere, distinct per head
             return (-slopes * (i - j).abs().float() / 64).view(1, s.heads, s.n, s.n).to(torch.bfloat16)
         bias = (-slopes * (i - j).float()).masked_fill(j > i, float("-inf"))

@@ -1148,5 +1148,72 @@ TEST(Sage2EmulatorHeadDimV, EqualsVZeroPaddedAndMeetsTheBounds) {
   }
 }
 
+// transformers' mask of a left-padded causal batch (0 where a query sees a key, bf16's
+// lowest elsewhere): in every 128-row block that has a 128 × 128 tile of zeros, the tiles
+// of saturated values add exactly nothing, so the emulation gives the same bits with
+// those tiles set to -inf (which the kernel's lists leave out, numerics/mask_tiles.h);
+// rows that see no key (before the padding ends) still average their keys. The 8-bit
+// defaults with the GPU tests' truncation interval, on a fresh seed.
+TEST(Sage2Masks, SaturatedTilesBesideAZeroTileAddNothing) {
+  const float lowest = -3.3895314e38f;
+  const Case c{2, 2, 1, 600, 600, 64, Mask::None};
+  const Inputs in = make_inputs(c, testutil::fresh_seed(), 1.0f);
+  const int pads[2] = {40, 0};
+  AttentionParams full{Mask::None, std::nullopt};
+  full.attn_mask = Tensor4(c.b, 1, c.nq, c.nkv);
+  for (int b = 0; b < c.b; ++b)
+    for (int i = 0; i < c.nq; ++i)
+      for (int j = 0; j < c.nkv; ++j)
+        full.attn_mask.at(b, 0, i, j) = j <= i && j >= pads[b] ? 0.f : lowest;
+  AttentionParams cut = full;  // saturated tiles of blocks with a zero tile: -inf
+  int replaced = 0;
+  for (int b = 0; b < c.b; ++b)
+    for (int mb = 0; mb * 128 < c.nq; ++mb) {
+      const int r0 = mb * 128, r1 = std::min(c.nq, r0 + 128);
+      auto tile_all = [&](int t, auto pred) {
+        for (int i = r0; i < r1; ++i)
+          for (int j = t * 128; j < std::min(c.nkv, t * 128 + 128); ++j)
+            if (!pred(full.attn_mask.at(b, 0, i, j))) return false;
+        return true;
+      };
+      bool zero_tile = false;
+      for (int t = 0; t * 128 < c.nkv; ++t) zero_tile |= tile_all(t, [](float x) { return x == 0.f; });
+      if (!zero_tile) continue;
+      for (int t = 0; t * 128 < c.nkv; ++t)
+        if (tile_all(t, [&](float x) { return x == lowest; })) {
+          for (int i = r0; i < r1; ++i)
+            for (int j = t * 128; j < std::min(c.nkv, t * 128 + 128); ++j)
+              cut.attn_mask.at(b, 0, i, j) = -std::numeric_limits<float>::infinity();
+          ++replaced;
+        }
+    }
+  ASSERT_GT(replaced, 0) << "the case has no tile the lists would leave out";
+  Sage2Options o;
+  o.fp22_keys = 1;
+  const auto a = emulate::sage2_attention(in.q, in.k, in.v, full, o);
+  const auto z = emulate::sage2_attention(in.q, in.k, in.v, cut, o);
+  ASSERT_EQ(a.o.data.size(), z.o.data.size());
+  for (std::size_t e = 0; e < a.o.data.size(); ++e)
+    ASSERT_EQ(a.o.data[e], z.o.data[e]) << "O element " << e;
+  for (std::size_t r = 0; r < a.lse.size(); ++r) ASSERT_EQ(a.lse[r], z.lse[r]) << "LSE row " << r;
+  // The rule needs the zero tile: block 0 of batch entry 0 has none (rows 0..39 see no
+  // key), and leaving out its saturated values changes those rows (with them they
+  // average their keys, Sage2Masks.LowestValuesAverageTheirKeysAsSdpaDoes; without them
+  // they see no key and give 0).
+  AttentionParams wrong = cut;
+  for (int i = 0; i < 128; ++i)
+    for (int j = 0; j < c.nkv; ++j)
+      if (wrong.attn_mask.at(0, 0, i, j) == lowest)
+        wrong.attn_mask.at(0, 0, i, j) = -std::numeric_limits<float>::infinity();
+  const auto w = emulate::sage2_attention(in.q, in.k, in.v, wrong, o);
+  double a_norm = 0, w_norm = 0;
+  for (int e = 0; e < c.d; ++e) {
+    a_norm += std::fabs(a.o.at(0, 0, 3, e));
+    w_norm += std::fabs(w.o.at(0, 0, 3, e));
+  }
+  EXPECT_GT(a_norm, 0.0) << "a row of lowest values averages its keys";
+  EXPECT_EQ(w_norm, 0.0) << "the same row with its saturated tile left out sees no key";
+}
+
 }  // namespace
 }  // namespace qattn

@@ -910,13 +910,21 @@ TEST(Sage2BoolMask, EqualsTheRuleItSpells) {
 // -inf among them, key padding as (B, 1, 1, Nkv) of 0 / -inf with a length of 0 (rows that
 // see no key), and documents of 0 / -inf (hidden, unchanged and cut tiles). Values are
 // rounded to the call's dtype before the reference sees them.
-enum class AddPattern { Alibi, Random, Padding, Documents };
+// Lowest: transformers' mask of a left-padded causal batch, 0 where a query sees a key and
+// the dtype's lowest value elsewhere (bf16's saturates: its tiles are left out of the
+// blocks that have a tile of zeros, numerics/mask_tiles.h); queries before the padding
+// ends see no key and average them all.
+enum class AddPattern { Alibi, Random, Padding, Documents, Lowest };
 
 void add_additive_mask(Sage2Case& c, AddPattern pattern, std::mt19937_64& rng) {
   auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
   std::normal_distribution<float> normal(0.f, 2.f);
   c.seqlen_kv += c.seqlen_kv % 2;  // the family's layout rule: 4-byte rows
-  c.mask_b = pattern == AddPattern::Random || pattern == AddPattern::Padding ? c.batch : 1;
+  c.mask_b = pattern == AddPattern::Random || pattern == AddPattern::Padding ||
+                     pattern == AddPattern::Lowest
+                 ? c.batch
+                 : 1;
+  const float lowest = c.bf16 ? -3.3895313892515355e38f : -65504.f;
   c.mask_h = pattern == AddPattern::Alibi ? c.heads_q : 1;
   c.mask_q = pattern == AddPattern::Padding ? 1 : c.seqlen_q;
   c.add_mask.assign(std::size_t(c.mask_b) * c.mask_h * c.mask_q * c.seqlen_kv, 0);
@@ -939,6 +947,11 @@ void add_additive_mask(Sage2Case& c, AddPattern pattern, std::mt19937_64& rng) {
             case AddPattern::Random: x = pick(0, 4) == 0 ? -INFINITY : normal(rng); break;
             case AddPattern::Padding: x = j < len ? 0.f : -INFINITY; break;
             case AddPattern::Documents: x = doc(i) == doc(j) && j <= i + 1 ? 0.f : -INFINITY; break;
+            case AddPattern::Lowest: {
+              const int diag = i + c.seqlen_kv - c.seqlen_q, pad = std::min(len, 300);
+              x = j <= diag && j >= pad ? 0.f : lowest;
+              break;
+            }
           }
           c.add_mask[c.mask_index(b, h, i, j)] = test::to_bits16(x, c.bf16);
         }
@@ -955,7 +968,7 @@ TEST(Sage2AdditiveMask, MatchEmulationAndReference) {
   std::mt19937_64 rng(seed);
   std::vector<Sage2Case> cases;
   for (AddPattern pattern : {AddPattern::Alibi, AddPattern::Random, AddPattern::Padding,
-                             AddPattern::Documents}) {
+                             AddPattern::Documents, AddPattern::Lowest}) {
     Sage2Case c;  // fixed: d=128 bf16 HND, tails on both sides
     c.batch = 2;
     c.heads_q = 4;

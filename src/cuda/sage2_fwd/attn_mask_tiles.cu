@@ -5,7 +5,9 @@
 #include <cuda_runtime.h>
 
 #include "cuda/sage2_fwd/attn_mask.cuh"
+#include "numerics/additive_mask.h"
 #include "numerics/mask_bits.h"
+#include "numerics/mask_tiles.h"
 #include "numerics/mma_groups.h"
 
 namespace qattn::sage2 {
@@ -13,7 +15,14 @@ namespace {
 
 constexpr int kTile = groups::kKvTile;  // 128 keys; query blocks are 128 rows too
 constexpr int kClassifyThreads = 256;
-enum : uint8_t { kHidden = 0, kVisible = 1, kCut = 2 };
+// Tile classes (numerics/mask_tiles.h): kVisible is a boolean tile with every key
+// visible or an additive tile of zeros; kSaturated only from additive masks.
+enum : uint8_t {
+  kHidden = numerics::kTileHidden,
+  kVisible = numerics::kTileUnchanged,
+  kCut = numerics::kTileCut,
+  kSaturated = numerics::kTileSaturated,
+};
 
 // Rows a warp reads before it looks at any of them: the pass is bound by how many bytes
 // are in flight, and a ballot (or a flag) after each load would wait for that load
@@ -105,13 +114,13 @@ __global__ void __launch_bounds__(kClassifyThreads)
         !any_visible ? kHidden : any_hidden ? kCut : kVisible;
 }
 
-// An additive mask's classes, one CTA per (KV tile, query block, slice) as above: hidden
-// (every value inside (seqlen_q, seqlen_kv) is -inf), unchanged (every one ±0) or cut.
-// A lane reads a pair of keys as one 4-byte word (the family's layout rule), the last
-// odd key of a row alone. Values are compared as bits: neg_inf is -inf's in the dtype.
-// A value that is neither -inf nor ±0 (or a -inf beside a ±0) proves the tile cut: the
-// CTA stops reading there (after each chunk of rows), so a tile of a bias is read in
-// part and only hidden and unchanged tiles are read whole.
+// An additive mask's classes, one CTA per (KV tile, query block, slice) as above:
+// hidden, unchanged, saturated or cut (numerics/mask_tiles.h). A lane reads a pair of
+// keys as one 4-byte word (the family's layout rule), the last odd key of a row alone.
+// Values are compared as bits (neg_inf is -inf's in the dtype); a bf16 value at or below
+// kLowestAdditive is saturated (no fp16 value is). Once the values seen prove the tile
+// cut the CTA stops reading it (after each chunk of rows), so a tile of a bias is read in
+// part and only hidden, unchanged and saturated tiles are read whole.
 __global__ void __launch_bounds__(kClassifyThreads)
     classify_additive_tiles(AttnMaskView m, int seqlen_q, int seqlen_kv, uint16_t neg_inf,
                             uint8_t* classes) {
@@ -122,10 +131,14 @@ __global__ void __launch_bounds__(kClassifyThreads)
   const uint8_t* base = m.data + b * m.stride_b + h * m.stride_h + int64_t{tile} * kTile * 2;
   const int rows = min(kTile, seqlen_q - m_block * kTile);
   const int cols = min(kTile, seqlen_kv - tile * kTile);
-  bool any_visible = false, any_nonzero = false;
+  bool any_visible = false, any_nonzero = false, any_zero = false, any_live_nonzero = false;
   auto see = [&](uint32_t bits) {
-    any_visible |= bits != neg_inf;
-    any_nonzero |= (bits & 0x7fffu) != 0;
+    const bool hidden = bits == neg_inf, zero = (bits & 0x7fffu) == 0;
+    const bool saturated = m.bf16 && numerics::bf16_saturated(bits);
+    any_visible |= !hidden;
+    any_nonzero |= !zero;
+    any_zero |= zero;
+    any_live_nonzero |= !hidden && !zero && !saturated;
   };
   // Rows warp + 8 (c0 + k), k < kChunkRows, as words; the next chunk's loads are issued
   // before this chunk is examined, so two chunks are in flight.
@@ -163,13 +176,16 @@ __global__ void __launch_bounds__(kClassifyThreads)
     }
     any_visible = __syncthreads_or(any_visible);
     any_nonzero = __syncthreads_or(any_nonzero);
-    if (any_visible && any_nonzero) break;  // cut: proven (the same on every thread)
+    any_zero = __syncthreads_or(any_zero);
+    any_live_nonzero = __syncthreads_or(any_live_nonzero);
+    if (numerics::additive_cut_proven(any_zero, any_nonzero, any_live_nonzero))
+      break;  // the same on every thread
 #pragma unroll
     for (int k = 0; k < kChunkRows; ++k) w[k][0] = next[k][0], w[k][1] = next[k][1];
   }
   if (threadIdx.x == 0)
     classes[(static_cast<int64_t>(slice) * gridDim.y + m_block) * gridDim.x + tile] =
-        !any_visible ? kHidden : any_nonzero ? kCut : kVisible;
+        numerics::additive_tile_class(any_visible, any_nonzero, any_zero || any_live_nonzero);
 }
 
 // One warp per (query block, slice): the visible and cut tiles in order, a ballot per 32.
@@ -179,13 +195,19 @@ __global__ void __launch_bounds__(32) write_lists(AttnMaskView m, int kv_tiles,
   const int64_t at = static_cast<int64_t>(slice) * gridDim.x + m_block;
   const uint8_t* cls = classes + at * kv_tiles;
   int* list = const_cast<int*>(m.tiles) + at * m.list_len;  // = m.list_at(...)
+  // Whether some tile of the block is unchanged (then its saturated tiles are left out).
+  bool unchanged = false;
+  for (int t = lane; t < kv_tiles; t += 32) unchanged |= cls[t] == kVisible;
+  unchanged = __any_sync(0xffffffffu, unchanged);
   int count = 0;
   for (int t0 = 0; t0 < kv_tiles; t0 += 32) {
     const int t = t0 + lane;
-    const uint8_t c = t < kv_tiles ? cls[t] : kHidden;
-    const unsigned keep = __ballot_sync(0xffffffffu, c != kHidden);
-    if (c != kHidden)
-      list[1 + count + __popc(keep & ((1u << lane) - 1u))] = t | (c == kCut ? kMaskTileCut : 0);
+    const auto c = static_cast<numerics::MaskTileClass>(t < kv_tiles ? cls[t] : kHidden);
+    const bool kept = numerics::list_keeps(c, unchanged);
+    const unsigned keep = __ballot_sync(0xffffffffu, kept);
+    if (kept)
+      list[1 + count + __popc(keep & ((1u << lane) - 1u))] =
+          t | (numerics::list_reads(c) ? kMaskTileCut : 0);
     count += __popc(keep);
   }
   if (lane == 0) {

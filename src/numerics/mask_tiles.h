@@ -1,0 +1,70 @@
+// How the SA2-8b attn_mask pass classifies a 128 × 128 tile of a mask and which tiles a
+// query block's list keeps (cuda/sage2_fwd/attn_mask_tiles.cu), as host/device rules so
+// the CPU checks them (tests/cpu/test_mask_tiles.cpp).
+//
+// An additive value is one of: hidden (-inf), saturated (finite and at or below
+// kLowestAdditive: bf16's lowest, which transformers writes for "masked"; it enters the
+// softmax as kLowestAdditive·log2 e, numerics/additive_mask.h) or live (any other value,
+// ±0 included). A tile is
+//   hidden     every value hidden;
+//   unchanged  every value ±0 (run with nothing read);
+//   saturated  every value hidden or saturated, at least one saturated;
+//   cut        otherwise (its values are read).
+// A saturated tile adds exactly nothing to a row that has a live key elsewhere: that
+// key's x exceeds the saturated x = -3.318·10³⁸ by at least FP32's spacing there
+// (~2·10³¹), so exp2 of the difference is 0 whichever of them the online softmax meets
+// first (met first, the saturated tile's sums are scaled by an alpha of exactly 0). A
+// block with an unchanged tile has a live key in every row, so its list leaves the
+// saturated tiles out; another block reads them as cut tiles (a row whose every value
+// saturates averages its keys, as SDPA's FP32 math does).
+#pragma once
+
+#include <cstdint>
+
+#include "numerics/hd.h"
+
+namespace qattn::numerics {
+
+enum MaskTileClass : std::uint8_t {
+  kTileHidden = 0,
+  kTileUnchanged = 1,  // boolean masks: every key visible
+  kTileCut = 2,
+  kTileSaturated = 3,  // additive masks only
+};
+
+// A bf16 value's bits are saturated (finite, at or below kLowestAdditive): sign set and a
+// magnitude from 0x7f2e (2.3129·10³⁸, the first bf16 at or above 2.3·10³⁸) below
+// infinity's 0x7f80. An integer test of the bits, the same as the float comparison
+// (tests/cpu/test_mask_tiles.cpp runs all 65536 patterns).
+QATTN_HD constexpr bool bf16_saturated(std::uint32_t bits) {
+  const std::uint32_t mag = bits & 0x7fffu;
+  return (bits & 0x8000u) != 0 && mag >= 0x7f2eu && mag < 0x7f80u;
+}
+
+// The class of an additive tile from what its values showed: a value not -inf, a value
+// not ±0, a live value (not -inf and not saturated).
+QATTN_HD MaskTileClass additive_tile_class(bool any_visible, bool any_nonzero, bool any_live) {
+  if (!any_visible) return kTileHidden;
+  if (!any_nonzero) return kTileUnchanged;
+  if (!any_live) return kTileSaturated;
+  return kTileCut;
+}
+
+// Whether the values seen so far make the tile cut whatever the rest holds: a live value
+// that is not ±0, or a ±0 beside any value that is not ±0.
+QATTN_HD bool additive_cut_proven(bool any_zero, bool any_nonzero, bool any_live_nonzero) {
+  return any_live_nonzero || (any_zero && any_nonzero);
+}
+
+// Whether a block's list keeps a tile of class c; block_has_unchanged: some tile of the
+// block is unchanged (every row has a live key there).
+QATTN_HD bool list_keeps(MaskTileClass c, bool block_has_unchanged) {
+  if (c == kTileHidden) return false;
+  if (c == kTileSaturated) return !block_has_unchanged;
+  return true;
+}
+
+// Whether a kept tile's values (or bits) are read: cut tiles, and saturated ones kept.
+QATTN_HD bool list_reads(MaskTileClass c) { return c == kTileCut || c == kTileSaturated; }
+
+}  // namespace qattn::numerics

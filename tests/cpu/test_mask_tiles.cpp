@@ -1,0 +1,108 @@
+// The attn_mask pass's tile rules (numerics/mask_tiles.h) against their definition on
+// every small tile of values drawn from {-inf, saturated, -0, +0, live}: the class of a
+// tile, the early proof of a cut from any prefix of its values, which tiles a block's
+// list keeps; and, on the emulator's arithmetic, that a saturated tile adds nothing to a
+// row with a live key (the exactness the list rule relies on).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "numerics/additive_mask.h"
+#include "numerics/mask_tiles.h"
+
+namespace nu = qattn::numerics;
+
+namespace {
+
+enum Kind { kNegInf, kSaturated, kZero, kLive };
+const float kValues[] = {-INFINITY, -3.38e38f, 0.0f, -1.5f};
+
+nu::MaskTileClass defined_class(const std::vector<Kind>& t) {
+  bool all_hidden = true, all_zero = true, all_hidden_or_saturated = true;
+  for (Kind k : t) {
+    all_hidden &= k == kNegInf;
+    all_zero &= k == kZero;
+    all_hidden_or_saturated &= k == kNegInf || k == kSaturated;
+  }
+  if (all_hidden) return nu::kTileHidden;
+  if (all_zero) return nu::kTileUnchanged;
+  if (all_hidden_or_saturated) return nu::kTileSaturated;
+  return nu::kTileCut;
+}
+
+}  // namespace
+
+TEST(MaskTiles, Bf16SaturationTestEqualsTheFloatComparison) {
+  for (std::uint32_t bits = 0; bits < 0x10000u; ++bits) {
+    const std::uint32_t w = bits << 16;
+    float f;
+    std::memcpy(&f, &w, 4);
+    const bool want = std::isfinite(f) && f <= nu::kLowestAdditive;
+    ASSERT_EQ(nu::bf16_saturated(bits), want) << std::hex << bits;
+  }
+}
+
+TEST(MaskTiles, SaturatedValuesAreTheOnesTheSoftmaxSaturates) {
+  EXPECT_LE(kValues[kSaturated], nu::kLowestAdditive);
+  EXPECT_EQ(nu::additive_log2(kValues[kSaturated]), nu::additive_log2(nu::kLowestAdditive));
+  EXPECT_GT(kValues[kLive], nu::kLowestAdditive);
+}
+
+// Every tile of up to 6 values of the four kinds (4^6): the class from the pass's three
+// flags, and the cut proof from every prefix never contradicting the class.
+TEST(MaskTiles, ClassAndCutProofEqualTheDefinition) {
+  for (int n = 1; n <= 6; ++n) {
+    int total = 1;
+    for (int i = 0; i < n; ++i) total *= 4;
+    for (int code = 0; code < total; ++code) {
+      std::vector<Kind> t(n);
+      for (int i = 0, c = code; i < n; ++i, c /= 4) t[i] = static_cast<Kind>(c % 4);
+      bool vis = false, nonzero = false, live = false, zero = false, live_nonzero = false;
+      for (int i = 0; i < n; ++i) {
+        const Kind k = t[i];
+        vis |= k != kNegInf;
+        nonzero |= k != kZero;
+        live |= k == kZero || k == kLive;
+        zero |= k == kZero;
+        live_nonzero |= k == kLive;
+        if (nu::additive_cut_proven(zero, nonzero, live_nonzero))
+          ASSERT_EQ(defined_class(t), nu::kTileCut) << "n " << n << " code " << code << " prefix " << i;
+      }
+      ASSERT_EQ(nu::additive_tile_class(vis, nonzero, live), defined_class(t)) << "n " << n << " code " << code;
+      // The full tile: proven cut iff it is cut.
+      ASSERT_EQ(nu::additive_cut_proven(zero, nonzero, live_nonzero), defined_class(t) == nu::kTileCut)
+          << "n " << n << " code " << code;
+    }
+  }
+}
+
+TEST(MaskTiles, ListsKeepSaturatedTilesOnlyWithoutAnUnchangedTile) {
+  for (bool unchanged : {false, true}) {
+    EXPECT_FALSE(nu::list_keeps(nu::kTileHidden, unchanged));
+    EXPECT_TRUE(nu::list_keeps(nu::kTileUnchanged, unchanged));
+    EXPECT_TRUE(nu::list_keeps(nu::kTileCut, unchanged));
+    EXPECT_EQ(nu::list_keeps(nu::kTileSaturated, unchanged), !unchanged);
+  }
+  EXPECT_TRUE(nu::list_reads(nu::kTileCut));
+  EXPECT_TRUE(nu::list_reads(nu::kTileSaturated));
+  EXPECT_FALSE(nu::list_reads(nu::kTileUnchanged));
+}
+
+// The exactness the list rule rests on, in the kernel's and the emulator's FP32 steps:
+// x = s·qk + additive_log2(a); a saturated key's x minus a live key's is so negative that
+// exp2 gives 0, for any score a 16-bit input can produce, and alpha = exp2(m_sat - m_live)
+// is 0 when the saturated tile comes first.
+TEST(MaskTiles, SaturatedKeysAddExactlyNothingBesideALiveKey) {
+  const float qk = 0.0884f * 1.4427f;  // 1/sqrt(128) · log2 e
+  for (float s_sat : {-1e9f, -3e4f, 0.f, 3e4f, 1e9f})
+    for (float s_live : {-1e9f, -3e4f, 0.f, 3e4f, 1e9f})
+      for (float a_live : {0.f, -1.5f, -1e4f, -65504.f, -2.29e38f}) {
+        const float x_sat = s_sat * qk + nu::additive_log2(-3.38e38f);
+        const float x_live = s_live * qk + nu::additive_log2(a_live);
+        ASSERT_LT(x_sat, x_live) << s_sat << " " << s_live << " " << a_live;
+        EXPECT_EQ(std::exp2(x_sat - x_live), 0.0f) << s_sat << " " << s_live << " " << a_live;
+      }
+}
