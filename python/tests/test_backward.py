@@ -468,9 +468,9 @@ def test_gpu_inference_path_is_unchanged(gpu, monkeypatch):
     seen = []
     run = ops._run
 
-    def recording_run(q, k, v, is_causal, scale, layout, return_lse, granularity):
-        seen.append((return_lse, granularity))
-        return run(q, k, v, is_causal, scale, layout, return_lse, granularity)
+    def recording_run(*args, **kwargs):  # _run(q, k, v, is_causal, scale, layout, return_lse, granularity, ...)
+        seen.append((args[6], args[7]))
+        return run(*args, **kwargs)
 
     monkeypatch.setattr(ops, "_run", recording_run)
     with torch.no_grad():
