@@ -41,6 +41,28 @@ QATTN_HD constexpr bool bf16_saturated(std::uint32_t bits) {
   return (bits & 0x8000u) != 0 && mag >= 0x7f2eu && mag < 0x7f80u;
 }
 
+// What one additive value shows, as bits of a word the pass ORs over a tile (one
+// reduction for all four facts). bits: the value's 16 bits; neg_inf: -inf's in the
+// dtype; dead_lo: the lowest pattern that is -inf or saturated (bf16: 0xff2e, so that
+// dead_lo <= bits <= neg_inf is "sign set, magnitude 0x7f2e..0x7f80"; fp16, which has no
+// saturated value: neg_inf itself).
+enum : std::uint32_t {
+  kSeenVisible = 1,       // not -inf
+  kSeenNonzero = 2,       // not ±0
+  kSeenZero = 4,          // ±0
+  kSeenLiveNonzero = 8,   // neither -inf, saturated nor ±0
+};
+QATTN_HD constexpr std::uint32_t additive_value_flags(std::uint32_t bits, std::uint32_t neg_inf,
+                                                      std::uint32_t dead_lo) {
+  const bool zero = (bits & 0x7fffu) == 0;
+  const bool dead = bits - dead_lo <= neg_inf - dead_lo;  // unsigned: a range test
+  return (bits != neg_inf ? kSeenVisible : 0u) | (zero ? kSeenZero : kSeenNonzero) |
+         (!dead && !zero ? kSeenLiveNonzero : 0u);
+}
+QATTN_HD constexpr std::uint32_t dead_lo_bits(bool bf16, std::uint32_t neg_inf) {
+  return bf16 ? 0xff2eu : neg_inf;
+}
+
 // The class of an additive tile from what its values showed: a value not -inf, a value
 // not ±0, a live value (not -inf and not saturated).
 QATTN_HD MaskTileClass additive_tile_class(bool any_visible, bool any_nonzero, bool any_live) {
@@ -58,6 +80,16 @@ QATTN_HD bool additive_cut_proven(bool any_zero, bool any_nonzero, bool any_live
 
 // Whether a block's list keeps a tile of class c; block_has_unchanged: some tile of the
 // block is unchanged (every row has a live key there).
+// The same two rules from the ORed flags of additive_value_flags.
+QATTN_HD MaskTileClass additive_tile_class(std::uint32_t seen) {
+  return additive_tile_class((seen & kSeenVisible) != 0, (seen & kSeenNonzero) != 0,
+                             (seen & (kSeenZero | kSeenLiveNonzero)) != 0);
+}
+QATTN_HD bool additive_cut_proven(std::uint32_t seen) {
+  return additive_cut_proven((seen & kSeenZero) != 0, (seen & kSeenNonzero) != 0,
+                             (seen & kSeenLiveNonzero) != 0);
+}
+
 QATTN_HD bool list_keeps(MaskTileClass c, bool block_has_unchanged) {
   if (c == kTileHidden) return false;
   if (c == kTileSaturated) return !block_has_unchanged;

@@ -45,6 +45,23 @@ TEST(MaskTiles, Bf16SaturationTestEqualsTheFloatComparison) {
   }
 }
 
+// The pass's per-value flags against the float definitions, on every 16-bit pattern of
+// both dtypes: -inf, ±0, and live (neither -inf, saturated in bf16, nor ±0; a NaN is live).
+TEST(MaskTiles, ValueFlagsEqualTheDefinitionOnEveryPattern) {
+  for (const bool bf16 : {true, false}) {
+    const std::uint32_t neg_inf = bf16 ? 0xff80u : 0xfc00u;
+    const std::uint32_t dead_lo = nu::dead_lo_bits(bf16, neg_inf);
+    for (std::uint32_t bits = 0; bits < 0x10000u; ++bits) {
+      const bool hidden = bits == neg_inf, zero = (bits & 0x7fffu) == 0;
+      const bool saturated = bf16 && nu::bf16_saturated(bits);
+      std::uint32_t want = (hidden ? 0u : nu::kSeenVisible) | (zero ? nu::kSeenZero : nu::kSeenNonzero);
+      if (!hidden && !zero && !saturated) want |= nu::kSeenLiveNonzero;
+      ASSERT_EQ(nu::additive_value_flags(bits, neg_inf, dead_lo), want)
+          << (bf16 ? "bf16 " : "fp16 ") << std::hex << bits;
+    }
+  }
+}
+
 TEST(MaskTiles, SaturatedValuesAreTheOnesTheSoftmaxSaturates) {
   EXPECT_LE(kValues[kSaturated], nu::kLowestAdditive);
   EXPECT_EQ(nu::additive_log2(kValues[kSaturated]), nu::additive_log2(nu::kLowestAdditive));
@@ -72,6 +89,14 @@ TEST(MaskTiles, ClassAndCutProofEqualTheDefinition) {
           ASSERT_EQ(defined_class(t), nu::kTileCut) << "n " << n << " code " << code << " prefix " << i;
       }
       ASSERT_EQ(nu::additive_tile_class(vis, nonzero, live), defined_class(t)) << "n " << n << " code " << code;
+      // The flag-word forms the pass uses, from the ORed per-value flags of bf16 values.
+      std::uint32_t seen = 0;
+      for (Kind k : t) {
+        const std::uint32_t bits = k == kNegInf ? 0xff80u : k == kSaturated ? 0xff7fu : k == kZero ? 0x8000u : 0xbfc0u;
+        seen |= nu::additive_value_flags(bits, 0xff80u, nu::dead_lo_bits(true, 0xff80u));
+      }
+      ASSERT_EQ(nu::additive_tile_class(seen), defined_class(t)) << "n " << n << " code " << code;
+      ASSERT_EQ(nu::additive_cut_proven(seen), defined_class(t) == nu::kTileCut) << "n " << n << " code " << code;
       // The full tile: proven cut iff it is cut.
       ASSERT_EQ(nu::additive_cut_proven(zero, nonzero, live_nonzero), defined_class(t) == nu::kTileCut)
           << "n " << n << " code " << code;

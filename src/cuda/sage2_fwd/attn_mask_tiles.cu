@@ -131,15 +131,13 @@ __global__ void __launch_bounds__(kClassifyThreads)
   const uint8_t* base = m.data + b * m.stride_b + h * m.stride_h + int64_t{tile} * kTile * 2;
   const int rows = min(kTile, seqlen_q - m_block * kTile);
   const int cols = min(kTile, seqlen_kv - tile * kTile);
-  bool any_visible = false, any_nonzero = false, any_zero = false, any_live_nonzero = false;
-  auto see = [&](uint32_t bits) {
-    const bool hidden = bits == neg_inf, zero = (bits & 0x7fffu) == 0;
-    const bool saturated = m.bf16 && numerics::bf16_saturated(bits);
-    any_visible |= !hidden;
-    any_nonzero |= !zero;
-    any_zero |= zero;
-    any_live_nonzero |= !hidden && !zero && !saturated;
-  };
+  // What the values showed (numerics::additive_value_flags), ORed: this thread's until a
+  // chunk ends, then the CTA's.
+  const uint32_t dead_lo = numerics::dead_lo_bits(m.bf16, neg_inf);
+  uint32_t seen = 0;
+  auto see = [&](uint32_t bits) { seen |= numerics::additive_value_flags(bits, neg_inf, dead_lo); };
+  __shared__ uint32_t warp_seen[2][kWarps];  // by chunk parity: a chunk's writes never meet
+                                             // the previous chunk's reads
   // Rows warp + 8 (c0 + k), k < kChunkRows, as words; the next chunk's loads are issued
   // before this chunk is examined, so two chunks are in flight.
   auto load_chunk = [&](uint32_t (&w)[kChunkRows][2], int c0) {
@@ -174,18 +172,19 @@ __global__ void __launch_bounds__(kClassifyThreads)
         if (r < rows && c + 1 < cols) see(w[k][half] >> 16);
       }
     }
-    any_visible = __syncthreads_or(any_visible);
-    any_nonzero = __syncthreads_or(any_nonzero);
-    any_zero = __syncthreads_or(any_zero);
-    any_live_nonzero = __syncthreads_or(any_live_nonzero);
-    if (numerics::additive_cut_proven(any_zero, any_nonzero, any_live_nonzero))
-      break;  // the same on every thread
+    // One barrier a chunk: the warps' ORs through shared memory.
+    const uint32_t mine = __reduce_or_sync(0xffffffffu, seen);
+    if (lane == 0) warp_seen[(c0 / kChunkRows) % 2][warp] = mine;
+    __syncthreads();
+#pragma unroll
+    for (int x = 0; x < kWarps; ++x) seen |= warp_seen[(c0 / kChunkRows) % 2][x];
+    if (numerics::additive_cut_proven(seen)) break;  // the same on every thread
 #pragma unroll
     for (int k = 0; k < kChunkRows; ++k) w[k][0] = next[k][0], w[k][1] = next[k][1];
   }
   if (threadIdx.x == 0)
     classes[(static_cast<int64_t>(slice) * gridDim.y + m_block) * gridDim.x + tile] =
-        numerics::additive_tile_class(any_visible, any_nonzero, any_zero || any_live_nonzero);
+        numerics::additive_tile_class(seen);
 }
 
 // One warp per (query block, slice): the visible and cut tiles in order, a ballot per 32.
