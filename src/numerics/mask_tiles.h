@@ -63,6 +63,41 @@ QATTN_HD constexpr std::uint32_t dead_lo_bits(bool bf16, std::uint32_t neg_inf) 
   return bf16 ? 0xff2eu : neg_inf;
 }
 
+// The same facts for two values at once (a 4-byte word of keys c, c + 1; both inside the
+// call), ORed into an accumulator by integer steps on both halves together: per half,
+// adding 0x7fff to the magnitude sets bit 15 iff it is not 0, adding lo_add iff it is at or
+// above dead_lo's magnitude, adding hi_add iff it is above neg_inf's (no carry leaves a
+// half: every magnitude is at most 0x7fff). flags() gives what additive_value_flags ORed
+// over the values would.
+struct AdditiveWordFacts {
+  std::uint32_t neg_inf2, lo_add2, hi_add2;
+  std::uint32_t differs = 0;          // OR of (word ^ neg_inf2): some value is not -inf
+  std::uint32_t nonzero_or = 0;       // OR of the per-half nonzero bits
+  std::uint32_t nonzero_and = ~0u;    // AND of them: 0x80008000 unless some value is ±0
+  std::uint32_t live_nonzero_or = 0;  // OR of nonzero and not dead
+
+  QATTN_HD constexpr AdditiveWordFacts(std::uint32_t neg_inf, std::uint32_t dead_lo)
+      : neg_inf2(neg_inf * 0x10001u),
+        lo_add2((0x8000u - (dead_lo & 0x7fffu)) * 0x10001u),
+        hi_add2((0x7fffu - (neg_inf & 0x7fffu)) * 0x10001u) {}
+
+  QATTN_HD constexpr void see_word(std::uint32_t w) {
+    const std::uint32_t mag = w & 0x7fff7fffu;
+    const std::uint32_t nonzero = (mag + 0x7fff7fffu) & 0x80008000u;
+    // dead: sign set, magnitude at or above dead_lo's and not above neg_inf's.
+    const std::uint32_t dead = w & (mag + lo_add2) & ~(mag + hi_add2) & 0x80008000u;
+    differs |= w ^ neg_inf2;
+    nonzero_or |= nonzero;
+    nonzero_and &= nonzero;
+    live_nonzero_or |= nonzero & ~dead;
+  }
+  QATTN_HD constexpr std::uint32_t flags() const {
+    return (differs != 0 ? kSeenVisible : 0u) | (nonzero_or != 0 ? kSeenNonzero : 0u) |
+           ((nonzero_and & 0x80008000u) != 0x80008000u ? kSeenZero : 0u) |
+           (live_nonzero_or != 0 ? kSeenLiveNonzero : 0u);
+  }
+};
+
 // The class of an additive tile from what its values showed: a value not -inf, a value
 // not ±0, a live value (not -inf and not saturated).
 QATTN_HD MaskTileClass additive_tile_class(bool any_visible, bool any_nonzero, bool any_live) {

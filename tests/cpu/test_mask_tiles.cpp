@@ -62,6 +62,42 @@ TEST(MaskTiles, ValueFlagsEqualTheDefinitionOnEveryPattern) {
   }
 }
 
+// The two-value word steps against the per-value flags: every pattern in each half beside
+// the patterns at the rules' edges in the other, and random runs of words.
+TEST(MaskTiles, WordFactsEqualTheValueFlagsOfBothHalves) {
+  for (const bool bf16 : {true, false}) {
+    const std::uint32_t neg_inf = bf16 ? 0xff80u : 0xfc00u;
+    const std::uint32_t dead_lo = nu::dead_lo_bits(bf16, neg_inf);
+    auto flags = [&](std::uint32_t v) { return nu::additive_value_flags(v, neg_inf, dead_lo); };
+    std::vector<std::uint32_t> edges = {0x0000u, 0x8000u, 0x0001u, 0x8001u, 0x7fffu, 0xffffu,
+                                        neg_inf, neg_inf - 1, neg_inf + 1, dead_lo, dead_lo - 1,
+                                        dead_lo + 1, neg_inf & 0x7fffu, dead_lo & 0x7fffu,
+                                        0x3c00u, 0xbc00u, 0x3f80u, 0xbf80u, 0x7c00u, 0x7f80u};
+    for (std::uint32_t a = 0; a < 0x10000u; ++a)
+      for (std::uint32_t b : edges)
+        for (const std::uint32_t w : {a | (b << 16), b | (a << 16)}) {
+          nu::AdditiveWordFacts f(neg_inf, dead_lo);
+          f.see_word(w);
+          ASSERT_EQ(f.flags(), flags(w & 0xffffu) | flags(w >> 16))
+              << (bf16 ? "bf16 " : "fp16 ") << std::hex << w;
+        }
+    std::uint64_t x = 0x9e3779b97f4a7c15ull;
+    for (int run = 0; run < 20000; ++run) {
+      nu::AdditiveWordFacts f(neg_inf, dead_lo);
+      std::uint32_t want = 0;
+      for (int i = 0, n = 1 + run % 6; i < n; ++i) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        // Halves drawn mostly from the edges, so runs of hidden, zero and saturated words occur.
+        auto half = [&](unsigned r) { return r % 4 ? edges[(r >> 2) % edges.size()] : (r >> 8) & 0xffffu; };
+        const std::uint32_t w = half(static_cast<unsigned>(x)) | (half(static_cast<unsigned>(x >> 32)) << 16);
+        f.see_word(w);
+        want |= flags(w & 0xffffu) | flags(w >> 16);
+      }
+      ASSERT_EQ(f.flags(), want) << (bf16 ? "bf16 run " : "fp16 run ") << run;
+    }
+  }
+}
+
 TEST(MaskTiles, SaturatedValuesAreTheOnesTheSoftmaxSaturates) {
   EXPECT_LE(kValues[kSaturated], nu::kLowestAdditive);
   EXPECT_EQ(nu::additive_log2(kValues[kSaturated]), nu::additive_log2(nu::kLowestAdditive));

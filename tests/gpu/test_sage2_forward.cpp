@@ -403,6 +403,31 @@ void check_against_emulation(Sage2Case c, const test::InputHook& hook = {},
     }
   EXPECT_LE(lse_err, 0.0445);
   EXPECT_LE(lse_sum / std::max<std::size_t>(rows, 1), 2e-4) << "max " << lse_err;
+  if (::testing::Test::HasFailure()) {
+    // The rows furthest from the emulation, with how many keys each sees.
+    std::vector<std::size_t> order(emu.lse.size());
+    for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+    auto gap = [&](std::size_t i) {
+      return std::isinf(emu.lse[i]) ? 0.0 : std::abs(double(r.lse[i]) - emu.lse[i]);
+    };
+    std::partial_sort(order.begin(), order.begin() + std::min<std::size_t>(8, order.size()),
+                      order.end(), [&](std::size_t a, std::size_t b) { return gap(a) > gap(b); });
+    for (std::size_t k = 0; k < std::min<std::size_t>(8, order.size()); ++k) {
+      const std::size_t i = order[k];
+      const int row = static_cast<int>(i % c.seqlen_q);
+      const int h = static_cast<int>(i / c.seqlen_q % c.heads_q);
+      const int b = static_cast<int>(i / c.seqlen_q / c.heads_q);
+      int keys = c.seqlen_kv;
+      if (!c.add_mask.empty()) {
+        keys = 0;
+        for (int j = 0; j < c.seqlen_kv; ++j)
+          keys += !std::isinf(test::from_bits16(
+              c.add_mask[c.mask_index(b % c.mask_b, h % c.mask_h, row % c.mask_q, j)], c.bf16));
+      }
+      ADD_FAILURE() << "row b=" << b << " h=" << h << " i=" << row << " keys " << keys
+                    << ": GPU LSE " << r.lse[i] << ", emulation " << emu.lse[i];
+    }
+  }
 }
 
 TEST(Sage2Forward, MatchesEmulationFixedCases) {

@@ -131,11 +131,11 @@ __global__ void __launch_bounds__(kClassifyThreads)
   const uint8_t* base = m.data + b * m.stride_b + h * m.stride_h + int64_t{tile} * kTile * 2;
   const int rows = min(kTile, seqlen_q - m_block * kTile);
   const int cols = min(kTile, seqlen_kv - tile * kTile);
-  // What the values showed (numerics::additive_value_flags), ORed: this thread's until a
-  // chunk ends, then the CTA's.
+  // What the values showed (numerics/mask_tiles.h): whole words by the two-value steps,
+  // a row's last odd key alone; `seen` is the CTA's flags after each chunk.
   const uint32_t dead_lo = numerics::dead_lo_bits(m.bf16, neg_inf);
+  numerics::AdditiveWordFacts facts(neg_inf, dead_lo);
   uint32_t seen = 0;
-  auto see = [&](uint32_t bits) { seen |= numerics::additive_value_flags(bits, neg_inf, dead_lo); };
   __shared__ uint32_t warp_seen[2][kWarps];  // by chunk parity: a chunk's writes never meet
                                              // the previous chunk's reads
   // Rows warp + 8 (c0 + k), k < kChunkRows, as words; the next chunk's loads are issued
@@ -168,12 +168,14 @@ __global__ void __launch_bounds__(kClassifyThreads)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int c = 2 * (32 * half + lane);
-        if (r < rows && c < cols) see(w[k][half] & 0xffffu);
-        if (r < rows && c + 1 < cols) see(w[k][half] >> 16);
+        if (r < rows && c + 1 < cols)
+          facts.see_word(w[k][half]);
+        else if (r < rows && c < cols)
+          seen |= numerics::additive_value_flags(w[k][half] & 0xffffu, neg_inf, dead_lo);
       }
     }
     // One barrier a chunk: the warps' ORs through shared memory.
-    const uint32_t mine = __reduce_or_sync(0xffffffffu, seen);
+    const uint32_t mine = __reduce_or_sync(0xffffffffu, seen | facts.flags());
     if (lane == 0) warp_seen[(c0 / kChunkRows) % 2][warp] = mine;
     __syncthreads();
 #pragma unroll
