@@ -118,9 +118,10 @@ __global__ void __launch_bounds__(kClassifyThreads)
 // hidden, unchanged, saturated or cut (numerics/mask_tiles.h). A lane reads a pair of
 // keys as one 4-byte word (the family's layout rule), the last odd key of a row alone.
 // Values are compared as bits (neg_inf is -inf's in the dtype); a bf16 value at or below
-// kLowestAdditive is saturated (no fp16 value is). Once the values seen prove the tile
+// kLowestAdditive is saturated (no fp16 value is). Once one thread's values prove the tile
 // cut the CTA stops reading it (after each chunk of rows), so a tile of a bias is read in
-// part and only hidden, unchanged and saturated tiles are read whole.
+// part and only hidden, unchanged and saturated tiles (and a cut no single thread sees,
+// e.g. a boundary between a thread's zeros and another's -inf) are read whole.
 __global__ void __launch_bounds__(kClassifyThreads)
     classify_additive_tiles(AttnMaskView m, int seqlen_q, int seqlen_kv, uint16_t neg_inf,
                             uint8_t* classes) {
@@ -131,13 +132,13 @@ __global__ void __launch_bounds__(kClassifyThreads)
   const uint8_t* base = m.data + b * m.stride_b + h * m.stride_h + int64_t{tile} * kTile * 2;
   const int rows = min(kTile, seqlen_q - m_block * kTile);
   const int cols = min(kTile, seqlen_kv - tile * kTile);
-  // What the values showed (numerics/mask_tiles.h): whole words by the two-value steps,
-  // a row's last odd key alone; `seen` is the CTA's flags after each chunk.
+  // What this thread's values showed (numerics/mask_tiles.h): whole words by the
+  // two-value steps, a row's last odd key alone into `seen`.
   const uint32_t dead_lo = numerics::dead_lo_bits(m.bf16, neg_inf);
   numerics::AdditiveWordFacts facts(neg_inf, dead_lo);
   uint32_t seen = 0;
-  __shared__ uint32_t warp_seen[2][kWarps];  // by chunk parity: a chunk's writes never meet
-                                             // the previous chunk's reads
+  bool cut = false;
+  __shared__ uint32_t warp_seen[kWarps];
   // Rows warp + 8 (c0 + k), k < kChunkRows, as words; the next chunk's loads are issued
   // before this chunk is examined, so two chunks are in flight.
   auto load_chunk = [&](uint32_t (&w)[kChunkRows][2], int c0) {
@@ -174,19 +175,27 @@ __global__ void __launch_bounds__(kClassifyThreads)
           seen |= numerics::additive_value_flags(w[k][half] & 0xffffu, neg_inf, dead_lo);
       }
     }
-    // One barrier a chunk: the warps' ORs through shared memory.
-    const uint32_t mine = __reduce_or_sync(0xffffffffu, seen | facts.flags());
-    if (lane == 0) warp_seen[(c0 / kChunkRows) % 2][warp] = mine;
-    __syncthreads();
-#pragma unroll
-    for (int x = 0; x < kWarps; ++x) seen |= warp_seen[(c0 / kChunkRows) % 2][x];
-    if (numerics::additive_cut_proven(seen)) break;  // the same on every thread
+    // One barrier a chunk: whether some thread's own values prove the tile cut (a cut
+    // seen only across threads is found at the end, after the whole tile).
+    if (__syncthreads_or(numerics::additive_cut_proven(seen | facts.flags()))) {
+      cut = true;
+      break;  // the same on every thread
+    }
 #pragma unroll
     for (int k = 0; k < kChunkRows; ++k) w[k][0] = next[k][0], w[k][1] = next[k][1];
   }
+  uint8_t cls = kCut;
+  if (!cut) {  // the CTA's facts: the warps' ORs through shared memory
+    const uint32_t mine = __reduce_or_sync(0xffffffffu, seen | facts.flags());
+    if (lane == 0) warp_seen[warp] = mine;
+    __syncthreads();
+    seen = 0;
+#pragma unroll
+    for (int x = 0; x < kWarps; ++x) seen |= warp_seen[x];
+    cls = numerics::additive_tile_class(seen);
+  }
   if (threadIdx.x == 0)
-    classes[(static_cast<int64_t>(slice) * gridDim.y + m_block) * gridDim.x + tile] =
-        numerics::additive_tile_class(seen);
+    classes[(static_cast<int64_t>(slice) * gridDim.y + m_block) * gridDim.x + tile] = cls;
 }
 
 // One warp per (query block, slice): the visible and cut tiles in order, a ballot per 32.
