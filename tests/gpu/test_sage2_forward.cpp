@@ -382,10 +382,39 @@ void check_against_emulation(Sage2Case c, const test::InputHook& hook = {},
     EXPECT_EQ(r.o.data, emu.o.data) << "no row sees a key: O must be zero";  // CosSim: 0/0
     return;
   }
-  const auto m =
-      metrics::compare(std::span<const float>(r.o.data), std::span<const float>(emu.o.data));
-  EXPECT_GE(m.cos_sim, min_cos) << "rel_l1=" << m.rel_l1;
-  EXPECT_LE(m.rel_l1, 5e-3);
+  // Rows whose every visible key has an additive value at or below -2^15 (fp16's lowest,
+  // transformers' "masked" in fp16) score near -2^15·log2 e or lower, where FP32's spacing is
+  // 2^-8 to 2^-7: computations equal to rounding can put a score one step apart, which
+  // moves its P by up to 2^(2^-7) - 1 = 0.54%, so O's row by up to ~1.1% (its sum and its
+  // weights). Those rows are held to a relative L1 of 1.1e-2; the others as before.
+  std::vector<float> fine_gpu, fine_emu, coarse_gpu, coarse_emu;
+  for (int b = 0; b < c.batch; ++b)
+    for (int h = 0; h < c.heads_q; ++h)
+      for (int i = 0; i < c.seqlen_q; ++i) {
+        bool coarse = !c.add_mask.empty();
+        for (int j = 0; coarse && j < c.seqlen_kv; ++j) {
+          const float a = ap.mask_at(b, h, i, j);
+          coarse = a == -INFINITY || a <= -32768.f;
+        }
+        auto& g = coarse ? coarse_gpu : fine_gpu;
+        auto& e = coarse ? coarse_emu : fine_emu;
+        for (int d = 0; d < r.o.d; ++d) {
+          g.push_back(r.o.at(b, h, i, d));
+          e.push_back(emu.o.at(b, h, i, d));
+        }
+      }
+  if (!coarse_gpu.empty()) {
+    const auto mc = metrics::compare(std::span<const float>(coarse_gpu), std::span<const float>(coarse_emu));
+    EXPECT_LE(mc.rel_l1, 1.1e-2) << "rows of keys at or below -2^15 only";
+  }
+  if (std::any_of(fine_emu.begin(), fine_emu.end(), [](float x) { return x != 0.f; })) {
+    const auto m =
+        metrics::compare(std::span<const float>(fine_gpu), std::span<const float>(fine_emu));
+    EXPECT_GE(m.cos_sim, min_cos) << "rel_l1=" << m.rel_l1;
+    EXPECT_LE(m.rel_l1, 5e-3);
+  } else {
+    EXPECT_EQ(fine_gpu, fine_emu) << "rows that see no key: O must be zero";
+  }
   // The row sums are sums of the cast P (step 7), so where ex2.approx and std::exp2 put
   // a P on either side of an E4M3 rounding boundary, l moves by one code. The largest
   // relative move is a P in [256, 448), whose code step is 32, beside the row max (P =
