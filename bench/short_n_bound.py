@@ -12,11 +12,13 @@ random normal bf16 inputs rotated over enough sets that they do not stay in L2:
   kv_copy       a device-to-device copy that moves the K/V pass's least traffic (each
                 element of K and V read as 2 bytes and written as 1: a copy of 1.5 bytes
                 per element reads and writes as many), the fastest way to move those bytes
+                (with --head-dim-256 also Q's: that family quantizes Q in a pass too)
   bound         qattn_kernel + kv_copy: the least time of a call whose K/V quantization
                 runs as a pass before the attention kernel (that kernel reads what the
                 pass wrote, so it cannot start before the pass ends)
 
     python bench/short_n_bound.py --out bench/results --name short-n-bound-h200
+    python bench/short_n_bound.py --head-dim-256 --name d256-bound-h200   # issue 21's d = 256 at 4K
 """
 from __future__ import annotations
 
@@ -39,6 +41,9 @@ from qattn import ops  # noqa: E402
 # (batch, heads, n, d, causal): issue 21's short shapes.
 SHAPES = [(4, 32, 1024, 128, False), (4, 32, 1024, 128, True), (4, 32, 1024, 64, False),
           (4, 32, 1024, 64, True), (4, 32, 2048, 64, False), (4, 32, 2048, 128, False)]
+# Head dim 256 (the sage2_wide_sm90 family, whose Q is quantized by a pass as well):
+# issue 21's >= 1.3x cuDNN at N >= 4K, which 4K missed (bench/NOTES.md v48, v49).
+SHAPES_D256 = [(4, 32, 4096, 256, False), (4, 32, 4096, 256, True), (4, 32, 8192, 256, False)]
 
 
 def main() -> int:
@@ -47,11 +52,13 @@ def main() -> int:
     ap.add_argument("--name", default="short-n-bound")
     ap.add_argument("--commit", default="")
     ap.add_argument("--calls", type=int, default=12, help="calls captured in one graph")
+    ap.add_argument("--head-dim-256", action="store_true",
+                    help="the d = 256 shapes (the pass bytes then include Q's)")
     args = ap.parse_args()
     torch.manual_seed(0)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     rows = []
-    for b, h, n, d, causal in SHAPES:
+    for b, h, n, d, causal in SHAPES_D256 if args.head_dim_256 else SHAPES:
         per_set = 3 * b * h * n * d * 2
         n_sets = max(1, -(-3 * l2 // per_set))  # the sets together hold 3x the L2
         notes: list = []
@@ -73,6 +80,8 @@ def main() -> int:
         kernel = graph_us(lambda i: kernel_fn())
 
         copy_bytes = 3 * b * h * n * d  # K and V: 1.5 bytes per element each
+        if d > 128:
+            copy_bytes += 3 * b * h * n * d // 2  # and Q, quantized by a pass of its own
         n_bufs = max(2, -(-3 * l2 // copy_bytes))
         bufs = [torch.empty(copy_bytes, dtype=torch.uint8, device="cuda") for _ in range(n_bufs)]
         cast = graph_us(lambda i: bufs[(i + 1) % n_bufs].copy_(bufs[i % n_bufs]))
