@@ -6,8 +6,8 @@
 #      gpu_test_sage2_wide (its NarrowerV test), each under a timeout;
 #   2. compute-sanitizer memcheck of the NarrowerV and additive cases;
 #   3. pytest: the Python layer, attn_mask, masks, SDPA on the GPU, attention, call plans;
-#   4. bench/mask_pass.py with this build's binding, and with the one in
-#      .devrun/base/ (main's, built off the device) when it is there: v54's A/B;
+#   4. bench/mask_pass.py with this build's binding, and with main's (base_C.so in the
+#      prebuilt archive, built off the device) when it is there: v54's A/B;
 #   5. bench/forward.py --quick --mla-only (v55) and bench/short_n_bound.py
 #      --head-dim-256 (v56).
 # Logs go to $OUT/logs.tgz (the device returns a handful of files); a short table last.
@@ -57,8 +57,10 @@ tail -2 "$logs/pytest.log"
 
 PYTHONPATH=python timeout 120 python3 bench/mask_pass.py --out "$out" --name mask-pass \
     --commit "$commit" >"$logs/mask_pass.log" 2>&1 || status+=("mask_pass: FAIL or timeout")
-if compgen -G ".devrun/base/_C*.so" >/dev/null; then  # main's binding beside this one
-  mkdir -p /tmp/qattn-base && cp -r python/qattn /tmp/qattn-base/ && cp .devrun/base/_C*.so /tmp/qattn-base/qattn/
+base_so=/tmp/qattn-bins/base_C.so  # main's binding (device_bins unpacked the archive there)
+if [[ -f $base_so ]]; then
+  mkdir -p /tmp/qattn-base && cp -r python/qattn /tmp/qattn-base/ && rm -f /tmp/qattn-base/qattn/_C*.so &&
+    cp "$base_so" "/tmp/qattn-base/qattn/_C$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
   PYTHONPATH=/tmp/qattn-base timeout 120 python3 bench/mask_pass.py --out "$out" --name mask-pass-base \
       --commit "$commit-base" >"$logs/mask_pass_base.log" 2>&1 || status+=("mask_pass base: FAIL or timeout")
 fi
