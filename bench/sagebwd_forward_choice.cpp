@@ -20,6 +20,9 @@
 // The backward's dQ leaves out the paper's sm_scale·rowsum(dS)·c term (the emulator's
 // default and the GPU kernel's contract); --dq-mean-term 1 adds it back
 // (SageBwdOptions::dq_mean_term, the emulator's default before that term was dropped).
+// --pds-block-keys 64 quantizes the backward's P and dS with one scale per 64 keys of a
+// tile instead of 128 (SageBwdOptions::pds_block_keys; bench/NOTES.md v57's
+// per-warpgroup scales).
 // CPU only; all numbers are means over the seeds (min CosSim beside them).
 //
 // Build and run (after QATTN_PRESET=cpu ./scripts/build.sh qattn):
@@ -27,7 +30,7 @@
 //       -lpthread -o build-cpu/sagebwd_forward_choice
 //   build-cpu/sagebwd_forward_choice [--n 1024] [--d 128] [--heads 2] [--seeds 3] [--seed 0]
 //                                    [--threads 2] [--dq-mean-term 0]
-//                                    [--bwd-k-mean sampled|full]
+//                                    [--bwd-k-mean sampled|full] [--pds-block-keys 128|64]
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -69,7 +72,7 @@ struct Measured {
 };
 
 Measured measure(const Config& cfg, int n, int d, int heads, uint64_t seed, bool dq_mean_term,
-                 bool bwd_full_mean) {
+                 bool bwd_full_mean, int pds_block_keys) {
   emulate::SyntheticSpec spec;
   spec.heads_q = spec.heads_kv = heads;
   spec.seq_q = spec.seq_kv = n;
@@ -89,6 +92,7 @@ Measured measure(const Config& cfg, int n, int d, int heads, uint64_t seed, bool
   bwd_opt.dq_mean_term = dq_mean_term;
   emulate::SageBwdOptions bwd_only = bwd_opt;  // the backward's own smoothing
   if (bwd_full_mean) bwd_only.k_smoothing = emulate::KSmoothing::Mean;
+  bwd_only.pds_block_keys = pds_block_keys;
   emulate::Sage2Options sa2_opt;  // the SA2-8b kernel's defaults ...
   sa2_opt.granularity = numerics::Granularity::PerBlock;  // ... with the training groups
 
@@ -142,10 +146,11 @@ int main(int argc, char** argv) {
     if (argv[i][0] == '-' && std::strcmp(argv[i], "--n") && std::strcmp(argv[i], "--d") &&
         std::strcmp(argv[i], "--heads") && std::strcmp(argv[i], "--seeds") &&
         std::strcmp(argv[i], "--seed") && std::strcmp(argv[i], "--threads") &&
-        std::strcmp(argv[i], "--dq-mean-term") && std::strcmp(argv[i], "--bwd-k-mean")) {
+        std::strcmp(argv[i], "--dq-mean-term") && std::strcmp(argv[i], "--bwd-k-mean") &&
+        std::strcmp(argv[i], "--pds-block-keys")) {
       std::fprintf(stderr,
                    "usage: %s [--n N] [--d D] [--heads H] [--seeds S] [--seed S0] [--threads T]"
-                   " [--dq-mean-term 0|1] [--bwd-k-mean sampled|full]\n",
+                   " [--dq-mean-term 0|1] [--bwd-k-mean sampled|full] [--pds-block-keys 128|64]\n",
                    argv[0]);
       return 2;
     }
@@ -154,6 +159,11 @@ int main(int argc, char** argv) {
   const int seed0 = arg_int(argc, argv, "--seed", 0);
   const int threads = std::max(1, arg_int(argc, argv, "--threads", 2));
   const int dq_term = arg_int(argc, argv, "--dq-mean-term", 0);
+  const int pds_keys = arg_int(argc, argv, "--pds-block-keys", 128);
+  if (pds_keys != 128 && pds_keys != 64) {
+    std::fprintf(stderr, "sagebwd_forward_choice: --pds-block-keys must be 128 or 64\n");
+    return 2;
+  }
   if (n < 1 || d < 1 || d > 256 || heads < 1 || seeds < 1) {
     std::fprintf(stderr, "sagebwd_forward_choice: --n, --d (<= 256), --heads, --seeds must be >= 1\n");
     return 2;
@@ -183,18 +193,19 @@ int main(int argc, char** argv) {
       "SageBwd backward fed by each forward; against FP64. N=%d, d=%d, heads=%d, seeds %d..%d\n"
       "generator: q=(z+b_q)/T, k=z+b_k, v=z, dO=z; b_k~N(0,%g^2), b_q~N(0,%g^2) per channel; FP16\n"
       "backward: INT8, dO·Vᵀ 16-bit, K smoothed with the %s; O rounded to FP16 before it\n"
-      "backward dQ: %s\n\n",
+      "backward dQ: %s; P and dS: one scale per %d keys of a tile\n\n",
       n, d, heads, seed0, seed0 + seeds - 1, g.k_bias_std, g.q_bias_std,
       full_mean ? "mean over all tokens (--bwd-k-mean full)" : "sampled mean",
       dq_term ? "with the paper's sm_scale·rowsum(dS)·c term (--dq-mean-term 1)"
-              : "without the rowsum(dS)·c term (the default)");
+              : "without the rowsum(dS)·c term (the default)",
+      pds_keys);
 
   for (const Config& cfg : configs) {
     std::vector<std::future<Measured>> jobs;
     std::vector<Measured> ms;
     for (int s = 0; s < seeds; ++s) {
       jobs.push_back(std::async(std::launch::async, measure, cfg, n, d, heads, uint64_t(seed0 + s),
-                                dq_term != 0, full_mean));
+                                dq_term != 0, full_mean, pds_keys));
       if (int(jobs.size()) == threads || s == seeds - 1) {
         for (auto& j : jobs) ms.push_back(j.get());
         jobs.clear();

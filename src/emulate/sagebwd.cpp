@@ -49,6 +49,33 @@ Rows8 quant8(std::span<const float> x, int rows, int cols, Bwd8Format f, Granula
   return m;
 }
 
+// ψ of a (rows × kKvTile) tile of P or dS with one scale per `keys` keys (128: the
+// tile; 64: each half): decoded values in the tile's layout and the blocks' scales.
+struct Tile8 {
+  std::vector<float> val;
+  float scale[2] = {0.0f, 0.0f};
+  int keys = kKvTile;
+  float scale_of(int key) const { return scale[key / keys]; }
+};
+
+Tile8 quant8_tile(std::span<const float> t, int rows, int keys, Bwd8Format f) {
+  Tile8 out;
+  out.keys = keys;
+  out.val.resize(t.size());
+  std::vector<float> part(static_cast<std::size_t>(rows) * keys);
+  for (int b = 0; b < kKvTile / keys; ++b) {
+    for (int r = 0; r < rows; ++r)
+      for (int k = 0; k < keys; ++k)
+        part[static_cast<std::size_t>(r) * keys + k] = t[static_cast<std::size_t>(r) * kKvTile + b * keys + k];
+    const Rows8 q = quant8(part, rows, keys, f, Granularity::PerTensor, Operand::K);
+    out.scale[b] = q.row_scale[0];
+    for (int r = 0; r < rows; ++r)
+      for (int k = 0; k < keys; ++k)
+        out.val[static_cast<std::size_t>(r) * kKvTile + b * keys + k] = q.val[static_cast<std::size_t>(r) * keys + k];
+  }
+  return out;
+}
+
 // Per-token P of the forward: s_P = rowmax/qmax with rowmax from the softmax (§4.1).
 Rows8 quant8_p_per_token(std::span<const float> p, int rows, int cols,
                          std::span<const float> rowmax, Bwd8Format f) {
@@ -77,6 +104,10 @@ void check_options(const char* who, const SageBwdOptions& o) {
   if (o.k_smoothing == KSmoothing::Given) {
     throw std::invalid_argument(std::string(who) +
                                 ": k_smoothing must be None, Mean or SampledMean");
+  }
+  if (o.pds_block_keys != kKvTile && o.pds_block_keys != kKvTile / 2) {
+    throw std::invalid_argument(std::string(who) + ": pds_block_keys = " +
+                                std::to_string(o.pds_block_keys) + "; allowed: 128 or 64");
   }
 }
 
@@ -265,10 +296,10 @@ void backward_head(const float* q, const float* k, const float* v, const float* 
       if (!any) continue;  // a fully masked tile adds nothing
 
       // Step 2: dV_j += ψ(P)ᵀ ψ(dO_i).
-      const Rows8 p8 = quant8(std::span<const float>(p.data(), tsz), rows, kKvTile, opt.format,
-                              Granularity::PerTensor, Operand::K);
-      const float s_pdo = p8.row_scale[0] * do8.row_scale[r0];
+      const Tile8 p8 = quant8_tile(std::span<const float>(p.data(), tsz), rows, opt.pds_block_keys,
+                                   opt.format);
       for (int jj = 0; jj < cols; ++jj) {
+        const float s_pdo = p8.scale_of(jj) * do8.row_scale[r0];
         std::fill(acc.begin(), acc.begin() + d, 0.0);
         for (int r = 0; r < rows; ++r) {
           const float pv = p8.val[static_cast<std::size_t>(r) * kKvTile + jj];
@@ -300,31 +331,35 @@ void backward_head(const float* q, const float* k, const float* v, const float* 
           ds[e] = p[e] * (dp - D[i]);
         }
       }
-      const Rows8 ds8 = quant8(std::span<const float>(ds.data(), tsz), rows, kKvTile, opt.format,
-                               Granularity::PerTensor, Operand::K);
+      const Tile8 ds8 = quant8_tile(std::span<const float>(ds.data(), tsz), rows,
+                                    opt.pds_block_keys, opt.format);
 
       // Step 5: dQ_i += sm_scale·ψ(dS) ψ(K_j) (smoothed K), plus sm_scale·rowsum(dS)·c
       // with dq_mean_term (the header says why it is off by default).
+      // Each block of pds_block_keys keys is one exact product, scaled once.
       for (int r = 0; r < rows; ++r) {
         const int i = r0 + r;
-        std::fill(acc.begin(), acc.begin() + d, 0.0);
         float rowsum = 0.0f;
-        for (int jj = 0; jj < cols; ++jj) {
-          const float sv = ds8.val[static_cast<std::size_t>(r) * kKvTile + jj];
-          rowsum += ds[static_cast<std::size_t>(r) * kKvTile + jj];
-          if (sv == 0.0f) continue;
-          const float* kj = h.k8.row(j0 + jj);
-          for (int c = 0; c < d; ++c) acc[c] += static_cast<double>(sv) * kj[c];
-        }
-        const float sc = ds8.row_scale[0] * h.k8.row_scale[j0];
-        for (int c = 0; c < d; ++c) {
-          const float term = opt.dq_mean_term ? rowsum * h.c[c] : 0.0f;
-          dq_acc[i * d + c] += sh.sm_scale * (static_cast<float>(acc[c]) * sc + term);
+        for (int b0 = 0; b0 < kKvTile; b0 += opt.pds_block_keys) {
+          std::fill(acc.begin(), acc.begin() + d, 0.0);
+          for (int jj = b0; jj < std::min(cols, b0 + opt.pds_block_keys); ++jj) {
+            const float sv = ds8.val[static_cast<std::size_t>(r) * kKvTile + jj];
+            rowsum += ds[static_cast<std::size_t>(r) * kKvTile + jj];
+            if (sv == 0.0f) continue;
+            const float* kj = h.k8.row(j0 + jj);
+            for (int c = 0; c < d; ++c) acc[c] += static_cast<double>(sv) * kj[c];
+          }
+          const float sc = ds8.scale_of(b0) * h.k8.row_scale[j0];
+          const bool last = b0 + opt.pds_block_keys >= kKvTile;
+          for (int c = 0; c < d; ++c) {
+            const float term = last && opt.dq_mean_term ? rowsum * h.c[c] : 0.0f;
+            dq_acc[i * d + c] += sh.sm_scale * (static_cast<float>(acc[c]) * sc + term);
+          }
         }
       }
       // Step 6: dK_j += sm_scale·ψ(dS)ᵀ ψ(Q_i).
-      const float sq = ds8.row_scale[0] * h.q8.row_scale[r0];
       for (int jj = 0; jj < cols; ++jj) {
+        const float sq = ds8.scale_of(jj) * h.q8.row_scale[r0];
         std::fill(acc.begin(), acc.begin() + d, 0.0);
         for (int r = 0; r < rows; ++r) {
           const float sv = ds8.val[static_cast<std::size_t>(r) * kKvTile + jj];
