@@ -6,7 +6,8 @@
 #   1. gpu_test_sage2_forward (all: the NarrowerV and additive-mask suites among them),
 #      gpu_test_sage2_wide (its NarrowerV test) and gpu_test_sagebwd_backward, each under a
 #      timeout;
-#   2. compute-sanitizer memcheck of the NarrowerV and additive cases;
+#   2. compute-sanitizer memcheck of the NarrowerV and additive cases, racecheck of the
+#      backward's small cases;
 #   3. pytest: the Python layer, attn_mask, masks, SDPA on the GPU, attention, call plans,
 #      backward;
 #   4. bench/mask_pass.py with this build's binding, and with main's (base_C.so in the
@@ -54,6 +55,10 @@ step memcheck 240 compute-sanitizer --tool memcheck --error-exitcode 9 "$bins/gp
     --gtest_filter='*NarrowerV*:Sage2AdditiveMask.*'
 step memcheck_wide 150 compute-sanitizer --tool memcheck --error-exitcode 9 "$bins/gpu_test_sage2_wide" \
     --gtest_filter='*NarrowerV*'
+# The backward's warpgroups meet once a step (double-buffered dŜ and maxima): racecheck
+# on a small case of each mode.
+step racecheck_bwd 200 compute-sanitizer --tool racecheck --error-exitcode 9 \
+    "$bins/gpu_test_sagebwd_backward" --gtest_filter='*SmallBf16Hnd*:*DeterministicModeIsBitwiseStable*'
 (cd python/tests && PYTHONPATH=$OLDPWD/python timeout 300 python3 -m pytest -q -p no:cacheprovider \
     test_python_layer.py test_attn_mask.py test_masks.py test_sdpa_gpu.py test_attention.py \
     test_call_plans.py test_backward.py >"$logs/pytest.log" 2>&1) && status+=("pytest: PASS") ||
