@@ -13,16 +13,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 commit=${1:-unknown}
-out=${OUT:-/tmp/qattn-out}
-logs=$out/logs
-mkdir -p "$out" "$logs"
-export PATH=/usr/local/cuda/bin:$PATH
-export QATTN_TOLERANCES=$PWD/tests/tolerances
-status=()
-start=$(date +%s)
+source bench/device_bins.sh
+device_setup
 
 # The binding must take the mask tuple of this tree (ten fields).
-source bench/device_bins.sh
 device_bins additive-bins.tar.xz 'hasattr(_C, "MASK_ADDITIVE") and qattn.device_supported()' \
     gpu_test_sage2_forward || exit 1
 

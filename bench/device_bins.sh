@@ -1,4 +1,17 @@
-# Sourced by the bench/device_*.sh checks: where the GPU binaries come from on the device.
+# Sourced by the bench/device_*.sh checks (from the repository root): their common start
+# and where the GPU binaries come from on the device.
+#   device_setup: $out and $logs (under $OUT), the CUDA tools on PATH, the tolerance
+# tables, an empty status array and the start time.
+device_setup() {
+  out=${OUT:-/tmp/qattn-out}
+  logs=$out/logs
+  mkdir -p "$out" "$logs"
+  export PATH=/usr/local/cuda/bin:$PATH
+  export QATTN_TOLERANCES=$PWD/tests/tolerances
+  status=()
+  start=$(date +%s)
+}
+
 #   device_bins <archive> <import test> <targets...>
 # Unpacks .devrun/<archive> (built off the device: gpu_test_* and qattn._C for the
 # device's Python, and a COMMIT file) into /tmp/qattn-bins when it is there; when the

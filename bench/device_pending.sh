@@ -25,16 +25,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 commit=${1:-unknown}
-out=${OUT:-/tmp/qattn-out}
-logs=$out/logs
-mkdir -p "$out" "$logs"
-export PATH=/usr/local/cuda/bin:$PATH
-export QATTN_TOLERANCES=$PWD/tests/tolerances
-status=()
-start=$(date +%s)
+source bench/device_bins.sh
+device_setup
 
 # The binding must know head_dim_v (the queued C ABI field).
-source bench/device_bins.sh
 device_bins pending-bins.tar.xz 'qattn.device_supported() and "head_dim_v" in (_C.forward.__doc__ or "")' \
     gpu_test_sage2_forward gpu_test_sage2_wide gpu_test_sagebwd_backward || exit 1
 

@@ -16,15 +16,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 commit=${1:-unknown}
 phase=${PHASE:-all}
-out=${OUT:-/tmp/qattn-out}
-logs=$out/logs
-mkdir -p "$out" "$logs"
-export PATH=/usr/local/cuda/bin:$PATH
-export QATTN_TOLERANCES=$PWD/tests/tolerances
-status=()
-start=$(date +%s)
-
 source bench/device_bins.sh
+device_setup
+
 device_bins wide-bins.tar.xz 'qattn.device_supported()' \
     gpu_test_sage2_wide gpu_test_sage2_forward || exit 1
 
