@@ -16,12 +16,11 @@ namespace {
 constexpr int kTile = groups::kKvTile;  // 128 keys; query blocks are 128 rows too
 constexpr int kClassifyThreads = 256;
 // Tile classes (numerics/mask_tiles.h): kVisible is a boolean tile with every key
-// visible or an additive tile of zeros; kSaturated only from additive masks.
+// visible or an additive tile of zeros; the additive pass also gives kTileSaturated.
 enum : uint8_t {
   kHidden = numerics::kTileHidden,
   kVisible = numerics::kTileUnchanged,
   kCut = numerics::kTileCut,
-  kSaturated = numerics::kTileSaturated,
 };
 
 // Rows a warp reads before it looks at any of them: the pass is bound by how many bytes
