@@ -127,12 +127,14 @@ typedef enum qattn_alignment {
  *     QATTN_ERROR_UNSUPPORTED: its newer fields would otherwise be ignored silently.
  *     A size smaller than QATTN_FWD_PARAMS_MIN_SIZE (the first struct that carried
  *     its size) is rejected with QATTN_ERROR_INVALID_ARGUMENT, and so is a size that
- *     is not one of the struct's layouts (192, 216, 264 or 288 bytes on LP64): it would
+ *     is not one of the struct's layouts (192, 216, 264, 288 or 296 bytes on LP64): it would
  *     end inside a field. */
 typedef struct qattn_fwd_params {
   size_t struct_size;   /* sizeof(qattn_fwd_params); set by qattn_fwd_params_init */
-  qattn_tensor q, k, v; /* inputs: q (B, Hq, Nq, d), k and v (B, Hkv, Nkv, d) */
-  qattn_tensor o;       /* output (B, Hq, Nq, d), same dtype as the inputs */
+  qattn_tensor q, k, v; /* inputs: q (B, Hq, Nq, d), k and v (B, Hkv, Nkv, d); v's d is
+                           head_dim_v where that is set (below) */
+  qattn_tensor o;       /* output (B, Hq, Nq, d), same dtype as the inputs (d = head_dim_v
+                           where set) */
   float* lse;           /* optional (B, Hq, Nq) FP32 natural-log LSE, contiguous, 4-byte
                            aligned; NULL = none */
   int32_t dtype;        /* a qattn_dtype */
@@ -231,6 +233,16 @@ typedef struct qattn_fwd_params {
                                   sequence (a kernel sizes its grid with it); 0 without */
   int32_t max_seqlen_k;        /* with cu_seqlens: 1..seqlen_kv, at least the longest key
                                   sequence; 0 without */
+  /* ---- V's own head dim (appended after the packed batch; 296 bytes on LP64) ----
+   * Models whose values are narrower than their queries and keys (MLA-style attention:
+   * Q·K over 192 channels, V and O over 128). v is then (B, Hkv, Nkv, head_dim_v) and o
+   * (B, Hq, Nq, head_dim_v); q and k keep head_dim, which alone sets sm_scale's default
+   * and the kernel family. The SageAttention2-8b family takes 1 <= head_dim_v <=
+   * head_dim without a packed batch (V's channels past head_dim_v are zeros to its
+   * kernels: the products cost head_dim's); the other families decline head_dim_v !=
+   * head_dim (QATTN_ERROR_UNSUPPORTED, the reason named). */
+  int32_t head_dim_v;          /* 0 (default): head_dim */
+  int32_t reserved2;           /* must be 0 */
 } qattn_fwd_params;
 
 /* The kinds of attn_mask. */

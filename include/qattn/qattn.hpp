@@ -165,11 +165,12 @@ class ForwardParams {
     detail::set_shape(p_, dtype, batch, heads_q, heads_kv, seqlen_q, seqlen_kv, head_dim);
   }
 
-  // Contiguous tensors in a layout (rows of head_dim elements).
+  // Contiguous tensors in a layout (rows of head_dim elements; V's and O's of head_dim_v
+  // where it is set: call head_dim_v first).
   ForwardParams& q(const void* data, Layout layout) { return q(data, layout, p_.head_dim); }
   ForwardParams& k(const void* data, Layout layout) { return k(data, layout, p_.head_dim); }
-  ForwardParams& v(const void* data, Layout layout) { return v(data, layout, p_.head_dim); }
-  ForwardParams& o(void* data, Layout layout) { return o(data, layout, p_.head_dim); }
+  ForwardParams& v(const void* data, Layout layout) { return v(data, layout, v_dim()); }
+  ForwardParams& o(void* data, Layout layout) { return o(data, layout, v_dim()); }
   // The same with padded rows.
   ForwardParams& q(const void* data, Layout layout, int64_t row_stride) {
     return layout_tensor(p_.q, data, layout, p_.heads_q, p_.seqlen_q, row_stride);
@@ -257,6 +258,13 @@ class ForwardParams {
     return *this;
   }
 
+  // V and O with fewer channels than Q and K (MLA-style attention; qattn.h): 0 is
+  // head_dim.
+  ForwardParams& head_dim_v(int32_t d) {
+    p_.head_dim_v = d;
+    return *this;
+  }
+
   const qattn_fwd_params& raw() const { return p_; }
   qattn_fwd_params& raw() { return p_; }
   // The first error the builder met (ok when none); workspace_size and forward return it.
@@ -273,6 +281,7 @@ class ForwardParams {
     dst = src;
     return *this;
   }
+  int32_t v_dim() const { return p_.head_dim_v > 0 ? p_.head_dim_v : p_.head_dim; }
   qattn_fwd_params p_{};
   Status status_;
 };

@@ -71,9 +71,11 @@ const VarlenArg kNotPacked{0, 0, 0, 0};
 qattn_fwd_params make_params(const TensorArg& q, const TensorArg& k, const TensorArg& v,
                              const TensorArg& o, std::uintptr_t lse, int dtype,
                              const ShapeArg& shape, int causal, float sm_scale, int granularity,
-                             const MaskArg& mask, int scheme, const VarlenArg& varlen) {
+                             const MaskArg& mask, int scheme, const VarlenArg& varlen,
+                             int head_dim_v) {
   qattn_fwd_params p;
   qattn_fwd_params_init(&p);
+  p.head_dim_v = head_dim_v;
   p.q = tensor(q);
   p.k = tensor(k);
   p.v = tensor(v);
@@ -237,17 +239,19 @@ NB_MODULE(_C, m) {
       "workspace_size",
       [](const TensorArg& q, const TensorArg& k, const TensorArg& v, const TensorArg& o,
          std::uintptr_t lse, int dtype, const ShapeArg& shape, int causal, float sm_scale,
-         int granularity, const MaskArg& mask, int scheme, const VarlenArg& varlen) {
+         int granularity, const MaskArg& mask, int scheme, const VarlenArg& varlen,
+         int head_dim_v) {
         const qattn_fwd_params p = make_params(q, k, v, o, lse, dtype, shape, causal, sm_scale,
-                                               granularity, mask, scheme, varlen);
+                                               granularity, mask, scheme, varlen, head_dim_v);
         std::size_t bytes = 0;
         const int status = qattn_fwd_workspace_size(&p, &bytes);
         return std::make_tuple(status, static_cast<std::uint64_t>(bytes));
       },
       "q"_a, "k"_a, "v"_a, "o"_a, "lse"_a, "dtype"_a, "shape"_a, "causal"_a, "sm_scale"_a,
       "granularity"_a, "mask"_a = kNoMask, "scheme"_a = int{QATTN_SCHEME_SAGE2_8B},
-      "varlen"_a = kNotPacked,
+      "varlen"_a = kNotPacked, "head_dim_v"_a = 0,
       "Validates the parameters; returns (status, workspace bytes). scheme: a qattn_scheme. "
+      "head_dim_v: V's and O's head dim when it is below shape's head_dim (0: the same). "
       "varlen: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of a packed batch, "
       "the arrays device int32 pointers; default not packed. "
       "mask: (kv_lengths, "
@@ -262,9 +266,9 @@ NB_MODULE(_C, m) {
          std::uintptr_t lse, int dtype, const ShapeArg& shape, int causal, float sm_scale,
          int granularity, std::uintptr_t workspace, std::uint64_t workspace_bytes,
          std::uintptr_t stream, bool attention_only, const MaskArg& mask, int scheme,
-         const VarlenArg& varlen, bool check_pointers, bool checks_only) {
+         const VarlenArg& varlen, bool check_pointers, bool checks_only, int head_dim_v) {
         const qattn_fwd_params p = make_params(q, k, v, o, lse, dtype, shape, causal, sm_scale,
-                                               granularity, mask, scheme, varlen);
+                                               granularity, mask, scheme, varlen, head_dim_v);
         auto* ws = reinterpret_cast<void*>(workspace);
         auto* st = reinterpret_cast<void*>(stream);
         nb::gil_scoped_release release;  // an enqueue; other Python threads may run
@@ -277,9 +281,9 @@ NB_MODULE(_C, m) {
       "q"_a, "k"_a, "v"_a, "o"_a, "lse"_a, "dtype"_a, "shape"_a, "causal"_a, "sm_scale"_a,
       "granularity"_a, "workspace"_a, "workspace_bytes"_a, "stream"_a, "attention_only"_a = false,
       "mask"_a = kNoMask, "scheme"_a = int{QATTN_SCHEME_SAGE2_8B}, "varlen"_a = kNotPacked,
-      "check_pointers"_a = true, "checks_only"_a = false,
+      "check_pointers"_a = true, "checks_only"_a = false, "head_dim_v"_a = 0,
       "Enqueues the forward on the stream (a cudaStream_t as an int); returns the status. "
-      "mask and varlen as for workspace_size. Bench hooks (src/api/bench_hooks.h): "
+      "mask, varlen and head_dim_v as for workspace_size. Bench hooks (src/api/bench_hooks.h): "
       "check_pointers=False skips the buffers' allocation queries "
       "(qattn_fwd_pointers_unchecked); checks_only=True makes every check and enqueues "
       "nothing (qattn_fwd_checks_only).");

@@ -119,8 +119,9 @@ def _check_inputs(q, k, v, layout: str, scale: Optional[float], granularity: str
     bq, hq, nq, d = _bhnd(q, layout)
     bk, hk, nk, dk = _bhnd(k, layout)
     bv, hv, nv, dv = _bhnd(v, layout)
-    if (bk, hk, nk, dk) != (bv, hv, nv, dv):
-        raise invalid(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ; allowed: the same shape")
+    if (bk, hk, nk) != (bv, hv, nv) or dv > dk:
+        raise invalid(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ; allowed: the same "
+                      "shape, or v with fewer channels than k (its head dim, e.g. 128 beside 192)")
     if bk != bq or dk != d:
         raise invalid(
             f"q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch or head_dim ({layout}); "
@@ -309,10 +310,15 @@ class _Call:
                     attn_mask)
         b, hq, nq, d = _bhnd(q, layout)
         _, hkv, nkv, _ = _bhnd(k, layout)
+        dv = v.shape[-1]  # V's and O's head dim (at most d)
         d_pad = -(-d // _ROW_MULTIPLE) * _ROW_MULTIPLE
-        self.d, self.d_pad = d, d_pad
-        self.q, self.k, self.v = (_usable(t, layout, d_pad) for t in (q, k, v))
-        self.o = q.new_empty(self.q.shape)  # contiguous, in the layout
+        dv_pad = -(-dv // _ROW_MULTIPLE) * _ROW_MULTIPLE
+        self.d, self.d_pad, self.dv, self.dv_pad = d, d_pad, dv, dv_pad
+        self.q, self.k = (_usable(t, layout, d_pad) for t in (q, k))
+        self.v = _usable(v, layout, dv_pad)
+        self.o = q.new_empty((*self.q.shape[:-1], dv_pad))  # contiguous, in the layout
+        # The C ABI's head_dim_v: 0 where V has Q's (padded) channels.
+        self.head_dim_v = 0 if dv_pad == d_pad else dv_pad
         self.lse = q.new_empty((b, hq, nq) if return_lse else (0,), dtype=torch.float32)
         self.args = (
             _tensor_arg(self.q, layout),
@@ -353,7 +359,8 @@ class _Call:
             _C.MASK_ADDITIVE if additive else (_C.MASK_NONE if m is None else _C.MASK_BOOL),
         )
         self.scheme = scheme
-        status, self.ws_bytes = _C.workspace_size(*self.args, self.mask, scheme)
+        status, self.ws_bytes = _C.workspace_size(*self.args, self.mask, scheme,
+                                                  head_dim_v=self.head_dim_v)
         check(status)
         self.device = q.device
         self.workspace = torch.empty(self.ws_bytes, dtype=torch.uint8, device=q.device)
@@ -362,12 +369,12 @@ class _Call:
         stream = _current_stream(self.device.index)
         status = _C.forward(
             *self.args, self.workspace.data_ptr(), self.ws_bytes, stream, attention_only, self.mask,
-            self.scheme,
+            self.scheme, head_dim_v=self.head_dim_v,
         )
         check(status)
 
     def outputs(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        o = self.o if self.d == self.d_pad else self.o[..., : self.d].contiguous()
+        o = self.o if self.dv == self.dv_pad else self.o[..., : self.dv].contiguous()
         return o, self.lse
 
 
@@ -408,7 +415,8 @@ def _run_call(key, q, k, v, is_causal, scale, layout, return_lse, granularity, s
     under `key` where it can serve the next call of that key."""
     call = _Call(q, k, v, is_causal, scale, layout, return_lse, granularity, scheme=scheme, **mask)
     call.launch()
-    if key is not None and call.q is q and call.k is k and call.v is v and call.d == call.d_pad:
+    if (key is not None and call.q is q and call.k is k and call.v is v and call.d == call.d_pad
+            and call.dv == call.dv_pad):
         _keep_plan(key, _Plan(call))
     o, lse = call.outputs()
     return o, (lse if return_lse or lse_tensor else None)
@@ -455,7 +463,7 @@ class _Plan:
     """The C ABI's arguments of a _Call but its pointers, and its workspace size."""
 
     __slots__ = ("q_strides", "k_strides", "v_strides", "o_strides", "o_shape", "o_like_q",
-                 "lse_shape", "fixed", "mask", "scheme", "ws_bytes")
+                 "lse_shape", "fixed", "mask", "scheme", "ws_bytes", "head_dim_v")
 
     def __init__(self, call: "_Call"):
         q, k, v, o, _, *fixed = call.args
@@ -467,6 +475,7 @@ class _Plan:
         self.o_like_q = call.q.stride() == call.o.stride() and call.q.is_contiguous()
         self.fixed = tuple(fixed)  # dtype, shape, causal, sm_scale, granularity
         self.mask, self.scheme, self.ws_bytes = call.mask, call.scheme, call.ws_bytes
+        self.head_dim_v = call.head_dim_v
 
 
 def _launch_plan(plan: _Plan, q, k, v, return_lse, lse_tensor, index):
@@ -481,20 +490,22 @@ def _launch_plan(plan: _Plan, q, k, v, return_lse, lse_tensor, index):
     ws_bytes = plan.ws_bytes
     args = ((qp,) + plan.q_strides, (kp,) + plan.k_strides, (vp,) + plan.v_strides,
             (o.data_ptr(),) + plan.o_strides, lse.data_ptr() if return_lse else 0, *plan.fixed)
+    dv = plan.head_dim_v
     if ws_bytes == 0:
-        status = _C.forward(*args, 0, 0, stream, False, plan.mask, plan.scheme)
+        status = _C.forward(*args, 0, 0, stream, False, plan.mask, plan.scheme, head_dim_v=dv)
     elif _raw_alloc is not None:
         # The caching allocator's block, freed when the call is enqueued: stream-ordered
         # like a tensor's (the next allocation on this stream runs after this call).
         workspace = _raw_alloc(ws_bytes, stream)
         try:
-            status = _C.forward(*args, workspace, ws_bytes, stream, False, plan.mask, plan.scheme)
+            status = _C.forward(*args, workspace, ws_bytes, stream, False, plan.mask, plan.scheme,
+                                head_dim_v=dv)
         finally:
             _raw_delete(workspace)
     else:
         workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=q.device)
         status = _C.forward(*args, workspace.data_ptr(), ws_bytes, stream, False, plan.mask,
-                            plan.scheme)
+                            plan.scheme, head_dim_v=dv)
     check(status)
     return o, lse
 
@@ -579,7 +590,7 @@ def _attention_fake(q, k, v, is_causal, scale, layout, return_lse, granularity, 
     _check_mask(q, k, layout, is_causal, kv_lengths, window_left, window_right, alignment,
                 attn_mask)
     b, hq, nq, _ = _bhnd(q, layout)
-    o = q.new_empty(q.shape)
+    o = q.new_empty((*q.shape[:-1], v.shape[-1]))  # V's head dim
     lse = q.new_empty((b, hq, nq) if return_lse else (0,), dtype=torch.float32)
     return o, lse
 
@@ -869,6 +880,10 @@ def _attention_backward_fake(grad_o, q, k, v, o, lse, grad_lse, is_causal, scale
 
 def _check_backward(grad_o, q, k, v, o, lse, grad_lse, layout, scale, format, dov):
     _check_inputs(q, k, v, layout, scale, "per_block")
+    if v.shape[-1] != k.shape[-1]:
+        raise QattnUnsupportedError(
+            "backward", f"v's head dim {v.shape[-1]} differs from k's {k.shape[-1]}: SageBwd "
+            "takes one head dim for Q, K and V")
     b, hq, nq, _ = _bhnd(q, layout)
     for name, t in (("grad_o", grad_o), ("o", o)):
         if tuple(t.shape) != tuple(q.shape) or t.dtype != q.dtype or t.device != q.device:
@@ -1053,6 +1068,12 @@ def _backward_math(grad_o, q, k, v, grad_lse, is_causal, scale, layout, **mask):
 # ---- public functions --------------------------------------------------------------
 
 
+def _narrower_v(q, v) -> bool:
+    """Whether v has fewer channels than q (MLA-style head dims, e.g. 128 beside 192)."""
+    return (isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor) and q.dim() == 4
+            and v.dim() == 4 and v.shape[-1] != q.shape[-1])
+
+
 def _records_autograd(q, k, v) -> bool:
     return torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)
@@ -1131,6 +1152,8 @@ def attention(
     q is (B, Hq, Nq, d) and k, v are (B, Hkv, Nkv, d) for layout "HND", or (B, N, H, d)
     for "NHD"; fp16 or bf16 on one CUDA device; Hq a multiple of Hkv (GQA/MQA: query
     head h reads key/value head h // (Hq / Hkv)); scale defaults to 1/sqrt(d); d <= 256.
+    v may have fewer channels than q and k (d_v < d, MLA-style 192 / 128; inference in
+    precision "fast" only): o is then (B, Hq, Nq, d_v), at d's cost.
     Head dims 129..256 run on the head-dim-256 kernel (sage2_wide_sm90: one-level
     accumulation, Q quantized by a pass): it takes is_causal, window_size and kv_lengths,
     but no attn_mask, no precision other than "fast" and no backward (QattnError with
@@ -1239,6 +1262,10 @@ def attention(
     mask, lengths = _call_mask_options(q, k, v, is_causal, scale, layout, granularity,
                                        causal_alignment, window_left, window_right, kv_lengths,
                                        attn_mask)
+    if _narrower_v(q, v) and _records_autograd(q, k, v):
+        raise QattnUnsupportedError(
+            "backward", "v with fewer channels than q and k in a training call: SageBwd takes "
+            "one head dim; qattn.scaled_dot_product_attention runs such calls on PyTorch's SDPA")
     if attn_mask is not None and attn_mask.dtype != torch.bool and _records_autograd(q, k, v):
         raise QattnUnsupportedError(
             "backward", "an additive attn_mask in a training call: qattn's backward takes "

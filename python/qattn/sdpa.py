@@ -139,11 +139,12 @@ def _decline(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> Opt
         )
     b, hq, nq, d = q.shape
     bk, hkv, nkv, dk = k.shape
-    if tuple(v.shape) != tuple(k.shape) or bk != b or dk != d:
+    dv = v.shape[-1]
+    if tuple(v.shape[:-1]) != tuple(k.shape[:-1]) or bk != b or dk != d or dv > dk:
         return "shape", (
             f"query {tuple(q.shape)}, key {tuple(k.shape)}, value {tuple(v.shape)}; qattn "
-            "takes key and value of one shape, with query's batch and head dim (no "
-            "broadcasting, value's head dim equal to key's)"
+            "takes key and value of one (B, H, N), with query's batch and head dim (no "
+            "broadcasting), and value's head dim at most key's"
         )
     # SDPA broadcasts Hkv == 1 over the query heads without enable_gqa; that is MQA.
     if hq != hkv and hkv != 1 and not (enable_gqa and hkv > 0 and hq % hkv == 0):
@@ -156,6 +157,11 @@ def _decline(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> Opt
         return "attn_mask head_dim", (
             f"an attn_mask at head dim {d}; qattn's kernel for head dims "
             f"{_MAX_FULL_HEAD_DIM + 1}..{_MAX_HEAD_DIM} takes none"
+        )
+    if dv != d and ops._records_autograd(q, k, v):
+        return "backward value head_dim", (
+            f"a training call with value's head dim {dv} below query's {d}; qattn's backward "
+            "(SageBwd) takes one head dim"
         )
     if d > _MAX_FULL_HEAD_DIM and ops._records_autograd(q, k, v):
         return "backward head_dim", (

@@ -367,3 +367,53 @@ def test_using_precision_is_scoped_to_its_thread():
     with pytest.raises(ValueError, match="'fast' \\(the default\\), 'auto' or 'precise'"):
         with qattn.using_precision("exact"):
             pass
+
+
+# ---- V narrower than Q·K (MLA-style head dims) ------------------------------------------
+
+
+def test_narrower_v_fake_shapes_and_call_arguments():
+    q, k, v = meta(2, 8, 300, 192), meta(2, 2, 500, 192), meta(2, 2, 500, 128)
+    o, lse = qattn.attention(q, k, v, return_lse=True)
+    assert o.shape == (2, 8, 300, 128) and lse.shape == (2, 8, 300)
+    # What the C ABI gets: Q and K at 192, V and O at 128 (head_dim_v), no copies.
+    qc, kc, vc = (torch.zeros(t.shape, dtype=torch.bfloat16) for t in (q, k, v))
+    c = call_for(qc, kc, vc)
+    assert c.args[6] == (2, 8, 2, 300, 500, 192) and c.head_dim_v == 128
+    assert c.v.data_ptr() == vc.data_ptr() and c.o.shape == (2, 8, 300, 128)
+    assert c.ws_bytes > 0
+    # Rows padded to multiples of 8 on both sides: d 100 -> 104, d_v 36 -> 40.
+    qp, vp = torch.randn(1, 4, 64, 100).to(torch.bfloat16), torch.randn(1, 4, 64, 36).to(torch.bfloat16)
+    c = call_for(qp, qp, vp)
+    assert c.args[6][-1] == 104 and c.head_dim_v == 40 and c.v.shape[-1] == 40
+    assert (c.v[..., 36:] == 0).all()
+    o, _ = c.outputs()
+    assert o.shape == (1, 4, 64, 36) and o.is_contiguous()
+    # The same padded width on both sides: head_dim_v stays 0 (V's rows are Q's width).
+    c = call_for(qp, qp, torch.zeros(1, 4, 64, 98, dtype=torch.bfloat16))
+    assert c.head_dim_v == 0 and c.outputs()[0].shape == (1, 4, 64, 98)
+
+
+def test_narrower_v_limits():
+    q = meta(1, 4, 128, 64)
+    with pytest.raises(qattn.QattnError, match="fewer channels than k"):
+        qattn.attention(q, q, meta(1, 4, 128, 128))  # wider V
+    # A training call: SageBwd takes one head dim.
+    qg = meta(1, 4, 128, 128).requires_grad_(True)
+    with pytest.raises(qattn.QattnUnsupportedError, match="fewer channels"):
+        qattn.attention(qg, meta(1, 4, 128, 128), meta(1, 4, 128, 64))
+    # The C ABI names what runs it: the 16-bit ("precise") and SageAttention3 families
+    # take V of Q's head dim only.
+    qc, vc = torch.zeros(1, 4, 64, 128, dtype=torch.bfloat16), torch.zeros(1, 4, 64, 64, dtype=torch.bfloat16)
+    with pytest.raises(qattn.QattnError, match="head_dim_v = 64, head_dim = 128"):
+        call_for(qc, qc, vc, scheme=_C.SCHEME_PRECISE16)
+
+
+def test_drop_in_takes_narrower_v_for_inference_only(monkeypatch):
+    from qattn import sdpa
+    monkeypatch.setattr(sdpa, "_device_runs_qattn", lambda *args: True)
+    q, v = meta(1, 8, 128, 192), meta(1, 8, 128, 128)
+    assert sdpa._decline(q, q, v, None, 0.0, False, None, False) is None
+    qg = meta(1, 8, 128, 192).requires_grad_(True)
+    assert sdpa._decline(qg, q, v, None, 0.0, False, None, False)[0] == "backward value head_dim"
+    assert sdpa._decline(q, q, meta(1, 8, 128, 256), None, 0.0, False, None, False)[0] == "shape"

@@ -12,6 +12,7 @@
 #include <span>
 #include <string>
 
+#include "numerics/head_dim_v.h"
 #include "qattn/qattn.h"
 
 namespace qattn::api {
@@ -25,6 +26,11 @@ inline std::string attn_mask_alone(const qattn_fwd_params& p) {
     return "takes an attn_mask alone (causal, window and kv_lengths must be off: write "
            "them into the mask)";
   return {};
+}
+
+// V's head dim of a forward call (qattn_fwd_params.head_dim_v; 0 means head_dim).
+inline int32_t head_dim_v(const qattn_fwd_params& p) {
+  return numerics::value_head_dim(p.head_dim, p.head_dim_v);
 }
 
 // A device's compute capability, e.g. {9, 0} for sm_90.
@@ -70,6 +76,9 @@ struct ForwardFamily {
   int32_t min_head_dim, max_head_dim;
   uint32_t dtypes;  // bit (1 << QATTN_DTYPE_*) per input format it reads
   uint32_t masks;   // MaskBit
+  // Whether it takes V (and O) with fewer channels than Q and K (head_dim_v <
+  // head_dim), outside a packed batch.
+  bool narrower_v;
   // Further limits of its kernels (grid sizes, index widths, ...), checked after the
   // table above matched: "" when the call fits, else why not, in a few words.
   std::string (*check_limits)(const qattn_fwd_params& p);

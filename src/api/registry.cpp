@@ -45,6 +45,14 @@ bool has_bit(uint32_t set, int32_t value) {
 // The reasons of the fields only one direction has; checked before the common table.
 std::string own_reason(const ForwardFamily& f, const qattn_fwd_params& p) {
   if (p.scheme != f.scheme) return cat("implements scheme ", f.scheme, ", not ", p.scheme);
+  if (head_dim_v(p) != p.head_dim) {
+    if (head_dim_v(p) > p.head_dim || !f.narrower_v)
+      return cat("takes V with head_dim's channels", f.narrower_v ? " or fewer" : "",
+                 " only (head_dim_v = ", head_dim_v(p), ", head_dim = ", p.head_dim, ")");
+    if (p.cu_seqlens_q != nullptr)
+      return cat("takes head_dim_v = ", head_dim_v(p), " != head_dim = ", p.head_dim,
+                 " outside a packed batch only");
+  }
   return {};
 }
 
@@ -114,6 +122,7 @@ std::string features_reason(uint32_t missing, const qattn_fwd_params& p) {
 std::string describe(const qattn_fwd_params& p) {
   const uint32_t features = mask_features(p);
   return cat("scheme ", p.scheme, ", ", dtype_name(p.dtype), ", head_dim ", p.head_dim,
+             head_dim_v(p) != p.head_dim ? cat(", head_dim_v ", head_dim_v(p)) : std::string(),
              p.causal != 0 ? ", causal" : ", no mask",
              (features & kMaskWindow) != 0
                  ? cat(", window (", p.window_left, ", ", p.window_right, ")")

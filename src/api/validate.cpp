@@ -80,12 +80,12 @@ ForwardBuffers buffers_of(const qattn_fwd_params& p) {
   ForwardBuffers b{
       {{{"q", span_of(p.q, vb, p.heads_q, p.seqlen_q, p.head_dim)},
         {"k", span_of(p.k, vb, p.heads_kv, p.seqlen_kv, p.head_dim)},
-        {"v", span_of(p.v, vb, p.heads_kv, p.seqlen_kv, p.head_dim)},
+        {"v", span_of(p.v, vb, p.heads_kv, p.seqlen_kv, head_dim_v(p))},
         {"kv_lengths", {}, false},
         {"attn_mask", {}, false},
         {"cu_seqlens_q", {}, false},
         {"cu_seqlens_k", {}, false}}},
-      {{{"o", span_of(p.o, vb, p.heads_q, p.seqlen_q, p.head_dim)}, {"lse", {}, false}}}};
+      {{{"o", span_of(p.o, vb, p.heads_q, p.seqlen_q, head_dim_v(p))}, {"lse", {}, false}}}};
   if (p.kv_lengths != nullptr)
     b.inputs[3] = {"kv_lengths", array_span(p.kv_lengths, kv_lengths_bytes(p))};
   if (p.attn_mask_type != QATTN_MASK_NONE)
@@ -171,7 +171,7 @@ qattn_status check_no_self_alias(const char* fn, const char* name, const qattn_t
                 " make elements of ", name, " share addresses: the rows ", name,
                 "[b, h, n] = ", index(starts[i - 1].second), " and ", index(starts[i].second),
                 " start ", starts[i].first - starts[i - 1].first,
-                " elements apart, less than head_dim = ", head_dim,
+                " elements apart, less than its rows' ", head_dim, " elements",
                 "; allowed: strides under which no two rows meet (an output may not "
                 "alias itself)");
   }
@@ -439,15 +439,19 @@ using namespace checks;
 
 // The layouts qattn_fwd_params has had: 0.1.0's, then with the masks beyond causal,
 // then with attn_mask.
-constexpr std::array<std::size_t, 4> kFwdParamsLayouts{
+constexpr std::array<std::size_t, 5> kFwdParamsLayouts{
     QATTN_FWD_PARAMS_MIN_SIZE, offsetof(qattn_fwd_params, attn_mask_type),
-    offsetof(qattn_fwd_params, cu_seqlens_q), sizeof(qattn_fwd_params)};
+    offsetof(qattn_fwd_params, cu_seqlens_q), offsetof(qattn_fwd_params, head_dim_v),
+    sizeof(qattn_fwd_params)};
 static_assert(offsetof(qattn_fwd_params, cu_seqlens_q) ==
                   offsetof(qattn_fwd_params, attn_mask_stride_k) + sizeof(int64_t),
               "the packed batch's fields start where the third layout ends");
-static_assert(sizeof(qattn_fwd_params) ==
+static_assert(offsetof(qattn_fwd_params, head_dim_v) ==
                   offsetof(qattn_fwd_params, max_seqlen_k) + sizeof(int32_t),
-              "the fourth layout ends without tail padding");
+              "V's head dim starts where the fourth layout ends");
+static_assert(sizeof(qattn_fwd_params) ==
+                  offsetof(qattn_fwd_params, reserved2) + sizeof(int32_t),
+              "the fifth layout ends without tail padding");
 static_assert(offsetof(qattn_fwd_params, attn_mask_type) ==
                   offsetof(qattn_fwd_params, alignment) + sizeof(int32_t),
               "attn_mask's fields start where the second layout ends");
@@ -473,6 +477,10 @@ qattn_status validate_forward(const char* fn, const qattn_fwd_params& p,
   if (auto s = check_attn_mask(fn, p); s) return s;
   if (auto s = check_varlen(fn, p); s) return s;
   if (auto s = check_reserved(fn, "reserved0", p.reserved0, "qattn_fwd_params_init"); s) return s;
+  if (auto s = check_reserved(fn, "reserved2", p.reserved2, "qattn_fwd_params_init"); s) return s;
+  if (p.head_dim_v < 0)
+    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": head_dim_v = ", p.head_dim_v,
+                "; allowed: 0 (V has head_dim's channels) or 1.. (V's and O's own head dim)");
   if (p.scheme == QATTN_SCHEME_SAGE2_8B || p.scheme == QATTN_SCHEME_SAGE2_8B_AUTO) {
     const int32_t gran = p.sage2.granularity;
     if (gran != QATTN_QK_PER_THREAD && gran != QATTN_QK_PER_WARP && gran != QATTN_QK_PER_BLOCK)
@@ -486,11 +494,11 @@ qattn_status validate_forward(const char* fn, const qattn_fwd_params& p,
   if (select_family(fn, p, nullptr, &support, families) == nullptr) return support;
 
   // ---- tensors (a packed batch's are (1, H, total, d) views) ----
-  const int64_t d = p.head_dim, vb = view_batch(p);
+  const int64_t d = p.head_dim, dv = head_dim_v(p), vb = view_batch(p);
   if (auto st = check_tensor(fn, "q", p.q, vb, p.heads_q, p.seqlen_q, d, false); st) return st;
   if (auto st = check_tensor(fn, "k", p.k, vb, p.heads_kv, p.seqlen_kv, d, false); st) return st;
-  if (auto st = check_tensor(fn, "v", p.v, vb, p.heads_kv, p.seqlen_kv, d, false); st) return st;
-  if (auto st = check_tensor(fn, "o", p.o, vb, p.heads_q, p.seqlen_q, d, true); st) return st;
+  if (auto st = check_tensor(fn, "v", p.v, vb, p.heads_kv, p.seqlen_kv, dv, false); st) return st;
+  if (auto st = check_tensor(fn, "o", p.o, vb, p.heads_q, p.seqlen_q, dv, true); st) return st;
   if (auto st = check_lse(fn, p, p.lse, /*required=*/false); st) return st;
   if (auto st = check_kv_lengths(fn, p); st) return st;
   const ForwardBuffers b = buffers_of(p);
@@ -525,12 +533,12 @@ std::array<BufferSpan, 10> buffer_spans(const qattn_fwd_params& p, const void* w
   const int64_t vb = view_batch(p);
   return {{{"q.data", p.q.data, view_span_bytes(p.q, vb, p.heads_q, p.seqlen_q, p.head_dim)},
            {"k.data", p.k.data, view_span_bytes(p.k, vb, p.heads_kv, p.seqlen_kv, p.head_dim)},
-           {"v.data", p.v.data, view_span_bytes(p.v, vb, p.heads_kv, p.seqlen_kv, p.head_dim)},
+           {"v.data", p.v.data, view_span_bytes(p.v, vb, p.heads_kv, p.seqlen_kv, head_dim_v(p))},
            {"kv_lengths", p.kv_lengths, p.kv_lengths != nullptr ? kv_lengths_bytes(p) : 0},
            {"attn_mask", p.attn_mask, attn_mask_bytes(p)},
            {"cu_seqlens_q", p.cu_seqlens_q, p.cu_seqlens_q != nullptr ? cu_seqlens_bytes(p) : 0},
            {"cu_seqlens_k", p.cu_seqlens_k, p.cu_seqlens_k != nullptr ? cu_seqlens_bytes(p) : 0},
-           {"o.data", p.o.data, view_span_bytes(p.o, vb, p.heads_q, p.seqlen_q, p.head_dim)},
+           {"o.data", p.o.data, view_span_bytes(p.o, vb, p.heads_q, p.seqlen_q, head_dim_v(p))},
            {"lse", p.lse, p.lse != nullptr ? lse_bytes(p) : 0},
            {"workspace", workspace, forward_workspace_bytes(p)}}};
 }

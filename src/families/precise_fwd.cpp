@@ -40,6 +40,7 @@ constexpr api::ForwardFamily kFamily{
     .dtypes = (1u << QATTN_DTYPE_FP16) | (1u << QATTN_DTYPE_BF16),
     .masks = api::kMaskNone | api::kMaskCausal | api::kMaskWindow | api::kMaskKeyPadding |
              api::kMaskTopLeft | api::kMaskBool,
+    .narrower_v = false,
     .check_limits = &check_limits,
     .workspace_bytes = &workspace_bytes,
     .launch = kLaunch,

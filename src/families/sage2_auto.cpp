@@ -67,6 +67,7 @@ constexpr api::ForwardFamily kFamily{
     // The masks both of its forwards run (the 16-bit one has no packed batch).
     .masks = api::kMaskNone | api::kMaskCausal | api::kMaskWindow | api::kMaskKeyPadding |
              api::kMaskTopLeft | api::kMaskBool,
+    .narrower_v = false,
     .check_limits = &check_limits,
     .workspace_bytes = &workspace_bytes,
     .launch = kLaunch,

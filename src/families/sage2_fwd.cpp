@@ -102,6 +102,8 @@ constexpr api::ForwardFamily kFamily{
     .dtypes = (1u << QATTN_DTYPE_FP16) | (1u << QATTN_DTYPE_BF16),
     .masks = api::kMaskNone | api::kMaskCausal | api::kMaskWindow | api::kMaskKeyPadding |
              api::kMaskTopLeft | api::kMaskBool | api::kMaskAdditive | api::kMaskVarlen,
+    // V narrower than Q·K: its passes zero V's channels past head_dim_v, O takes those.
+    .narrower_v = true,
     .check_limits = &check_limits,
     .workspace_bytes = &workspace_bytes,
     .launch = kLaunch,

@@ -73,6 +73,8 @@ constexpr api::ForwardFamily kFamily{
     // calls by name (Python runs a packed batch as one call per sequence).
     .masks = api::kMaskNone | api::kMaskCausal | api::kMaskWindow | api::kMaskKeyPadding |
              api::kMaskTopLeft,
+    // V narrower than Q·K: its passes zero V's channels past head_dim_v, O takes those.
+    .narrower_v = true,
     .check_limits = &check_limits,
     .workspace_bytes = &workspace_bytes,
     .launch = kLaunch,

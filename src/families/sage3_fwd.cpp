@@ -52,6 +52,7 @@ constexpr api::ForwardFamily kFamily{
     .max_head_dim = 128,  // 64 and 128 (check_limits)
     .dtypes = (1u << QATTN_DTYPE_FP16) | (1u << QATTN_DTYPE_BF16),
     .masks = api::kMaskNone | api::kMaskCausal,
+    .narrower_v = false,
     .check_limits = &check_limits,
     .workspace_bytes = &workspace_bytes,
     .launch = kLaunch,

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <thread>
 #include <vector>
 
@@ -75,6 +76,42 @@ TEST(Registry, NonHopperDeviceIsUnsupportedNamingEveryFamily) {
         << m;
     // No family's internals (the old message named SageAttention2 and sm_90 as a demand).
     EXPECT_FALSE(contains(m, "SageAttention2")) << m;
+  }
+}
+
+// V narrower than Q·K (head_dim_v < head_dim, MLA's 192 / 128): both SageAttention2-8b
+// families take it, the others and a packed batch decline it by name, and a wider V is
+// refused everywhere.
+TEST(Registry, NarrowerVRunsOnTheSage2FamiliesOnly) {
+  const Arch hopper{9, 0};
+  for (auto [d, dv, family] : {std::tuple{192, 128, "sage2_wide_sm90"}, std::tuple{128, 64, "sage2_fwd_sm90"},
+                               std::tuple{96, 1, "sage2_fwd_sm90"}, std::tuple{256, 255, "sage2_wide_sm90"}}) {
+    SCOPED_TRACE(std::to_string(d) + "/" + std::to_string(dv));
+    qattn_fwd_params p = valid_params(d);
+    p.head_dim_v = dv;
+    qattn_status s = QATTN_ERROR_INTERNAL;
+    const ForwardFamily* f = qattn::api::select_family("t", p, &hopper, &s);
+    ASSERT_NE(f, nullptr) << qattn_last_error_message();
+    EXPECT_STREQ(f->name, family);
+  }
+  {
+    qattn_fwd_params p = valid_params(128);
+    p.head_dim_v = 64;
+    p.scheme = QATTN_SCHEME_PRECISE16;
+    qattn_status s = QATTN_OK;
+    EXPECT_EQ(qattn::api::select_family("t", p, &hopper, &s), nullptr);
+    EXPECT_EQ(s, QATTN_ERROR_UNSUPPORTED);
+    const std::string m = qattn_last_error_message();
+    EXPECT_TRUE(contains(m, "head_dim_v = 64, head_dim = 128")) << m;
+    EXPECT_TRUE(contains(m, "head_dim_v 64")) << m;  // the call's description
+  }
+  {
+    qattn_fwd_params p = valid_params(64);
+    p.head_dim_v = 128;  // wider than Q·K
+    qattn_status s = QATTN_OK;
+    EXPECT_EQ(qattn::api::select_family("t", p, &hopper, &s), nullptr);
+    EXPECT_TRUE(contains(qattn_last_error_message(), "head_dim's channels or fewer only"))
+        << qattn_last_error_message();
   }
 }
 
@@ -151,8 +188,8 @@ std::size_t ws_1k(const qattn_fwd_params&) { return 1024; }
 std::size_t ws_4k(const qattn_fwd_params&) { return 4096; }
 
 constexpr ForwardFamily kFp16Only{"fake_fp16_sm80", QATTN_SCHEME_SAGE2_8B, kSm80, 1, 256,
-                                  1u << QATTN_DTYPE_FP16, qattn::api::kMaskNone, nullptr, &ws_1k,
-                                  nullptr};
+                                  1u << QATTN_DTYPE_FP16, qattn::api::kMaskNone, false, nullptr,
+                                  &ws_1k, nullptr};
 constexpr ForwardFamily kShortKv{"fake_short_kv",
                                  QATTN_SCHEME_SAGE2_8B,
                                  kSm90And100,
@@ -160,11 +197,12 @@ constexpr ForwardFamily kShortKv{"fake_short_kv",
                                  64,
                                  (1u << QATTN_DTYPE_FP16) | (1u << QATTN_DTYPE_BF16),
                                  qattn::api::kMaskNone | qattn::api::kMaskCausal,
+                                 false,
                                  &too_long,
                                  &ws_4k,
                                  nullptr};
-constexpr ForwardFamily kOtherScheme{"fake_other_scheme", 7, kSm80, 1, 512, ~0u, ~0u, nullptr,
-                                     &ws_1k, nullptr};
+constexpr ForwardFamily kOtherScheme{"fake_other_scheme", 7, kSm80, 1, 512, ~0u, ~0u, false,
+                                     nullptr, &ws_1k, nullptr};
 
 TEST(Registry, EveryDeclineReasonIsNamed) {
   const std::array<const ForwardFamily*, 3> families{&kFp16Only, &kShortKv, &kOtherScheme};
@@ -288,6 +326,7 @@ constexpr ForwardFamily kCausalOnly{"fake_causal_only",
                                     128,
                                     (1u << QATTN_DTYPE_FP16) | (1u << QATTN_DTYPE_BF16),
                                     qattn::api::kMaskNone | qattn::api::kMaskCausal,
+                                    false,
                                     nullptr,
                                     &ws_1k,
                                     nullptr};
@@ -491,24 +530,42 @@ TEST(Abi, LayoutKeepsItsPromises) {
   // The packed batch's fields start where the third layout (with attn_mask) ends.
   EXPECT_EQ(offsetof(qattn_fwd_params, attn_mask_stride_k) + sizeof(int64_t),
             offsetof(qattn_fwd_params, cu_seqlens_q));
-  EXPECT_EQ(offsetof(qattn_fwd_params, max_seqlen_k) + sizeof(int32_t), sizeof(qattn_fwd_params));
+  // V's head dim starts where the fourth layout (with the packed batch) ends.
+  EXPECT_EQ(offsetof(qattn_fwd_params, max_seqlen_k) + sizeof(int32_t),
+            offsetof(qattn_fwd_params, head_dim_v));
+  EXPECT_EQ(offsetof(qattn_fwd_params, reserved2) + sizeof(int32_t), sizeof(qattn_fwd_params));
   if constexpr (sizeof(void*) == 8) {  // the sizes qattn.h states for LP64
     EXPECT_EQ(QATTN_FWD_PARAMS_MIN_SIZE, 192u);
     EXPECT_EQ(offsetof(qattn_fwd_params, attn_mask_type), 216u);
     EXPECT_EQ(offsetof(qattn_fwd_params, cu_seqlens_q), 264u);
-    EXPECT_EQ(sizeof(qattn_fwd_params), 288u);
+    EXPECT_EQ(offsetof(qattn_fwd_params, head_dim_v), 288u);
+    EXPECT_EQ(sizeof(qattn_fwd_params), 296u);
   }
   qattn_fwd_params p = valid_params();
   p.reserved0 = 1;
   std::size_t bytes = 0;
   EXPECT_EQ(qattn_fwd_workspace_size(&p, &bytes), QATTN_ERROR_INVALID_ARGUMENT);
   EXPECT_TRUE(contains(qattn_last_error_message(), "reserved0")) << qattn_last_error_message();
+  p = valid_params();
+  p.reserved2 = 1;
+  EXPECT_EQ(qattn_fwd_workspace_size(&p, &bytes), QATTN_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(contains(qattn_last_error_message(), "reserved2")) << qattn_last_error_message();
+  p = valid_params();
+  p.head_dim_v = -1;
+  EXPECT_EQ(qattn_fwd_workspace_size(&p, &bytes), QATTN_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(contains(qattn_last_error_message(), "head_dim_v = -1")) << qattn_last_error_message();
+  // A struct that ends with the packed batch (288 bytes on LP64) is one of the layouts:
+  // V takes head_dim.
+  p = valid_params();
+  p.struct_size = offsetof(qattn_fwd_params, head_dim_v);
+  EXPECT_EQ(qattn_fwd_workspace_size(&p, &bytes), QATTN_OK) << qattn_last_error_message();
   EXPECT_EQ(sizeof(qattn_fwd_params{}.dtype), 4u);
   EXPECT_EQ(sizeof(qattn_fwd_params{}.sage2.granularity), 4u);
   for (std::size_t size :
        {sizeof(qattn_fwd_params{}.window), sizeof(qattn_fwd_params{}.window_left),
         sizeof(qattn_fwd_params{}.window_right), sizeof(qattn_fwd_params{}.alignment),
-        sizeof(qattn_fwd_params{}.max_seqlen_q), sizeof(qattn_fwd_params{}.max_seqlen_k)})
+        sizeof(qattn_fwd_params{}.max_seqlen_q), sizeof(qattn_fwd_params{}.max_seqlen_k),
+        sizeof(qattn_fwd_params{}.head_dim_v)})
     EXPECT_EQ(size, 4u);
 }
 

@@ -78,6 +78,29 @@ TEST(ApiValidation, ValidParamsGiveAWorkspaceSize) {
             need(valid_params({}, qattn::Layout::kNHD)));
 }
 
+// V and O with head_dim_v channels (MLA's 192 / 128): their rows are checked with that
+// width, and a V whose rows are too short for it is refused by name.
+TEST(ApiValidation, NarrowerVChecksVAndOWithItsOwnWidth) {
+  qattn::ForwardParams fp(qattn::DType::kBF16, 2, 8, 2, 300, 500, 192);
+  fp.head_dim_v(128)
+      .q(fake(1), qattn::Layout::kHND)
+      .k(fake(2), qattn::Layout::kHND)
+      .v(fake(3), qattn::Layout::kHND)
+      .o(fake(4), qattn::Layout::kHND);
+  EXPECT_EQ(fp.raw().v.stride_n, 128);
+  EXPECT_EQ(fp.raw().o.stride_n, 128);
+  const Outcome ok = size_of(fp.raw());
+  EXPECT_EQ(ok.status, QATTN_OK) << ok.message;
+  // o's rows closer than head_dim_v: its elements would overlap.
+  qattn_fwd_params p = fp.raw();
+  p.o.stride_n = 120;
+  std::vector<uint8_t> ws(need(fp.raw()));
+  const Outcome bad = fwd(p, ws.data(), ws.size());
+  EXPECT_NE(bad.status, QATTN_OK);
+  EXPECT_NE(bad.message.find("o.stride_n = 120"), std::string::npos) << bad.message;
+  EXPECT_NE(bad.message.find("less than its rows' 128 elements"), std::string::npos) << bad.message;
+}
+
 TEST(ApiValidation, ParamsInitGivesDefaults) {
   qattn_fwd_params p;
   std::memset(&p, 0x5A, sizeof(p));

@@ -5,12 +5,15 @@
 
 #include <bit>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <random>
+#include <string>
 
 #include "cuda/sage2_fwd/launch.h"
 #include "cuda/sage2_fwd/workspace.h"
 #include "cuda/sage2_wide/launch.h"
+#include "emulate/sage2.h"
 #include "gpu_util.h"
 #include "qattn/qattn.h"
 #include "reference/attention_fp64.h"
@@ -35,6 +38,8 @@ inline AttentionParams key_rule_params(bool causal, bool top_left, int window_le
 
 struct Sage2Case {
   int batch = 1, heads_q = 2, heads_kv = 2, seqlen_q = 256, seqlen_kv = 256, head_dim = 128;
+  int head_dim_v = 0;  // V's and O's head dim (qattn_fwd_params.head_dim_v); 0: head_dim
+  int dv() const { return head_dim_v > 0 ? head_dim_v : head_dim; }
   bool causal = false, bf16 = true;
   Layout layout = Layout::HND;
   qattn_qk_granularity granularity = QATTN_QK_PER_THREAD;
@@ -82,6 +87,7 @@ struct Sage2Case {
     return "B=" + std::to_string(batch) + " Hq=" + std::to_string(heads_q) +
            " Hkv=" + std::to_string(heads_kv) + " Nq=" + std::to_string(seqlen_q) +
            " Nkv=" + std::to_string(seqlen_kv) + " d=" + std::to_string(head_dim) +
+           (head_dim_v > 0 ? " d_v=" + std::to_string(head_dim_v) : std::string()) +
            (causal ? " causal" : "") + (bf16 ? " bf16" : " fp16") +
            (layout == Layout::NHD ? " NHD" : " HND") + " row_pad=" + std::to_string(row_pad) +
            " seed=" + std::to_string(seed) + masks() + (wide ? " wide" : "");
@@ -183,6 +189,7 @@ inline qattn_fwd_params make_params(const Sage2Case& c) {
   p.seqlen_q = c.seqlen_q;
   p.seqlen_kv = c.seqlen_kv;
   p.head_dim = c.head_dim;
+  p.head_dim_v = c.head_dim_v;
   p.causal = c.causal ? 1 : 0;
   p.sm_scale = 0.f;
   p.sage2.granularity = c.granularity;
@@ -224,12 +231,13 @@ inline Sage2Result run_sage2(const Sage2Case& c, const InputHook& hook = {}) {
   std::mt19937_64 rng(c.seed);
   r.q = random_tensor(c.batch, c.heads_q, c.seqlen_q, c.head_dim, rng, 0.2f * c.k_bias, c.bf16);
   r.k = random_tensor(c.batch, c.heads_kv, c.seqlen_kv, c.head_dim, rng, c.k_bias, c.bf16);
-  r.v = random_tensor(c.batch, c.heads_kv, c.seqlen_kv, c.head_dim, rng, 0.f, c.bf16);
+  r.v = random_tensor(c.batch, c.heads_kv, c.seqlen_kv, c.dv(), rng, 0.f, c.bf16);
   if (hook) hook(r.q, r.k, r.v);
 
   const int row = (c.head_dim + 7) / 8 * 8;  // 16-byte rows
-  const int q_row = row + c.row_pad, k_row = row + 2 * c.row_pad, v_row = row + 3 * c.row_pad;
-  const int o_row = row + 8;  // guard columns after every output row
+  const int row_v = (c.dv() + 7) / 8 * 8;    // V's and O's
+  const int q_row = row + c.row_pad, k_row = row + 2 * c.row_pad, v_row = row_v + 3 * c.row_pad;
+  const int o_row = row_v + 8;  // guard columns after every output row
   auto upload = [&](const Tensor4& t, int rowlen) {
     std::vector<uint16_t> h(static_cast<std::size_t>(t.b) * t.h * t.n * rowlen, kInputPoison);
     const qattn_tensor v = make_view(nullptr, c.layout, t.b, t.h, t.n, rowlen);
@@ -307,13 +315,13 @@ inline Sage2Result run_sage2(const Sage2Case& c, const InputHook& hook = {}) {
         std::bit_cast<uint32_t>(lse_all[i]) != kLsePoison)
       r.lse_guard_intact = false;
   r.lse.assign(lse_all.begin() + kLseGuard, lse_all.begin() + kLseGuard + lse_count);
-  r.o = Tensor4(c.batch, c.heads_q, c.seqlen_q, c.head_dim);
+  r.o = Tensor4(c.batch, c.heads_q, c.seqlen_q, c.dv());
   for (int ib = 0; ib < c.batch; ++ib)
     for (int ih = 0; ih < c.heads_q; ++ih)
       for (int in = 0; in < c.seqlen_q; ++in)
         for (int id = 0; id < o_row; ++id) {
           const uint16_t bits = ho[ib * p.o.stride_b + ih * p.o.stride_h + in * p.o.stride_n + id];
-          if (id < c.head_dim) {
+          if (id < c.dv()) {
             const float x = from_bits16(bits, c.bf16);
             if (bits == kOutputPoison) r.all_written = false;
             r.o.at(ib, ih, in, id) = x;
@@ -324,6 +332,33 @@ inline Sage2Result run_sage2(const Sage2Case& c, const InputHook& hook = {}) {
   for (float x : c.lse ? r.lse : std::vector<float>{})
     if (std::bit_cast<uint32_t>(x) == kLsePoison) r.all_written = false;
   return r;
+}
+
+// V's part of a forward's workspace against the emulation: the kernels keep D rows of Vᵀ
+// codes and D amax values per KV head (channels past d_v hold zeros), the emulator Dv of
+// each (its own padding of d_v). "" when equal, else the first difference.
+inline std::string v_workspace_differences(const std::vector<uint8_t>& ws, std::size_t vt_at,
+                                           std::size_t amax_at, std::size_t bkv, int D,
+                                           const emulate::Sage2Quantized& qz) {
+  const int Dv = qz.head_dim_v_padded;
+  const std::size_t nkv = static_cast<std::size_t>(qz.nkv_pad);
+  for (std::size_t h = 0; h < bkv; ++h)
+    for (int d = 0; d < D; ++d) {
+      float amax;
+      std::memcpy(&amax, ws.data() + amax_at + (h * D + d) * sizeof(float), sizeof(float));
+      const float want = d < Dv ? qz.v_scale[(h * qz.kv_tiles()) * Dv + d] : 0.f;
+      if (amax / 448.f != want)
+        return "v scale h=" + std::to_string(h) + " d=" + std::to_string(d) + ": " +
+               std::to_string(amax / 448.f) + " != " + std::to_string(want);
+      const uint8_t* row = ws.data() + vt_at + (h * D + d) * nkv;
+      for (std::size_t t = 0; t < nkv; ++t) {
+        const uint8_t e = d < Dv ? qz.vt_f8[(h * Dv + d) * nkv + t] : 0;
+        if (row[t] != e)
+          return "vt_f8 h=" + std::to_string(h) + " d=" + std::to_string(d) + " token " +
+                 std::to_string(t) + ": " + std::to_string(row[t]) + " != " + std::to_string(e);
+      }
+    }
+  return "";
 }
 
 }  // namespace qattn::test

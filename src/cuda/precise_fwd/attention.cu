@@ -58,6 +58,7 @@ struct Params {
   int o_tma_cols;  // O is stored by TMA up to here, the partial chunk after it directly
   float* lse;      // (B, Hq, Nq) natural log, or null
   int heads_q, heads_kv, seqlen_q, seqlen_kv, head_dim;
+  int head_dim_v;  // O's columns, for the shared epilogue: head_dim (its family takes no other)
   numerics::KeyRule keys;  // the call's rule, kv_len = seqlen_kv
   const int* kv_lengths;   // (B) or null: each batch entry's key-padding length
   int num_m_blocks;
@@ -419,6 +420,7 @@ cudaError_t launch_d(const qattn_fwd_params& p, const guard::Stats* guard, cudaS
   a.seqlen_q = p.seqlen_q;
   a.seqlen_kv = p.seqlen_kv;
   a.head_dim = p.head_dim;
+  a.head_dim_v = p.head_dim;
   a.keys = numerics::make_key_rule(p.seqlen_q, p.seqlen_kv, p.causal != 0,
                                    p.alignment == QATTN_ALIGN_TOP_LEFT,
                                    p.window != 0 ? p.window_left : -1,

@@ -80,7 +80,7 @@ __device__ __forceinline__ void copy_tail_columns(const Params& p, int tid_wg, c
   const uint16_t* src = reinterpret_cast<const uint16_t*>(
       stage + (j / 8) * kOBoxBytes + tid_wg * 128 + ((j % 8) ^ (tid_wg % 8)) * 16);
   uint16_t* dst = dst_row();
-  for (int c = 0; c < p.head_dim - p.o_tma_cols; ++c) dst[c] = src[c];
+  for (int c = 0; c < p.head_dim_v - p.o_tma_cols; ++c) dst[c] = src[c];
 }
 
 // The thread's index in its warpgroup, read opaquely: the row's staging offset derived
@@ -128,9 +128,9 @@ __device__ __forceinline__ void store_output_direct(const float (&o)[kO], const 
       const int col = 8 * j + 2 * fc.t;
       const float2 s = *reinterpret_cast<const float2*>(v_scale_head + col);
       const uint32_t v = pack2<TOut>(o[4 * j + 2 * r] * s.x * inv, o[4 * j + 2 * r + 1] * s.y * inv);
-      if (col + 1 < p.head_dim)
+      if (col + 1 < p.head_dim_v)
         *reinterpret_cast<uint32_t*>(dst + col) = v;
-      else if (col < p.head_dim)
+      else if (col < p.head_dim_v)
         dst[col] = static_cast<uint16_t>(v);
     }
   }

@@ -197,7 +197,7 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
                      row_in_block(0), side.q_dot_c);
     hopper::fence_proxy_async();  // the TMA store reads what this thread wrote
     hopper::named_barrier_sync(NamedBarrier::kOStaged + cw, NamedBarrier::kOStagedThreads);
-    if (whole && p.o_tma_cols < p.head_dim)  // after the barrier: reads other threads' rows
+    if (whole && p.o_tma_cols < p.head_dim_v)  // after the barrier: reads other threads' rows
       store_output_tail_varlen(p, w.bh_q % p.heads_q, vb.seq[w.slot()].q_row + cw * 64, stage);
     if (store_thread) {
       if (whole) {
@@ -224,7 +224,7 @@ __global__ void __launch_bounds__(kCtaThreads<kQuantWarps>, 1)
     store_lse(p, sm, fc, w.bh_q, w.m_block * Tr::kBlockM, row_in_block(0), side.q_dot_c);
     hopper::fence_proxy_async();  // the TMA store reads what this thread wrote
     hopper::named_barrier_sync(NamedBarrier::kOStaged + cw, NamedBarrier::kOStagedThreads);
-    if (p.o_tma_cols < p.head_dim)  // after the barrier: reads other threads' staged rows
+    if (p.o_tma_cols < p.head_dim_v)  // after the barrier: reads other threads' staged rows
       store_output_tail(p, w.bh_q, row_first(w), stage);
     if (store_thread) {
       const int b = w.bh_q / p.heads_q, hq = w.bh_q % p.heads_q;

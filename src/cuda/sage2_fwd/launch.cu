@@ -7,6 +7,7 @@
 #include "cuda/sage2_fwd/kernel.cuh"
 #include "cuda/sage2_fwd/launch.h"
 #include "cuda/sage2_fwd/quantize.cuh"
+#include "numerics/head_dim_v.h"
 #include "cuda/common/work_order.h"
 #include "cuda/sage2_fwd/varlen.cuh"
 #include "cuda/sage2_fwd/workspace.h"
@@ -120,12 +121,14 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
   // (measured: a guard column after head_dim = 100 was overwritten), so the O map stops
   // at the last full chunk and the kernel writes the other columns itself
   // (AttentionParams::o_tma_cols).
-  const int o_tma_cols = p.head_dim / 8 * 8;
+  // O has V's channels (head_dim_v).
+  const int dv = numerics::value_head_dim(p.head_dim, p.head_dim_v);
+  const int o_tma_cols = dv / 8 * 8;
   if (auto e = hopper::make_bhnd_map(&tm_q, p.q, pm.batch, p.head_dim, p.head_dim, p.heads_q, p.seqlen_q,
                                      Tr::kBlockM);
       e != cudaSuccess)
     return e;
-  if (auto e = hopper::make_bhnd_map(&tm_o, p.o, pm.batch, p.head_dim, std::max(o_tma_cols, 8),
+  if (auto e = hopper::make_bhnd_map(&tm_o, p.o, pm.batch, dv, std::max(o_tma_cols, 8),
                                      p.heads_q, p.seqlen_q, groups::kQBlock);
       e != cudaSuccess)
     return e;
@@ -157,7 +160,7 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
   ap.heads_kv = p.heads_kv;
   ap.seqlen_q = p.seqlen_q;
   ap.seqlen_kv = p.seqlen_kv;
-  ap.head_dim = p.head_dim;
+  ap.head_dim_v = dv;
   ap.nq_pad = w.nq_pad;
   ap.nkv_pad = w.nkv_pad;
   ap.causal = p.causal;
@@ -233,6 +236,7 @@ cudaError_t quantize_d(const qattn_fwd_params& p, const WorkspaceLayout& w, void
   qp.heads_kv = p.heads_kv;
   qp.seqlen_kv = p.seqlen_kv;
   qp.head_dim = p.head_dim;
+  qp.head_dim_v = numerics::value_head_dim(p.head_dim, p.head_dim_v);
   qp.nkv_pad = w.nkv_pad;
   qp.kv_lengths = p.kv_lengths;
   qp.seqs = varlen_view(p, w, ws).seqs;

@@ -136,7 +136,7 @@ constexpr int stats_stage_bytes() {
 // batches of 32 per thread took four rounds at D = 128); rows past the sample and channels
 // past head_dim are zero-filled (+0.0), which adds nothing to a sum or an amax.
 template <typename T, int D, bool kFullDim, typename Take>
-__device__ void reduce_sample(const T* base, int64_t stride_n, const QuantizeParams& p, int keys,
+__device__ void reduce_sample(const T* base, int64_t stride_n, int head_dim, int keys,
                               uint4* stage, Take take) {
   constexpr int kParts = kThreads / D;
   constexpr int kChunks = D / 8;
@@ -151,7 +151,7 @@ __device__ void reduce_sample(const T* base, int64_t stride_n, const QuantizePar
     const int c = threadIdx.x + r * kThreads;
     const int i = c / kChunks, c0 = (c % kChunks) * 8;
     const int64_t tok = numerics::sampled_row(i, keys);
-    const int elems = i < n ? chunk_elems<kFullDim>(c0, p.head_dim) : 0;
+    const int elems = i < n ? chunk_elems<kFullDim>(c0, head_dim) : 0;
     cp_async_16(reinterpret_cast<uint4*>(&rows[c / kChunks][c0]),
                 base + (i < n ? tok : 0) * stride_n + (elems > 0 ? c0 : 0),
                 elems * static_cast<int>(sizeof(T)));
@@ -172,7 +172,7 @@ __device__ void k_mean_block(const InputView<T>& k, const QuantizeParams& p, uin
   const int ch = threadIdx.x % D, part = threadIdx.x / D;
   float sum = 0.f;
   const int keys = keys_of<kVarlen>(p, b);
-  reduce_sample<T, D, kFullDim>(head_input<kVarlen>(k, p, b, h), k.stride_n, p, keys,
+  reduce_sample<T, D, kFullDim>(head_input<kVarlen>(k, p, b, h), k.stride_n, p.head_dim, keys,
                                 stage, [&](T x) { sum += common::to_float(x); });
   partial[part][ch] = sum;
   __syncthreads();
@@ -201,7 +201,7 @@ __device__ void v_bound_block(const InputView<T>& v, const QuantizeParams& p,
   uint32_t m = 0;  // |x| bits: an integer max orders them like amax_nan (NaN highest)
   const int keys = keys_of<kVarlen>(p, b);
   reduce_sample<T, D, kFullDim>(
-      head_input<kVarlen>(v, p, b, h), v.stride_n, p, keys, stage,
+      head_input<kVarlen>(v, p, b, h), v.stride_n, p.head_dim_v, keys, stage,
       [&](T x) { m = max(m, common::abs_bits(common::to_float(x))); });
   partial[part][ch] = m;
   __syncthreads();
@@ -209,7 +209,7 @@ __device__ void v_bound_block(const InputView<T>& v, const QuantizeParams& p,
 #pragma unroll
     for (int i = 1; i < kParts; ++i) m = max(m, partial[i][ch]);
     const float bound = numerics::sampled_amax_bound_of(common::nan_canonical(m), keys);
-    out.v_amax[bh * D + ch] = ch < p.head_dim ? bound : 0.f;
+    out.v_amax[bh * D + ch] = ch < p.head_dim_v ? bound : 0.f;
   }
 }
 
@@ -414,7 +414,7 @@ __device__ void quantize_v_part(const InputView<T>& v, const QuantizeParams& p,
 #pragma unroll
   for (int t = 0; t < kGroup; ++t)
     copy_chunk<kFullDim>(&slot[t][lane], head_input<kVarlen>(v, p, b, h), v.stride_n, tok0 + t,
-                         keys_of<kVarlen>(p, b), ch0, p.head_dim);
+                         keys_of<kVarlen>(p, b), ch0, p.head_dim_v);
   float amax[8], inv[8];
   load_floats8(out.v_amax + bh * D + ch0, amax);
 #pragma unroll
@@ -573,16 +573,16 @@ __global__ void __launch_bounds__(kFixupThreads)
 #pragma unroll
     for (int j = 0; j < 8; ++j) any |= amax[c0 + j] != 0.f;
     if (!any) continue;
-    uint4 x[kGroup];  // tokens g0.., channels c0..c0+7 (0 past the end and past head_dim)
+    uint4 x[kGroup];  // tokens g0.., channels c0..c0+7 (0 past the end and past head_dim_v)
 #pragma unroll
     for (int t = 0; t < kGroup; ++t) {
       x[t] = make_uint4(0, 0, 0, 0);
       if (g0 + t >= keys) continue;
       const T* src = head + static_cast<int64_t>(g0 + t) * v.stride_n + c0;
-      if (kFullDim || c0 + 8 <= p.head_dim) {
+      if (kFullDim || c0 + 8 <= p.head_dim_v) {
         x[t] = *reinterpret_cast<const uint4*>(src);
       } else {
-        for (int e = 0; e < 8 && c0 + e < p.head_dim; ++e) reinterpret_cast<T*>(&x[t])[e] = src[e];
+        for (int e = 0; e < 8 && c0 + e < p.head_dim_v; ++e) reinterpret_cast<T*>(&x[t])[e] = src[e];
       }
     }
 #pragma unroll
@@ -653,12 +653,16 @@ cudaError_t launch_quantize(const InputView<T>& k, const InputView<T>& v, const 
   // (No packed batch at D = 256: the head-dim-256 forward has no varlen kernel.)
   if constexpr (D == 256) {
     if (p.seqs != nullptr) return cudaErrorNotSupported;
-  } else if (p.seqs != nullptr) {
-    return p.head_dim == D ? launch_quantize_passes<T, D, true, true>(k, v, p, out, stream)
-                           : launch_quantize_passes<T, D, false, true>(k, v, p, out, stream);
   }
-  return p.head_dim == D ? launch_quantize_passes<T, D, true, false>(k, v, p, out, stream)
-                         : launch_quantize_passes<T, D, false, false>(k, v, p, out, stream);
+  // The copies of whole rows serve K and V alike: both must have D channels.
+  const bool full = p.head_dim == D && p.head_dim_v == D;
+  if constexpr (D != 256) {
+    if (p.seqs != nullptr)
+      return full ? launch_quantize_passes<T, D, true, true>(k, v, p, out, stream)
+                  : launch_quantize_passes<T, D, false, true>(k, v, p, out, stream);
+  }
+  return full ? launch_quantize_passes<T, D, true, false>(k, v, p, out, stream)
+              : launch_quantize_passes<T, D, false, false>(k, v, p, out, stream);
 }
 
 #define QATTN_INSTANTIATE(T, D)                                                             \

@@ -23,6 +23,7 @@ struct InputView {
 
 struct QuantizeParams {
   int batch, heads_kv, seqlen_kv, head_dim;
+  int head_dim_v;  // V's channels (<= head_dim); V's channels past it are quantized as zeros
   int nkv_pad;
   qattn_qk_granularity granularity;
   // Key padding (B ints, null: none): keys from kv_lengths[b] on are hidden, so they are

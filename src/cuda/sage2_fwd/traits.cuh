@@ -24,11 +24,13 @@ struct AttentionParams {
   float scale_log2, sm_scale;
   qattn_qk_granularity granularity;
   void* o;  // the caller's O; written by TMA (tensor map) up to column o_tma_cols, and
-            // directly from then to head_dim (a partial 16-byte chunk; head_dim % 8 != 0)
+            // directly from then to head_dim_v (a partial 16-byte chunk; head_dim_v % 8 != 0)
   int64_t o_stride_b, o_stride_h, o_stride_n;
   int o_tma_cols;
   float* lse;  // (B, Hq, Nq) or null
-  int heads_q, heads_kv, seqlen_q, seqlen_kv, head_dim, nq_pad, nkv_pad;
+  int heads_q, heads_kv, seqlen_q, seqlen_kv;
+  int head_dim_v;  // O's columns: V's head dim (Q·K's may be larger)
+  int nq_pad, nkv_pad;
   int causal;  // the item order's (work_order.h); which keys a row sees is `keys`
   // Which keys each row sees (numerics/key_range.h): the call's rule, with kv_len =
   // seqlen_kv; where kv_lengths (the caller's key-padding lengths, B ints) is given, the

@@ -84,7 +84,7 @@ __device__ __forceinline__ void store_output_tail(const WideParams& p, int bh_q,
   const int b = bh_q / p.heads_q, hq = bh_q % p.heads_q;
   uint16_t* dst = static_cast<uint16_t*>(p.o) + b * p.o_stride_b + hq * p.o_stride_h +
                   static_cast<int64_t>(row) * p.o_stride_n + p.o_tma_cols;
-  for (int c = 0; c < p.head_dim - p.o_tma_cols; ++c) dst[c] = src[c];
+  for (int c = 0; c < p.head_dim_v - p.o_tma_cols; ++c) dst[c] = src[c];
 }
 
 }  // namespace qattn::sage2_wide

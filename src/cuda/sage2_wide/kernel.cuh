@@ -202,7 +202,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     store_lse(p, sm.m, l, fc, w.bh_q, w.m_block * kBlockM, row_in_block(0), side.q_dot_c);
     hopper::fence_proxy_async();  // the TMA store reads what this thread wrote
     hopper::named_barrier_sync(NamedBarrier::kOStaged + cw, NamedBarrier::kOStagedThreads);
-    if (p.o_tma_cols < p.head_dim) store_output_tail(p, w.bh_q, row_first(w), stage);
+    if (p.o_tma_cols < p.head_dim_v) store_output_tail(p, w.bh_q, row_first(w), stage);
     if (store_thread) {
       const int b = w.bh_q / p.heads_q, hq = w.bh_q % p.heads_q;
 #pragma unroll

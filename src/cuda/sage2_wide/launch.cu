@@ -8,6 +8,7 @@
 #include "cuda/hopper/per_device.h"
 #include "cuda/hopper/tensor_map.h"
 #include "cuda/sage2_fwd/quantize.cuh"
+#include "numerics/head_dim_v.h"
 #include "cuda/sage2_fwd/workspace.h"
 #include "cuda/sage2_wide/kernel.cuh"
 #include "cuda/sage2_wide/q_pass.cuh"
@@ -61,6 +62,7 @@ cudaError_t quantize(const qattn_fwd_params& p, const sage2::WorkspaceLayout& w,
   qp.heads_kv = p.heads_kv;
   qp.seqlen_kv = p.seqlen_kv;
   qp.head_dim = p.head_dim;
+  qp.head_dim_v = numerics::value_head_dim(p.head_dim, p.head_dim_v);
   qp.nkv_pad = w.nkv_pad;
   qp.kv_lengths = p.kv_lengths;
   qp.seqs = nullptr;
@@ -93,7 +95,8 @@ cudaError_t attention(const qattn_fwd_params& p, const sage2::WorkspaceLayout& w
   CUtensorMap tm_q, tm_k, tm_vt, tm_o;
   // A TMA store writes whole 16-byte chunks at a row's end: the O map stops at the last
   // full chunk and the kernel writes the other columns itself.
-  const int o_tma_cols = p.head_dim / 8 * 8;
+  const int dv = numerics::value_head_dim(p.head_dim, p.head_dim_v);  // O has V's channels
+  const int o_tma_cols = dv / 8 * 8;
   if (auto e = hopper::make_tensor_map_u8_3d(&tm_q, q.q_i8, kD, w.nq_pad, q_slices, kHalfBytes,
                                              kBlockM, kQKSwizzle);
       e != cudaSuccess)
@@ -106,7 +109,7 @@ cudaError_t attention(const qattn_fwd_params& p, const sage2::WorkspaceLayout& w
                                              kD, kVSwizzle);
       e != cudaSuccess)
     return e;
-  if (auto e = hopper::make_bhnd_map(&tm_o, p.o, p.batch, p.head_dim, std::max(o_tma_cols, 8),
+  if (auto e = hopper::make_bhnd_map(&tm_o, p.o, p.batch, dv, std::max(o_tma_cols, 8),
                                      p.heads_q, p.seqlen_q, 64);
       e != cudaSuccess)
     return e;
@@ -126,7 +129,7 @@ cudaError_t attention(const qattn_fwd_params& p, const sage2::WorkspaceLayout& w
   ap.heads_kv = p.heads_kv;
   ap.seqlen_q = p.seqlen_q;
   ap.seqlen_kv = p.seqlen_kv;
-  ap.head_dim = p.head_dim;
+  ap.head_dim_v = dv;
   ap.nq_pad = w.nq_pad;
   ap.nkv_pad = w.nkv_pad;
   ap.causal = p.causal;

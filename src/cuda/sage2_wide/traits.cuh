@@ -23,11 +23,13 @@ struct WideParams {
   const float* q_dot_c;  // (B, Hq, nq_pad): sm_scale · q·c
   const float* k_scale;  // (B, Hkv, nkv_pad / 128 * 4)
   const float* v_amax;   // (B, Hkv, 256): V scale = amax / 448
-  void* o;  // written by TMA up to column o_tma_cols, directly from there to head_dim
+  void* o;  // written by TMA up to column o_tma_cols, directly from there to head_dim_v
   int64_t o_stride_b, o_stride_h, o_stride_n;
   int o_tma_cols;
   float* lse;  // (B, Hq, Nq) or null
-  int heads_q, heads_kv, seqlen_q, seqlen_kv, head_dim, nq_pad, nkv_pad;
+  int heads_q, heads_kv, seqlen_q, seqlen_kv;
+  int head_dim_v;  // O's columns: V's head dim (Q·K's may be larger)
+  int nq_pad, nkv_pad;
   int causal;              // the item order's (work_order.h)
   numerics::KeyRule keys;  // which keys each row sees; kv_len per item from kv_lengths
   const int* kv_lengths;   // (B) or null
