@@ -134,6 +134,12 @@ class Shape:
     bool_mask: str = ""
     # A varlen pack: the sequence lengths (Lq = Lk each); batch = len(lengths), n = the longest.
     lengths: Tuple[int, ...] = ()
+    # V's head dim where it is below d (MLA-style 192 / 128); 0: d.
+    dv: int = 0
+
+    @property
+    def d_v(self) -> int:
+        return self.dv or self.d
 
     @property
     def mask(self) -> str:
@@ -189,6 +195,13 @@ def head_dim_256_shapes(quick: bool) -> List[Shape]:
     the target is >= 1.3x cuDNN BF16 end-to-end at N >= 4K."""
     ns = (4096, 8192, 16384) if quick else (1024, 4096, 8192, 16384)
     return [Shape("grid", 4, 32, 32, n, 256, c) for c in (False, True) for n in ns]
+
+
+def mla_shapes(quick: bool) -> List[Shape]:
+    """MLA-style prefill (Q·K over 192 channels, V over 128, as DeepSeek-V3's 128 heads)
+    beside the baselines that take V's own head dim."""
+    ns = (4096, 8192) if quick else (1024, 4096, 8192, 16384)
+    return [Shape("mla_prefill", 1, 128, 128, n, 192, True, dv=128) for n in ns]
 
 
 def model_shapes(quick: bool) -> List[Shape]:
@@ -275,12 +288,14 @@ def visible_pairs(s: Shape) -> float:
 
 
 def tera_ops(s: Shape) -> float:
+    """2·(d + d_v) operations per visible (query, key) pair: 4·d where V has Q's head dim."""
+    per_pair = 2.0 * (s.d + s.d_v)
     if s.mask == "none" or s.mask == "causal":  # the grid's convention: causal halves
-        ops = 4.0 * s.batch * s.heads * s.n * s.n * s.d
+        ops = per_pair * s.batch * s.heads * s.n * s.n
         return (ops / 2 if s.causal else ops) / 1e12
     if s.lengths:  # the pack's real work, whoever pads it
-        return 4.0 * s.heads * visible_pairs(s) * s.d / 1e12
-    return 4.0 * s.batch * s.heads * visible_pairs(s) * s.d / 1e12
+        return per_pair * s.heads * visible_pairs(s) / 1e12
+    return per_pair * s.batch * s.heads * visible_pairs(s) / 1e12
 
 
 def sdpa_mask(s: Shape):
@@ -415,14 +430,14 @@ def host_us(fn: Callable[[int], object], iters: int = 50) -> float:
 
 def input_sets(s: Shape, l2_bytes: int, seed: int = 0):
     """Random normal bf16 (q, k, v) sets in HND; several when one set fits in L2."""
-    set_bytes = 2 * (s.batch * s.heads * s.n * s.d * 2 + 2 * s.batch * s.heads_kv * s.n * s.d)
+    set_bytes = 2 * (s.batch * s.heads * s.n * s.d * 2 + s.batch * s.heads_kv * s.n * (s.d + s.d_v))
     count = 1 if set_bytes >= 2 * l2_bytes else min(8, math.ceil(3 * l2_bytes / set_bytes))
     g = torch.Generator(device="cuda").manual_seed(seed)
     sets = []
     for _ in range(count):
         q = torch.randn(s.batch, s.heads, s.n, s.d, device="cuda", dtype=torch.bfloat16, generator=g)
         k = torch.randn(s.batch, s.heads_kv, s.n, s.d, device="cuda", dtype=torch.bfloat16, generator=g)
-        v = torch.randn(s.batch, s.heads_kv, s.n, s.d, device="cuda", dtype=torch.bfloat16, generator=g)
+        v = torch.randn(s.batch, s.heads_kv, s.n, s.d_v, device="cuda", dtype=torch.bfloat16, generator=g)
         sets.append((q, k, v))
     return sets
 
@@ -446,7 +461,7 @@ def measure_shape(s: Shape, args, l2_bytes: int) -> List[Row]:
         ms = min(medians) if medians else None
         r = Row(method, s.name, s.d, s.causal, s.n, s.batch, s.heads, s.heads_kv,
                 tera_ops(s) / (ms * 1e-3) if ms else None, ms, medians or [], iters, note=note,
-                mask=s.mask, d_v=s.d, tokens=s.tokens, seqs=s.batch)
+                mask=s.mask, d_v=s.d_v, tokens=s.tokens, seqs=s.batch)
         rows.append(r)
         return r
 
@@ -469,8 +484,11 @@ def measure_shape(s: Shape, args, l2_bytes: int) -> List[Row]:
         if args.skip_baseline_above and s.n > args.skip_baseline_above:
             row(method, note=f"skipped: N > {args.skip_baseline_above} (--skip-baseline-above)")
             continue
-        # With a mask, cuDNN first and SDPA's memory-efficient backend where cuDNN refuses it.
-        backends = [backend] + ([SDPBackend.EFFICIENT_ATTENTION] if masked and method == "sdpa_cudnn" else [])
+        # With a mask or V's own head dim, cuDNN first and SDPA's memory-efficient backend
+        # where cuDNN refuses it.
+        own_dv = s.d_v != s.d
+        backends = [backend] + ([SDPBackend.EFFICIENT_ATTENTION]
+                                if (masked or own_dv) and method == "sdpa_cudnn" else [])
         errors = []
         for be in backends:
             try:
@@ -481,9 +499,9 @@ def measure_shape(s: Shape, args, l2_bytes: int) -> List[Row]:
                         ref = out
                     medians, iters = time_fn(fn, **timing)
                 notes = ["K/V expanded to Hq heads"] if gqa else []
-                if masked:
-                    notes.append(f"boolean attn_mask, {be.name} backend"
-                                 + (f" (cuDNN: {errors[0]})" if errors else ""))
+                if masked or own_dv:
+                    notes.append(("boolean attn_mask, " if masked else f"d_v = {s.d_v}, ")
+                                 + f"{be.name} backend" + (f" (cuDNN: {errors[0]})" if errors else ""))
                 # A row is named after the backend that ran: cuDNN's refusal makes it
                 # SDPA's memory-efficient row, never a cuDNN one.
                 ran = "sdpa_efficient" if be == SDPBackend.EFFICIENT_ATTENTION else method
@@ -902,6 +920,9 @@ def main() -> int:
                     help="add d = 256 grid shapes (qattn's head-dim-256 kernel beside the baselines)")
     ap.add_argument("--head-dim-256-only", action="store_true",
                     help="the d = 256 grid shapes alone")
+    ap.add_argument("--mla", action="store_true",
+                    help="add MLA-style shapes (Q·K 192, V 128, 128 heads, causal)")
+    ap.add_argument("--mla-only", action="store_true", help="the MLA-style shapes alone")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--min-iters", type=int, default=10)
     ap.add_argument("--max-iters", type=int, default=100)
@@ -945,6 +966,10 @@ def main() -> int:
         shapes += head_dim_256_shapes(args.quick)
     if args.head_dim_256_only:
         shapes = head_dim_256_shapes(args.quick)
+    if args.mla:
+        shapes += mla_shapes(args.quick)
+    if args.mla_only:
+        shapes = mla_shapes(args.quick)
     if args.varlen_only:
         shapes = []
     if args.varlen or args.varlen_only:

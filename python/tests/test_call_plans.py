@@ -26,8 +26,8 @@ class RecordingC:
     def __getattr__(self, name):
         return getattr(_C, name)
 
-    def forward(self, *args):
-        self.calls.append(args)
+    def forward(self, *args, **kwargs):  # keywords (head_dim_v) recorded after the arguments
+        self.calls.append(args + tuple(sorted(kwargs.items())))
         return self.status
 
 
