@@ -63,6 +63,7 @@ int run(int B,int Hq,int Hkv,int Nq,int Nkv,int d,int causal,int dov,int det,boo
   auto G_q=down(gq.p,q.data.size()), G_k=down(gk.p,k.data.size()), G_v=down(gv.p,v.data.size());
   AttentionParams prm; prm.mask=causal?Mask::Causal:Mask::None;
   emulate::SageBwdOptions opt; opt.dov=dov?emulate::DoVFormat::Quantized:emulate::DoVFormat::Fp16;
+  opt.pds_block_keys=64;  // the kernel's scales per warpgroup (tile.cuh, TileFrags)
   auto em=emulate::sagebwd_backward(q,k,v,o,lse,dout,prm,opt);
   auto ref=reference::attention_backward(q,k,v,dout,prm);
   auto tof=[](const Tensor4d& t){std::vector<float> f(t.data.size()); for(size_t i=0;i<f.size();++i)f[i]=float(t.data[i]); return f;};

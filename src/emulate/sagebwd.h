@@ -66,10 +66,10 @@ struct SageBwdOptions {
   // ~1e-3 of every gradient's CosSim).
   KSmoothing k_smoothing = KSmoothing::SampledMean;
   bool dq_mean_term = false;  // add sm_scale·rowsum(dS)·c to dQ (paper; step 5 above)
-  // Keys per scale of ψ(P) and ψ(dS) in steps 2 and 4: 128, the whole KV tile (the GPU
-  // kernel's contract), or 64, one scale per half (a warpgroup's KV rows on the GPU: the
-  // per-warpgroup scales of bench/NOTES.md v57); dQ then sums the halves with their own
-  // scales.
+  // Keys per scale of ψ(P) and ψ(dS) in steps 2 and 4: 128, the whole KV tile (the
+  // paper's per-block scales and this emulator's default), or 64, one scale per half (a
+  // warpgroup's KV rows: the GPU kernel's contract, tile.cuh TileFrags; bench/NOTES.md
+  // v57, v58); dQ then sums the halves with their own scales.
   int pds_block_keys = 128;
 };
 

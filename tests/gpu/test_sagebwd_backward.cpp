@@ -41,6 +41,9 @@ int round8(int d) { return (d + 7) / 8 * 8; }
 // unsmoothed scores' (the forward adds sm_scale·q·c back), so the backward converts it
 // to its own smoothed domain with that c.
 constexpr emulate::KSmoothing kKernelKSmoothing = emulate::KSmoothing::SampledMean;
+// P and dS get one scale per warpgroup's 64 KV rows of a tile (tile.cuh, TileFrags):
+// SageBwdOptions::pds_block_keys = 64 (bench/NOTES.md v58).
+constexpr int kKernelPdsBlockKeys = 64;
 // The name the backward's kernel family carries in messages (registry: "considered N;
 // <family>: <why>").
 constexpr const char* kBwdFamily = "sagebwd";
@@ -360,6 +363,7 @@ emulate::SageBwdOptions emulation_options(const BwdCase& c) {
   o.format = c.format == QATTN_BWD_E4M3 ? emulate::Bwd8Format::E4M3 : emulate::Bwd8Format::Int8;
   o.dov = c.dov == QATTN_BWD_DOV_QUANTIZED ? emulate::DoVFormat::Quantized : emulate::DoVFormat::Fp16;
   o.k_smoothing = kKernelKSmoothing;
+  o.pds_block_keys = kKernelPdsBlockKeys;
   return o;
 }
 

@@ -9,10 +9,12 @@
 // Per Q block of every query head of the group:
 //   Sᵀ  = K̂_c·Q̂ᵀ      m64n64k32 s8, both from shared memory
 //   dPᵀ = V_c·dOᵀ     m64n64k16 bf16/f16 (or s8 with the quantized dO·Vᵀ)
-//   P, dS, the tile's maxima over both warpgroups, P̂ᵀ/dŜᵀ as register A fragments
+//   P, dS, each warpgroup's maxima (its 64 KV rows: one scale per half of the tile),
+//   P̂ᵀ/dŜᵀ as register A fragments
 //   dV_c += P̂ᵀ·dÔ     m64n64k32 s8, A from registers; B = dÔᵀ rows (π order, permute.cuh)
 //   dK_c += dŜᵀ·Q̂     likewise with Q̂ᵀ
-//   dQ[:, half c] = dŜ·K̂   m64n(D/2)k32 s8: dŜ staged Q-row-major in shared memory
+//   dQ[:, half c] = dŜ·K̂   m64n(D/2)k32 s8: dŜ staged Q-row-major in shared memory, one
+//                          product per 64-token half, each with that half's dS scale
 // Each INT32 product carries its own per-tile scale, so it lands in a fresh temporary and
 // is folded into the FP32 accumulator (dK, dV: registers for the whole item; dQ: global
 // FP32 reductions, as the mma.sync kernel does).
@@ -322,7 +324,9 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
     // dV += P̂ᵀ·dÔ, dK += dŜᵀ·Q̂ by 64-column halves, then dQ; two INT32 temporaries, each
     // merged as soon as its product is done while the next one runs.
     const float sc_dv = f.s_p * s_do, sc_dk = a.sm_scale * (f.s_ds * s_q);
-    const float sc_dq = a.sm_scale * (f.s_ds * s_k);
+    // dQ's two 64-token halves have their own dS scales (tile.cuh, TileFrags).
+    const float sc_dq0 = a.sm_scale * (f.s_ds_half[0] * s_k);
+    const float sc_dq1 = a.sm_scale * (f.s_ds_half[1] * s_k);
     const uint64_t d_dot = desc.at<Swizzle::k64B>(st + L::kDot);
     const uint64_t d_qt = desc.at<Swizzle::k64B>(st + L::kQt);
     auto product_kv = [&](int32_t(&tmp)[32], const uint32_t(&af)[2][4], uint64_t d_b, int h) {
@@ -335,20 +339,22 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
     };
     int32_t ta[32], tb[32];
     int32_t tq[kDqCols / 2];
-    auto product_dq = [&]() {
+    // dŜ·K̂ over the 64 tokens of half h (two k32 steps), into tq.
+    auto product_dq = [&](int h) {
       if constexpr (!kAtomicDq) return;
       hopper::wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kKvTileRows / 32; ++kk) {
+      for (int k2 = 0; k2 < kKvTileRows / 64; ++k2) {
+        const int kk = h * (kKvTileRows / 64) + k2;
         const uint64_t da = hopper::desc_advance(d_ds, 32 * kk);
         const uint64_t db = hopper::desc_advance(d_kt, 32 * kk);
         if constexpr (kDqCols == 64) {
-          if (kk == 0)
+          if (k2 == 0)
             hopper::wgmma_m64n64k32_s8_ss<false>(reinterpret_cast<int32_t(&)[32]>(tq), da, db);
           else
             hopper::wgmma_m64n64k32_s8_ss<true>(reinterpret_cast<int32_t(&)[32]>(tq), da, db);
         } else {
-          if (kk == 0)
+          if (k2 == 0)
             hopper::wgmma_m64n32k32_s8_ss<false>(reinterpret_cast<int32_t(&)[16]>(tq), da, db);
           else
             hopper::wgmma_m64n32k32_s8_ss<true>(reinterpret_cast<int32_t(&)[16]>(tq), da, db);
@@ -371,7 +377,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
       hopper::wgmma_wait<1>();
       hopper::fence_operands(ta);
       merge_cols<D>(dk, ta, 0, sc_dk);
-      product_dq();
+      product_dq(0);
       hopper::wgmma_wait<kAtomicDq ? 1 : 0>();
       fence_frags(f.ds);
       hopper::fence_operands(tb);
@@ -383,7 +389,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
       fence_frags(f.p);
       hopper::fence_operands(ta);
       merge_cols<D>(dv, ta, 0, sc_dv);
-      product_dq();
+      product_dq(0);
       hopper::wgmma_wait<kAtomicDq ? 1 : 0>();
       fence_frags(f.ds);
       hopper::fence_operands(tb);
@@ -397,7 +403,12 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
       // registers late, and a register rewritten after it waits for that read.
       float x[kDqCols / 2];
 #pragma unroll
-      for (int i = 0; i < kDqCols / 2; ++i) x[i] = i2f_exact(tq[i]) * sc_dq;
+      for (int i = 0; i < kDqCols / 2; ++i) x[i] = i2f_exact(tq[i]) * sc_dq0;
+      product_dq(1);  // the second half, into tq again, with its own scale
+      hopper::wgmma_wait<0>();
+      hopper::fence_operands(tq);
+#pragma unroll
+      for (int i = 0; i < kDqCols / 2; ++i) x[i] = fmaf(i2f_exact(tq[i]), sc_dq1, x[i]);
       hopper::fence_operands(x);
       float* dq = a.dq_acc + (bhq * a.nq_pad + op.q0 + 16 * w4 + g) * D + kDqCols * wg + 2 * t;
 #pragma unroll

@@ -154,7 +154,8 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const Args a) {
     store_ds_rows(ds_bytes, f.ds, warp, lane,
                   [](int qc, int tok) { return qc * Strides<D>::kKvT + tok; });
     __syncthreads();
-    dq_product<D>(s_ds, st + kKvTileRows * S::kI8, a.sm_scale * (f.s_ds * s_k), warp, lane,
+    const float sc_dq[2] = {a.sm_scale * (f.s_ds_half[0] * s_k), a.sm_scale * (f.s_ds_half[1] * s_k)};
+    dq_product<D>(s_ds, st + kKvTileRows * S::kI8, sc_dq, warp, lane,
                   [&](int n, int e, float x) { dq[n][e] += x; });
   }
   float* out = a.dq_acc + (bhq * a.nq_pad + q0 + 16 * (warp % 4)) * D + (warp / 4) * (D / 2);

@@ -38,11 +38,14 @@ struct Strides {
   static constexpr int kQT = kQBlockRows + 16;       // rows of 64 query rows (Qᵀ, dOᵀ)
 };
 
-// Per-thread results of a tile step.
+// Per-thread results of a tile step. P and dS have one scale per half of the tile's 128
+// KV rows (the emulator's SageBwdOptions::pds_block_keys = 64): warps 0-3 hold half 0,
+// warps 4-7 half 1, so a warpgroup of the wgmma kernel quantizes with its own half's.
 struct TileFrags {
-  uint32_t p[2][4];   // P̂ᵀ as A fragments of the two 32-wide k steps over Q
-  uint32_t ds[2][4];  // dŜᵀ likewise
-  float s_p, s_ds;    // the tile's scales (amax / 127)
+  uint32_t p[2][4];    // P̂ᵀ as A fragments of the two 32-wide k steps over Q
+  uint32_t ds[2][4];   // dŜᵀ likewise
+  float s_p, s_ds;     // this warp's half's scales (amax / 127)
+  float s_ds_half[2];  // dS's scales of both halves: dQ sums over all 128 KV rows
 };
 
 // An INT32 accumulator as float, exactly, for |i| < 2^22 (an IADD and an FADD on the full-
@@ -167,9 +170,9 @@ __device__ __forceinline__ void scores_to_p(const Args& a, const TileOperands& o
   }
 }
 
-// Steps 2-4's element-wise part: dS = P ∘ (dP − delta), the tile's P and |dS| maxima over
-// the kWarps warps (`red`: 2·kWarps floats, one __syncthreads), their scales and P̂ᵀ, dŜᵀ as
-// INT8 A fragments.
+// Steps 2-4's element-wise part: dS = P ∘ (dP − delta), the P and |dS| maxima of each
+// half of the tile (warps 0-3, 4-7; `red`: 2·kWarps floats, one __syncthreads), their
+// scales and P̂ᵀ, dŜᵀ as INT8 A fragments with the warp's half's scales.
 __device__ __forceinline__ void finish_tile(const TileOperands& op, const float (&p)[kNBlocksQ][4],
                                             const float (&dp)[kNBlocksQ][4], int warp, int lane,
                                             float* red, TileFrags& f) {
@@ -193,13 +196,18 @@ __device__ __forceinline__ void finish_tile(const TileOperands& op, const float 
     red[2 * warp + 1] = amax_ds;
   }
   __syncthreads();
+  float half_p[2] = {0.0f, 0.0f}, half_ds[2] = {0.0f, 0.0f};
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) {
-    amax_p = fmaxf(amax_p, red[2 * w]);
-    amax_ds = fmaxf(amax_ds, red[2 * w + 1]);
+    half_p[w / 4] = fmaxf(half_p[w / 4], red[2 * w]);
+    half_ds[w / 4] = fmaxf(half_ds[w / 4], red[2 * w + 1]);
   }
+  amax_p = half_p[warp / 4];
+  amax_ds = half_ds[warp / 4];
   f.s_p = numerics::linear_scale(amax_p, common::kInt8Max);
   f.s_ds = numerics::linear_scale(amax_ds, common::kInt8Max);
+  f.s_ds_half[0] = numerics::linear_scale(half_ds[0], common::kInt8Max);
+  f.s_ds_half[1] = numerics::linear_scale(half_ds[1], common::kInt8Max);
   to_a_frags(p, int8_multiplier(amax_p), f.p);
   to_a_frags(ds, int8_multiplier(amax_ds), f.ds);
 }
@@ -255,30 +263,36 @@ __device__ __forceinline__ void store_ds_rows(uint8_t* sds, const uint32_t (&af)
 }
 
 // The warp's part of dQ_i (64 × D): rows 16·(warp % 4).., columns (warp / 4)·D/2..;
-// dŜ·K̂ over the 128 tokens (INT32), 16 columns at a time, handed to
-// emit(n, e, value·scale) for n-block n (of D/16) and accumulator element e.
+// dŜ·K̂ over each 64-token half of the tile (INT32; scale[h] the half's), 16 columns at a
+// time, handed to emit(n, e, value·scale[h]) for n-block n (of D/16) and accumulator
+// element e, half 0 first.
 template <int D, typename Emit>
-__device__ __forceinline__ void dq_product(uint32_t sds, uint32_t skt, float scale, int warp,
-                                           int lane, Emit&& emit) {
+__device__ __forceinline__ void dq_product(uint32_t sds, uint32_t skt, const float (&scale)[2],
+                                           int warp, int lane, Emit&& emit) {
   using S = Strides<D>;
   constexpr int kNb = D / 16;  // n-blocks of 8 columns in half of D
   const uint32_t a_base = sds + 16 * (warp % 4) * S::kKvT;
   const uint32_t b_base = skt + (warp / 4) * (D / 2) * S::kKvT;
+  constexpr int kStepsPerHalf = kKvTileRows / 64;  // 32-token k steps in 64 tokens
 #pragma unroll
   for (int nc = 0; nc < kNb / 2; ++nc) {
-    int tmp[2][4] = {};
 #pragma unroll
-    for (int kk = 0; kk < kKvTileRows / 32; ++kk) {
-      uint32_t af[4], b[4];
-      common::ldmatrix_x4(af, common::ldsm_a_addr(a_base + 32 * kk, S::kKvT, lane));
-      common::ldmatrix_x4(b, common::ldsm_b_addr(b_base + 16 * nc * S::kKvT + 32 * kk, S::kKvT, lane));
-      common::mma_s8(tmp[0], af, b[0], b[1]);
-      common::mma_s8(tmp[1], af, b[2], b[3]);
+    for (int h = 0; h < 2; ++h) {
+      int tmp[2][4] = {};
+#pragma unroll
+      for (int k2 = 0; k2 < kStepsPerHalf; ++k2) {
+        const int kk = h * kStepsPerHalf + k2;
+        uint32_t af[4], b[4];
+        common::ldmatrix_x4(af, common::ldsm_a_addr(a_base + 32 * kk, S::kKvT, lane));
+        common::ldmatrix_x4(b, common::ldsm_b_addr(b_base + 16 * nc * S::kKvT + 32 * kk, S::kKvT, lane));
+        common::mma_s8(tmp[0], af, b[0], b[1]);
+        common::mma_s8(tmp[1], af, b[2], b[3]);
+      }
+#pragma unroll
+      for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) emit(2 * nc + m, e, i2f_exact(tmp[m][e]) * scale[h]);
     }
-#pragma unroll
-    for (int m = 0; m < 2; ++m)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) emit(2 * nc + m, e, i2f_exact(tmp[m][e]) * scale);
   }
 }
 
