@@ -96,9 +96,12 @@ struct WgSmem {
   static constexpr int kStage = (kScales + 8 + 1023) / 1024 * 1024;
   static constexpr int kStages = 3;
   static constexpr int kQSide = kKSide;                          // first stage
-  static constexpr int kDs = kQSide + kStages * kStage;          // 64 Q rows × 128 tokens
-  static constexpr int kRed = kDs + kQBlockRows * kKvTileRows;   // 2·kWarps floats
-  static constexpr int kBytes = kRed + 2 * kWarps * 4 + 1024;    // + alignment slack
+  // dŜ and the maxima, two of each by step parity: the warpgroups meet once a step (at
+  // the dŜ barrier), so one may write step w + 1's while the other still reads step w's.
+  static constexpr int kDsBytes = kQBlockRows * kKvTileRows;    // 64 Q rows × 128 tokens
+  static constexpr int kDs = kQSide + kStages * kStage;          // 2 × kDsBytes
+  static constexpr int kRed = kDs + 2 * kDsBytes;                // 2 × 2·kWarps floats
+  static constexpr int kBytes = kRed + 4 * kWarps * 4 + 1024;    // + alignment slack
   static_assert(kKSide % 1024 == 0 && kStage % 1024 == 0, "wgmma tiles on 1024-byte bounds");
 };
 
@@ -213,9 +216,9 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
   auto load_q = [&](int st, const WorkCursor& c) {
     wg_load_q_side<D, kQuantDov>(a, s_base + stage_off(st), bh0 + c.h, c.blk);
   };
-  // Stages 0 and 1 before the loop; step w loads step w + 2's after its amax barrier, when
-  // every thread is past step w - 1, the last reader of that stage, and waits for step
-  // w + 1's before its dŜ barrier, which then also publishes those bytes.
+  // Stages 0 and 1 before the loop; step w waits for step w + 1's before its dŜ barrier,
+  // which then also publishes those bytes, and loads step w + 2's after it, when every
+  // thread is past step w - 1, the last reader of that stage.
   WorkCursor cur{0, first}, ld = cur;
   wg_load_k_side<D, kQuantDov>(a, s_base, bhk, tile);
   if (work > 0) load_q(0, ld);
@@ -232,7 +235,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
   // The K side's descriptors: this warpgroup's 64 KV rows of K̂ and V; its D/2 rows of K̂ᵀ.
   const uint64_t d_k8 = desc.at<L::kSwI8>(L::kK8 + 64 * wg * L::kRowI8);
   const uint64_t d_kt = desc.at<Swizzle::k128B>(L::kKt + kDqCols * wg * kKvTileRows);
-  const uint64_t d_ds = desc.at<Swizzle::k128B>(L::kDs);
+  const uint64_t d_ds0 = desc.at<Swizzle::k128B>(L::kDs);  // step parity 0's dŜ
   // 16-bit V: boxes of 128 rows × 64 channels; this warpgroup's rows start 64 rows in.
   const uint64_t d_v = desc.at<L::kSwV>(L::kV + 64 * wg * (kQuantDov ? L::kRowV : 128));
 
@@ -307,26 +310,32 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
       hopper::fence_operands(dp_flat);
     }
     TileFrags f;
-    finish_tile(op, p, dp, warp, lane, red, f);
+    float* red_w = red + 2 * kWarps * (w & 1);
+    finish_tile(op, p, dp, warp, lane, red_w, f);  // the warpgroup's own maxima
+
+    // dŜ, Q-row-major, for dQ = dŜ·K̂.
+    const uint32_t ds_at = L::kDs + (w & 1) * L::kDsBytes;
+    if constexpr (kAtomicDq)
+      store_ds_rows(smem + ds_at, f.ds, warp, lane, [](int qc, int tok) {
+        return swizzled<Swizzle::k128B>(qc * kKvTileRows + tok);
+      });
+    common::cp_async_wait<0>();  // step w + 1's stage (the newest group)
+    hopper::fence_proxy_async();  // dŜ and those bytes, before wgmma reads them
+    __syncthreads();  // the CTA's one barrier a step: every thread is past step w - 1 here
+    // Step w + 2's stage is step w - 1's, whose last reader is done: load it now.
     if (w + 2 < work) load_q(sidx == 0 ? L::kStages - 1 : sidx - 1, ld);  // (w + 2) mod 3
     common::cp_async_commit();
     ld.advance(first, blocks);
-
-    // dŜ, Q-row-major, for dQ = dŜ·K̂.
-    if constexpr (kAtomicDq)
-      store_ds_rows(smem + L::kDs, f.ds, warp, lane, [](int qc, int tok) {
-        return swizzled<Swizzle::k128B>(qc * kKvTileRows + tok);
-      });
-    common::cp_async_wait<1>();  // step w + 1's stage (the newest group is w + 2's)
-    hopper::fence_proxy_async();  // dŜ and those bytes, before wgmma reads them
-    __syncthreads();
+    const uint64_t d_ds = hopper::desc_advance(d_ds0, (w & 1) * L::kDsBytes);
 
     // dV += P̂ᵀ·dÔ, dK += dŜᵀ·Q̂ by 64-column halves, then dQ; two INT32 temporaries, each
     // merged as soon as its product is done while the next one runs.
     const float sc_dv = f.s_p * s_do, sc_dk = a.sm_scale * (f.s_ds * s_q);
-    // dQ's two 64-token halves have their own dS scales (tile.cuh, TileFrags).
-    const float sc_dq0 = a.sm_scale * (f.s_ds_half[0] * s_k);
-    const float sc_dq1 = a.sm_scale * (f.s_ds_half[1] * s_k);
+    // dQ's two 64-token halves have their own dS scales (tile.cuh, ds_half_scales).
+    float s_ds_half[2];
+    ds_half_scales(red_w, s_ds_half);
+    const float sc_dq0 = a.sm_scale * (s_ds_half[0] * s_k);
+    const float sc_dq1 = a.sm_scale * (s_ds_half[1] * s_k);
     const uint64_t d_dot = desc.at<Swizzle::k64B>(st + L::kDot);
     const uint64_t d_qt = desc.at<Swizzle::k64B>(st + L::kQt);
     auto product_kv = [&](int32_t(&tmp)[32], const uint32_t(&af)[2][4], uint64_t d_b, int h) {

@@ -153,8 +153,11 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const Args a) {
     tile_step<T, D, kQuantDov>(a, op, warp, lane, red, f);
     store_ds_rows(ds_bytes, f.ds, warp, lane,
                   [](int qc, int tok) { return qc * Strides<D>::kKvT + tok; });
-    __syncthreads();
-    const float sc_dq[2] = {a.sm_scale * (f.s_ds_half[0] * s_k), a.sm_scale * (f.s_ds_half[1] * s_k)};
+    __syncthreads();  // dŜ and both halves' maxima (red is written again after the loop's
+                      // next __syncthreads)
+    float s_ds_half[2];
+    ds_half_scales(red, s_ds_half);
+    const float sc_dq[2] = {a.sm_scale * (s_ds_half[0] * s_k), a.sm_scale * (s_ds_half[1] * s_k)};
     dq_product<D>(s_ds, st + kKvTileRows * S::kI8, sc_dq, warp, lane,
                   [&](int n, int e, float x) { dq[n][e] += x; });
   }

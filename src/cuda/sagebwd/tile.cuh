@@ -17,6 +17,7 @@
 #include "cuda/common/exp2.cuh"
 #include "cuda/common/mma_sync.cuh"
 #include "cuda/common/quant_math.cuh"
+#include "cuda/hopper/sync.cuh"
 #include "cuda/sagebwd/args.h"
 #include "cuda/sagebwd/permute.cuh"
 #include "numerics/block_scale.h"
@@ -40,13 +41,24 @@ struct Strides {
 
 // Per-thread results of a tile step. P and dS have one scale per half of the tile's 128
 // KV rows (the emulator's SageBwdOptions::pds_block_keys = 64): warps 0-3 hold half 0,
-// warps 4-7 half 1, so a warpgroup of the wgmma kernel quantizes with its own half's.
+// warps 4-7 half 1, so a warpgroup of the wgmma kernel quantizes with its own half's,
+// found by its own four warps (a named barrier per half, not the CTA's).
 struct TileFrags {
-  uint32_t p[2][4];    // P̂ᵀ as A fragments of the two 32-wide k steps over Q
-  uint32_t ds[2][4];   // dŜᵀ likewise
-  float s_p, s_ds;     // this warp's half's scales (amax / 127)
-  float s_ds_half[2];  // dS's scales of both halves: dQ sums over all 128 KV rows
+  uint32_t p[2][4];   // P̂ᵀ as A fragments of the two 32-wide k steps over Q
+  uint32_t ds[2][4];  // dŜᵀ likewise
+  float s_p, s_ds;    // this warp's half's scales (amax / 127)
 };
+
+// dS's scales of both halves (dQ sums over all 128 KV rows), from the maxima finish_tile
+// left in `red`: read after a CTA barrier that follows every warp's finish_tile, and
+// before any warp can write `red` again.
+__device__ __forceinline__ void ds_half_scales(const float* red, float (&s)[2]) {
+  float m[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) m[w / 4] = fmaxf(m[w / 4], red[2 * w + 1]);
+  s[0] = numerics::linear_scale(m[0], common::kInt8Max);
+  s[1] = numerics::linear_scale(m[1], common::kInt8Max);
+}
 
 // An INT32 accumulator as float, exactly, for |i| < 2^22 (an IADD and an FADD on the full-
 // rate pipes instead of I2F at a quarter rate). Every accumulator here is a sum of at
@@ -170,9 +182,9 @@ __device__ __forceinline__ void scores_to_p(const Args& a, const TileOperands& o
   }
 }
 
-// Steps 2-4's element-wise part: dS = P ∘ (dP − delta), the P and |dS| maxima of each
-// half of the tile (warps 0-3, 4-7; `red`: 2·kWarps floats, one __syncthreads), their
-// scales and P̂ᵀ, dŜᵀ as INT8 A fragments with the warp's half's scales.
+// Steps 2-4's element-wise part: dS = P ∘ (dP − delta), the P and |dS| maxima of the
+// warp's half of the tile (warps 0-3, 4-7; `red`: 2·kWarps floats, one named barrier of
+// the half's 128 threads), their scales and P̂ᵀ, dŜᵀ as INT8 A fragments.
 __device__ __forceinline__ void finish_tile(const TileOperands& op, const float (&p)[kNBlocksQ][4],
                                             const float (&dp)[kNBlocksQ][4], int warp, int lane,
                                             float* red, TileFrags& f) {
@@ -195,25 +207,21 @@ __device__ __forceinline__ void finish_tile(const TileOperands& op, const float 
     red[2 * warp] = amax_p;
     red[2 * warp + 1] = amax_ds;
   }
-  __syncthreads();
-  float half_p[2] = {0.0f, 0.0f}, half_ds[2] = {0.0f, 0.0f};
+  hopper::named_barrier_sync(1 + warp / 4, 4 * 32);  // barrier 0 is __syncthreads
+  const int w0 = 4 * (warp / 4);
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) {
-    half_p[w / 4] = fmaxf(half_p[w / 4], red[2 * w]);
-    half_ds[w / 4] = fmaxf(half_ds[w / 4], red[2 * w + 1]);
+  for (int w = 0; w < 4; ++w) {
+    amax_p = fmaxf(amax_p, red[2 * (w0 + w)]);
+    amax_ds = fmaxf(amax_ds, red[2 * (w0 + w) + 1]);
   }
-  amax_p = half_p[warp / 4];
-  amax_ds = half_ds[warp / 4];
   f.s_p = numerics::linear_scale(amax_p, common::kInt8Max);
   f.s_ds = numerics::linear_scale(amax_ds, common::kInt8Max);
-  f.s_ds_half[0] = numerics::linear_scale(half_ds[0], common::kInt8Max);
-  f.s_ds_half[1] = numerics::linear_scale(half_ds[1], common::kInt8Max);
   to_a_frags(p, int8_multiplier(amax_p), f.p);
   to_a_frags(ds, int8_multiplier(amax_ds), f.ds);
 }
 
-// Steps 1-4 for warp `warp` with mma.sync; `red` holds 2·kWarps floats. Ends after a
-// __syncthreads.
+// Steps 1-4 for warp `warp` with mma.sync; `red` holds 2·kWarps floats. Ends after its
+// half's named barrier.
 template <typename T, int D, bool kQuantDov>
 __device__ __forceinline__ void tile_step(const Args& a, const TileOperands& op, int warp,
                                           int lane, float* red, TileFrags& f) {
