@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# One call on the GPU machine for the queued series of bench/NOTES.md v54-v59, applied
-# together on one branch (bench/queue/README.md): the additive pass's uniform tiles
-# (pass-uniform.mbox), V narrower than Q·K (head-dim-v.mbox) and SageBwd's scales per
-# warpgroup (bwd-half-scales.mbox), plus the d = 256 bound.
+# One call on the GPU machine for the forward's and the backward's recent work (bench/NOTES.md
+# v54-v60: V narrower than Q·K, the additive pass, SageBwd's scales per warpgroup) and the
+# d = 256 bound:
 #   1. gpu_test_sage2_forward (all: the NarrowerV and additive-mask suites among them),
 #      gpu_test_sage2_wide (its NarrowerV test) and gpu_test_sagebwd_backward, each under a
 #      timeout;

@@ -66,11 +66,11 @@ struct SageBwdOptions {
   // ~1e-3 of every gradient's CosSim).
   KSmoothing k_smoothing = KSmoothing::SampledMean;
   bool dq_mean_term = false;  // add sm_scale·rowsum(dS)·c to dQ (paper; step 5 above)
-  // Keys per scale of ψ(P) and ψ(dS) in steps 2 and 4: 128, the whole KV tile (the
-  // paper's per-block scales and this emulator's default), or 64, one scale per half (a
-  // warpgroup's KV rows: the GPU kernel's contract, tile.cuh TileFrags; bench/NOTES.md
-  // v57, v58); dQ then sums the halves with their own scales.
-  int pds_block_keys = 128;
+  // Keys per scale of ψ(P) and ψ(dS) in steps 2 and 4: 64, one scale per half of the KV
+  // tile (a warpgroup's KV rows: the GPU kernel's contract, tile.cuh TileFrags, and closer
+  // to FP64: bench/NOTES.md v58), or 128, the whole tile (the paper's per-block scales);
+  // with 64, dQ sums the halves with their own scales.
+  int pds_block_keys = 64;
 };
 
 struct EmulatedGrads {
