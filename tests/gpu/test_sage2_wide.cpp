@@ -278,6 +278,57 @@ TEST(Sage2Wide, NarrowerV) {
   }
 }
 
+// The MLA variant (Q·K of at most 192 channels with V of at most 128; launch.cu) skips
+// the padding channels, which the passes fill with zeros, so its O and LSE must be the
+// full variant's bits. The same inputs through both: V with d_v channels (the MLA
+// variant), then the same V followed by zeros up to d (d_v = d: the full variant).
+TEST(Sage2Wide, MlaVariantEqualsTheFullOne) {
+  QATTN_SKIP_WITHOUT_GPU();
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE(test::seed_trace(seed));
+  for (auto [d, dv, causal] : {std::tuple{192, 128, true}, std::tuple{160, 96, false}}) {
+    Sage2Case mla;
+    mla.head_dim = d;
+    mla.head_dim_v = dv;
+    mla.heads_q = 4;
+    mla.heads_kv = 2;
+    mla.seqlen_q = 300;
+    mla.seqlen_kv = 520;
+    mla.causal = causal;
+    mla.seed = seed;
+    mla.wide = true;
+    SCOPED_TRACE(mla.describe());
+    const auto a = test::run_sage2(mla);
+    ASSERT_EQ(a.status, 0) << cudaGetErrorString(static_cast<cudaError_t>(a.status));
+    Sage2Case full = mla;
+    full.head_dim_v = 0;
+    const auto b = test::run_sage2(full, [&](Tensor4&, Tensor4&, Tensor4& v) {
+      for (int ib = 0; ib < v.b; ++ib)
+        for (int ih = 0; ih < v.h; ++ih)
+          for (int in = 0; in < v.n; ++in)
+            for (int id = 0; id < v.d; ++id) v.at(ib, ih, in, id) = id < dv ? a.v.at(ib, ih, in, id) : 0.f;
+    });
+    ASSERT_EQ(b.status, 0) << cudaGetErrorString(static_cast<cudaError_t>(b.status));
+    EXPECT_TRUE(a.all_written && a.guard_intact && a.lse_guard_intact);
+    std::size_t o_diff = 0, o_nonzero_pad = 0, lse_diff = 0;
+    for (int ib = 0; ib < mla.batch; ++ib)
+      for (int ih = 0; ih < mla.heads_q; ++ih)
+        for (int in = 0; in < mla.seqlen_q; ++in)
+          for (int id = 0; id < d; ++id) {
+            const float y = b.o.at(ib, ih, in, id);
+            if (id >= dv)
+              o_nonzero_pad += y != 0.f;
+            else
+              o_diff += std::bit_cast<uint32_t>(a.o.at(ib, ih, in, id)) != std::bit_cast<uint32_t>(y);
+          }
+    for (std::size_t i = 0; i < a.lse.size(); ++i)
+      lse_diff += std::bit_cast<uint32_t>(a.lse[i]) != std::bit_cast<uint32_t>(b.lse[i]);
+    EXPECT_EQ(o_diff, 0u) << "O elements that differ between the variants";
+    EXPECT_EQ(lse_diff, 0u) << "LSE rows that differ between the variants";
+    EXPECT_EQ(o_nonzero_pad, 0u) << "the full variant's O past d_v (V's zeros) is not 0";
+  }
+}
+
 TEST(Sage2Wide, HeadDimNotAMultipleOf8) {
   QATTN_SKIP_WITHOUT_GPU();
   Sage2Case c;

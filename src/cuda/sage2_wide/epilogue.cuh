@@ -16,23 +16,27 @@
 
 namespace qattn::sage2_wide {
 
-// O's accumulator: channels 0..127 and 128..255, one m64n128 product each (the row sums
-// are FP32 sums of P, kernel.cuh).
+// O's accumulator for V channels 0..kV-1: channels 0..127 in lo and, at kV = 256,
+// 128..255 in hi, one m64n128 product each (the row sums are FP32 sums of P, kernel.cuh).
+// At kV = 128 hi is a placeholder register that nothing reads.
+template <int kV>
 struct OAcc {
-  static constexpr int kLo = 64, kHi = 64;
+  static constexpr int kLo = 64, kHi = kV > 128 ? 64 : 0;
+  static constexpr int kHiRegs = kHi > 0 ? kHi : 1;
 };
 
-// Element i of the thread's 128 O values (channel 8(i / 4) + 2t + i % 2).
-__device__ __forceinline__ float o_at(const float (&lo)[OAcc::kLo], const float (&hi)[OAcc::kHi],
-                                      int i) {
-  return i < OAcc::kLo ? lo[i] : hi[i - OAcc::kLo];
+// Element i of the thread's O values (channel 8(i / 4) + 2t + i % 2).
+template <int kV>
+__device__ __forceinline__ float o_at(const float (&lo)[OAcc<kV>::kLo],
+                                      const float (&hi)[OAcc<kV>::kHiRegs], int i) {
+  return i < OAcc<kV>::kLo ? lo[i] : hi[i - OAcc<kV>::kLo];
 }
 
-// Writes the thread's two rows into the warpgroup's staging (four boxes of 64 channels,
-// 128-byte rows, 16-byte chunks swizzled by row % 8). row_in_wg = warp · 16 + g.
-template <typename TOut>
-__device__ __forceinline__ void stage_output(const float (&lo)[OAcc::kLo],
-                                             const float (&hi)[OAcc::kHi], const float (&l)[2],
+// Writes the thread's two rows into the warpgroup's staging (kV / 64 boxes of 64
+// channels, 128-byte rows, 16-byte chunks swizzled by row % 8). row_in_wg = warp · 16 + g.
+template <typename TOut, int kV>
+__device__ __forceinline__ void stage_output(const float (&lo)[OAcc<kV>::kLo],
+                                             const float (&hi)[OAcc<kV>::kHiRegs], const float (&l)[2],
                                              common::FragCoord fc, int row_in_wg,
                                              const float* v_amax, uint8_t* stage) {
 #pragma unroll
@@ -41,11 +45,11 @@ __device__ __forceinline__ void stage_output(const float (&lo)[OAcc::kLo],
     const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
     const int row = row_in_wg + 8 * r;
 #pragma unroll
-    for (int j = 0; j < kD / 8; ++j) {
+    for (int j = 0; j < kV / 8; ++j) {
       const float2 a = *reinterpret_cast<const float2*>(v_amax + 8 * j + 2 * fc.t);
       // The V scale as the d <= 128 kernel's quantizer computes it: amax / 448.
-      const float v0 = o_at(lo, hi, 4 * j + 2 * r) * (a.x / common::kE4M3Max) * inv;
-      const float v1 = o_at(lo, hi, 4 * j + 2 * r + 1) * (a.y / common::kE4M3Max) * inv;
+      const float v0 = o_at<kV>(lo, hi, 4 * j + 2 * r) * (a.x / common::kE4M3Max) * inv;
+      const float v1 = o_at<kV>(lo, hi, 4 * j + 2 * r + 1) * (a.y / common::kE4M3Max) * inv;
       const int chunk = (j % 8) ^ (row % 8);
       *reinterpret_cast<uint32_t*>(stage + (j / 8) * kOBoxBytes + row * 128 + chunk * 16 +
                                    4 * fc.t) = sage2::pack2<TOut>(v0, v1);

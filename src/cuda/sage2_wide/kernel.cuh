@@ -6,7 +6,9 @@
 // consumer's turn on 64-key tile `it`: O rescaled by the tile's alpha, then Q·Kᵀ of the
 // next tile (8 × m64n64k32 INT8) and P·V of this one (2 × 2 × m64n128k32 E4M3,
 // straight into O) issued together; the next tile's softmax runs under the P·V, and adds
-// its 448·P to the FP32 row sums. docs/sage2-wide-kernel.md draws it.
+// its 448·P to the FP32 row sums. docs/sage2-wide-kernel.md draws it. Two variants
+// (traits.cuh, Widths): the full one, and the MLA one (Q·K over 192 channels: 6 k32
+// steps; P·V over V's first 128 channels: the lo product only).
 #pragma once
 
 #include <cuda.h>
@@ -29,12 +31,13 @@
 
 namespace qattn::sage2_wide {
 
-// S (64 x 64, s32) = the warpgroup's 64 INT8 Q rows · the K tile, 8 k32 steps over the
-// two 128-byte column halves of both.
+// S (64 x 64, s32) = the warpgroup's 64 INT8 Q rows · the K tile, kQK / 32 k32 steps over
+// the two 128-byte column halves of both (8 at kQK = 256, 6 at 192).
+template <int kQK>
 __device__ __forceinline__ void qk_mma(int32_t (&acc_s)[32], const uint8_t* q_rows,
                                        const uint8_t* k_tile) {
 #pragma unroll
-  for (int kk = 0; kk < kD / 32; ++kk) {
+  for (int kk = 0; kk < kQK / 32; ++kk) {
     const int half = kk / 4, at = (kk % 4) * 32;
     const uint64_t dq = hopper::desc_advance(
         hopper::make_smem_desc<kQKSwizzle>(q_rows + half * kQHalfBytes), at);
@@ -48,8 +51,10 @@ __device__ __forceinline__ void qk_mma(int32_t (&acc_s)[32], const uint8_t* q_ro
   hopper::wgmma_commit();
 }
 
-// O += 448·P (E4M3 A fragments) · the V stage: channels 0..127 into lo, 128..255 into hi.
-__device__ __forceinline__ void pv_mma(float (&lo)[OAcc::kLo], float (&hi)[OAcc::kHi],
+// O += 448·P (E4M3 A fragments) · the V stage: channels 0..127 into lo and, at kV = 256,
+// 128..255 into hi.
+template <int kV>
+__device__ __forceinline__ void pv_mma(float (&lo)[OAcc<kV>::kLo], float (&hi)[OAcc<kV>::kHiRegs],
                                        const uint32_t (&a_p)[kBlockN / 32][4],
                                        const uint8_t* v_stage) {
   const uint64_t d_lo = hopper::make_smem_desc<kVSwizzle>(v_stage);
@@ -57,12 +62,14 @@ __device__ __forceinline__ void pv_mma(float (&lo)[OAcc::kLo], float (&hi)[OAcc:
 #pragma unroll
   for (int kk = 0; kk < kBlockN / 32; ++kk) {
     hopper::wgmma_m64n128k32_e4m3_rs(lo, a_p[kk], hopper::desc_advance(d_lo, kk * 32));
-    hopper::wgmma_m64n128k32_e4m3_rs(hi, a_p[kk], hopper::desc_advance(d_hi, kk * 32));
+    if constexpr (kV > 128)
+      hopper::wgmma_m64n128k32_e4m3_rs(hi, a_p[kk], hopper::desc_advance(d_hi, kk * 32));
   }
   hopper::wgmma_commit();
 }
 
-template <typename T>
+// W: the variant's Widths (traits.cuh).
+template <typename T, typename W>
 __global__ void __launch_bounds__(kThreads, 1)
     sage2_wide_kernel(const __grid_constant__ CUtensorMap tm_q,
                       const __grid_constant__ CUtensorMap tm_k,
@@ -80,7 +87,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (warpgroup == 0) {
     hopper::setmaxnreg_dec<kProducerRegs>();
-    if (threadIdx.x == 0) loader(p, s, bar, &tm_q, &tm_k, &tm_vt);
+    if (threadIdx.x == 0) loader<W::kV>(p, s, bar, &tm_q, &tm_k, &tm_vt);
     return;
   }
 
@@ -127,7 +134,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   float alpha[2] = {1.f, 1.f};  // the O rescale that goes with a_p
 
   auto issue_qk = [&](const Item& w, int it) {
-    qk_mma(acc_s, s.q[w.slot()] + cw * 64 * kHalfBytes, s.k[w.stage(it)]);
+    qk_mma<W::kQK>(acc_s, s.q[w.slot()] + cw * 64 * kHalfBytes, s.k[w.stage(it)]);
   };
   // q_scale · k_scale of this thread's score groups (log2 units), read right after the
   // tile's Q·Kᵀ is issued. Lanes 0-3 read the K scales (and free the stage later).
@@ -164,21 +171,22 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (it + 1 < w.n_tiles) hopper::mbarrier_wait(&bar.k_full[w.stage(it + 1)], w.phase(it + 1));
   };
 
-  float o_lo[OAcc::kLo], o_hi[OAcc::kHi];
+  using Acc = OAcc<W::kV>;
+  float o_lo[Acc::kLo], o_hi[Acc::kHiRegs];
   auto zero_o = [&] {
 #pragma unroll
-    for (int i = 0; i < OAcc::kLo; ++i) o_lo[i] = 0.f;
+    for (int i = 0; i < Acc::kLo; ++i) o_lo[i] = 0.f;
 #pragma unroll
-    for (int i = 0; i < OAcc::kHi; ++i) o_hi[i] = 0.f;
+    for (int i = 0; i < Acc::kHiRegs; ++i) o_hi[i] = 0.f;
   };
   // O and the row sums times alpha before a tile's P·V (one level). A warp whose rows all
   // keep their max (alpha = 1 exactly: the same bits) skips it.
   auto rescale_o = [&] {
     if (__any_sync(0xffffffff, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-      for (int i = 0; i < OAcc::kLo; ++i) o_lo[i] *= alpha[(i % 4) / 2];
+      for (int i = 0; i < Acc::kLo; ++i) o_lo[i] *= alpha[(i % 4) / 2];
 #pragma unroll
-      for (int i = 0; i < OAcc::kHi; ++i) o_hi[i] *= alpha[(i % 4) / 2];
+      for (int i = 0; i < Acc::kHi; ++i) o_hi[i] *= alpha[(i % 4) / 2];
     }
     // All multiplies before the P·V issue: without this fence the compiler moved some
     // after the first wgmma, and ptxas then serialized the P·V wgmmas (C7519).
@@ -198,7 +206,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       l[r] = sm.l[r] + __shfl_xor_sync(0xffffffff, sm.l[r], 1);
       l[r] += __shfl_xor_sync(0xffffffff, l[r], 2);
     }
-    stage_output<T>(o_lo, o_hi, l, fc, warp * 16 + fc.g, side.v_amax, stage);
+    stage_output<T, W::kV>(o_lo, o_hi, l, fc, warp * 16 + fc.g, side.v_amax, stage);
     store_lse(p, sm.m, l, fc, w.bh_q, w.m_block * kBlockM, row_in_block(0), side.q_dot_c);
     hopper::fence_proxy_async();  // the TMA store reads what this thread wrote
     hopper::named_barrier_sync(NamedBarrier::kOStaged + cw, NamedBarrier::kOStagedThreads);
@@ -206,7 +214,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (store_thread) {
       const int b = w.bh_q / p.heads_q, hq = w.bh_q % p.heads_q;
 #pragma unroll
-      for (int box = 0; box < kD / 64; ++box)
+      for (int box = 0; box < W::kV / 64; ++box)
         if (box * 64 < p.o_tma_cols)
           hopper::tma_store_4d(&tm_o, stage + box * kOBoxBytes, box * 64, row_first(w), hq, b);
       hopper::bulk_commit_group();
@@ -242,7 +250,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     rescale_o();
     hopper::wgmma_fence();
     if constexpr (has_next) issue_qk(nw, nit);
-    pv_mma(o_lo, o_hi, a_p, s.v[st]);
+    pv_mma<W::kV>(o_lo, o_hi, a_p, s.v[st]);
     if constexpr (has_next) {
       qk_next = tile_scale(nw, nit);
       wait_ahead(nw, nit);

@@ -85,7 +85,7 @@ cudaError_t quantize(const qattn_fwd_params& p, const sage2::WorkspaceLayout& w,
   return launch_q_pass<T>(view<T>(p.q), pp, p.batch, q_outputs(w, ws), stream);
 }
 
-template <typename T>
+template <typename T, typename W>
 cudaError_t attention(const qattn_fwd_params& p, const sage2::WorkspaceLayout& w, void* ws,
                       cudaStream_t stream) {
   const sage2::QuantizeOutputs kv = kv_outputs(w, ws);
@@ -105,8 +105,9 @@ cudaError_t attention(const qattn_fwd_params& p, const sage2::WorkspaceLayout& w
                                              kBlockN, kQKSwizzle);
       e != cudaSuccess)
     return e;
+  // Vᵀ boxes of the rows (V channels) the variant multiplies.
   if (auto e = hopper::make_tensor_map_u8_3d(&tm_vt, kv.vt_f8, w.nkv_pad, kD, kv_slices, kBlockN,
-                                             kD, kVSwizzle);
+                                             W::kV, kVSwizzle);
       e != cudaSuccess)
     return e;
   if (auto e = hopper::make_bhnd_map(&tm_o, p.o, p.batch, dv, std::max(o_tma_cols, 8),
@@ -140,7 +141,7 @@ cudaError_t attention(const qattn_fwd_params& p, const sage2::WorkspaceLayout& w
   ap.causal_group = common::causal_group_heads(w.nkv_pad, kD, p.heads_q, p.heads_kv, p.batch);
   ap.item_counter = kv.item_counter;
 
-  auto kernel = sage2_wide_kernel<T>;
+  auto kernel = sage2_wide_kernel<T, W>;
   static std::atomic<unsigned long long> configured{0};
   if (auto e = hopper::once_per_context(
           configured,
@@ -160,12 +161,19 @@ cudaError_t attention(const qattn_fwd_params& p, const sage2::WorkspaceLayout& w
                               tm_vt, tm_o, ap);
 }
 
+// The MLA variant where Q·K and V fit its widths (traits.cuh, Widths), else the full one.
+bool mla_widths(const qattn_fwd_params& p) {
+  return p.head_dim <= MlaWidths::kQK &&
+         numerics::value_head_dim(p.head_dim, p.head_dim_v) <= MlaWidths::kV;
+}
+
 template <typename T>
 cudaError_t run(const qattn_fwd_params& p, void* ws, cudaStream_t stream, bool quantize_first) {
   const sage2::WorkspaceLayout w = layout(p);
   if (quantize_first)
     if (auto e = quantize<T>(p, w, ws, stream); e != cudaSuccess) return e;
-  return attention<T>(p, w, ws, stream);
+  return mla_widths(p) ? attention<T, MlaWidths>(p, w, ws, stream)
+                       : attention<T, FullWidths>(p, w, ws, stream);
 }
 
 }  // namespace

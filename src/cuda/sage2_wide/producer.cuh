@@ -17,6 +17,9 @@
 
 namespace qattn::sage2_wide {
 
+// kV: the rows of Vᵀ (V's channels) the variant multiplies; the Vᵀ tensor map's box has
+// as many.
+template <int kV>
 __device__ __forceinline__ void loader(const WideParams& p, SharedStorage& s, Barriers& bar,
                                        const CUtensorMap* tm_q, const CUtensorMap* tm_k,
                                        const CUtensorMap* tm_vt) {
@@ -84,7 +87,7 @@ __device__ __forceinline__ void loader(const WideParams& p, SharedStorage& s, Ba
       const Ring<kVStages> vr{tiles};
       const int sv = vr.index();
       hopper::mbarrier_wait(&bar.v_empty[sv], vr.empty_phase());
-      hopper::mbarrier_arrive_expect_tx(&bar.v_full[sv], kD * kVRowBytes);
+      hopper::mbarrier_arrive_expect_tx(&bar.v_full[sv], kV * kVRowBytes);
       hopper::tma_load_3d(s.v[sv], tm_vt, &bar.v_full[sv], i * kBlockN, 0, kv_slice,
                           hopper::policy_evict_last());
     }

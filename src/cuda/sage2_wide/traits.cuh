@@ -18,6 +18,19 @@ namespace qattn::sage2_wide {
 
 inline constexpr int kD = 256;  // the padded head dim (inputs of 129..256 channels)
 
+// The channels a kernel variant multiplies out of the padded 256: Q·Kᵀ over QK, P·V and
+// O over V. Channels past the head dim are zeros in Q, K and V (the passes write them),
+// so a variant that stops at its widths sums exactly what the full one sums. Full: every
+// head dim of 129..256. Mla: Q·K of at most 192 channels with V of at most 128
+// (DeepSeek-style 192/128), 640 of the full variant's 1,024 operations a pair.
+template <int QK, int V>
+struct Widths {
+  static_assert((QK == 256 || QK == 192) && (V == 256 || V == 128));
+  static constexpr int kQK = QK, kV = V;
+};
+using FullWidths = Widths<256, 256>;
+using MlaWidths = Widths<192, 128>;
+
 struct WideParams {
   const float* q_scale;  // (B, Hq, nq_pad / 64 * 32): the Q pass's scales, log2 folded in
   const float* q_dot_c;  // (B, Hq, nq_pad): sm_scale · q·c
