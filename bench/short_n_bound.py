@@ -43,7 +43,8 @@ SHAPES = [(4, 32, 1024, 128, False), (4, 32, 1024, 128, True), (4, 32, 1024, 64,
           (4, 32, 1024, 64, True), (4, 32, 2048, 64, False), (4, 32, 2048, 128, False)]
 # Head dim 256 (the sage2_wide_sm90 family, whose Q is quantized by a pass as well):
 # issue 21's >= 1.3x cuDNN at N >= 4K, which 4K missed (bench/NOTES.md v48, v49).
-SHAPES_D256 = [(4, 32, 4096, 256, False), (4, 32, 4096, 256, True), (4, 32, 8192, 256, False)]
+SHAPES_D256 = [(4, 32, 4096, 256, False), (4, 32, 4096, 256, True), (4, 32, 8192, 256, False),
+               (4, 32, 8192, 256, True)]
 
 
 def main() -> int:
