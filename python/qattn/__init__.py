@@ -18,7 +18,9 @@ has a generation loop):
 Training: with inputs that require grad, both functions run qattn's training forward
 and SageBwd, its INT8 backward, through autograd (torch.compile included); see
 qattn.sdpa's docstring for an example, and qattn.set_backward_options for the
-backward's format, dO·Vᵀ precision and deterministic mode.
+backward's format, dO·Vᵀ precision and deterministic mode. qattn.set_training("sdpa")
+sends the SDPA drop-in's training calls to PyTorch's SDPA (forward and backward) and
+keeps its inference calls on qattn.
 
 qattn.scaled_dot_product_attention runs what qattn does not support on PyTorch's SDPA,
 with a warning once per reason; qattn.set_fallback("raise") (or QATTN_FALLBACK=raise in
@@ -72,6 +74,7 @@ else:
     from .kv_cache import KVCache, decode  # noqa: F401
     from .precision import get_precision, set_precision, using_precision  # noqa: F401
     from .sdpa import get_fallback, scaled_dot_product_attention, set_fallback  # noqa: F401
+    from .training import get_training, set_training  # noqa: F401
     from .varlen import varlen_attention  # noqa: F401
 
     __all__ += [
@@ -82,11 +85,13 @@ else:
         "get_backward_options",
         "get_fallback",
         "get_precision",
+        "get_training",
         "sageattn",
         "scaled_dot_product_attention",
         "set_backward_options",
         "set_fallback",
         "set_precision",
+        "set_training",
         "using_precision",
         "varlen_attention",
     ]

@@ -2,7 +2,8 @@
 signature and semantics, run on qattn's SageAttention2-8b kernel where qattn supports the
 call and on PyTorch's SDPA where it does not.
 
-What runs on qattn: query (B, Hq, Nq, d), key and value (B, Hkv, Nkv, d) of one shape;
+What runs on qattn: query (B, Hq, Nq, d), key (B, Hkv, Nkv, d) and value (B, Hkv, Nkv,
+d_v), d_v = d, or 1 <= d_v < d in inference calls (MLA-style: O then has d_v channels);
 float16 or bfloat16 on a CUDA GPU of compute capability 9.0; d <= 256 (d of 129..256 on
 the head-dim-256 kernel, which takes no attn_mask and has no backward: such calls, and
 training calls at those head dims, go to SDPA); attn_mask None, boolean (True = the
@@ -37,7 +38,9 @@ run) follows the fallback mode: "warn" computes the exact gradients in FP32 from
 same inputs (PyTorch's SDPA math) with a QattnFallbackWarning once per reason, "raise"
 raises QattnUnsupportedError. With no grad (torch.no_grad(), inference_mode, or no
 input that requires grad) the call is the inference kernel, unchanged, and no LSE is
-computed.
+computed. qattn.set_training("sdpa") (or QATTN_TRAINING=sdpa) runs training calls on
+PyTorch's SDPA instead, forward and backward, without a warning, and keeps inference
+calls on qattn: SageBwd is slower than cuDNN's backward today (README, Training).
 
 The results are SageAttention2-8b's, not SDPA's bits: the bounds of the scheme are in
 docs/design.md ("Numerics") and tests/tolerances/sage2_8b.json.
@@ -49,7 +52,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import _C, fallback, ops, precision
+from . import _C, fallback, ops, precision, training
 from .errors import QattnError
 from .fallback import _warned, get_fallback, set_fallback  # noqa: F401 (the package's API; tests clear _warned)
 
@@ -185,13 +188,17 @@ def _decline(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> Opt
     return None
 
 
-def _fallback(declined, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-    key, why = declined
+def _run_torch_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     kwargs = dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
     if enable_gqa is not False:  # passed on only when set: PyTorch < 2.5 lacks the argument
         kwargs["enable_gqa"] = enable_gqa
+    return _torch_sdpa(q, k, v, **kwargs)
+
+
+def _fallback(declined, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    key, why = declined
     # SDPA runs first, so a call it rejects raises its own error in either mode.
-    out = _torch_sdpa(q, k, v, **kwargs)
+    out = _run_torch_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if fallback.get_fallback() == "raise":
         fallback.refuse_sdpa(key, why)
     if not torch.compiler.is_compiling():
@@ -227,7 +234,8 @@ def scaled_dot_product_attention(
     A call qattn cannot run goes to PyTorch's SDPA with a QattnFallbackWarning once per
     reason, or raises QattnUnsupportedError under qattn.set_fallback("raise"); a call
     SDPA rejects raises SDPA's error. Under torch.compile the fallback issues no
-    warning. Returns (B, Hq, Nq, d) in query's dtype, contiguous on the qattn path.
+    warning. Training calls run on SDPA under qattn.set_training("sdpa"). Returns (B, Hq,
+    Nq, d_v) in query's dtype, contiguous on the qattn path.
     """
     return sdpa_in_mode(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                         precision.get_precision())
@@ -238,6 +246,11 @@ def sdpa_in_mode(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
     """scaled_dot_product_attention in precision `mode` ("fast", "auto" or "precise") given
     by the caller instead of qattn.get_precision(): the plug-ins pass a registration's
     mode this way, which torch.compile traces (a context variable it does not)."""
+    if training.get_training() == "sdpa" and ops._records_autograd(query, key, value):
+        # The caller's choice, not a fallback: no warning, and set_fallback("raise") does
+        # not apply.
+        return _run_torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                               enable_gqa)
     declined = _decline(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if declined is None:
         # A boolean attn_mask is passed on only when given: a call without one keeps the
