@@ -1,28 +1,18 @@
 """The fallback policy of the PyTorch layer: what a call qattn cannot run does, for the
 SDPA drop-in (qattn/sdpa.py) and for the backward (qattn/ops.py). One module, imported
 by both, so the mode and the warn-once record are shared."""
-import os
 import threading
 import warnings
 from typing import Optional
 
 import torch
 
+from ._setting import Setting
 from .errors import QattnFallbackWarning, QattnUnsupportedError
 
-_MODES = ("warn", "raise")
-_ENV = "QATTN_FALLBACK"
-
-
-def _check_mode(mode, what: str) -> str:
-    if mode not in _MODES:
-        raise ValueError(f"{what} = {mode!r}; allowed: 'warn' (the default) or 'raise'")
-    return mode
-
-
-_mode = _check_mode(os.environ.get(_ENV) or "warn", _ENV)
+_setting = Setting("QATTN_FALLBACK", ("warn", "raise"))
 _warned = set()  # reason keys already warned about in this process
-_lock = threading.Lock()
+_lock = threading.Lock()  # guards _warned
 
 
 def set_fallback(mode: str) -> str:
@@ -32,16 +22,12 @@ def set_fallback(mode: str) -> str:
     instead. The environment variable QATTN_FALLBACK sets the mode at import. Returns
     the previous mode, so that a caller can restore it. A call that SDPA itself rejects
     raises SDPA's own error (TypeError, RuntimeError, ...) in either mode."""
-    global _mode
-    _check_mode(mode, "mode")
-    with _lock:
-        previous, _mode = _mode, mode
-    return previous
+    return _setting.set(mode)
 
 
 def get_fallback() -> str:
     """The current fallback mode, "warn" or "raise" (see set_fallback)."""
-    return _mode
+    return _setting.value
 
 
 # Called, not traced, by torch.compile (a "constant" function): the error is raised
@@ -77,7 +63,7 @@ def backward_declined(key: str, why: str) -> None:
     raises QattnUnsupportedError; "warn" warns once per reason and returns, and the
     caller computes the exact gradients in FP32 (PyTorch's SDPA math)."""
     key = f"backward {key}"
-    if _mode == "raise":
+    if _setting.value == "raise":
         raise QattnUnsupportedError(
             key,
             f"qattn's backward cannot run this call: {why} (qattn.set_fallback('warn') "

@@ -4,24 +4,13 @@ computes). One setting for the process, so that a model patched through SDPA nee
 change of its own code."""
 import contextlib
 import contextvars
-import os
-import threading
 
 import torch
 
-_MODES = ("fast", "auto", "precise")
-_ENV = "QATTN_PRECISION"
+from ._setting import Setting
 
-
-def _check_mode(mode, what: str) -> str:
-    if mode not in _MODES:
-        raise ValueError(f"{what} = {mode!r}; allowed: 'fast' (the default), 'auto' or 'precise'")
-    return mode
-
-
-_mode = _check_mode(os.environ.get(_ENV) or "fast", _ENV)
-_lock = threading.Lock()
-# using_precision's mode for the code it wraps (this thread or task only); None: _mode.
+_setting = Setting("QATTN_PRECISION", ("fast", "auto", "precise"))
+# using_precision's mode for the code it wraps (this thread or task only); None: set_precision's.
 _scoped = contextvars.ContextVar("qattn_precision", default=None)
 
 
@@ -32,11 +21,7 @@ def set_precision(mode: str) -> str:
     run "fast" whatever the mode (the other two have no backward). The environment
     variable QATTN_PRECISION sets the
     mode at import. Returns the previous mode, so that a caller can restore it."""
-    global _mode
-    _check_mode(mode, "mode")
-    with _lock:
-        previous, _mode = _mode, mode
-    return previous
+    return _setting.set(mode)
 
 
 def get_precision() -> str:
@@ -46,9 +31,9 @@ def get_precision() -> str:
     the graph again), while a context variable is not traceable (torch 2.11 stops
     fullgraph there), so using_precision applies to eager calls only."""
     if torch.compiler.is_compiling():
-        return _mode
+        return _setting.value
     scoped = _scoped.get()
-    return _mode if scoped is None else scoped
+    return _setting.value if scoped is None else scoped
 
 
 @contextlib.contextmanager
@@ -60,7 +45,7 @@ def using_precision(mode: str):
         with qattn.using_precision("auto"):
             image = pipe(prompt).images[0]
     """
-    token = _scoped.set(_check_mode(mode, "mode"))
+    token = _scoped.set(_setting.check(mode, "mode"))
     try:
         yield
     finally:

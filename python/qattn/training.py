@@ -9,21 +9,9 @@ Training), so a process that fine-tunes and also runs inference can keep qattn's
 inference speed and cuDNN's training speed with one patch of
 torch.nn.functional.scaled_dot_product_attention. qattn.attention, called directly,
 trains with SageBwd whatever this mode."""
-import os
-import threading
+from ._setting import Setting
 
-_MODES = ("sagebwd", "sdpa")
-_ENV = "QATTN_TRAINING"
-
-
-def _check_mode(mode, what: str) -> str:
-    if mode not in _MODES:
-        raise ValueError(f"{what} = {mode!r}; allowed: 'sagebwd' (the default) or 'sdpa'")
-    return mode
-
-
-_mode = _check_mode(os.environ.get(_ENV) or "sagebwd", _ENV)
-_lock = threading.Lock()
+_setting = Setting("QATTN_TRAINING", ("sagebwd", "sdpa"))
 
 
 def set_training(mode: str) -> str:
@@ -33,13 +21,9 @@ def set_training(mode: str) -> str:
     QATTN_TRAINING sets the mode at import. Under torch.compile the mode is read at trace
     time (a new mode compiles the graph again). Returns the previous mode, so that a
     caller can restore it."""
-    global _mode
-    _check_mode(mode, "mode")
-    with _lock:
-        previous, _mode = _mode, mode
-    return previous
+    return _setting.set(mode)
 
 
 def get_training() -> str:
     """The current training mode of the SDPA drop-in ("sagebwd" or "sdpa")."""
-    return _mode
+    return _setting.value
