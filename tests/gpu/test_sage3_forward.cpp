@@ -40,13 +40,17 @@ using namespace qattn;
 // unbounded in count on random inputs. Then O is rounded to bf16 (2^-8) or fp16 (2^-11).
 // Per element the tight bound is
 //   |gpu − emu| ≤ out_round·|emu| + 1e-4·max|emu row|
-// (the second term ~10× the order differences), and at most kFlipFraction of the
-// elements may exceed it (rows with a flipped P̂ element). Over the tensor,
+// (the second term ~10× the order differences). A flip moves its whole row (nearly every
+// one of its d elements goes past the tight bound), so the count that is bounded is rows:
+// at most kFlipRowFraction of them, plus one, may hold elements beyond it. A flip needs
+// the two P̃ within ~1e-6 of an E2M1 boundary (steps of 1/4 to 1/2 relative): a few in a
+// million elements, ~2e-3 of rows at Nkv ≈ 500; the bound is five times that. Over the
+// tensor,
 // 1 − CosSim(gpu, emu) ≤ 2e-5: the bf16 output rounding (≤ ½·2^-16 = 7.6e-6) plus the
 // flips (about one row in a hundred carries one, each moving that row's output by a
 // relative ~(½·p_j/‖p‖)² ≲ 4e-4 on diffuse rows: ≲ 4e-6 over the tensor).
 constexpr double kOrderSlack = 1e-4;
-constexpr double kFlipFraction = 1e-3;
+constexpr double kFlipRowFraction = 1e-2;
 constexpr double kGpuEmuOneMinusCos = 2e-5;
 // The LSE is FP32 in both: m + log2 l (l sums P̃ before any FP4 rounding: no flips) plus
 // sm_scale·q·c (the same FP32 value on both sides).
@@ -202,7 +206,7 @@ void run_case(const Case& c) {
   const double out_round = c.bf16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
   std::vector<float> g_o(o_count), e_o(o_count);
   std::vector<double> r_o(o_count);
-  std::size_t beyond = 0;
+  std::size_t beyond = 0, rows_beyond = 0;
   double worst_beyond = 0.0;
   float v_max = 0.f;
   for (float x : v_hat) v_max = std::max(v_max, std::fabs(x));
@@ -212,6 +216,7 @@ void run_case(const Case& c) {
         const float* er = emu.o.row(b, h, i);
         double row_max = 0.0;
         for (int e = 0; e < c.d; ++e) row_max = std::max(row_max, std::fabs(double(er[e])));
+        const std::size_t beyond_before = beyond;
         for (int e = 0; e < c.d; ++e) {
           const std::size_t at = ((std::size_t(b) * c.heads_q + h) * c.nq + i) * c.d + e;
           const float got = test::from_bits16(ob[at], c.bf16);
@@ -230,6 +235,7 @@ void run_case(const Case& c) {
           e_o[at] = er[e];
           r_o[at] = ref.o.at(b, h, i, e);
         }
+        rows_beyond += beyond > beyond_before;
         const std::size_t row = (std::size_t(b) * c.heads_q + h) * c.nq + i;
         const double el = emu.lse[row], gl = lg[row];
         if (std::isinf(el)) {
@@ -239,8 +245,10 @@ void run_case(const Case& c) {
               << "lse[" << row << "]: gpu " << gl << " emu " << el;
         }
       }
-  EXPECT_LE(double(beyond), kFlipFraction * double(o_count) + 1.0)
-      << beyond << " elements beyond the tight bound (worst " << worst_beyond << ")";
+  const std::size_t rows = std::size_t(c.batch) * c.heads_q * c.nq;
+  EXPECT_LE(double(rows_beyond), kFlipRowFraction * double(rows) + 1.0)
+      << rows_beyond << " of " << rows << " rows hold elements beyond the tight bound ("
+      << beyond << " elements, worst " << worst_beyond << ")";
   const metrics::ErrorMetrics mge = metrics::compare(g_o, e_o);
   const metrics::ErrorMetrics mg = metrics::compare(g_o, r_o);
   const metrics::ErrorMetrics me = metrics::compare(e_o, r_o);
@@ -249,8 +257,8 @@ void run_case(const Case& c) {
   EXPECT_LE(std::sqrt(std::max(0.0, 1.0 - mg.cos_sim)),
             std::sqrt(std::max(0.0, 1.0 - me.cos_sim)) + std::sqrt(kGpuEmuOneMinusCos))
       << "CosSim to FP64: gpu " << mg.cos_sim << ", emulator " << me.cos_sim;
-  std::printf("  %-60s cos(gpu,emu) 1-%.2e  cos(gpu,fp64) %.6f  emu %.6f  beyond %zu\n",
-              c.describe().c_str(), 1.0 - mge.cos_sim, mg.cos_sim, me.cos_sim, beyond);
+  std::printf("  %-60s cos(gpu,emu) 1-%.2e  cos(gpu,fp64) %.6f  emu %.6f  beyond %zu (%zu rows)\n",
+              c.describe().c_str(), 1.0 - mge.cos_sim, mg.cos_sim, me.cos_sim, beyond, rows_beyond);
 }
 
 TEST(Sage3Forward, FixedShapesMatchTheEmulation) {
