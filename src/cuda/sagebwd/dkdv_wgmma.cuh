@@ -21,7 +21,10 @@
 //
 // Operands reach shared memory by cp.async from every thread, written in the wgmma
 // swizzled layouts (rows of one swizzle span; 16-bit rows of 128 channels as two boxes of
-// 64), three stages of the Q side in flight. wgmma reads 8-bit operands K-major only: every
+// 64), three stages of the Q side in flight. The warpgroups meet through mbarriers only
+// (Barriers): a stage is refilled once both are done with it, and step w's dQ is formed
+// at step w + 1, so neither waits for the other's dŜ in the usual case and one may run
+// ahead of the other by up to a step. wgmma reads 8-bit operands K-major only: every
 // product above reads rows whose reduction dimension is contiguous, which the workspace
 // already stores (workspace.h).
 #pragma once
@@ -74,6 +77,8 @@ __device__ __forceinline__ void copy_tile(uint32_t dst, const void* src, int64_t
     common::cp_async_16(to + i * kRowsPerPass * kSpan, from + i * step);
 }
 
+inline constexpr int kQStages = 3;  // Q-side stages in flight
+
 template <int D, bool kQuantDov>
 struct WgSmem {
   static constexpr int kRowI8 = D;                       // bytes of an INT8 row of D
@@ -94,14 +99,17 @@ struct WgSmem {
   static constexpr int kDelta = kLse2 + kQBlockRows * 4;         // 64 floats
   static constexpr int kScales = kDelta + kQBlockRows * 4;       // s_q, s_dO of the block
   static constexpr int kStage = (kScales + 8 + 1023) / 1024 * 1024;
-  static constexpr int kStages = 3;
+  static constexpr int kStages = kQStages;
   static constexpr int kQSide = kKSide;                          // first stage
-  // dŜ and the maxima, two of each by step parity: the warpgroups meet once a step (at
-  // the dŜ barrier), so one may write step w + 1's while the other still reads step w's.
+  // dŜ, two by step parity: step w's is read by both warpgroups' dQ at step w + 1, while
+  // step w + 1's is written into the other.
   static constexpr int kDsBytes = kQBlockRows * kKvTileRows;    // 64 Q rows × 128 tokens
   static constexpr int kDs = kQSide + kStages * kStage;          // 2 × kDsBytes
-  static constexpr int kRed = kDs + 2 * kDsBytes;                // 2 × 2·kWarps floats
-  static constexpr int kBytes = kRed + 4 * kWarps * 4 + 1024;    // + alignment slack
+  static constexpr int kRed = kDs + 2 * kDsBytes;                // each warp's maxima, 2 × 2·kWarps floats
+  static constexpr int kBars = kRed + 4 * kWarps * 4;            // mbarriers (Barriers below)
+  static constexpr int kDsScale = kBars + 8 * (2 * kStages + 4); // dS scales [parity][half]
+  static_assert(kBars % 8 == 0, "mbarriers on 8-byte bounds");
+  static constexpr int kBytes = kDsScale + 4 * 4 + 1024;         // + alignment slack
   static_assert(kKSide % 1024 == 0 && kStage % 1024 == 0, "wgmma tiles on 1024-byte bounds");
 };
 
@@ -181,8 +189,20 @@ __device__ __forceinline__ void fence_frags(uint32_t (&af)[2][4]) {
   hopper::fence_operands(af[1]);
 }
 
+// The kernel's mbarriers. A Q-side stage is `full` when all 256 threads' copies into it
+// have landed, `empty` when both warpgroups' 8 warps are done with it; a dŜ buffer is
+// `ds_full` when both warpgroups' 8 warps have written their halves (and its scales),
+// `ds_empty` when both have read it for dQ. The warpgroups meet only through these, so
+// one may run up to a step ahead of the other.
+struct Barriers {
+  uint64_t full[kQStages], empty[kQStages];
+  uint64_t ds_full[2], ds_empty[2];
+};
+
 // kAtomicDq: also dQ, added into the FP32 accumulator with reductions; without it (the
 // deterministic mode) dq_kernel computes dQ and this kernel skips dŜ's staging and dQ.
+// Step w's dQ is formed at step w + 1 (after its dK and dV), when the other warpgroup's
+// half of dŜ is there without a wait in the usual case.
 template <typename T, int D, bool kQuantDov, bool kAtomicDq>
 __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
   using L = WgSmem<D, kQuantDov>;
@@ -193,6 +213,8 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
   uint8_t* smem = smem_raw + ((1024u - (hopper::smem_addr(smem_raw) & 1023u)) & 1023u);
   const uint32_t s_base = hopper::smem_addr(smem);
   float* red = reinterpret_cast<float*>(smem + L::kRed);
+  Barriers& bar = *reinterpret_cast<Barriers*>(smem + L::kBars);
+  float* ds_scale = reinterpret_cast<float*>(smem + L::kDsScale);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
   const int wg = warp / 4, w4 = warp % 4;
@@ -211,23 +233,36 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
   const float s_k = a.k_scale[bhk * tiles + tile];
   const float s_v = kQuantDov ? a.v_scale[bhk * tiles + tile] : 0.0f;
 
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < L::kStages; ++s) {
+      hopper::mbarrier_init(&bar.full[s], kThreads);  // every thread's cp.async arrival
+      hopper::mbarrier_init(&bar.empty[s], kWarps);
+    }
+    for (int p = 0; p < 2; ++p) {
+      hopper::mbarrier_init(&bar.ds_full[p], kWarps);
+      hopper::mbarrier_init(&bar.ds_empty[p], kWarps);
+    }
+  }
+  __syncthreads();  // the barriers, before any arrival
+
   const int64_t bh0 = static_cast<int64_t>(b) * a.heads_q + hk * a.group;
   auto stage_off = [&](int st) { return static_cast<uint32_t>(L::kQSide + st * L::kStage); };
+  // Every thread copies its share of a stage, then arrives on its `full` barrier when
+  // those copies land.
   auto load_q = [&](int st, const WorkCursor& c) {
     wg_load_q_side<D, kQuantDov>(a, s_base + stage_off(st), bh0 + c.h, c.blk);
+    common::cp_async_arrive_noinc(hopper::smem_addr(&bar.full[st]));
   };
-  // Stages 0 and 1 before the loop; step w waits for step w + 1's before its dŜ barrier,
-  // which then also publishes those bytes, and loads step w + 2's after it, when every
-  // thread is past step w - 1, the last reader of that stage.
+  // The K side and stages 0 and 1 before the loop; step w loads step w + 2's stage (step
+  // w - 1's) once both warpgroups have released it.
   WorkCursor cur{0, first}, ld = cur;
   wg_load_k_side<D, kQuantDov>(a, s_base, bhk, tile);
-  if (work > 0) load_q(0, ld);
   common::cp_async_commit();
+  if (work > 0) load_q(0, ld);
   ld.advance(first, blocks);
   if (work > 1) load_q(1, ld);
-  common::cp_async_commit();
   ld.advance(first, blocks);
-  common::cp_async_wait<1>();
+  common::cp_async_wait<0>();
   hopper::fence_proxy_async();  // this thread's cp.async bytes, before wgmma reads them
   __syncthreads();
 
@@ -239,12 +274,74 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
   // 16-bit V: boxes of 128 rows × 64 channels; this warpgroup's rows start 64 rows in.
   const uint64_t d_v = desc.at<L::kSwV>(L::kV + 64 * wg * (kQuantDov ? L::kRowV : 128));
 
+  // dQ of step u (Q rows q0.. of query head bhq) from both halves of its dŜ: the two
+  // 64-token halves each with that half's scale, then the reductions. Releases the dŜ
+  // buffer as soon as its products are done.
+  auto dq_step = [&](int u, int64_t bhq, int q0) {
+    const int pu = u & 1;
+    hopper::mbarrier_wait(&bar.ds_full[pu], (u >> 1) & 1);
+    const float sc_dq0 = a.sm_scale * (ds_scale[2 * pu] * s_k);
+    const float sc_dq1 = a.sm_scale * (ds_scale[2 * pu + 1] * s_k);
+    const uint64_t d_ds = hopper::desc_advance(d_ds0, pu * L::kDsBytes);
+    int32_t tq[kDqCols / 2];
+    // dŜ·K̂ over the 64 tokens of half h (two k32 steps), into tq.
+    auto product_dq = [&](int h) {
+      hopper::wgmma_fence();
+#pragma unroll
+      for (int k2 = 0; k2 < kKvTileRows / 64; ++k2) {
+        const int kk = h * (kKvTileRows / 64) + k2;
+        const uint64_t da = hopper::desc_advance(d_ds, 32 * kk);
+        const uint64_t db = hopper::desc_advance(d_kt, 32 * kk);
+        if constexpr (kDqCols == 64) {
+          if (k2 == 0)
+            hopper::wgmma_m64n64k32_s8_ss<false>(reinterpret_cast<int32_t(&)[32]>(tq), da, db);
+          else
+            hopper::wgmma_m64n64k32_s8_ss<true>(reinterpret_cast<int32_t(&)[32]>(tq), da, db);
+        } else {
+          if (k2 == 0)
+            hopper::wgmma_m64n32k32_s8_ss<false>(reinterpret_cast<int32_t(&)[16]>(tq), da, db);
+          else
+            hopper::wgmma_m64n32k32_s8_ss<true>(reinterpret_cast<int32_t(&)[16]>(tq), da, db);
+        }
+      }
+      hopper::wgmma_commit();
+    };
+    // dQ rows 16·w4 + g (+8) of the block, columns kDqCols·wg + 8j + 2t (+1). Every value
+    // first, then the reductions, all values live until the last: a reduction reads its
+    // registers late, and a register rewritten after it waits for that read.
+    float x[kDqCols / 2];
+    product_dq(0);
+    hopper::wgmma_wait<0>();
+    hopper::fence_operands(tq);
+#pragma unroll
+    for (int i = 0; i < kDqCols / 2; ++i) x[i] = i2f_exact(tq[i]) * sc_dq0;
+    product_dq(1);  // the second half, into tq again, with its own scale
+    hopper::wgmma_wait<0>();
+    hopper::fence_operands(tq);
+    __syncwarp();
+    if (lane == 0) hopper::mbarrier_arrive(&bar.ds_empty[pu]);
+#pragma unroll
+    for (int i = 0; i < kDqCols / 2; ++i) x[i] = fmaf(i2f_exact(tq[i]), sc_dq1, x[i]);
+    hopper::fence_operands(x);
+    float* dq = a.dq_acc + (bhq * a.nq_pad + q0 + 16 * w4 + g) * D + kDqCols * wg + 2 * t;
+#pragma unroll
+    for (int j = 0; j < kDqCols / 8; ++j)
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2)
+        common::red_add_v2(dq + 8 * h2 * D + 8 * j, x[4 * j + 2 * h2], x[4 * j + 2 * h2 + 1]);
+    hopper::fence_operands(x);  // each reduction keeps its own registers
+  };
+
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
-  int sidx = 0;  // the stage of step w: w mod kStages
+  int sidx = 0, round = 0;  // step w's stage (w mod kStages) and w / kStages
+  int64_t prev_bhq = 0;     // step w - 1's query head and first row, for its dQ
+  int prev_q0 = 0;
   for (int w = 0; w < work; ++w) {
     const int blk = cur.blk;
     const int64_t bhq = bh0 + cur.h;
     const uint32_t st = stage_off(sidx);
+    hopper::mbarrier_wait(&bar.full[sidx], round & 1);
+    hopper::fence_proxy_async();  // the stage's bytes (other threads' cp.async), before wgmma
     const float* st_f = reinterpret_cast<const float*>(smem + st);
     const float s_q = st_f[L::kScales / 4], s_do = st_f[L::kScales / 4 + 1];
     cur.advance(first, blocks);
@@ -310,32 +407,32 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
       hopper::fence_operands(dp_flat);
     }
     TileFrags f;
-    float* red_w = red + 2 * kWarps * (w & 1);
-    finish_tile(op, p, dp, warp, lane, red_w, f);  // the warpgroup's own maxima
+    finish_tile(op, p, dp, warp, lane, red + 2 * kWarps * (w & 1), f);  // the warpgroup's own maxima
 
-    // dŜ, Q-row-major, for dQ = dŜ·K̂.
-    const uint32_t ds_at = L::kDs + (w & 1) * L::kDsBytes;
-    if constexpr (kAtomicDq)
-      store_ds_rows(smem + ds_at, f.ds, warp, lane, [](int qc, int tok) {
+    if constexpr (kAtomicDq) {
+      // This warpgroup's half of dŜ (Q-row-major, for dQ = dŜ·K̂) and its scale, into
+      // buffer w & 1 once both warpgroups' dQ of step w - 2 has read it.
+      const int pw = w & 1;
+      if (w >= 2) hopper::mbarrier_wait(&bar.ds_empty[pw], ((w >> 1) - 1) & 1);
+      store_ds_rows(smem + L::kDs + pw * L::kDsBytes, f.ds, warp, lane, [](int qc, int tok) {
         return swizzled<Swizzle::k128B>(qc * kKvTileRows + tok);
       });
-    common::cp_async_wait<0>();  // step w + 1's stage (the newest group)
-    hopper::fence_proxy_async();  // dŜ and those bytes, before wgmma reads them
-    __syncthreads();  // the CTA's one barrier a step: every thread is past step w - 1 here
-    // Step w + 2's stage is step w - 1's, whose last reader is done: load it now.
-    if (w + 2 < work) load_q(sidx == 0 ? L::kStages - 1 : sidx - 1, ld);  // (w + 2) mod 3
-    common::cp_async_commit();
+      if (threadIdx.x % 128 == 0) ds_scale[2 * pw + wg] = f.s_ds;
+      hopper::fence_proxy_async();  // dŜ, before the wgmma that reads it
+      __syncwarp();
+      if (lane == 0) hopper::mbarrier_arrive(&bar.ds_full[pw]);
+    }
+    // Step w + 2's stage is step w - 1's: refill it once both warpgroups are done with it.
+    if (w + 2 < work) {
+      const int ls = sidx == 0 ? L::kStages - 1 : sidx - 1;  // (w + 2) mod 3
+      if (w >= 1) hopper::mbarrier_wait(&bar.empty[ls], (sidx == 0 ? round - 1 : round) & 1);
+      load_q(ls, ld);
+    }
     ld.advance(first, blocks);
-    const uint64_t d_ds = hopper::desc_advance(d_ds0, (w & 1) * L::kDsBytes);
 
-    // dV += P̂ᵀ·dÔ, dK += dŜᵀ·Q̂ by 64-column halves, then dQ; two INT32 temporaries, each
-    // merged as soon as its product is done while the next one runs.
+    // dV += P̂ᵀ·dÔ, dK += dŜᵀ·Q̂ by 64-column halves; two INT32 temporaries, each merged
+    // as soon as its product is done while the next one runs.
     const float sc_dv = f.s_p * s_do, sc_dk = a.sm_scale * (f.s_ds * s_q);
-    // dQ's two 64-token halves have their own dS scales (tile.cuh, ds_half_scales).
-    float s_ds_half[2];
-    ds_half_scales(red_w, s_ds_half);
-    const float sc_dq0 = a.sm_scale * (s_ds_half[0] * s_k);
-    const float sc_dq1 = a.sm_scale * (s_ds_half[1] * s_k);
     const uint64_t d_dot = desc.at<Swizzle::k64B>(st + L::kDot);
     const uint64_t d_qt = desc.at<Swizzle::k64B>(st + L::kQt);
     auto product_kv = [&](int32_t(&tmp)[32], const uint32_t(&af)[2][4], uint64_t d_b, int h) {
@@ -347,30 +444,6 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
       hopper::wgmma_commit();
     };
     int32_t ta[32], tb[32];
-    int32_t tq[kDqCols / 2];
-    // dŜ·K̂ over the 64 tokens of half h (two k32 steps), into tq.
-    auto product_dq = [&](int h) {
-      if constexpr (!kAtomicDq) return;
-      hopper::wgmma_fence();
-#pragma unroll
-      for (int k2 = 0; k2 < kKvTileRows / 64; ++k2) {
-        const int kk = h * (kKvTileRows / 64) + k2;
-        const uint64_t da = hopper::desc_advance(d_ds, 32 * kk);
-        const uint64_t db = hopper::desc_advance(d_kt, 32 * kk);
-        if constexpr (kDqCols == 64) {
-          if (k2 == 0)
-            hopper::wgmma_m64n64k32_s8_ss<false>(reinterpret_cast<int32_t(&)[32]>(tq), da, db);
-          else
-            hopper::wgmma_m64n64k32_s8_ss<true>(reinterpret_cast<int32_t(&)[32]>(tq), da, db);
-        } else {
-          if (k2 == 0)
-            hopper::wgmma_m64n32k32_s8_ss<false>(reinterpret_cast<int32_t(&)[16]>(tq), da, db);
-          else
-            hopper::wgmma_m64n32k32_s8_ss<true>(reinterpret_cast<int32_t(&)[16]>(tq), da, db);
-        }
-      }
-      hopper::wgmma_commit();
-    };
     if constexpr (kHalves == 2) {
       product_kv(ta, f.p, d_dot, 0);
       product_kv(tb, f.p, d_dot, 1);
@@ -386,10 +459,11 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
       hopper::wgmma_wait<1>();
       hopper::fence_operands(ta);
       merge_cols<D>(dk, ta, 0, sc_dk);
-      product_dq(0);
-      hopper::wgmma_wait<kAtomicDq ? 1 : 0>();
+      hopper::wgmma_wait<0>();
       fence_frags(f.ds);
       hopper::fence_operands(tb);
+      __syncwarp();
+      if (lane == 0) hopper::mbarrier_arrive(&bar.empty[sidx]);  // the stage's last reader
       merge_cols<D>(dk, tb, 1, sc_dk);
     } else {
       product_kv(ta, f.p, d_dot, 0);
@@ -398,36 +472,25 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
       fence_frags(f.p);
       hopper::fence_operands(ta);
       merge_cols<D>(dv, ta, 0, sc_dv);
-      product_dq(0);
-      hopper::wgmma_wait<kAtomicDq ? 1 : 0>();
+      hopper::wgmma_wait<0>();
       fence_frags(f.ds);
       hopper::fence_operands(tb);
+      __syncwarp();
+      if (lane == 0) hopper::mbarrier_arrive(&bar.empty[sidx]);
       merge_cols<D>(dk, tb, 0, sc_dk);
     }
-    hopper::wgmma_wait<0>();
     if constexpr (kAtomicDq) {
-      hopper::fence_operands(tq);
-      // dQ rows 16·w4 + g (+8) of the block, columns kDqCols·wg + 8j + 2t (+1). Every value
-      // first, then the reductions, all values live until the last: a reduction reads its
-      // registers late, and a register rewritten after it waits for that read.
-      float x[kDqCols / 2];
-#pragma unroll
-      for (int i = 0; i < kDqCols / 2; ++i) x[i] = i2f_exact(tq[i]) * sc_dq0;
-      product_dq(1);  // the second half, into tq again, with its own scale
-      hopper::wgmma_wait<0>();
-      hopper::fence_operands(tq);
-#pragma unroll
-      for (int i = 0; i < kDqCols / 2; ++i) x[i] = fmaf(i2f_exact(tq[i]), sc_dq1, x[i]);
-      hopper::fence_operands(x);
-      float* dq = a.dq_acc + (bhq * a.nq_pad + op.q0 + 16 * w4 + g) * D + kDqCols * wg + 2 * t;
-#pragma unroll
-      for (int j = 0; j < kDqCols / 8; ++j)
-#pragma unroll
-        for (int h2 = 0; h2 < 2; ++h2)
-          common::red_add_v2(dq + 8 * h2 * D + 8 * j, x[4 * j + 2 * h2], x[4 * j + 2 * h2 + 1]);
-      hopper::fence_operands(x);  // each reduction keeps its own registers
+      if (w > 0) dq_step(w - 1, prev_bhq, prev_q0);
     }
-    sidx = sidx == L::kStages - 1 ? 0 : sidx + 1;
+    prev_bhq = bhq;
+    prev_q0 = op.q0;
+    if (++sidx == L::kStages) {
+      sidx = 0;
+      ++round;
+    }
+  }
+  if constexpr (kAtomicDq) {
+    if (work > 0) dq_step(work - 1, prev_bhq, prev_q0);
   }
 
   // dK_j, dV_j: rows 16·warp + g (+8), columns 8n + 2t (+1).
