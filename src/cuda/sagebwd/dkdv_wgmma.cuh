@@ -280,8 +280,15 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
   auto dq_step = [&](int u, int64_t bhq, int q0) {
     const int pu = u & 1;
     hopper::mbarrier_wait(&bar.ds_full[pu], (u >> 1) & 1);
-    const float sc_dq0 = a.sm_scale * (ds_scale[2 * pu] * s_k);
-    const float sc_dq1 = a.sm_scale * (ds_scale[2 * pu + 1] * s_k);
+    // The scales are read by lane 0, the lane that releases the buffer, and shuffled:
+    // racecheck does not order other lanes' reads through __syncwarp before its arrival.
+    float s_ds0 = 0.0f, s_ds1 = 0.0f;
+    if (lane == 0) {
+      s_ds0 = ds_scale[2 * pu];
+      s_ds1 = ds_scale[2 * pu + 1];
+    }
+    const float sc_dq0 = a.sm_scale * (__shfl_sync(0xffffffffu, s_ds0, 0) * s_k);
+    const float sc_dq1 = a.sm_scale * (__shfl_sync(0xffffffffu, s_ds1, 0) * s_k);
     const uint64_t d_ds = hopper::desc_advance(d_ds0, pu * L::kDsBytes);
     int32_t tq[kDqCols / 2];
     // dŜ·K̂ over the 64 tokens of half h (two k32 steps), into tq.
