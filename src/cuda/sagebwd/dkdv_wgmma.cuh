@@ -274,61 +274,46 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
   // 16-bit V: boxes of 128 rows × 64 channels; this warpgroup's rows start 64 rows in.
   const uint64_t d_v = desc.at<L::kSwV>(L::kV + 64 * wg * (kQuantDov ? L::kRowV : 128));
 
-  // dQ of step u (Q rows q0.. of query head bhq) from both halves of its dŜ: the two
-  // 64-token halves each with that half's scale, then the reductions. Releases the dŜ
-  // buffer as soon as its products are done.
-  auto dq_step = [&](int u, int64_t bhq, int q0) {
-    const int pu = u & 1;
-    hopper::mbarrier_wait(&bar.ds_full[pu], (u >> 1) & 1);
-    // The scales are read by lane 0, the lane that releases the buffer, and shuffled:
-    // racecheck does not order other lanes' reads through __syncwarp before its arrival.
-    float s_ds0 = 0.0f, s_ds1 = 0.0f;
-    if (lane == 0) {
-      s_ds0 = ds_scale[2 * pu];
-      s_ds1 = ds_scale[2 * pu + 1];
-    }
-    const float sc_dq0 = a.sm_scale * (__shfl_sync(0xffffffffu, s_ds0, 0) * s_k);
-    const float sc_dq1 = a.sm_scale * (__shfl_sync(0xffffffffu, s_ds1, 0) * s_k);
+  // dQ of step u = dŜ·K̂ over the two 64-token halves of its dŜ (buffer u & 1), each half
+  // with its own scale: product_dq issues one half into tq; dq_scales reads both scales
+  // (by lane 0, the lane that releases the buffer, then shuffled: racecheck does not order
+  // other lanes' reads through __syncwarp before its arrival); dq_reduce adds the FP32
+  // values into rows q0.. of query head bhq.
+  auto product_dq = [&](int32_t(&tq)[kDqCols / 2], int pu, int h) {
     const uint64_t d_ds = hopper::desc_advance(d_ds0, pu * L::kDsBytes);
-    int32_t tq[kDqCols / 2];
-    // dŜ·K̂ over the 64 tokens of half h (two k32 steps), into tq.
-    auto product_dq = [&](int h) {
-      hopper::wgmma_fence();
+    hopper::wgmma_fence();
 #pragma unroll
-      for (int k2 = 0; k2 < kKvTileRows / 64; ++k2) {
-        const int kk = h * (kKvTileRows / 64) + k2;
-        const uint64_t da = hopper::desc_advance(d_ds, 32 * kk);
-        const uint64_t db = hopper::desc_advance(d_kt, 32 * kk);
-        if constexpr (kDqCols == 64) {
-          if (k2 == 0)
-            hopper::wgmma_m64n64k32_s8_ss<false>(reinterpret_cast<int32_t(&)[32]>(tq), da, db);
-          else
-            hopper::wgmma_m64n64k32_s8_ss<true>(reinterpret_cast<int32_t(&)[32]>(tq), da, db);
-        } else {
-          if (k2 == 0)
-            hopper::wgmma_m64n32k32_s8_ss<false>(reinterpret_cast<int32_t(&)[16]>(tq), da, db);
-          else
-            hopper::wgmma_m64n32k32_s8_ss<true>(reinterpret_cast<int32_t(&)[16]>(tq), da, db);
-        }
+    for (int k2 = 0; k2 < kKvTileRows / 64; ++k2) {
+      const int kk = h * (kKvTileRows / 64) + k2;
+      const uint64_t da = hopper::desc_advance(d_ds, 32 * kk);
+      const uint64_t db = hopper::desc_advance(d_kt, 32 * kk);
+      if constexpr (kDqCols == 64) {
+        if (k2 == 0)
+          hopper::wgmma_m64n64k32_s8_ss<false>(reinterpret_cast<int32_t(&)[32]>(tq), da, db);
+        else
+          hopper::wgmma_m64n64k32_s8_ss<true>(reinterpret_cast<int32_t(&)[32]>(tq), da, db);
+      } else {
+        if (k2 == 0)
+          hopper::wgmma_m64n32k32_s8_ss<false>(reinterpret_cast<int32_t(&)[16]>(tq), da, db);
+        else
+          hopper::wgmma_m64n32k32_s8_ss<true>(reinterpret_cast<int32_t(&)[16]>(tq), da, db);
       }
-      hopper::wgmma_commit();
-    };
-    // dQ rows 16·w4 + g (+8) of the block, columns kDqCols·wg + 8j + 2t (+1). Every value
-    // first, then the reductions, all values live until the last: a reduction reads its
-    // registers late, and a register rewritten after it waits for that read.
-    float x[kDqCols / 2];
-    product_dq(0);
-    hopper::wgmma_wait<0>();
-    hopper::fence_operands(tq);
-#pragma unroll
-    for (int i = 0; i < kDqCols / 2; ++i) x[i] = i2f_exact(tq[i]) * sc_dq0;
-    product_dq(1);  // the second half, into tq again, with its own scale
-    hopper::wgmma_wait<0>();
-    hopper::fence_operands(tq);
-    __syncwarp();
-    if (lane == 0) hopper::mbarrier_arrive(&bar.ds_empty[pu]);
-#pragma unroll
-    for (int i = 0; i < kDqCols / 2; ++i) x[i] = fmaf(i2f_exact(tq[i]), sc_dq1, x[i]);
+    }
+    hopper::wgmma_commit();
+  };
+  auto dq_scales = [&](int pu, float (&sc)[2]) {
+    float s0 = 0.0f, s1 = 0.0f;
+    if (lane == 0) {
+      s0 = ds_scale[2 * pu];
+      s1 = ds_scale[2 * pu + 1];
+    }
+    sc[0] = a.sm_scale * (__shfl_sync(0xffffffffu, s0, 0) * s_k);
+    sc[1] = a.sm_scale * (__shfl_sync(0xffffffffu, s1, 0) * s_k);
+  };
+  // dQ rows 16·w4 + g (+8) of the block, columns kDqCols·wg + 8j + 2t (+1). Every value
+  // first, then the reductions, all values live until the last: a reduction reads its
+  // registers late, and a register rewritten after it waits for that read.
+  auto dq_reduce = [&](float(&x)[kDqCols / 2], int64_t bhq, int q0) {
     hopper::fence_operands(x);
     float* dq = a.dq_acc + (bhq * a.nq_pad + q0 + 16 * w4 + g) * D + kDqCols * wg + 2 * t;
 #pragma unroll
@@ -337,6 +322,22 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
       for (int h2 = 0; h2 < 2; ++h2)
         common::red_add_v2(dq + 8 * h2 * D + 8 * j, x[4 * j + 2 * h2], x[4 * j + 2 * h2 + 1]);
     hopper::fence_operands(x);  // each reduction keeps its own registers
+  };
+  // The second half of dQ(u) once the first is in tq: x = both halves, scaled; releases
+  // the buffer.
+  auto dq_second_half = [&](int32_t(&tq)[kDqCols / 2], int pu, const float (&sc)[2],
+                            float(&x)[kDqCols / 2]) {
+    hopper::wgmma_wait<0>();
+    hopper::fence_operands(tq);
+#pragma unroll
+    for (int i = 0; i < kDqCols / 2; ++i) x[i] = i2f_exact(tq[i]) * sc[0];
+    product_dq(tq, pu, 1);
+    hopper::wgmma_wait<0>();
+    hopper::fence_operands(tq);
+    __syncwarp();
+    if (lane == 0) hopper::mbarrier_arrive(&bar.ds_empty[pu]);
+#pragma unroll
+    for (int i = 0; i < kDqCols / 2; ++i) x[i] = fmaf(i2f_exact(tq[i]), sc[1], x[i]);
   };
 
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
@@ -418,9 +419,12 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
 
     if constexpr (kAtomicDq) {
       // This warpgroup's half of dŜ (Q-row-major, for dQ = dŜ·K̂) and its scale, into
-      // buffer w & 1 once both warpgroups' dQ of step w - 2 has read it.
+      // buffer w & 1 once both warpgroups' dQ of step w - 2 has read it. Buffer 1 is also
+      // read once at step 0 (the unreduced product below): its consumptions are steps
+      // -1, 1, 3, ..., buffer 0's 0, 2, 4, ..., so the one before step w's is phase
+      // (w - 2 + (w & 1)) / 2.
       const int pw = w & 1;
-      if (w >= 2) hopper::mbarrier_wait(&bar.ds_empty[pw], ((w >> 1) - 1) & 1);
+      if (w >= 1) hopper::mbarrier_wait(&bar.ds_empty[pw], ((w - 2 + pw) >> 1) & 1);
       store_ds_rows(smem + L::kDs + pw * L::kDsBytes, f.ds, warp, lane, [](int qc, int tok) {
         return swizzled<Swizzle::k128B>(qc * kKvTileRows + tok);
       });
@@ -451,6 +455,19 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
       hopper::wgmma_commit();
     };
     int32_t ta[32], tb[32];
+    // Step w - 1's dQ, its first half issued under the last dK product. At step 0 there
+    // is none: the product then reads buffer 1's unwritten bytes and is not reduced,
+    // which keeps every wgmma issue out of a branch (ptxas serializes those).
+    const int pu = (w - 1) & 1;
+    int32_t tq[kDqCols / 2];
+    float sc_dq[2];
+    auto dq_first_half = [&] {
+      if constexpr (kAtomicDq) {
+        if (w > 0) hopper::mbarrier_wait(&bar.ds_full[pu], ((w - 1) >> 1) & 1);
+        dq_scales(pu, sc_dq);
+        product_dq(tq, pu, 0);
+      }
+    };
     if constexpr (kHalves == 2) {
       product_kv(ta, f.p, d_dot, 0);
       product_kv(tb, f.p, d_dot, 1);
@@ -466,7 +483,8 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
       hopper::wgmma_wait<1>();
       hopper::fence_operands(ta);
       merge_cols<D>(dk, ta, 0, sc_dk);
-      hopper::wgmma_wait<0>();
+      dq_first_half();
+      hopper::wgmma_wait<kAtomicDq ? 1 : 0>();
       fence_frags(f.ds);
       hopper::fence_operands(tb);
       __syncwarp();
@@ -479,7 +497,8 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
       fence_frags(f.p);
       hopper::fence_operands(ta);
       merge_cols<D>(dv, ta, 0, sc_dv);
-      hopper::wgmma_wait<0>();
+      dq_first_half();
+      hopper::wgmma_wait<kAtomicDq ? 1 : 0>();
       fence_frags(f.ds);
       hopper::fence_operands(tb);
       __syncwarp();
@@ -487,7 +506,9 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
       merge_cols<D>(dk, tb, 0, sc_dk);
     }
     if constexpr (kAtomicDq) {
-      if (w > 0) dq_step(w - 1, prev_bhq, prev_q0);
+      float x[kDqCols / 2];
+      dq_second_half(tq, pu, sc_dq, x);
+      if (w > 0) dq_reduce(x, prev_bhq, prev_q0);
     }
     prev_bhq = bhq;
     prev_q0 = op.q0;
@@ -496,8 +517,17 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
       ++round;
     }
   }
-  if constexpr (kAtomicDq) {
-    if (work > 0) dq_step(work - 1, prev_bhq, prev_q0);
+  if constexpr (kAtomicDq) {  // the last step's dQ
+    if (work > 0) {
+      const int pu = (work - 1) & 1;
+      hopper::mbarrier_wait(&bar.ds_full[pu], ((work - 1) >> 1) & 1);
+      int32_t tq[kDqCols / 2];
+      float sc_dq[2], x[kDqCols / 2];
+      dq_scales(pu, sc_dq);
+      product_dq(tq, pu, 0);
+      dq_second_half(tq, pu, sc_dq, x);
+      dq_reduce(x, prev_bhq, prev_q0);
+    }
   }
 
   // dK_j, dV_j: rows 16·warp + g (+8), columns 8n + 2t (+1).
