@@ -480,6 +480,25 @@ TEST(SageBwdBackward, FixedCasesEachSwitch) {
   check_case(c);
 }
 
+// The dK/dV kernel forms each step's dQ one step late (its first step issues a product it
+// never reduces, the last step's dQ follows the loop): CTAs of one and of two steps, where
+// those two paths are all there is. Nq = 50 is one Q block, so a CTA walks one step per
+// query head of its group: one with MHA, two with GQA 2:1.
+TEST(SageBwdBackward, OneAndTwoStepsPerCta) {
+  QATTN_SKIP_WITHOUT_GPU();
+  BwdCase c;
+  c.seed = test::fresh_seed();
+  c.seqlen_q = 50;
+  c.seqlen_kv = 300;
+  check_case(c);
+  c.heads_q = 4;
+  c.head_dim = 64;
+  c.causal = true;
+  c.bf16 = false;
+  c.layout = Layout::NHD;
+  check_case(c);
+}
+
 // Random shapes. The seed picks lengths, batch, dtype, layout and the input rows'
 // padding; the case index makes sure the sweep covers each of: Nq < Nkv, Nq > Nkv and
 // Nq = Nkv; MHA, GQA 4:1 and MQA; causal and not; dO·Vᵀ 16-bit and quantized; both dQ
