@@ -8,10 +8,10 @@
 #include "cuda/hopper/per_device.h"
 #include "cuda/hopper/tensor_map.h"
 #include "cuda/sage2_fwd/quantize.cuh"
+#include "numerics/head_dim_v.h"
 #include "cuda/sage2_fwd/workspace.h"
 #include "cuda/sage2_wide/kernel.cuh"
 #include "cuda/sage2_wide/q_pass.cuh"
-#include "numerics/head_dim_v.h"
 #include "numerics/key_range.h"
 #include "numerics/sm_scale.h"
 
