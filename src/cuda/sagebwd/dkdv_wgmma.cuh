@@ -174,14 +174,22 @@ struct WorkCursor {
 };
 
 // out[8h + j][e] += scale · tmp[4j + e]: a 64-column INT32 product into the FP32 rows.
+// The conversions split between one I2FP (one issue slot, on a slower pipe whose
+// variable latency makes ptxas hold more registers) and tile.cuh's IADD + FADD (two
+// slots, in place): all I2FP at D = 64, one in four at D = 128, where more spill. Both
+// are exact here, so the sums are the same bits.
 template <int kCols>
 __device__ __forceinline__ void merge_cols(float (&out)[kCols / 8][4], const int32_t (&tmp)[32],
                                            int h, float scale) {
+  constexpr int kI2fpEvery = kCols <= 64 ? 1 : 4;
 #pragma unroll
   for (int j = 0; j < 8; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e)
-      out[8 * h + j][e] = fmaf(i2f_exact(tmp[4 * j + e]), scale, out[8 * h + j][e]);
+    for (int e = 0; e < 4; ++e) {
+      const int32_t v = tmp[4 * j + e];
+      const float x = e % kI2fpEvery == kI2fpEvery - 1 ? __int2float_rn(v) : i2f_exact(v);
+      out[8 * h + j][e] = fmaf(x, scale, out[8 * h + j][e]);
+    }
 }
 
 __device__ __forceinline__ void fence_frags(uint32_t (&af)[2][4]) {
