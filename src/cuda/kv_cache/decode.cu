@@ -732,6 +732,10 @@ cudaError_t run_direct(const DecodeArgs& a, int batch, cudaStream_t stream) {
   static std::atomic<unsigned long long> done{0};
   auto kernel = direct::decode_direct_kernel<T, F, DP, NQB>;
   constexpr int kBytes = direct::direct_smem_bytes<F, DP, NQB>();
+  // The kernel's row sizes are compile-time (the page layout of its format and head dim).
+  using B = direct::Bytes<F, DP>;
+  if (a.code_row_bytes != B::kCodeRow || a.scale_row_bytes != B::kScaleRow)
+    return cudaErrorInvalidValue;
   if (auto e = hopper::once_per_context(done,
                                         [&] {
                                           cudaError_t r = cudaFuncSetAttribute(

@@ -42,6 +42,7 @@
 
 #include <cstdint>
 
+#include "cuda/common/exp2.cuh"
 #include "cuda/common/mma_sync.cuh"
 #include "cuda/kv_cache/dequant.cuh"
 #include "cuda/kv_cache/workspace.h"
@@ -80,6 +81,9 @@ struct Bytes {
   }
   // The FP16 operands are 2^-kOperandExp of the values they stand for (E2M1 bits).
   static constexpr int kOperandExp = F == KvFormat::NvFp4 ? 14 : 0;
+  // A (token, head) row's code and scale bytes (kvcache::page_layout; run_direct checks).
+  static constexpr int kCodeRow = D * kElemBits / 8;
+  static constexpr int kScaleRow = kRowScales ? 4 : D / 16;
 };
 
 // The raw bytes one thread holds for one 16-key block, read back from its stage.
@@ -144,13 +148,86 @@ struct KeyPlace {
   bool ok;
 };
 
-// Copies one 16-key block's bytes for this thread into `stage` (not committed); returns
-// whether a page index of the block lies outside the pool (its keys read as zeros).
-// Pages of a multiple of 16 keys (the page sizes engines use, but 1 and 8): the block
-// lies in one page, so one block-table entry serves the thread's six keys; other page
-// sizes look up each key.
+// This thread's addresses in one KV head's sections of page 0, for a block whose first
+// key is in slot 0: key g's first K piece and scale word, key 2t's V bytes (its element
+// range) and its V scale word (NVFP4; the row-scale formats' V scale is key g's). A block
+// at slot s0 of page p adds p·page_bytes + s0·row to each; the thread's other keys are a
+// fixed number of rows further (8 + g: 8 rows; 2t + 1, 8 + 2t, 9 + 2t: 1, 8, 9 rows), so
+// every copy of a block is one of four pointers plus an immediate offset.
+struct ThreadBytes {
+  const uint8_t* k;
+  const uint8_t* v;
+  const uint8_t* ks;
+  const uint8_t* vs;
+};
+
 template <KvFormat F, int D>
-__device__ __forceinline__ bool stage_block(const DecodeArgs& a, const int32_t* table,
+__device__ __forceinline__ ThreadBytes thread_bytes(const uint8_t* k_codes,
+                                                    const uint8_t* v_codes,
+                                                    const uint8_t* k_scales,
+                                                    const uint8_t* v_scales) {
+  using B = Bytes<F, D>;
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  ThreadBytes tb;
+  tb.k = k_codes + g * B::kCodeRow + B::k_piece_byte(0, t);
+  tb.v = v_codes + 2 * t * B::kCodeRow + B::kV * g;
+  if constexpr (B::kRowScales) {
+    tb.ks = k_scales + g * B::kScaleRow;
+    tb.vs = v_scales + g * B::kScaleRow;
+  } else {
+    const int kb = D == 128 ? 2 * t : t, vb = g * D / 128;  // read_block's scale bytes
+    tb.ks = k_scales + g * B::kScaleRow + (kb & ~3);
+    tb.vs = v_scales + 2 * t * B::kScaleRow + (vb & ~3);
+  }
+  return tb;
+}
+
+// Copies one 16-key block that lies in one page (page entry `p`, its first key at slot
+// `slot0`; keys k ≥ kend are past the chunk) into `stage`, not committed; returns whether
+// `p` lies outside the pool (the block's keys read as zeros).
+template <KvFormat F, int D>
+__device__ __forceinline__ bool stage_block_in_page(const DecodeArgs& a, const ThreadBytes& tb,
+                                                    int32_t p, int slot0, int kend,
+                                                    uint32_t stage) {
+  using B = Bytes<F, D>;
+  using S = Stage<F, D>;
+  constexpr int kCr = B::kCodeRow, kSr = B::kScaleRow;
+  constexpr int kScale0 = S::kCodeSlots * 16;  // the record's first scale word
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const bool ok = p >= 0 && p < a.num_pages;
+  const int64_t page = ok ? p * a.page_bytes : 0;
+  const uint8_t* k = tb.k + page + slot0 * kCr;
+  const uint8_t* v = tb.v + page + slot0 * kCr;
+  const uint8_t* ks = tb.ks + page + slot0 * kSr;
+  const uint8_t* vs = tb.vs + page + slot0 * kSr;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const bool read = ok && 8 * i + g < kend;
+#pragma unroll
+    for (int q = 0; q < B::kK / B::kKPiece; ++q)
+      stage_piece<B::kKPiece>(stage, B::kK * i + B::kKPiece * q, lane,
+                              k + 8 * i * kCr + (B::k_piece_byte(q, 0) - B::k_piece_byte(0, 0)),
+                              read);
+    stage_piece<4>(stage, kScale0 + 4 * i, lane, ks + 8 * i * kSr, read);
+    if constexpr (B::kRowScales) stage_piece<4>(stage, kScale0 + 4 * (2 + i), lane, vs + 8 * i * kSr, read);
+  }
+  constexpr int kRows[4] = {0, 1, 8, 9};  // keys 2t, 2t + 1, 8 + 2t, 9 + 2t
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const bool read = ok && 2 * t + kRows[i] < kend;
+    stage_piece<B::kV>(stage, 2 * B::kK + B::kV * i, lane, v + kRows[i] * kCr, read);
+    if constexpr (!B::kRowScales)
+      stage_piece<4>(stage, kScale0 + 4 * (2 + i), lane, vs + kRows[i] * kSr, read);
+  }
+  return !ok;
+}
+
+// Copies one 16-key block's bytes for this thread into `stage` (not committed), looking
+// up each key's page (page sizes that are not a multiple of 16 keys, where a block may
+// span pages; the others take stage_block_in_page); returns whether a page index of the
+// block lies outside the pool (its keys read as zeros).
+template <KvFormat F, int D>
+__device__ __forceinline__ bool stage_block_by_key(const DecodeArgs& a, const int32_t* table,
                                             const uint8_t* k_codes, const uint8_t* v_codes,
                                             const uint8_t* k_scales, const uint8_t* v_scales,
                                             int j0, int je, uint32_t stage) {
@@ -168,12 +245,12 @@ __device__ __forceinline__ bool stage_block(const DecodeArgs& a, const int32_t* 
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const KeyPlace kp = place(8 * i + g);
-      const int64_t row = kp.page_off + in_page(kp.slot, a.code_row_bytes);
+      const int64_t row = kp.page_off + in_page(kp.slot, B::kCodeRow);
 #pragma unroll
       for (int p = 0; p < B::kK / B::kKPiece; ++p)
         stage_piece<B::kKPiece>(stage, B::kK * i + B::kKPiece * p, lane,
                                 k_codes + row + B::k_piece_byte(p, t), kp.ok);
-      const int64_t srow = kp.page_off + in_page(kp.slot, a.scale_row_bytes);
+      const int64_t srow = kp.page_off + in_page(kp.slot, B::kScaleRow);
       if constexpr (B::kRowScales) {
         stage_piece<4>(stage, kScale0 + 4 * i, lane, k_scales + srow, kp.ok);
         stage_piece<4>(stage, kScale0 + 4 * (2 + i), lane, v_scales + srow, kp.ok);
@@ -187,11 +264,11 @@ __device__ __forceinline__ bool stage_block(const DecodeArgs& a, const int32_t* 
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const KeyPlace kp = place(vkeys[i]);
-      const int64_t row = kp.page_off + in_page(kp.slot, a.code_row_bytes);
+      const int64_t row = kp.page_off + in_page(kp.slot, B::kCodeRow);
       stage_piece<B::kV>(stage, 2 * B::kK + B::kV * i, lane, v_codes + row + B::kV * g, kp.ok);
       if constexpr (!B::kRowScales) {
         const int sb = g * D / 128;  // this thread's element range's scale byte
-        const int64_t srow = kp.page_off + in_page(kp.slot, a.scale_row_bytes);
+        const int64_t srow = kp.page_off + in_page(kp.slot, B::kScaleRow);
         stage_piece<4>(stage, kScale0 + 4 * (2 + i), lane, v_scales + srow + (sb & ~3), kp.ok);
       }
     }
@@ -199,15 +276,6 @@ __device__ __forceinline__ bool stage_block(const DecodeArgs& a, const int32_t* 
   auto page_of = [&](int j) { return a.page_shift >= 0 ? j >> a.page_shift : j / a.page_size; };
   auto in_pool = [&](int32_t p) { return p >= 0 && p < a.num_pages; };
   const int kend = je - j0;  // keys k < kend are the chunk's
-  if (a.page_size % kBlock == 0) {
-    // The block starts on a multiple of 16 (decode_chunk_keys), so its keys share a page.
-    const int pi = page_of(j0), slot0 = j0 - pi * a.page_size;
-    const int32_t p = __ldg(table + pi);
-    const bool ok = in_pool(p);
-    const int64_t off = p * a.page_bytes;
-    copy([&](int k) { return KeyPlace{off, slot0 + k, ok && k < kend}; });
-    return !ok;
-  }
   bool bad = false;
   copy([&](int k) {
     if (k >= kend) return KeyPlace{0, 0, false};
@@ -560,13 +628,17 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm<F, D>(NQB))
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
         const float m_new = fmaxf(m[qb][cc], mx);
-        alpha[cc] = m_new == kNegInf ? 1.f : exp2f(m[qb][cc] - m_new);
+        // ex2.approx.ftz: 2^-∞ is +0, so a masked key needs no test once the column has
+        // a finite maximum (a column without one subtracts 0); results below 2^-126 are
+        // flushed, far under what P's FP16 parts or l keep.
+        const float m_use = m_new == kNegInf ? 0.f : m_new;
+        alpha[cc] = m_new == kNegInf ? 1.f : common::exp2_approx(m[qb][cc] - m_new);
         m[qb][cc] = m_new;
         float sum = 0.f;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const float x = s[qb][2 * h + cc];
-          const float p = x == kNegInf ? 0.f : exp2f(x - m_new);
+          const float p = common::exp2_approx(x - m_use);
           s[qb][2 * h + cc] = p * v_rel[h];
           sum += p;
         }
@@ -612,19 +684,37 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm<F, D>(NQB))
   constexpr int kStages = stages_per_warp<F, D, NQB>();
   const uint32_t region = static_cast<uint32_t>(__cvta_generic_to_shared(smem)) + warp * kRegion;
   auto stage_at = [&](int s) { return region + s * Stage<F, D>::kBytes; };
-  auto refill = [&](int blk, int s) {
-    if (blk < nblocks)
-      bad |= stage_block<F, D>(a, table, k_codes, v_codes, k_scales, v_scales,
-                               jb + blk * kBlock, je, stage_at(s));
+  // Pages of a multiple of 16 keys (the sizes engines use, but 1 and 8): a block starts
+  // on a multiple of 16 (decode_chunk_keys), so it lies in one page, one block-table
+  // entry serves the thread's six keys, and that entry is loaded one refill ahead (its
+  // latency under a block's compute, not in front of the copies). Other page sizes look
+  // up each key.
+  const bool in_page = a.page_size % kBlock == 0;
+  const ThreadBytes tb = thread_bytes<F, D>(k_codes, v_codes, k_scales, v_scales);
+  auto page_of = [&](int j) { return a.page_shift >= 0 ? j >> a.page_shift : j / a.page_size; };
+  auto entry = [&](int blk) {
+    return in_page && blk < nblocks ? __ldg(table + page_of(jb + blk * kBlock)) : int32_t{-1};
+  };
+  auto refill = [&](int blk, int s, int32_t p) {
+    if (blk < nblocks) {
+      const int j0 = jb + blk * kBlock;
+      bad |= in_page ? stage_block_in_page<F, D>(a, tb, p, j0 - page_of(j0) * a.page_size,
+                                                 je - j0, stage_at(s))
+                     : stage_block_by_key<F, D>(a, table, k_codes, v_codes, k_scales,
+                                                v_scales, j0, je, stage_at(s));
+    }
     common::cp_async_commit();
   };
 #pragma unroll
-  for (int s = 0; s < kStages; ++s) refill(warp + s * kWarps, s);
+  for (int s = 0; s < kStages; ++s) refill(warp + s * kWarps, s, entry(warp + s * kWarps));
+  int32_t next = entry(warp + kStages * kWarps);  // the first refill's page
   int s = 0;
   for (int blk = warp; blk < nblocks; blk += kWarps) {
     common::cp_async_wait<kStages - 1>();
+    const int32_t p = next;
+    next = entry(blk + (kStages + 1) * kWarps);
     compute(stage_at(s), blk);
-    refill(blk + kStages * kWarps, s);
+    refill(blk + kStages * kWarps, s, p);
     s = s == kStages - 1 ? 0 : s + 1;
   }
   common::cp_async_wait<0>();  // no copy outlives the loop (the region is reused below)
