@@ -119,24 +119,37 @@ struct Stage {
   static constexpr int kBytes = kSlots * 32 * 16;  // one stage of one warp
   static_assert(kCodeBytes % 16 == 0 && B::kV % 4 == 0 && (2 * B::kK) % B::kV == 0,
                 "every key's bytes are one aligned piece inside a slot or whole slots");
+  // Where lane (g, t)'s record sits in a V slot. V pieces of 16 bytes (FP8 and INT8 at
+  // D = 128) come from bytes 16g of key 2t + r's row, so lanes g = 2k and 2k + 1 of one t
+  // share a 32-byte sector: side by side in shared memory (8·(g/2) + 2t + g%2) each
+  // sector lands in one write, where at lane order (4g + t) every 16-byte piece was its
+  // own sector request, twice the L2 sectors of the bytes (bench/NOTES.md v73). A
+  // quarter-warp's eight positions still fall in distinct 16-byte bank groups.
+  static __device__ __forceinline__ int v_position(int lane) {
+    if constexpr (B::kV != 16) return lane;
+    const int g = lane / 4, t = lane % 4;
+    return 8 * (g / 2) + 2 * t + g % 2;
+  }
 };
 
-// The shared-memory address of byte `o` of this lane's record in the stage at `stage`.
-__device__ __forceinline__ uint32_t record_byte(uint32_t stage, int o, int lane) {
-  return stage + 16 * (32 * (o / 16) + lane) + o % 16;
+// The shared-memory address of byte `o` of the record at position `pos` (the lane, or
+// Stage::v_position in V slots) in the stage at `stage`.
+__device__ __forceinline__ uint32_t record_byte(uint32_t stage, int o, int pos) {
+  return stage + 16 * (32 * (o / 16) + pos) + o % 16;
 }
 
-// `N` bytes (4, 8 or a multiple of 16) at p into the record at byte o, or zeros.
+// `N` bytes (4, 8 or a multiple of 16) at p into the record at position `pos`, byte o, or
+// zeros.
 template <int N>
-__device__ __forceinline__ void stage_piece(uint32_t stage, int o, int lane, const uint8_t* p,
+__device__ __forceinline__ void stage_piece(uint32_t stage, int o, int pos, const uint8_t* p,
                                             bool ok) {
   if constexpr (N % 16 == 0) {
 #pragma unroll
     for (int i = 0; i < N / 16; ++i)
-      common::cp_async_or_zeros<16>(record_byte(stage, o + 16 * i, lane), p + 16 * i, ok);
+      common::cp_async_or_zeros<16>(record_byte(stage, o + 16 * i, pos), p + 16 * i, ok);
   } else {
     static_assert(N == 8 || N == 4, "4, 8 or a multiple of 16 bytes");
-    common::cp_async_or_zeros<N>(record_byte(stage, o, lane), p, ok);
+    common::cp_async_or_zeros<N>(record_byte(stage, o, pos), p, ok);
   }
 }
 
@@ -215,7 +228,8 @@ __device__ __forceinline__ bool stage_block_in_page(const DecodeArgs& a, const T
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const bool read = ok && 2 * t + kRows[i] < kend;
-    stage_piece<B::kV>(stage, 2 * B::kK + B::kV * i, lane, v + kRows[i] * kCr, read);
+    stage_piece<B::kV>(stage, 2 * B::kK + B::kV * i, S::v_position(lane), v + kRows[i] * kCr,
+                       read);
     if constexpr (!B::kRowScales)
       stage_piece<4>(stage, kScale0 + 4 * (2 + i), lane, vs + kRows[i] * kSr, read);
   }
@@ -265,7 +279,8 @@ __device__ __forceinline__ bool stage_block_by_key(const DecodeArgs& a, const in
     for (int i = 0; i < 4; ++i) {
       const KeyPlace kp = place(vkeys[i]);
       const int64_t row = kp.page_off + in_page(kp.slot, B::kCodeRow);
-      stage_piece<B::kV>(stage, 2 * B::kK + B::kV * i, lane, v_codes + row + B::kV * g, kp.ok);
+      stage_piece<B::kV>(stage, 2 * B::kK + B::kV * i, S::v_position(lane),
+                         v_codes + row + B::kV * g, kp.ok);
       if constexpr (!B::kRowScales) {
         const int sb = g * D / 128;  // this thread's element range's scale byte
         const int64_t srow = kp.page_off + in_page(kp.slot, B::kScaleRow);
@@ -301,11 +316,12 @@ __device__ __forceinline__ void read_block(uint32_t stage, Raw<F, D>& r) {
   constexpr int kEnd = kKeys ? (2 * B::kK + 15) / 16 : S::kCodeSlots;
   constexpr int kScaleEnd = kKeys ? S::kSlots : 0;
   uint32_t w[S::kSlots * 4];
+  const int pos = kKeys ? lane : S::v_position(lane);  // the V slots' own order
   auto load = [&](int s) {
     uint4 x;
     asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
-                 : "r"(record_byte(stage, 16 * s, lane))
+                 : "r"(record_byte(stage, 16 * s, pos))
                  : "memory");
     w[4 * s] = x.x, w[4 * s + 1] = x.y, w[4 * s + 2] = x.z, w[4 * s + 3] = x.w;
   };
