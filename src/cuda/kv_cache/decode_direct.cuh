@@ -125,11 +125,38 @@ struct Stage {
   // sector lands in one write, where at lane order (4g + t) every 16-byte piece was its
   // own sector request, twice the L2 sectors of the bytes (bench/NOTES.md v73). A
   // quarter-warp's eight positions still fall in distinct 16-byte bank groups.
-  static __device__ __forceinline__ int v_position(int lane) {
-    if constexpr (B::kV != 16) return lane;
-    const int g = lane / 4, t = lane % 4;
-    return 8 * (g / 2) + 2 * t + g % 2;
+  static constexpr __host__ __device__ int v_position(int lane) {
+    if constexpr (B::kV != 16) {
+      return lane;
+    } else {
+      const int g = lane / 4, t = lane % 4;
+      return 8 * (g / 2) + 2 * t + g % 2;
+    }
   }
+  // The positions are a permutation of the lanes, each quarter-warp's eight fall in
+  // distinct 16-byte bank groups (conflict-free 16-byte accesses), and the two lanes of a
+  // sector (g = 2k, 2k + 1) are side by side in that order.
+  static constexpr bool v_positions_ok() {
+    bool seen[32] = {};
+    for (int lane = 0; lane < 32; ++lane) {
+      const int p = v_position(lane);
+      if (p < 0 || p >= 32 || seen[p]) return false;
+      seen[p] = true;
+    }
+    for (int q = 0; q < 4; ++q) {
+      bool group[8] = {};
+      for (int lane = 8 * q; lane < 8 * q + 8; ++lane) {
+        if (group[v_position(lane) % 8]) return false;
+        group[v_position(lane) % 8] = true;
+      }
+    }
+    if constexpr (B::kV == 16)
+      for (int lane = 0; lane < 32; lane += 8)
+        for (int t = 0; t < 4; ++t)
+          if (v_position(lane + 4 + t) != v_position(lane + t) + 1) return false;
+    return true;
+  }
+  static_assert(v_positions_ok(), "V record positions: a conflict-free permutation, sectors whole");
 };
 
 // The shared-memory address of byte `o` of the record at position `pos` (the lane, or
