@@ -188,6 +188,15 @@ struct KeyPlace {
   bool ok;
 };
 
+// The block-table index of key j (a shift where the page size is a power of two).
+__device__ __forceinline__ int page_of(const DecodeArgs& a, int j) {
+  return a.page_shift >= 0 ? j >> a.page_shift : j / a.page_size;
+}
+// Whether block-table entry p names a page of the pool.
+__device__ __forceinline__ bool in_pool(const DecodeArgs& a, int32_t p) {
+  return p >= 0 && p < a.num_pages;
+}
+
 // This thread's addresses in one KV head's sections of page 0, for a block whose first
 // key is in slot 0: key g's first K piece and scale word, key 2t's V bytes (its element
 // range) and its V scale word (NVFP4; the row-scale formats' V scale is key g's). A block
@@ -234,7 +243,7 @@ __device__ __forceinline__ bool stage_block_in_page(const DecodeArgs& a, const T
   constexpr int kCr = B::kCodeRow, kSr = B::kScaleRow;
   constexpr int kScale0 = S::kCodeSlots * 16;  // the record's first scale word
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const bool ok = p >= 0 && p < a.num_pages;
+  const bool ok = in_pool(a, p);
   const int64_t page = ok ? p * a.page_bytes : 0;
   const uint8_t* k = tb.k + page + slot0 * kCr;
   const uint8_t* v = tb.v + page + slot0 * kCr;
@@ -315,15 +324,13 @@ __device__ __forceinline__ bool stage_block_by_key(const DecodeArgs& a, const in
       }
     }
   };
-  auto page_of = [&](int j) { return a.page_shift >= 0 ? j >> a.page_shift : j / a.page_size; };
-  auto in_pool = [&](int32_t p) { return p >= 0 && p < a.num_pages; };
   const int kend = je - j0;  // keys k < kend are the chunk's
   bool bad = false;
   copy([&](int k) {
     if (k >= kend) return KeyPlace{0, 0, false};
-    const int pi = page_of(j0 + k);
+    const int pi = page_of(a, j0 + k);
     const int32_t p = __ldg(table + pi);
-    const bool ok = in_pool(p);
+    const bool ok = in_pool(a, p);
     bad |= !ok;
     return KeyPlace{p * a.page_bytes, j0 + k - pi * a.page_size, ok};
   });
@@ -734,14 +741,13 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm<F, D>(NQB))
   // up each key.
   const bool in_page = a.page_size % kBlock == 0;
   const ThreadBytes tb = thread_bytes<F, D>(k_codes, v_codes, k_scales, v_scales);
-  auto page_of = [&](int j) { return a.page_shift >= 0 ? j >> a.page_shift : j / a.page_size; };
   auto entry = [&](int blk) {
-    return in_page && blk < nblocks ? __ldg(table + page_of(jb + blk * kBlock)) : int32_t{-1};
+    return in_page && blk < nblocks ? __ldg(table + page_of(a, jb + blk * kBlock)) : int32_t{-1};
   };
   auto refill = [&](int blk, int s, int32_t p) {
     if (blk < nblocks) {
       const int j0 = jb + blk * kBlock;
-      bad |= in_page ? stage_block_in_page<F, D>(a, tb, p, j0 - page_of(j0) * a.page_size,
+      bad |= in_page ? stage_block_in_page<F, D>(a, tb, p, j0 - page_of(a, j0) * a.page_size,
                                                  je - j0, stage_at(s))
                      : stage_block_by_key<F, D>(a, table, k_codes, v_codes, k_scales,
                                                 v_scales, j0, je, stage_at(s));
