@@ -538,7 +538,9 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
     }
   }
 
-  // dK_j, dV_j: rows 16·warp + g (+8), columns 8n + 2t (+1).
+  // dK_j, dV_j: rows 16·warp + g (+8), columns 8n + 2t (+1), a column pair per store
+  // where the rows are 4-byte aligned.
+  const bool pairs = rows_aligned<T, 4>(a.dk) && rows_aligned<T, 4>(a.dv);
 #pragma unroll
   for (int h2 = 0; h2 < 2; ++h2) {
     const int tok = j0 + 16 * warp + g + 8 * h2;
@@ -547,12 +549,17 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
     T* dvr = static_cast<T*>(a.dv.data) + b * a.dv.sb + hk * a.dv.sh + static_cast<int64_t>(tok) * a.dv.sn;
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) {
+      const int col = 8 * n + 2 * t;
+      if (pairs && col + 1 < a.d) {
+        *reinterpret_cast<uint32_t*>(dkr + col) = pack_out2<T>(dk[n][2 * h2], dk[n][2 * h2 + 1]);
+        *reinterpret_cast<uint32_t*>(dvr + col) = pack_out2<T>(dv[n][2 * h2], dv[n][2 * h2 + 1]);
+        continue;
+      }
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int col = 8 * n + 2 * t + e;
-        if (col < a.d) {
-          store_out(dkr + col, dk[n][2 * h2 + e]);
-          store_out(dvr + col, dv[n][2 * h2 + e]);
+        if (col + e < a.d) {
+          store_out(dkr + col + e, dk[n][2 * h2 + e]);
+          store_out(dvr + col + e, dv[n][2 * h2 + e]);
         }
       }
     }

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "cuda/sagebwd/out_stores.cuh"
 #include "cuda/sagebwd/tile.cuh"
 
 namespace qattn::sagebwd {
@@ -37,14 +38,6 @@ __device__ __forceinline__ void copy_rows(uint32_t dst, int dst_stride, const vo
     common::cp_async_16(dst + r * dst_stride + 16 * k,
                         static_cast<const uint8_t*>(src) + r * src_stride + 16 * k);
   }
-}
-
-template <typename T>
-__device__ __forceinline__ void store_out(T* p, float x) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>)
-    *p = __float2bfloat16_rn(x);
-  else
-    *p = __float2half_rn(x);
 }
 
 // The K side of tile `tile` of (b, hk): K̂, K̂ᵀ, V.

@@ -1,0 +1,49 @@
+// Writing the backward's 16-bit outputs (dQ, dK, dV) into the caller's strided tensors:
+// one element at a time, or several per store where the rows are aligned for it.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "cuda/sagebwd/args.h"
+
+namespace qattn::sagebwd {
+
+template <typename T>
+__device__ __forceinline__ void store_out(T* p, float x) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    *p = __float2bfloat16_rn(x);
+  else
+    *p = __float2half_rn(x);
+}
+
+// Two adjacent outputs in one 4-byte store (each rounded as store_out rounds it).
+template <typename T>
+__device__ __forceinline__ uint32_t pack_out2(float x0, float x1) {
+  uint32_t u;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
+    memcpy(&u, &h, 4);
+  } else {
+    const __half2 h = __floats2half2_rn(x0, x1);
+    memcpy(&u, &h, 4);
+  }
+  return u;
+}
+
+// Whether every row of a (B, H, N, d) output starts on a `kBytes` boundary, so that
+// element offsets that are multiples of kBytes / sizeof(T) take kBytes-wide stores: one
+// store instead of kBytes / 2 single-element ones (which fetch and write each sector
+// several times over).
+template <typename T, int kBytes>
+__device__ __forceinline__ bool rows_aligned(const StridedOut& o) {
+  constexpr int64_t kElems = kBytes / sizeof(T);
+  return reinterpret_cast<uintptr_t>(o.data) % kBytes == 0 &&
+         ((o.sb | o.sh | o.sn) & (kElems - 1)) == 0;
+}
+
+}  // namespace qattn::sagebwd
