@@ -38,7 +38,9 @@ __device__ __forceinline__ uint32_t pack_out2(float x0, float x1) {
 // Whether every row of a (B, H, N, d) output starts on a `kBytes` boundary, so that
 // element offsets that are multiples of kBytes / sizeof(T) take kBytes-wide stores: one
 // store instead of kBytes / 2 single-element ones (which fetch and write each sector
-// several times over).
+// several times over). The C ABI's checks (16-byte aligned data, strides in multiples of
+// 8 elements) make it hold for every call that reaches a kernel; the element-wise stores
+// remain for the head-dim tail and for an output that would not hold it.
 template <typename T, int kBytes>
 __device__ __forceinline__ bool rows_aligned(const StridedOut& o) {
   constexpr int64_t kElems = kBytes / sizeof(T);
