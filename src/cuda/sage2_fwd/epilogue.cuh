@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "cuda/common/fragment.cuh"
+#include "cuda/common/pack16.cuh"
 #include "cuda/common/work_order.h"
 #include "cuda/sage2_fwd/softmax.cuh"
 
@@ -15,16 +16,7 @@ namespace qattn::sage2 {
 
 inline constexpr float kLn2 = 0.6931471805599453f;
 
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float a, float b) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
-    return *reinterpret_cast<uint32_t*>(&v);
-  } else {
-    __half2 v = __floats2half2_rn(a, b);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
-}
+using common::pack2;
 
 // The output of one consumer warpgroup (64 rows) is staged in shared memory, then written
 // by TMA stores of 64-channel × 64-row boxes: coalesced, asynchronous, and clipped to the

@@ -551,8 +551,8 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
     for (int n = 0; n < D / 8; ++n) {
       const int col = 8 * n + 2 * t;
       if (pairs && col + 1 < a.d) {
-        *reinterpret_cast<uint32_t*>(dkr + col) = pack_out2<T>(dk[n][2 * h2], dk[n][2 * h2 + 1]);
-        *reinterpret_cast<uint32_t*>(dvr + col) = pack_out2<T>(dv[n][2 * h2], dv[n][2 * h2 + 1]);
+        *reinterpret_cast<uint32_t*>(dkr + col) = pack2<T>(dk[n][2 * h2], dk[n][2 * h2 + 1]);
+        *reinterpret_cast<uint32_t*>(dvr + col) = pack2<T>(dv[n][2 * h2], dv[n][2 * h2 + 1]);
         continue;
       }
 #pragma unroll

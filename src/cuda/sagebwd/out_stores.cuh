@@ -6,12 +6,14 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 
+#include "cuda/common/pack16.cuh"
 #include "cuda/sagebwd/args.h"
 
 namespace qattn::sagebwd {
+
+using common::pack2;  // two outputs in one 4-byte word
 
 template <typename T>
 __device__ __forceinline__ void store_out(T* p, float x) {
@@ -19,20 +21,6 @@ __device__ __forceinline__ void store_out(T* p, float x) {
     *p = __float2bfloat16_rn(x);
   else
     *p = __float2half_rn(x);
-}
-
-// Two adjacent outputs in one 4-byte store (each rounded as store_out rounds it).
-template <typename T>
-__device__ __forceinline__ uint32_t pack_out2(float x0, float x1) {
-  uint32_t u;
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
-    memcpy(&u, &h, 4);
-  } else {
-    const __half2 h = __floats2half2_rn(x0, x1);
-    memcpy(&u, &h, 4);
-  }
-  return u;
 }
 
 // Whether every row of a (B, H, N, d) output starts on a `kBytes` boundary, so that

@@ -297,8 +297,8 @@ __global__ void __launch_bounds__(kThreads) dq_finalize_kernel(Args a) {
       const float4 lo = *reinterpret_cast<const float4*>(acc);
       const float4 hi = *reinterpret_cast<const float4*>(acc + 4);
       *reinterpret_cast<uint4*>(out + c0) = make_uint4(
-          pack_out2<T>(lo.x, lo.y), pack_out2<T>(lo.z, lo.w), pack_out2<T>(hi.x, hi.y),
-          pack_out2<T>(hi.z, hi.w));
+          pack2<T>(lo.x, lo.y), pack2<T>(lo.z, lo.w), pack2<T>(hi.x, hi.y),
+          pack2<T>(hi.z, hi.w));
       continue;
     }
 #pragma unroll
