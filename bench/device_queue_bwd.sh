@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# One call on the GPU machine for the queued SageBwd series (bench/queue/bwd-stsm-tma.mbox,
+# bench/NOTES.md v79): its GPU test, compute-sanitizer racecheck and memcheck of the small
+# cases, the Python backward tests, bench/backward.py --quick against main's binding in
+# four processes (base, new, new, base), and ncu's instruction count of the dK/dV kernel
+# at 4K. Logs go to $OUT/logs.tgz; a short table last.
+#   Archive, built off the device (.devrun/queue-bwd.tar.xz, files at its top level):
+#     base_C.so   main's qattn._C for the device's Python (cmake -DQATTN_BUILD_PYTHON=ON
+#                 -DPython_EXECUTABLE=<python3.12>, target qattn_C)
+#     new_C.so, gpu_test_sagebwd_backward   the same targets with the series applied
+#   run: bench/device_queue_bwd.sh <commit>   (carry .devrun .deps; .deps: libfmt9's .deb)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+commit=${1:-unknown}
+source bench/device_bins.sh
+device_setup
+if compgen -G ".deps/*.deb" >/dev/null; then
+  mkdir -p /tmp/qattn-deps
+  for deb in .deps/*.deb; do dpkg -x "$deb" /tmp/qattn-deps; done
+  export LD_LIBRARY_PATH=/tmp/qattn-deps/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+fi
+bins=/tmp/qattn-queue
+mkdir -p "$bins" && tar -xJf .devrun/queue-bwd.tar.xz -C "$bins" || exit 1
+ext=$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+use() { rm -f python/qattn/_C*.so && cp "$bins/$1_C.so" "python/qattn/_C$ext"; }
+
+step() {  # name timeout command...: runs it, logs it, records PASS/FAIL with its rc
+  local name=$1 limit=$2
+  shift 2
+  if timeout "$limit" "$@" >"$logs/$name.log" 2>&1; then
+    status+=("$name: PASS")
+  else
+    status+=("$name: FAIL (rc $?)")
+    grep -E "^\[  FAILED|Failure|Expected|actual|^FAILED" "$logs/$name.log" | head -6
+  fi
+}
+small='SageBwdBackward.SmallBf16Hnd:SageBwdBackward.OneAndTwoStepsPerCta'
+step sagebwd 150 "$bins/gpu_test_sagebwd_backward"
+for tool in racecheck memcheck; do
+  step "$tool" 150 compute-sanitizer --tool "$tool" --error-exitcode 9 \
+      "$bins/gpu_test_sagebwd_backward" --gtest_filter="$small"
+done
+use new
+step pytest 200 bash -c "cd python/tests && PYTHONPATH=$PWD/python python3 -m pytest -q \
+    -p no:cacheprovider test_backward.py test_training_route.py"
+for v in base new new base; do
+  use "$v"
+  step "backward_$v" 90 env PYTHONPATH=python python3 bench/backward.py --quick --no-plot \
+      --out "$out" --name "backward-$v-$RANDOM" --commit "$commit-$v"
+done
+ncu_k='regex:k_mean_kernel|k_prepare_kernel|q_prepare_kernel|dq_finalize_kernel|dkdv_wgmma_kernel'
+for v in base new; do
+  use "$v"
+  step "ncu_$v" 120 ncu -k "$ncu_k" --launch-skip 5 --launch-count 5 \
+      --metrics gpu__time_duration.sum,smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active \
+      python3 -c "
+import sys; sys.path.insert(0, 'python')
+import torch, qattn
+q, k, v = (torch.randn(4, 16, 4096, 128, device='cuda', dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+for _ in range(2):
+    o = qattn.scaled_dot_product_attention(q, k, v)
+    torch.autograd.grad(o, (q, k, v), torch.randn_like(o))
+torch.cuda.synchronize()"
+done
+
+tar -czf "$out/logs.tgz" -C "$logs" . 2>/dev/null
+echo "==== backward --quick (base, new, new, base) ===="
+grep -hE "^grid +[0-9]" "$logs"/backward_*.log | head -24
+echo "==== dK/dV kernel at 4K (base, then new) ===="
+grep -hE "dkdv_wgmma|gpu__time_duration|smsp__inst_executed.sum|issue_active" "$logs"/ncu_base.log "$logs"/ncu_new.log | cut -c1-110
+echo "==== summary ($commit, $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(($(date +%s) - start)) s) ===="
+printf '%s\n' "${status[@]}"
