@@ -12,6 +12,29 @@ device_setup() {
   start=$(date +%s)
 }
 
+#   device_deps: the Debian packages' libraries carried in .deps (libfmt of binaries built
+# off the device) unpacked and put on LD_LIBRARY_PATH.
+device_deps() {
+  compgen -G ".deps/*.deb" >/dev/null || return 0
+  local deps=/tmp/qattn-deps
+  mkdir -p "$deps"
+  for deb in .deps/*.deb; do dpkg -x "$deb" "$deps" 2>/dev/null; done
+  export LD_LIBRARY_PATH=$deps/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+}
+
+#   step <name> <timeout> <command...>: runs it, logs it to $logs/<name>.log, records
+# PASS/FAIL with its rc in the status array (and shows a failure's first lines).
+step() {
+  local name=$1 limit=$2
+  shift 2
+  if timeout "$limit" "$@" >"$logs/$name.log" 2>&1; then
+    status+=("$name: PASS")
+  else
+    status+=("$name: FAIL (rc $?)")
+    grep -E "^\[  FAILED|Failure|Expected|actual|^FAILED" "$logs/$name.log" | head -6
+  fi
+}
+
 #   device_bins <archive> <import test> <targets...>
 # Unpacks .devrun/<archive> (built off the device: gpu_test_* and qattn._C for the
 # device's Python, and a COMMIT file) into /tmp/qattn-bins when it is there; when the
@@ -23,12 +46,7 @@ device_setup() {
 device_bins() {
   local archive=$1 check=$2
   shift 2
-  if compgen -G ".deps/*.deb" >/dev/null; then
-    local deps=/tmp/qattn-deps
-    mkdir -p "$deps"
-    for deb in .deps/*.deb; do dpkg -x "$deb" "$deps" 2>/dev/null; done
-    export LD_LIBRARY_PATH=$deps/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-  fi
+  device_deps
   bins=build-py/tests
   if [[ -f .devrun/$archive ]]; then
     mkdir -p /tmp/qattn-bins && tar -xJf ".devrun/$archive" -C /tmp/qattn-bins

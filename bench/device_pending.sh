@@ -31,16 +31,6 @@ device_setup
 device_bins pending-bins.tar.xz 'qattn.device_supported() and "head_dim_v" in (_C.forward.__doc__ or "")' \
     gpu_test_sage2_forward gpu_test_sage2_wide gpu_test_sagebwd_backward || exit 1
 
-step() {  # name timeout command...: runs it, logs it, records PASS/FAIL with its rc
-  local name=$1 limit=$2
-  shift 2
-  if timeout "$limit" "$@" >"$logs/$name.log" 2>&1; then
-    status+=("$name: PASS")
-  else
-    status+=("$name: FAIL (rc $?)")
-    grep -E "^\[  FAILED|Failure|Expected|actual|^FAILED" "$logs/$name.log" | head -6
-  fi
-}
 step sage2_forward 300 "$bins/gpu_test_sage2_forward"
 step sage2_wide 150 "$bins/gpu_test_sage2_wide"
 step sagebwd 200 "$bins/gpu_test_sagebwd_backward"

@@ -14,26 +14,12 @@ cd "$(dirname "$0")/.."
 commit=${1:-unknown}
 source bench/device_bins.sh
 device_setup
-if compgen -G ".deps/*.deb" >/dev/null; then
-  mkdir -p /tmp/qattn-deps
-  for deb in .deps/*.deb; do dpkg -x "$deb" /tmp/qattn-deps; done
-  export LD_LIBRARY_PATH=/tmp/qattn-deps/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-fi
+device_deps
 bins=/tmp/qattn-queue
 mkdir -p "$bins" && tar -xJf .devrun/queue-bwd.tar.xz -C "$bins" || exit 1
 ext=$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
 use() { rm -f python/qattn/_C*.so && cp "$bins/$1_C.so" "python/qattn/_C$ext"; }
 
-step() {  # name timeout command...: runs it, logs it, records PASS/FAIL with its rc
-  local name=$1 limit=$2
-  shift 2
-  if timeout "$limit" "$@" >"$logs/$name.log" 2>&1; then
-    status+=("$name: PASS")
-  else
-    status+=("$name: FAIL (rc $?)")
-    grep -E "^\[  FAILED|Failure|Expected|actual|^FAILED" "$logs/$name.log" | head -6
-  fi
-}
 small='SageBwdBackward.SmallBf16Hnd:SageBwdBackward.OneAndTwoStepsPerCta'
 step sagebwd 150 "$bins/gpu_test_sagebwd_backward"
 for tool in racecheck memcheck; do
