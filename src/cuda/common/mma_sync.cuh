@@ -36,6 +36,16 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
                : "r"(addr));
 }
 
+// Stores four 8×8 matrices of 16-bit elements, each transposed (sm_90): register j holds
+// matrix j's pair of row lane/4, columns 2·(lane%4) and +1; lane l gives the address of
+// the 16-byte row l % 8 of matrix l / 8, which receives that matrix's column l % 8.
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1,
+                                                  uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(addr),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
 // The shared-memory row address lane `lane` passes to ldmatrix_x4 for an A fragment
 // (16 rows × 32 bytes at `base`, rows `stride` bytes apart): matrices (rows 0-7, bytes
 // 0-15), (8-15, 0-15), (0-7, 16-31), (8-15, 16-31).

@@ -13,8 +13,9 @@
 //   P̂ᵀ/dŜᵀ as register A fragments
 //   dV_c += P̂ᵀ·dÔ     m64n64k32 s8, A from registers; B = dÔᵀ rows (π order, permute.cuh)
 //   dK_c += dŜᵀ·Q̂     likewise with Q̂ᵀ
-//   dQ[:, half c] = dŜ·K̂   m64n(D/2)k32 s8: dŜ staged Q-row-major in shared memory, one
-//                          product per 64-token half, each with that half's dS scale
+//   dQ[:, half c] = dŜ·K̂   m64n(D/2)k32 s8: dŜ staged Q-row-major in shared memory (stmatrix,
+//                          tokens in σ order as K̂ᵀ's), one product per 64-token half, each
+//                          with that half's dS scale
 // Each INT32 product carries its own per-tile scale, so it lands in a fresh temporary and
 // is folded into the FP32 accumulator (dK, dV: registers for the whole item; dQ: global
 // FP32 reductions, as the mma.sync kernel does).
@@ -87,7 +88,7 @@ struct WgSmem {
   static constexpr Swizzle kSwV = kQuantDov ? kSwizzleOf<D> : Swizzle::k128B;
   // K side (once per CTA).
   static constexpr int kK8 = 0;                                  // 128 × D
-  static constexpr int kKt = kK8 + kKvTileRows * D;              // D × 128 tokens (σ: natural)
+  static constexpr int kKt = kK8 + kKvTileRows * D;              // D × 128 tokens (σ order)
   static constexpr int kV = kKt + D * kKvTileRows;               // 128 × kRowV
   static constexpr int kKSide = kV + kKvTileRows * kRowV;
   // One Q-side stage.
@@ -192,6 +193,27 @@ __device__ __forceinline__ void merge_cols(float (&out)[kCols / 8][4], const int
     }
 }
 
+// This warp's dŜᵀ fragments into the Q-row-major dŜ tile at `tile` (64 Q rows × 128
+// tokens in σ order, 128-byte swizzle), two transposing stores. PRMT pairs each Q
+// column's bytes of tokens g and g + 8 (rows r and r + 1 of the fragment) into one 16-bit
+// element: matrix m (Q columns 8m..8m+7, k_slot_row's π undone by the byte choice) has
+// them at row g, columns 2t, 2t + 1, so its transpose is Q row 8m + i holding the warp's
+// 16 tokens in σ order: chunk `warp` of the row, at chunk warp ⊕ (row mod 8). `lane_row`
+// is lane_row_off's offset of this lane's row.
+__device__ __forceinline__ uint32_t ds_lane_row_off(int warp, int lane) {
+  return lane * kKvTileRows + ((warp ^ (lane & 7)) << 4);
+}
+__device__ __forceinline__ void stage_ds(uint32_t tile, const uint32_t (&af)[2][4],
+                                         uint32_t lane_row) {
+#pragma unroll
+  for (int kk = 0; kk < 2; ++kk) {  // Q columns 32kk..32kk+31: matrices 4kk..4kk+3
+    const uint32_t* a = af[kk];
+    common::stmatrix_x4_trans(tile + lane_row + kk * 32 * kKvTileRows,
+                              __byte_perm(a[0], a[1], 0x5140), __byte_perm(a[0], a[1], 0x7362),
+                              __byte_perm(a[2], a[3], 0x5140), __byte_perm(a[2], a[3], 0x7362));
+  }
+}
+
 __device__ __forceinline__ void fence_frags(uint32_t (&af)[2][4]) {
   hopper::fence_operands(af[0]);
   hopper::fence_operands(af[1]);
@@ -225,7 +247,9 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
   float* ds_scale = reinterpret_cast<float*>(smem + L::kDsScale);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
-  const int wg = warp / 4, w4 = warp % 4;
+  // The warpgroup index from lane 0: the compiler then knows it is warp-uniform and keeps
+  // the wgmma descriptors built from it in uniform registers.
+  const int wg = __shfl_sync(0xffffffffu, warp / 4, 0), w4 = warp % 4;
   const int tile = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
   const int j0 = tile * kKvTileRows, tiles = a.nkv_pad / kKvTileRows;
   const int blocks = a.nq_pad / kQBlockRows;
@@ -433,9 +457,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
       // (w - 2 + (w & 1)) / 2.
       const int pw = w & 1;
       if (w >= 1) hopper::mbarrier_wait(&bar.ds_empty[pw], ((w - 2 + pw) >> 1) & 1);
-      store_ds_rows(smem + L::kDs + pw * L::kDsBytes, f.ds, warp, lane, [](int qc, int tok) {
-        return swizzled<Swizzle::k128B>(qc * kKvTileRows + tok);
-      });
+      stage_ds(s_base + L::kDs + pw * L::kDsBytes, f.ds, ds_lane_row_off(warp, lane));
       if (threadIdx.x % 128 == 0) ds_scale[2 * pw + wg] = f.s_ds;
       hopper::fence_proxy_async();  // dŜ, before the wgmma that reads it
       __syncwarp();

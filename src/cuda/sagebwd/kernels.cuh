@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const Args a) {
     TileFrags f;
     tile_step<T, D, kQuantDov>(a, op, warp, lane, red, f);
     store_ds_rows(ds_bytes, f.ds, warp, lane,
-                  [](int qc, int tok) { return qc * Strides<D>::kKvT + tok; });
+                  [](int qc, int tok) { return qc * Strides<D>::kKvT + kv_pos_of_token(tok); });
     __syncthreads();  // dŜ and both halves' maxima (red is written again after the loop's
                       // next __syncthreads)
     float s_ds_half[2];

@@ -22,4 +22,19 @@ __host__ __device__ constexpr int k_slot_row(int s) {
   return (s & ~15) + 8 * ((s & 3) >> 1) + 2 * ((s & 15) >> 2) + (s & 1);
 }
 
+// The token order σ of dQ = dŜ·K̂'s reduction (the columns of K̂ᵀ, kt_i8 in workspace.h,
+// and of the staged dŜ rows): within each group of 16 tokens, tokens m and m + 8 side by
+// side. A thread's dŜᵀ fragment holds tokens g and g + 8 of each of its Q columns, so a
+// pair is one 16-bit element and stmatrix's transposing store writes the Q-row-major dŜ
+// a 16-byte row at a time. The INT32 sums do not depend on the order of their terms.
+__host__ __device__ constexpr int kv_pos_of_token(int tok) {
+  return (tok & ~15) | ((tok & 7) << 1) | ((tok >> 3) & 1);
+}
+__host__ __device__ constexpr int kv_token_at(int pos) {
+  return (pos & ~15) | ((pos & 1) << 3) | ((pos & 15) >> 1);
+}
+static_assert(kv_token_at(kv_pos_of_token(13)) == 13 && kv_pos_of_token(9) == 3 &&
+                  kv_token_at(2) == 1,
+              "σ and its inverse");
+
 }  // namespace qattn::sagebwd

@@ -164,7 +164,8 @@ __global__ void __launch_bounds__(kThreads) k_prepare_kernel(Args a) {
     }
   }
   __syncthreads();
-  // Kᵀ: row `col` holds the tile's 128 tokens in order.
+  // Kᵀ: row `col` holds the tile's 128 tokens in the σ order of dQ's reduction
+  // (permute.cuh).
   for (int chunk = threadIdx.x; chunk < D * (kKvTileRows / 16); chunk += kThreads) {
     const int col = chunk / (kKvTileRows / 16), g = chunk % (kKvTileRows / 16);
     uint32_t w[4];
@@ -172,7 +173,8 @@ __global__ void __launch_bounds__(kThreads) k_prepare_kernel(Args a) {
     for (int i = 0; i < 4; ++i) {
       w[i] = 0;
 #pragma unroll
-      for (int k = 0; k < 4; ++k) w[i] |= static_cast<uint32_t>(bt[(16 * g + 4 * i + k) * kBt + col]) << (8 * k);
+      for (int k = 0; k < 4; ++k)
+        w[i] |= static_cast<uint32_t>(bt[(16 * g + kv_token_at(4 * i + k)) * kBt + col]) << (8 * k);
     }
     *reinterpret_cast<uint4*>(a.kt_i8 + (bh * D + col) * a.nkv_pad + j0 + 16 * g) =
         make_uint4(w[0], w[1], w[2], w[3]);

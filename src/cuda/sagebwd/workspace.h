@@ -18,7 +18,8 @@
 //   dq_acc    float (B, Hq, Nq_pad, D)    dQ accumulator (FP32 reductions, or the
 //                                         deterministic dQ kernel's plain stores)
 //   k_i8      int8  (B, Hkv, Nkv_pad, D)  smoothed K, per KV tile
-//   kt_i8     int8  (B, Hkv, D, Nkv_pad)  its transpose (dQ = dS·K reduces over tokens)
+//   kt_i8     int8  (B, Hkv, D, Nkv_pad)  its transpose (dQ = dS·K reduces over tokens),
+//                                         tokens in σ order (permute.cuh)
 //   v_16      16-bit (B, Hkv, Nkv_pad, D) V in the inputs' format
 //   v_i8      int8  (B, Hkv, Nkv_pad, D)  V per KV tile (quantized dO·Vᵀ only)
 //   k_scale, v_scale  float (B, Hkv, Nkv_pad / 128)
