@@ -20,10 +20,11 @@
 // is folded into the FP32 accumulator (dK, dV: registers for the whole item; dQ: global
 // FP32 reductions, as the mma.sync kernel does).
 //
-// Operands reach shared memory by cp.async from every thread, written in the wgmma
-// swizzled layouts (rows of one swizzle span; 16-bit rows of 128 channels as two boxes of
-// 64), three stages of the Q side in flight. The warpgroups meet through mbarriers only
-// (Barriers): a stage is refilled once both are done with it, and step w's dQ is formed
+// Operands reach shared memory in the wgmma swizzled layouts (rows of one swizzle span;
+// 16-bit rows of 128 channels as two boxes of 64): the K side once by cp.async from every
+// thread, the Q side's three stages in flight by TMA and bulk copies that thread 0 issues
+// (QSideMaps), so the other warps spend no instructions on copies. The warpgroups meet
+// through mbarriers only (Barriers): a stage is refilled once both are done with it, and step w's dQ is formed
 // at step w + 1, so neither waits for the other's dŜ in the usual case and one may run
 // ahead of the other by up to a step. wgmma reads 8-bit operands K-major only: every
 // product above reads rows whose reduction dimension is contiguous, which the workspace
@@ -37,6 +38,7 @@
 #include <type_traits>
 
 #include "cuda/hopper/sync.cuh"
+#include "cuda/hopper/tma.cuh"
 #include "cuda/hopper/wgmma.cuh"
 #include "cuda/sagebwd/kernels.cuh"
 #include "cuda/sagebwd/tile.cuh"
@@ -98,8 +100,13 @@ struct WgSmem {
   static constexpr int kDot = kQt + D * kQBlockRows;             // D × 64 (π order)
   static constexpr int kLse2 = kDot + D * kQBlockRows;           // 64 floats
   static constexpr int kDelta = kLse2 + kQBlockRows * 4;         // 64 floats
-  static constexpr int kScales = kDelta + kQBlockRows * 4;       // s_q, s_dO of the block
-  static constexpr int kStage = (kScales + 8 + 1023) / 1024 * 1024;
+  // The 16-byte words of q_scale and do_scale holding the block's s_q and s_dO (bulk
+  // copies move 16-byte multiples; workspace arrays are padded to 256 bytes).
+  static constexpr int kScales = kDelta + kQBlockRows * 4;
+  static constexpr int kStage = (kScales + 32 + 1023) / 1024 * 1024;
+  // What one stage's copies deliver (its `full` barrier's transaction bytes).
+  static constexpr uint32_t kStageTx = kQBlockRows * D + kQBlockRows * kRowV + 2 * D * kQBlockRows +
+                                       2 * kQBlockRows * 4 + 32;
   static constexpr int kStages = kQStages;
   static constexpr int kQSide = kKSide;                          // first stage
   // dŜ, two by step parity: step w's is read by both warpgroups' dQ at step w + 1, while
@@ -127,25 +134,37 @@ __device__ __forceinline__ void wg_load_k_side(const Args& a, uint32_t base, int
       base + L::kV, static_cast<const uint8_t*>(v) + (bhk * a.nkv_pad + j0) * L::kRowV, L::kRowV);
 }
 
+// The Q side's tensor maps (launch.cu), over the workspace's arrays as bytes: a stage is
+// one box of each, which TMA writes in the swizzled layout wgmma reads.
+//   q8   q_i8  (D, Nq_pad, B·Hq), box (D, 64), the INT8 rows' swizzle
+//   dov  do_16 as bytes (2D, Nq_pad, B·Hq), box (128, 64), 128-byte swizzle (two boxes at
+//        D = 128); do_i8 (quantized dO·Vᵀ) as q8
+//   qt   qt_i8 (Nq_pad, D, B·Hq), box (64, D), 64-byte swizzle; dot likewise for dot_i8
+struct QSideMaps {
+  CUtensorMap q8, dov, qt, dot;
+};
+
+// Issues the copies of block `blk` of query head `bhq` into the stage at `st`, completing
+// on `full`: one thread, after the stage's previous readers have released it. Q-side
+// rows are re-read by every KV tile of the head: kept in L2 (evict_last).
 template <int D, bool kQuantDov>
-__device__ __forceinline__ void wg_load_q_side(const Args& a, uint32_t base, int64_t bhq, int blk) {
+__device__ __forceinline__ void wg_issue_q_side(const Args& a, const QSideMaps& m, uint8_t* st,
+                                                uint64_t* full, int64_t bhq, int blk) {
   using L = WgSmem<D, kQuantDov>;
-  const int q0 = blk * kQBlockRows;
-  const void* dov = kQuantDov ? static_cast<const void*>(a.do_i8) : a.do_16;
-  copy_tile<L::kSwI8, kQBlockRows, D>(base + L::kQ8, a.q_i8 + (bhq * a.nq_pad + q0) * D, D);
-  copy_tile<L::kSwV, kQBlockRows, L::kRowV>(
-      base + L::kDo, static_cast<const uint8_t*>(dov) + (bhq * a.nq_pad + q0) * L::kRowV, L::kRowV);
-  copy_tile<Swizzle::k64B, D, kQBlockRows>(base + L::kQt, a.qt_i8 + bhq * D * a.nq_pad + q0,
-                                           a.nq_pad);
-  copy_tile<Swizzle::k64B, D, kQBlockRows>(base + L::kDot, a.dot_i8 + bhq * D * a.nq_pad + q0,
-                                           a.nq_pad);
-  if (const int c = threadIdx.x; c < 2 * kQBlockRows / 4) {  // lse2, then delta
-    const float* src = c < kQBlockRows / 4 ? a.lse2 : a.delta;
-    common::cp_async_16(base + L::kLse2 + 16 * c, src + bhq * a.nq_pad + q0 + 4 * (c % 16));
-  } else if (c < 2 * kQBlockRows / 4 + 2) {  // the block's two scales
-    const float* src = c == 2 * kQBlockRows / 4 ? a.q_scale : a.do_scale;
-    common::cp_async_zfill<4>(base + L::kScales + 4 * (c & 1), src + bhq * (a.nq_pad / kQBlockRows) + blk, true);
-  }
+  const int q0 = blk * kQBlockRows, h = static_cast<int>(bhq);
+  const uint64_t keep = hopper::policy_evict_last();
+  hopper::mbarrier_arrive_expect_tx(full, L::kStageTx);
+  hopper::tma_load_3d(st + L::kQ8, &m.q8, full, 0, q0, h, keep);
+#pragma unroll
+  for (int box = 0; box < (kQuantDov ? 1 : L::kRowV / 128); ++box)
+    hopper::tma_load_3d(st + L::kDo + box * kQBlockRows * 128, &m.dov, full, 128 * box, q0, h, keep);
+  hopper::tma_load_3d(st + L::kQt, &m.qt, full, q0, 0, h, keep);
+  hopper::tma_load_3d(st + L::kDot, &m.dot, full, q0, 0, h, keep);
+  const int64_t row = bhq * a.nq_pad + q0, sidx = bhq * (a.nq_pad / kQBlockRows) + blk;
+  hopper::bulk_load(st + L::kLse2, a.lse2 + row, kQBlockRows * 4, full);
+  hopper::bulk_load(st + L::kDelta, a.delta + row, kQBlockRows * 4, full);
+  hopper::bulk_load(st + L::kScales, a.q_scale + (sidx & ~int64_t{3}), 16, full);
+  hopper::bulk_load(st + L::kScales + 16, a.do_scale + (sidx & ~int64_t{3}), 16, full);
 }
 
 // wgmma shared-memory descriptors of K-major swizzled tiles (hopper::make_smem_desc's
@@ -219,8 +238,8 @@ __device__ __forceinline__ void fence_frags(uint32_t (&af)[2][4]) {
   hopper::fence_operands(af[1]);
 }
 
-// The kernel's mbarriers. A Q-side stage is `full` when all 256 threads' copies into it
-// have landed, `empty` when both warpgroups' 8 warps are done with it; a dŜ buffer is
+// The kernel's mbarriers. A Q-side stage is `full` when thread 0's copies into it have
+// landed, `empty` when both warpgroups' 8 warps are done with it; a dŜ buffer is
 // `ds_full` when both warpgroups' 8 warps have written their halves (and its scales),
 // `ds_empty` when both have read it for dQ. The warpgroups meet only through these, so
 // one may run up to a step ahead of the other.
@@ -234,7 +253,8 @@ struct Barriers {
 // Step w's dQ is formed at step w + 1 (after its dK and dV), when the other warpgroup's
 // half of dŜ is there without a wait in the usual case.
 template <typename T, int D, bool kQuantDov, bool kAtomicDq>
-__global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
+__global__ void __launch_bounds__(kThreads, 1)
+    dkdv_wgmma_kernel(const Args a, const __grid_constant__ QSideMaps maps) {
   using L = WgSmem<D, kQuantDov>;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   constexpr int kHalves = D / 64;   // 64-column halves of dK, dV
@@ -267,7 +287,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < L::kStages; ++s) {
-      hopper::mbarrier_init(&bar.full[s], kThreads);  // every thread's cp.async arrival
+      hopper::mbarrier_init(&bar.full[s], 1);  // the issuing thread's, plus the bytes
       hopper::mbarrier_init(&bar.empty[s], kWarps);
     }
     for (int p = 0; p < 2; ++p) {
@@ -275,25 +295,30 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
       hopper::mbarrier_init(&bar.ds_empty[p], kWarps);
     }
   }
+  if (threadIdx.x == 0) hopper::fence_barrier_init();  // visible to the copy engine too
   __syncthreads();  // the barriers, before any arrival
 
   const int64_t bh0 = static_cast<int64_t>(b) * a.heads_q + hk * a.group;
   auto stage_off = [&](int st) { return static_cast<uint32_t>(L::kQSide + st * L::kStage); };
-  // Every thread copies its share of a stage, then arrives on its `full` barrier when
-  // those copies land.
+  // Thread 0 issues a stage's copies (TMA and bulk copies); its `full` barrier completes
+  // when their bytes have landed.
   auto load_q = [&](int st, const WorkCursor& c) {
-    wg_load_q_side<D, kQuantDov>(a, s_base + stage_off(st), bh0 + c.h, c.blk);
-    common::cp_async_arrive_noinc(hopper::smem_addr(&bar.full[st]));
+    wg_issue_q_side<D, kQuantDov>(a, maps, smem + stage_off(st), &bar.full[st], bh0 + c.h, c.blk);
   };
   // The K side and stages 0 and 1 before the loop; step w loads step w + 2's stage (step
   // w - 1's) once both warpgroups have released it.
   WorkCursor cur{0, first}, ld = cur;
+  if (threadIdx.x == 0) {
+    if (work > 0) load_q(0, ld);
+    ld.advance(first, blocks);
+    if (work > 1) load_q(1, ld);
+    ld.advance(first, blocks);
+  } else {
+    ld.advance(first, blocks);
+    ld.advance(first, blocks);
+  }
   wg_load_k_side<D, kQuantDov>(a, s_base, bhk, tile);
   common::cp_async_commit();
-  if (work > 0) load_q(0, ld);
-  ld.advance(first, blocks);
-  if (work > 1) load_q(1, ld);
-  ld.advance(first, blocks);
   common::cp_async_wait<0>();
   hopper::fence_proxy_async();  // this thread's cp.async bytes, before wgmma reads them
   __syncthreads();
@@ -380,10 +405,10 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
     const int blk = cur.blk;
     const int64_t bhq = bh0 + cur.h;
     const uint32_t st = stage_off(sidx);
-    hopper::mbarrier_wait(&bar.full[sidx], round & 1);
-    hopper::fence_proxy_async();  // the stage's bytes (other threads' cp.async), before wgmma
+    hopper::mbarrier_wait(&bar.full[sidx], round & 1);  // TMA's bytes: no proxy fence
     const float* st_f = reinterpret_cast<const float*>(smem + st);
-    const float s_q = st_f[L::kScales / 4], s_do = st_f[L::kScales / 4 + 1];
+    const int sw = static_cast<int>((bhq * (a.nq_pad / kQBlockRows) + blk) & 3);  // in its word
+    const float s_q = st_f[L::kScales / 4 + sw], s_do = st_f[L::kScales / 4 + 4 + sw];
     cur.advance(first, blocks);
     TileOperands op{};
     op.lse2 = st_f + L::kLse2 / 4;
@@ -464,7 +489,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_wgmma_kernel(const Args a) {
       if (lane == 0) hopper::mbarrier_arrive(&bar.ds_full[pw]);
     }
     // Step w + 2's stage is step w - 1's: refill it once both warpgroups are done with it.
-    if (w + 2 < work) {
+    if (threadIdx.x == 0 && w + 2 < work) {
       const int ls = sidx == 0 ? L::kStages - 1 : sidx - 1;  // (w + 2) mod 3
       if (w >= 1) hopper::mbarrier_wait(&bar.empty[ls], (sidx == 0 ? round - 1 : round) & 1);
       load_q(ls, ld);

@@ -10,6 +10,7 @@
 #include <cmath>
 
 #include "cuda/hopper/per_device.h"
+#include "cuda/hopper/tensor_map.h"
 #include "cuda/sagebwd/dkdv_wgmma.cuh"
 #include "cuda/sagebwd/kernels.cuh"
 #include "cuda/sagebwd/prepare.cuh"
@@ -75,10 +76,30 @@ cudaError_t set_smem(Kernel kernel, int bytes, std::atomic<unsigned long long>& 
   });
 }
 
+// The dK/dV kernel's Q-side tensor maps over the workspace (QSideMaps).
+template <int D, bool kQuantDov>
+cudaError_t make_q_side_maps(const Args& a, QSideMaps& m) {
+  using W = WgSmem<D, kQuantDov>;
+  const uint64_t rows = static_cast<uint64_t>(a.nq_pad), heads = static_cast<uint64_t>(a.batch) * a.heads_q;
+  const uint32_t blk = kQBlockRows;
+  cudaError_t e = hopper::make_tensor_map_u8_3d(&m.q8, a.q_i8, D, rows, heads, D, blk, W::kSwI8);
+  if (e == cudaSuccess)
+    e = kQuantDov ? hopper::make_tensor_map_u8_3d(&m.dov, a.do_i8, D, rows, heads, D, blk, W::kSwV)
+                  : hopper::make_tensor_map_u8_3d(&m.dov, a.do_16, 2 * D, rows, heads, 128, blk,
+                                                  hopper::Swizzle::k128B);
+  if (e == cudaSuccess)
+    e = hopper::make_tensor_map_u8_3d(&m.qt, a.qt_i8, rows, D, heads, blk, D, hopper::Swizzle::k64B);
+  if (e == cudaSuccess)
+    e = hopper::make_tensor_map_u8_3d(&m.dot, a.dot_i8, rows, D, heads, blk, D, hopper::Swizzle::k64B);
+  return e;
+}
+
 template <typename T, int D, bool kQuantDov>
 cudaError_t run(const Args& a, bool deterministic, cudaStream_t stream) {
   using L = Smem<D, kQuantDov>;
   using W = WgSmem<D, kQuantDov>;
+  QSideMaps maps;  // before anything is enqueued: a failed encode launches nothing
+  if (auto e = make_q_side_maps<D, kQuantDov>(a, maps); e != cudaSuccess) return e;
   if (auto e = launch_prepare<T, D>(a, kQuantDov, stream); e != cudaSuccess) return e;
   const dim3 kv_grid(a.nkv_pad / kKvTileRows, a.heads_kv, a.batch);
   if (deterministic) {
@@ -87,13 +108,13 @@ cudaError_t run(const Args& a, bool deterministic, cudaStream_t stream) {
     auto q = dq_kernel<T, D, kQuantDov>;
     if (auto e = set_smem(kv, W::kBytes, done_kv); e != cudaSuccess) return e;
     if (auto e = set_smem(q, L::kDqBytes, done_q); e != cudaSuccess) return e;
-    kv<<<kv_grid, kThreads, W::kBytes, stream>>>(a);
+    kv<<<kv_grid, kThreads, W::kBytes, stream>>>(a, maps);
     q<<<dim3(a.nq_pad / kQBlockRows, a.heads_q, a.batch), kThreads, L::kDqBytes, stream>>>(a);
   } else {
     static std::atomic<unsigned long long> done{0};
     auto kv = dkdv_wgmma_kernel<T, D, kQuantDov, true>;
     if (auto e = set_smem(kv, W::kBytes, done); e != cudaSuccess) return e;
-    kv<<<kv_grid, kThreads, W::kBytes, stream>>>(a);
+    kv<<<kv_grid, kThreads, W::kBytes, stream>>>(a, maps);
   }
   if (auto e = cudaGetLastError(); e != cudaSuccess) return e;
   return launch_dq_finalize<T, D>(a, stream);
