@@ -175,10 +175,17 @@ struct SmemDescs {
   uint32_t lo;
   template <Swizzle S>
   __device__ __forceinline__ uint64_t at(uint32_t offset) const {
+    return of<S>(lo + (offset >> 4));
+  }
+  // From a start-address field already in 16-byte units: a stage's base shifted once a
+  // step, then one add per descriptor.
+  template <Swizzle S>
+  static __device__ __forceinline__ uint64_t of(uint32_t lo16) {
     constexpr uint32_t hi = ((8 * hopper::swizzle_bytes(S)) >> 4) |
                             (static_cast<uint32_t>(S) << 30);  // SBO, layout type
-    return (static_cast<uint64_t>(hi) << 32) | (lo + (offset >> 4));
+    return (static_cast<uint64_t>(hi) << 32) | lo16;
   }
+  __device__ __forceinline__ uint32_t units(uint32_t offset) const { return lo + (offset >> 4); }
 };
 
 // The (query head, Q block) of the CTA's work items in order: every query head of the
@@ -405,6 +412,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int blk = cur.blk;
     const int64_t bhq = bh0 + cur.h;
     const uint32_t st = stage_off(sidx);
+    const uint32_t st16 = desc.units(st);  // the stage's descriptor base
     hopper::mbarrier_wait(&bar.full[sidx], round & 1);  // TMA's bytes: no proxy fence
     const float* st_f = reinterpret_cast<const float*>(smem + st);
     const int sw = static_cast<int>((bhq * (a.nq_pad / kQBlockRows) + blk) & 3);  // in its word
@@ -425,7 +433,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     auto& dp_flat = reinterpret_cast<float(&)[32]>(dp);
     hopper::wgmma_fence();
     {
-      const uint64_t d_q8 = desc.at<L::kSwI8>(st + L::kQ8);
+      const uint64_t d_q8 = SmemDescs::of<L::kSwI8>(st16 + L::kQ8 / 16);
       hopper::wgmma_m64n64k32_s8_ss<false>(acc_flat, d_k8, d_q8);
 #pragma unroll
       for (int kk = 1; kk < D / 32; ++kk)
@@ -436,7 +444,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     int dpi[kNBlocksQ][4];
     auto& dpi_flat = reinterpret_cast<int32_t(&)[32]>(dpi);
     if constexpr (kQuantDov) {
-      const uint64_t d_do = desc.at<L::kSwV>(st + L::kDo);
+      const uint64_t d_do = SmemDescs::of<L::kSwV>(st16 + L::kDo / 16);
       hopper::wgmma_m64n64k32_s8_ss<false>(dpi_flat, d_v, d_do);
 #pragma unroll
       for (int kk = 1; kk < D / 32; ++kk)
@@ -448,7 +456,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int kk = 0; kk < D / 16; ++kk) {
         const uint32_t box = (kk / 4) * 128;
         const uint64_t dv_k = hopper::desc_advance(d_v, box * kKvTileRows + 32 * (kk % 4));
-        const uint64_t do_k = desc.at<Swizzle::k128B>(st + L::kDo + box * kQBlockRows + 32 * (kk % 4));
+        const uint64_t do_k =
+            SmemDescs::of<Swizzle::k128B>(st16 + (L::kDo + box * kQBlockRows + 32 * (kk % 4)) / 16);
         if (kk == 0)
           hopper::wgmma_m64n64k16_f32_ss<kBf16, false>(dp_flat, dv_k, do_k);
         else
@@ -499,8 +508,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     // dV += P̂ᵀ·dÔ, dK += dŜᵀ·Q̂ by 64-column halves; two INT32 temporaries, each merged
     // as soon as its product is done while the next one runs.
     const float sc_dv = f.s_p * s_do, sc_dk = a.sm_scale * (f.s_ds * s_q);
-    const uint64_t d_dot = desc.at<Swizzle::k64B>(st + L::kDot);
-    const uint64_t d_qt = desc.at<Swizzle::k64B>(st + L::kQt);
+    const uint64_t d_dot = SmemDescs::of<Swizzle::k64B>(st16 + L::kDot / 16);
+    const uint64_t d_qt = SmemDescs::of<Swizzle::k64B>(st16 + L::kQt / 16);
     auto product_kv = [&](int32_t(&tmp)[32], const uint32_t(&af)[2][4], uint64_t d_b, int h) {
       // Half h: rows 64h.. of the D × 64 tile (64 bytes each).
       const uint64_t d_h = hopper::desc_advance(d_b, 64 * 64 * h);
