@@ -136,11 +136,6 @@ __device__ __forceinline__ void cp_async_or_zeros(uint32_t dst, const void* src,
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
-// Arrives on the mbarrier at `bar` (a shared address) once every cp.async this thread issued
-// before it has landed; the barrier's count includes this arrival (.noinc).
-__device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));

@@ -221,11 +221,12 @@ __device__ __forceinline__ void merge_cols(float (&out)[kCols / 8][4], const int
 
 // This warp's dŜᵀ fragments into the Q-row-major dŜ tile at `tile` (64 Q rows × 128
 // tokens in σ order, 128-byte swizzle), two transposing stores. PRMT pairs each Q
-// column's bytes of tokens g and g + 8 (rows r and r + 1 of the fragment) into one 16-bit
-// element: matrix m (Q columns 8m..8m+7, k_slot_row's π undone by the byte choice) has
-// them at row g, columns 2t, 2t + 1, so its transpose is Q row 8m + i holding the warp's
-// 16 tokens in σ order: chunk `warp` of the row, at chunk warp ⊕ (row mod 8). `lane_row`
-// is lane_row_off's offset of this lane's row.
+// column's bytes of tokens g and g + 8 (fragment registers 2h and 2h + 1) into one 16-bit
+// element; 8×8 matrix m (Q columns 8m..8m+7, k_slot_row's π undone by the byte choice)
+// holds them at row g, columns 2t and 2t + 1, so its transposed row c is Q row 8m + c with
+// the warp's 16 tokens in σ order: chunk `warp` of that row, stored at chunk
+// warp ⊕ (row mod 8). `lane_row` is ds_lane_row_off: the offset of the row this lane
+// addresses (Q row = lane in the first store, 32 + lane in the second).
 __device__ __forceinline__ uint32_t ds_lane_row_off(int warp, int lane) {
   return lane * kKvTileRows + ((warp ^ (lane & 7)) << 4);
 }

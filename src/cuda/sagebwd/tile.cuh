@@ -249,8 +249,8 @@ __device__ __forceinline__ void tile_step(const Args& a, const TileOperands& op,
 }
 
 // dŜ (64 Q rows × 128 tokens, bytes) from the warps' dŜᵀ fragments; byte (Q row qc,
-// token tok) goes to sds[at(qc, tok)] (the dQ kernel's padded rows, or the wgmma kernel's
-// swizzled tile).
+// token tok) goes to sds[at(qc, tok)] (the deterministic dQ kernel's padded rows; the
+// wgmma kernel stages with stmatrix, dkdv_wgmma.cuh's stage_ds).
 template <typename At>
 __device__ __forceinline__ void store_ds_rows(uint8_t* sds, const uint32_t (&af)[2][4], int warp,
                                               int lane, At&& at) {
