@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# One call on the GPU machine for the queued SageBwd series (bench/queue/bwd-stsm-tma.mbox,
-# bench/NOTES.md v79): its GPU test, compute-sanitizer racecheck and memcheck of the small
-# cases, the Python backward tests, bench/backward.py --quick against main's binding in
-# four processes (base, new, new, base), and ncu's instruction count of the dK/dV kernel
-# at 4K. Logs go to $OUT/logs.tgz; a short table last.
+# One call on the GPU machine for a change to the SageBwd kernels (the first was v80's
+# series, bench/NOTES.md): its GPU test, compute-sanitizer racecheck and memcheck of the
+# small cases, the Python backward tests, bench/backward.py --quick against main's binding
+# in four processes (base, new, new, base), and ncu's instruction count of the dK/dV
+# kernel at 4K. Logs go to $OUT/logs.tgz; a short table last.
 #   Archive, built off the device (.devrun/queue-bwd.tar.xz, files at its top level):
 #     base_C.so   main's qattn._C for the device's Python (cmake -DQATTN_BUILD_PYTHON=ON
 #                 -DPython_EXECUTABLE=<python3.12>, target qattn_C)
-#     new_C.so, gpu_test_sagebwd_backward   the same targets with the series applied
-#   run: bench/device_queue_bwd.sh <commit>   (carry .devrun .deps; .deps: libfmt9's .deb)
+#     new_C.so, gpu_test_sagebwd_backward   the same targets with the change applied
+#   run: bench/device_sagebwd_ab.sh <commit>   (carry .devrun .deps; .deps: libfmt9's .deb)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 commit=${1:-unknown}
