@@ -2,24 +2,28 @@
 """Decode attention speed on the GPU over a KV cache, side by side in one process
 (docs/kv-cache.md; timing as docs/design.md, Measuring):
 
-  sdpa_bf16     torch SDPA on a BF16 contiguous cache (B, Hkv, L, d): what a user has.
-                GQA folded into the query rows (q (B, Hkv, g*nq, d)), so K and V are read
-                once per KV head as a decode kernel reads them; nq > 1 takes a boolean
-                bottom-right causal mask (query i sees key j iff j <= i + L - nq)
+  sdpa_cudnn    torch SDPA on a BF16 contiguous cache (B, Hkv, L, d), cuDNN backend
+  sdpa_flash    the same, FlashAttention-2 backend: what a user has. GQA folded into the
+                query rows (q (B, Hkv, g*nq, d)), so K and V are read once per KV head as
+                a decode kernel reads them. With nq > 1 the folded rows are no causal
+                pattern either backend takes, so they run unmasked (the bottom-right mask
+                hides at most nq - 1 of L keys: the same bytes, a little more arithmetic);
+                the CosSim reference is SDPA with the boolean mask (query i sees key j iff
+                j <= i + L - nq), untimed
   qattn_nvfp4   qattn.decode on a qattn.KVCache of that format, paged (page size 16),
   qattn_fp8     filled from the same BF16 K and V by one qattn append
   qattn_int8
   qattn_bf16    (qattn's own BF16 format: the same bytes as SDPA's cache, paged)
 
-Grid: batch {1, 8, 32, 64} x context {1K, 4K, 16K, 64K} x nq {1, 4}, Hq = 32, Hkv = 8,
+Grid: batch {1, 8, 64, 128} x context {2K, 8K, 32K, 128K} x nq {1, 4}, Hq = 32, Hkv = 8,
 d = 128, bf16 queries; a (batch, context) whose BF16 cache would exceed --max-gb is
 skipped (a row with a note). Every sequence of a batch has the full context.
 
-Per row: ms (CUDA graph of one call, replayed: the device's time, no Python), ms_call
-(the eager call, Python included), GB/s of cache bytes read (B * L * bytes per token:
-K and V codes and scales of every KV head; q and o are ignored) at ms, the speedup
-over sdpa_bf16's ms at the same (batch, context, nq), and the CosSim of the output to
-sdpa_bf16's on the same inputs.
+Per row: ms (CUDA graph of one call, replayed: the device's time, no Python; also as us),
+ms_call (the eager call, Python included), bytes_read (cache_bytes: B * L * bytes per
+token, K and V codes and scales of every KV head; q and o are ignored) and its rate at
+ms (gbps, tbps), the speedup over sdpa_cudnn's and sdpa_flash's ms at the same (batch,
+context, nq), and the CosSim of the output to masked SDPA's on the same inputs.
 
 Timing (bench/forward.py's time_fn): CUDA events per call after warm-up, the median of
 each of two passes (both kept; ms is the lower one); several caches (sequence ranges of
@@ -43,11 +47,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
-BATCHES = (1, 8, 32, 64)
-CONTEXTS = (1024, 4096, 16384, 65536)
+BATCHES = (1, 8, 64, 128)
+CONTEXTS = (2048, 8192, 32768, 131072)
 NQS = (1, 4)
 FORMATS = ("nvfp4", "fp8", "int8", "bf16")
-METHODS = ("sdpa_bf16",) + tuple(f"qattn_{f}" for f in FORMATS)
+SDPA_METHODS = ("sdpa_cudnn", "sdpa_flash")
+METHODS = SDPA_METHODS + tuple(f"qattn_{f}" for f in FORMATS)
 # Bytes of one token's K or V row per KV head (docs/kv-cache.md, Bytes per token), so
 # the plan needs no GPU; checked against KVCache.bytes_per_token when measuring.
 ROW_BYTES = {"nvfp4": lambda d: d // 2 + d // 16, "fp8": lambda d: d + 4, "int8": lambda d: d + 4,
@@ -79,7 +84,8 @@ class Row:
     ms: Optional[float]
     ms_call: Optional[float] = None
     gbps: Optional[float] = None
-    speedup_vs_sdpa: Optional[float] = None
+    speedup_vs_cudnn: Optional[float] = None
+    speedup_vs_flash: Optional[float] = None
     cossim_vs_sdpa: Optional[float] = None
     cache_bytes: int = 0
     page_size: int = 0
@@ -88,11 +94,24 @@ class Row:
     iters: int = 0
     rotation: int = 1
     note: str = ""
+    # The fields bench/results/decode-*.json has been read by since issue 20: the same
+    # measurement in its units.
+    n: int = 0
+    us: Optional[float] = None
+    bytes_read: int = 0
+    tbps: Optional[float] = None
+
+    def __post_init__(self):
+        self.n = self.context
+        self.bytes_read = self.cache_bytes
+        if self.ms is not None:
+            self.us = self.ms * 1e3
+            self.tbps = self.gbps / 1e3 if self.gbps is not None else None
 
 
 def grid(args) -> List[Config]:
-    batches = (1, 32) if args.quick else args.batch
-    contexts = (4096, 16384) if args.quick else args.context
+    batches = (1, 64) if args.quick else args.batch
+    contexts = (2048, 32768) if args.quick else args.context
     return [Config(b, n, args.heads_q, args.heads_kv, args.d) for b in batches for n in contexts]
 
 
@@ -159,29 +178,44 @@ def measure_config(c: Config, args, l2_bytes: int) -> List[Row]:
 
     def row(method, nq, med_g, med_e, iters, cache_bytes, out=None, ref=None, page_size=0, note=""):
         ms = min(med_g)
-        r = Row(method, b, n, nq, hq, hkv, d, ms, min(med_e), cache_bytes / (ms * 1e-3) / 1e9, None,
+        r = Row(method, b, n, nq, hq, hkv, d, ms, min(med_e), cache_bytes / (ms * 1e-3) / 1e9, None, None,
                 fwd.cossim(out, ref) if out is not None and ref is not None else None, cache_bytes,
                 page_size, med_g, med_e, iters, r_count, note)
         rows.append(r)
         return r
 
-    sdpa_out, sdpa_ms = {}, {}
-    if "sdpa_bf16" in args.methods:
+    # The reference output of every row: SDPA with the bottom-right mask (untimed).
+    # Query head h reads KV head h // group: the group is folded into the query rows.
+    def sdpa(r, nq, mask=None):
+        q = qs[nq][r].reshape(b, hkv, group * nq, d)
+        o = F.scaled_dot_product_attention(q, k[r * b:(r + 1) * b], v[r * b:(r + 1) * b], attn_mask=mask)
+        return o.reshape(b, hq, nq, d)
+
+    ref_out = {}
+    for nq in args.nq:
+        j = torch.arange(n, device="cuda")[None, :]
+        i = torch.arange(nq, device="cuda").repeat(group)[:, None]
+        ref_out[nq] = sdpa(0, nq, (j <= i + n - nq) if nq > 1 else None)
+    sdpa_ms = {}  # (method, nq) -> ms
+    for method in SDPA_METHODS:
+        if method not in args.methods:
+            continue
+        backend = _SDPBackend.CUDNN_ATTENTION if method == "sdpa_cudnn" else _SDPBackend.FLASH_ATTENTION
         for nq in args.nq:
-            # Query head h reads KV head h // group: fold the group into the query rows.
-            j = torch.arange(n, device="cuda")[None, :]
-            i = torch.arange(nq, device="cuda").repeat(group)[:, None]
-            mask = (j <= i + n - nq) if nq > 1 else None
+            def call(r, nq=nq, backend=backend):
+                with _sdpa_kernel(backend):  # this backend alone: SDPA raises where it refuses
+                    return sdpa(r, nq)
 
-            def sdpa(r, nq=nq, mask=mask):
-                q = qs[nq][r].reshape(b, hkv, group * nq, d)
-                o = F.scaled_dot_product_attention(q, k[r * b:(r + 1) * b], v[r * b:(r + 1) * b], attn_mask=mask)
-                return o.reshape(b, hq, nq, d)
-
-            sdpa_out[nq] = sdpa(0)
-            med_g, med_e, iters = timed([lambda r=r: sdpa(r) for r in range(r_count)])
-            sdpa_ms[nq] = row("sdpa_bf16", nq, med_g, med_e, iters, b * n * 2 * hkv * 2 * d,
-                              note="GQA folded into query rows" + ("; boolean bottom-right mask" if nq > 1 else "")).ms
+            try:
+                out = call(0)
+                med_g, med_e, iters = timed([lambda r=r: call(r) for r in range(r_count)])
+            except RuntimeError as e:
+                rows.append(Row(method, b, n, nq, hq, hkv, d, None,
+                                note=f"unavailable: {str(e).splitlines()[0][:160]}"))
+                continue
+            note = "GQA folded into query rows" + ("; unmasked (see the header)" if nq > 1 else "")
+            sdpa_ms[method, nq] = row(method, nq, med_g, med_e, iters, b * n * 2 * hkv * 2 * d, out,
+                                      ref_out[nq], note=note).ms
     for fmt in FORMATS:
         method = f"qattn_{fmt}"
         if method not in args.methods:
@@ -206,10 +240,12 @@ def measure_config(c: Config, args, l2_bytes: int) -> List[Row]:
 
             out = dec(0)
             med_g, med_e, iters = timed([lambda r=r: dec(r) for r in range(r_count)])
-            rr = row(method, nq, med_g, med_e, iters, b * n * cache.bytes_per_token, out, sdpa_out.get(nq), ps,
+            rr = row(method, nq, med_g, med_e, iters, b * n * cache.bytes_per_token, out, ref_out[nq], ps,
                      f"num_splits {args.num_splits or 'chosen'}")
-            if nq in sdpa_ms:
-                rr.speedup_vs_sdpa = sdpa_ms[nq] / rr.ms
+            if ("sdpa_cudnn", nq) in sdpa_ms:
+                rr.speedup_vs_cudnn = sdpa_ms["sdpa_cudnn", nq] / rr.ms
+            if ("sdpa_flash", nq) in sdpa_ms:
+                rr.speedup_vs_flash = sdpa_ms["sdpa_flash", nq] / rr.ms
         cache = None  # before the next format's cache is allocated
         torch.cuda.empty_cache()
     return rows
@@ -228,17 +264,17 @@ def print_table(rows: List[Row]) -> None:
             if r is None or r.ms is None:
                 cells.append(f"{'-':>22}")
                 continue
-            sp = f" {r.speedup_vs_sdpa:4.2f}x" if r.speedup_vs_sdpa else ""
+            sp = f" {r.speedup_vs_cudnn:4.2f}x" if r.speedup_vs_cudnn else ""
             cells.append(f"{r.ms * 1e3:8.1f}us {r.gbps:5.0f}GB/s{sp}".rjust(22))
         print(f"{key[0]:>3}{key[1]:>7}{key[2]:>4}" + "".join(cells))
-    print("(graph-replay time per call, GB/s of cache bytes read, speedup over sdpa_bf16)")
+    print("(graph-replay time per call, GB/s of cache bytes read, speedup over sdpa_cudnn)")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="output folder for NAME.json (default: print only)")
     ap.add_argument("--name", default="decode-h200", help="file name stem of the JSON")
-    ap.add_argument("--quick", action="store_true", help="B {1, 32} x L {4K, 16K} (~1 minute)")
+    ap.add_argument("--quick", action="store_true", help="B {1, 64} x L {2K, 32K} (~1 minute)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan (no GPU, no torch needed)")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--batch", type=int, nargs="+", default=list(BATCHES))
@@ -249,7 +285,7 @@ def main(argv=None) -> int:
     ap.add_argument("--d", type=int, default=128, choices=(64, 128, 256))
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--num-splits", type=int, default=0, help="qattn.decode's num_splits (0: chosen)")
-    ap.add_argument("--max-gb", type=float, default=20.0, help="skip a (batch, context) whose BF16 cache is larger")
+    ap.add_argument("--max-gb", type=float, default=40.0, help="skip a (batch, context) whose BF16 cache is larger")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--min-iters", type=int, default=10)
     ap.add_argument("--max-iters", type=int, default=200)
@@ -267,7 +303,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.min_iters, args.max_iters, args.budget_s = 5, 50, 0.05
 
-    global _torch, _F, _qattn, _fwd
+    global _torch, _F, _qattn, _fwd, _SDPBackend, _sdpa_kernel
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import forward as fwd  # timing and environment helpers (imports torch and qattn)
 
@@ -275,6 +311,7 @@ def main(argv=None) -> int:
         print(f"bench/decode.py: {fwd._import_error}", file=sys.stderr)
         return 2
     _torch, _F, _qattn, _fwd = fwd.torch, fwd.F, fwd.qattn, fwd
+    from torch.nn.attention import SDPBackend as _SDPBackend, sdpa_kernel as _sdpa_kernel
     torch = _torch
     if not torch.cuda.is_available() or not _qattn.device_supported():
         print("bench/decode.py: needs a CUDA device qattn runs on (sm_90)", file=sys.stderr)
@@ -325,7 +362,7 @@ def main(argv=None) -> int:
     return 0
 
 
-_torch = _F = _qattn = _fwd = None
+_torch = _F = _qattn = _fwd = _SDPBackend = _sdpa_kernel = None
 
 if __name__ == "__main__":
     sys.exit(main())
