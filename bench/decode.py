@@ -30,7 +30,7 @@ each of two passes (both kept; ms is the lower one); several caches (sequence ra
 one qattn.KVCache, batch slices of one SDPA tensor) rotated where one would fit in L2.
 
 Run on the device from the repo root (after python/build_on_device.sh):
-  PYTHONPATH=python python3 bench/decode.py --out bench/results            # ~5-8 min
+  PYTHONPATH=python python3 bench/decode.py --out bench/results            # ~1-2 min
   PYTHONPATH=python python3 bench/decode.py --quick                        # ~1 min, prints only
   python3 bench/decode.py --dry-run                                         # no GPU: the plan
 Writes OUT/decode-h200.json ({"env": {...}, "rows": [...]}) with --out.
