@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on the GPU machine for a change to the SageBwd kernels (the first was v80's
+# One run on a GPU machine for a change to the SageBwd kernels (the first was v80's
 # series, bench/NOTES.md): its GPU test, compute-sanitizer racecheck and memcheck of the
 # small cases, the Python backward tests, bench/backward.py --quick against main's binding
 # in four processes (base, new, new, base), and ncu's instruction count of the dK/dV
