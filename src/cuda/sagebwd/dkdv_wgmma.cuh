@@ -24,9 +24,9 @@
 // 16-bit rows of 128 channels as two boxes of 64): the K side once by cp.async from every
 // thread, the Q side's three stages in flight by TMA and bulk copies that thread 0 issues
 // (QSideMaps), so the other warps spend no instructions on copies. The warpgroups meet
-// through mbarriers only (Barriers): a stage is refilled once both are done with it, and step w's dQ is formed
-// at step w + 1, so neither waits for the other's dŜ in the usual case and one may run
-// ahead of the other by up to a step. wgmma reads 8-bit operands K-major only: every
+// through mbarriers only (Barriers): a stage is refilled once both are done with it, and
+// step w's dQ is formed at step w + 1, so neither waits for the other's dŜ in the usual
+// case and one may run ahead of the other by up to a step. wgmma reads 8-bit operands K-major only: every
 // product above reads rows whose reduction dimension is contiguous, which the workspace
 // already stores (workspace.h).
 #pragma once
@@ -144,6 +144,13 @@ struct QSideMaps {
   CUtensorMap q8, dov, qt, dot;
 };
 
+// Block `blk` of query head `bhq` in q_scale and do_scale (one float a Q block). A stage
+// holds the 16-byte word containing it (bulk copies move 16-byte multiples), at float
+// index & 3 of that word.
+__device__ __forceinline__ int64_t q_scale_index(const Args& a, int64_t bhq, int blk) {
+  return bhq * (a.nq_pad / kQBlockRows) + blk;
+}
+
 // Issues the copies of block `blk` of query head `bhq` into the stage at `st`, completing
 // on `full`: one thread, after the stage's previous readers have released it. Q-side
 // rows are re-read by every KV tile of the head: kept in L2 (evict_last).
@@ -160,7 +167,7 @@ __device__ __forceinline__ void wg_issue_q_side(const Args& a, const QSideMaps& 
     hopper::tma_load_3d(st + L::kDo + box * kQBlockRows * 128, &m.dov, full, 128 * box, q0, h, keep);
   hopper::tma_load_3d(st + L::kQt, &m.qt, full, q0, 0, h, keep);
   hopper::tma_load_3d(st + L::kDot, &m.dot, full, q0, 0, h, keep);
-  const int64_t row = bhq * a.nq_pad + q0, sidx = bhq * (a.nq_pad / kQBlockRows) + blk;
+  const int64_t row = bhq * a.nq_pad + q0, sidx = q_scale_index(a, bhq, blk);
   hopper::bulk_load(st + L::kLse2, a.lse2 + row, kQBlockRows * 4, full);
   hopper::bulk_load(st + L::kDelta, a.delta + row, kQBlockRows * 4, full);
   hopper::bulk_load(st + L::kScales, a.q_scale + (sidx & ~int64_t{3}), 16, full);
@@ -302,8 +309,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       hopper::mbarrier_init(&bar.ds_full[p], kWarps);
       hopper::mbarrier_init(&bar.ds_empty[p], kWarps);
     }
+    hopper::fence_barrier_init();  // visible to the copy engine too
   }
-  if (threadIdx.x == 0) hopper::fence_barrier_init();  // visible to the copy engine too
   __syncthreads();  // the barriers, before any arrival
 
   const int64_t bh0 = static_cast<int64_t>(b) * a.heads_q + hk * a.group;
@@ -416,7 +423,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint32_t st16 = desc.units(st);  // the stage's descriptor base
     hopper::mbarrier_wait(&bar.full[sidx], round & 1);  // TMA's bytes: no proxy fence
     const float* st_f = reinterpret_cast<const float*>(smem + st);
-    const int sw = static_cast<int>((bhq * (a.nq_pad / kQBlockRows) + blk) & 3);  // in its word
+    const int sw = static_cast<int>(q_scale_index(a, bhq, blk) & 3);  // in its word
     const float s_q = st_f[L::kScales / 4 + sw], s_do = st_f[L::kScales / 4 + 4 + sw];
     cur.advance(first, blocks);
     TileOperands op{};
