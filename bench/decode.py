@@ -94,8 +94,8 @@ class Row:
     iters: int = 0
     rotation: int = 1
     note: str = ""
-    # The fields bench/results/decode-*.json has been read by since issue 20: the same
-    # measurement in its units.
+    # The same measurement in the units of issue 20's results format (n, us, bytes_read,
+    # tbps), derived from the fields above.
     n: int = 0
     us: Optional[float] = None
     bytes_read: int = 0
