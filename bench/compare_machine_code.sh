@@ -5,6 +5,9 @@
 # GPU and no CUDA binary tools beyond nvcc are needed (readelf reads the cubins).
 #   bench/compare_machine_code.sh REV FILE.cu [FILE.cu ...]
 #     e.g. bench/compare_machine_code.sh HEAD src/cuda/sage2_fwd/launch.cu
+# BY_CONTENT=1 pairs kernels by their bytes instead: every kernel of REV must have a
+# byte-identical kernel in the working tree (for a change that renames kernels, e.g. a
+# template parameter added with the old code as one of its values).
 # Prints one line per kernel that differs and a summary; kernels that exist in one build
 # only are listed (a change that adds kernels still has the others compared); exits 1
 # when a kernel of both builds differs or one of the base build's is gone.
@@ -42,6 +45,14 @@ for file in "$@"; do
     wait "$pid" || { echo "$file: does not compile at one of the two revisions"; exit 2; }
   done
   pids=()
+  if [ -n "${BY_CONTENT:-}" ]; then
+    digests() { for s in $(sections "$1"); do readelf -x "$s" "$1" 2>/dev/null | tail -n +3 | md5sum | cut -c1-32; done | sort -u; }
+    missing=$(comm -23 <(digests "$tmp/base.cubin") <(digests "$tmp/new.cubin") | wc -l)
+    echo "$file: $(sections "$tmp/base.cubin" | wc -l) kernels at $rev, $(sections "$tmp/new.cubin" | wc -l) now;" \
+         "$missing of $rev's machine codes have no byte-identical kernel now"
+    [ "$missing" -eq 0 ] || status=1
+    continue
+  fi
   gone=$(comm -23 <(sections "$tmp/base.cubin" | normalize | sort) <(sections "$tmp/new.cubin" | normalize | sort))
   added=$(comm -13 <(sections "$tmp/base.cubin" | normalize | sort) <(sections "$tmp/new.cubin" | normalize | sort))
   for k in $gone; do echo "only in $rev: ${k#.text.}"; status=1; done

@@ -72,8 +72,7 @@ constexpr api::BackwardFamily kFamily{
     .max_head_dim = 128,  // padded to 64 or 128 inside (workspace.h)
     .dtypes = (1u << QATTN_DTYPE_FP16) | (1u << QATTN_DTYPE_BF16),
     .masks = api::kMaskNone | api::kMaskCausal,
-    // E4M3 (the paper's FP8 comparison) has an emulator but no kernel yet.
-    .formats = 1u << QATTN_BWD_INT8,
+    .formats = (1u << QATTN_BWD_INT8) | (1u << QATTN_BWD_E4M3),
     .dovs = (1u << QATTN_BWD_DOV_16BIT) | (1u << QATTN_BWD_DOV_QUANTIZED),
     .determinism = (1u << 0) | (1u << 1),
     .check_limits = &check_limits,

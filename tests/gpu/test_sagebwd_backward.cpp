@@ -478,6 +478,15 @@ TEST(SageBwdBackward, FixedCasesEachSwitch) {
   c.head_dim = 128;
   c.row_pad = 16;  // poisoned (NaN) padding after each input row must never be read
   check_case(c);
+  // The E4M3 format with each dO·Vᵀ precision, both dQ modes and both head dims.
+  c.format = QATTN_BWD_E4M3;
+  check_case(c);
+  c.dov = QATTN_BWD_DOV_16BIT;
+  c.deterministic = 0;
+  c.head_dim = 64;
+  c.bf16 = true;
+  c.row_pad = 0;
+  check_case(c);
 }
 
 // The dK/dV kernel forms each step's dQ one step late (its first step issues a product it
@@ -502,7 +511,8 @@ TEST(SageBwdBackward, OneAndTwoStepsPerCta) {
 // Random shapes. The seed picks lengths, batch, dtype, layout and the input rows'
 // padding; the case index makes sure the sweep covers each of: Nq < Nkv, Nq > Nkv and
 // Nq = Nkv; MHA, GQA 4:1 and MQA; causal and not; dO·Vᵀ 16-bit and quantized; both dQ
-// modes; d 64 and 128, and one d = 96.
+// modes; d 64 and 128, and one d = 96; and four cases in E4M3 (cases 2, 4, 7, 9: d 128
+// and 64, each dO·Vᵀ precision, both dQ modes).
 TEST(SageBwdBackward, RandomShapeSweep) {
   QATTN_SKIP_WITHOUT_GPU();
   const uint64_t seed = test::fresh_seed();
@@ -554,6 +564,7 @@ TEST(SageBwdBackward, RandomShapeSweep) {
     c.head_dim = i == 5 ? 96 : (i % 2 ? 64 : 128);
     c.dov = (i / 3) % 2 ? QATTN_BWD_DOV_QUANTIZED : QATTN_BWD_DOV_16BIT;
     c.deterministic = (i / 4) % 2;
+    c.format = i % 5 == 2 || i % 5 == 4 ? QATTN_BWD_E4M3 : QATTN_BWD_INT8;
     c.bf16 = rng() % 2;
     c.layout = rng() % 2 ? Layout::NHD : Layout::HND;
     c.row_pad = rng() % 3 == 0 ? pick({8, 16, 40}) : 0;
@@ -580,8 +591,8 @@ TEST(SageBwdBackward, DeterministicModeIsBitwiseStable) {
   c.causal = true;
   c.runs = 3;
   c.deterministic = 1;
-  {
-    const auto runs = check_case(c);
+  auto expect_bitwise_stable = [](const BwdCase& d) {
+    const auto runs = check_case(d);
     ASSERT_EQ(runs.size(), 3u);
     for (int r = 1; r < 3; ++r) {
       std::size_t differ = 0;
@@ -589,6 +600,14 @@ TEST(SageBwdBackward, DeterministicModeIsBitwiseStable) {
       EXPECT_EQ(differ, 0u) << "run " << r + 1 << " differs from run 1 in " << differ << " of "
                             << runs[0].size() << " 16-bit values";
     }
+  };
+  expect_bitwise_stable(c);
+  {
+    BwdCase e = c;  // E4M3's products sum in FP32 inside the tensor core: the same order too
+    e.format = QATTN_BWD_E4M3;
+    e.seqlen_q = 300;
+    e.heads_q = 4;
+    expect_bitwise_stable(e);
   }
   c.deterministic = 0;
   c.seqlen_kv = 1024;

@@ -224,6 +224,50 @@ __device__ __forceinline__ void wgmma_m64n64k32_s8_rs(int32_t (&d)[32], const ui
                  : QATTN_WGMMA_D32("=r", d)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
+// The E4M3 twins of the three above (the backward's FP8 format): FP32 accumulators,
+// the same operand layouts (8-bit elements, K-major), unit scales of A and B.
+template <bool kAcc>
+__device__ __forceinline__ void wgmma_m64n64k32_e4m3_ss(float (&d)[32], uint64_t desc_a,
+                                                        uint64_t desc_b) {
+  if constexpr (kAcc)
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 " QATTN_WGMMA_REGS32
+                 ", %32, %33, 1, 1, 1;\n"
+                 : QATTN_WGMMA_D32("+f", d)
+                 : "l"(desc_a), "l"(desc_b));
+  else
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 " QATTN_WGMMA_REGS32
+                 ", %32, %33, 0, 1, 1;\n"
+                 : QATTN_WGMMA_D32("=f", d)
+                 : "l"(desc_a), "l"(desc_b));
+}
+template <bool kAcc>
+__device__ __forceinline__ void wgmma_m64n32k32_e4m3_ss(float (&d)[16], uint64_t desc_a,
+                                                        uint64_t desc_b) {
+  if constexpr (kAcc)
+    asm volatile("wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 " QATTN_WGMMA_REGS16
+                 ", %16, %17, 1, 1, 1;\n"
+                 : QATTN_WGMMA_D16("+f", d)
+                 : "l"(desc_a), "l"(desc_b));
+  else
+    asm volatile("wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 " QATTN_WGMMA_REGS16
+                 ", %16, %17, 0, 1, 1;\n"
+                 : QATTN_WGMMA_D16("=f", d)
+                 : "l"(desc_a), "l"(desc_b));
+}
+template <bool kAcc>
+__device__ __forceinline__ void wgmma_m64n64k32_e4m3_rs(float (&d)[32], const uint32_t (&a)[4],
+                                                        uint64_t desc_b) {
+  if constexpr (kAcc)
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 " QATTN_WGMMA_REGS32
+                 ", {%32, %33, %34, %35}, %36, 1, 1, 1;\n"
+                 : QATTN_WGMMA_D32("+f", d)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+  else
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 " QATTN_WGMMA_REGS32
+                 ", {%32, %33, %34, %35}, %36, 0, 1, 1;\n"
+                 : QATTN_WGMMA_D32("=f", d)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
 // D(64x64, f32) (+)= A(64x16, bf16 or f16, smem) * B(64x16, same, smem, K-major)
 template <bool kBf16, bool kAcc>
 __device__ __forceinline__ void wgmma_m64n64k16_f32_ss(float (&d)[32], uint64_t desc_a,

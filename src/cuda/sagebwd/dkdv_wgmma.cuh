@@ -7,16 +7,17 @@
 // mma.sync kernel, and the m64nN accumulator puts every (row, column) in the register
 // the m16n8 accumulator did: tile.cuh's element-wise steps serve both kernels unchanged.
 // Per Q block of every query head of the group:
-//   Sᵀ  = K̂_c·Q̂ᵀ      m64n64k32 s8, both from shared memory
-//   dPᵀ = V_c·dOᵀ     m64n64k16 bf16/f16 (or s8 with the quantized dO·Vᵀ)
+//   Sᵀ  = K̂_c·Q̂ᵀ      m64n64k32 8-bit, both from shared memory
+//   dPᵀ = V_c·dOᵀ     m64n64k16 bf16/f16 (or 8-bit with the quantized dO·Vᵀ)
 //   P, dS, each warpgroup's maxima (its 64 KV rows: one scale per half of the tile),
 //   P̂ᵀ/dŜᵀ as register A fragments
-//   dV_c += P̂ᵀ·dÔ     m64n64k32 s8, A from registers; B = dÔᵀ rows (π order, permute.cuh)
+//   dV_c += P̂ᵀ·dÔ     m64n64k32 8-bit, A from registers; B = dÔᵀ rows (π order, permute.cuh)
 //   dK_c += dŜᵀ·Q̂     likewise with Q̂ᵀ
-//   dQ[:, half c] = dŜ·K̂   m64n(D/2)k32 s8: dŜ staged Q-row-major in shared memory (stmatrix,
+//   dQ[:, half c] = dŜ·K̂   m64n(D/2)k32 8-bit: dŜ staged Q-row-major in shared memory (stmatrix,
 //                          tokens in σ order as K̂ᵀ's), one product per 64-token half, each
 //                          with that half's dS scale
-// Each INT32 product carries its own per-tile scale, so it lands in a fresh temporary and
+// "8-bit" is the format F (format8.cuh): s8 products summed in INT32, or e4m3 in FP32.
+// Each product carries its own per-tile scale, so it lands in a fresh temporary and
 // is folded into the FP32 accumulator (dK, dV: registers for the whole item; dQ: global
 // FP32 reductions, as the mma.sync kernel does).
 //
@@ -84,7 +85,7 @@ inline constexpr int kQStages = 3;  // Q-side stages in flight
 
 template <int D, bool kQuantDov>
 struct WgSmem {
-  static constexpr int kRowI8 = D;                       // bytes of an INT8 row of D
+  static constexpr int kRowI8 = D;                       // bytes of an 8-bit row of D
   static constexpr int kRowV = kQuantDov ? D : 2 * D;    // bytes of a V or dO row
   static constexpr Swizzle kSwI8 = kSwizzleOf<D>;
   static constexpr Swizzle kSwV = kQuantDov ? kSwizzleOf<D> : Swizzle::k128B;
@@ -136,7 +137,7 @@ __device__ __forceinline__ void wg_load_k_side(const Args& a, uint32_t base, int
 
 // The Q side's tensor maps (launch.cu), over the workspace's arrays as bytes: a stage is
 // one box of each, which TMA writes in the swizzled layout wgmma reads.
-//   q8   q_i8  (D, Nq_pad, B·Hq), box (D, 64), the INT8 rows' swizzle
+//   q8   q_i8  (D, Nq_pad, B·Hq), box (D, 64), the 8-bit rows' swizzle
 //   dov  do_16 as bytes (2D, Nq_pad, B·Hq), box (128, 64), 128-byte swizzle (two boxes at
 //        D = 128); do_i8 (quantized dO·Vᵀ) as q8
 //   qt   qt_i8 (Nq_pad, D, B·Hq), box (64, D), 64-byte swizzle; dot likewise for dot_i8
@@ -207,21 +208,25 @@ struct WorkCursor {
   }
 };
 
-// out[8h + j][e] += scale · tmp[4j + e]: a 64-column INT32 product into the FP32 rows.
-// The conversions split between one I2FP (one issue slot, on a slower pipe whose
-// variable latency makes ptxas hold more registers) and tile.cuh's IADD + FADD (two
+// out[8h + j][e] += scale · tmp[4j + e]: a 64-column product into the FP32 rows. INT32
+// sums split their conversions between one I2FP (one issue slot, on a slower pipe whose
+// variable latency makes ptxas hold more registers) and format8.cuh's IADD + FADD (two
 // slots, in place): all I2FP at D = 64, one in four at D = 128, where more spill. Both
 // are exact here, so the sums are the same bits.
-template <int kCols>
-__device__ __forceinline__ void merge_cols(float (&out)[kCols / 8][4], const int32_t (&tmp)[32],
-                                           int h, float scale) {
+template <int kCols, typename F>
+__device__ __forceinline__ void merge_cols(float (&out)[kCols / 8][4],
+                                           const typename F::Acc (&tmp)[32], int h, float scale) {
   constexpr int kI2fpEvery = kCols <= 64 ? 1 : 4;
 #pragma unroll
   for (int j = 0; j < 8; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int32_t v = tmp[4 * j + e];
-      const float x = e % kI2fpEvery == kI2fpEvery - 1 ? __int2float_rn(v) : i2f_exact(v);
+      const typename F::Acc v = tmp[4 * j + e];
+      float x;
+      if constexpr (F::kIntegerSums)
+        x = e % kI2fpEvery == kI2fpEvery - 1 ? __int2float_rn(v) : i2f_exact(v);
+      else
+        x = v;
       out[8 * h + j][e] = fmaf(x, scale, out[8 * h + j][e]);
     }
 }
@@ -267,10 +272,11 @@ struct Barriers {
 // deterministic mode) dq_kernel computes dQ and this kernel skips dŜ's staging and dQ.
 // Step w's dQ is formed at step w + 1 (after its dK and dV), when the other warpgroup's
 // half of dŜ is there without a wait in the usual case.
-template <typename T, int D, bool kQuantDov, bool kAtomicDq>
+template <typename T, int D, bool kQuantDov, bool kAtomicDq, typename F>
 __global__ void __launch_bounds__(kThreads, 1)
     dkdv_wgmma_kernel(const Args a, const __grid_constant__ QSideMaps maps) {
   using L = WgSmem<D, kQuantDov>;
+  using Acc = typename F::Acc;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   constexpr int kHalves = D / 64;   // 64-column halves of dK, dV
   constexpr int kDqCols = D / 2;    // dQ columns per warpgroup
@@ -351,7 +357,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // (by lane 0, the lane that releases the buffer, then shuffled: racecheck does not order
   // other lanes' reads through __syncwarp before its arrival); dq_reduce adds the FP32
   // values into rows q0.. of query head bhq.
-  auto product_dq = [&](int32_t(&tq)[kDqCols / 2], int pu, int h) {
+  auto product_dq = [&](Acc(&tq)[kDqCols / 2], int pu, int h) {
     const uint64_t d_ds = hopper::desc_advance(d_ds0, pu * L::kDsBytes);
     hopper::wgmma_fence();
 #pragma unroll
@@ -361,14 +367,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint64_t db = hopper::desc_advance(d_kt, 32 * kk);
       if constexpr (kDqCols == 64) {
         if (k2 == 0)
-          hopper::wgmma_m64n64k32_s8_ss<false>(reinterpret_cast<int32_t(&)[32]>(tq), da, db);
+          F::template wgmma_n64_ss<false>(reinterpret_cast<Acc(&)[32]>(tq), da, db);
         else
-          hopper::wgmma_m64n64k32_s8_ss<true>(reinterpret_cast<int32_t(&)[32]>(tq), da, db);
+          F::template wgmma_n64_ss<true>(reinterpret_cast<Acc(&)[32]>(tq), da, db);
       } else {
         if (k2 == 0)
-          hopper::wgmma_m64n32k32_s8_ss<false>(reinterpret_cast<int32_t(&)[16]>(tq), da, db);
+          F::template wgmma_n32_ss<false>(reinterpret_cast<Acc(&)[16]>(tq), da, db);
         else
-          hopper::wgmma_m64n32k32_s8_ss<true>(reinterpret_cast<int32_t(&)[16]>(tq), da, db);
+          F::template wgmma_n32_ss<true>(reinterpret_cast<Acc(&)[16]>(tq), da, db);
       }
     }
     hopper::wgmma_commit();
@@ -397,19 +403,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   // The second half of dQ(u) once the first is in tq: x = both halves, scaled; releases
   // the buffer.
-  auto dq_second_half = [&](int32_t(&tq)[kDqCols / 2], int pu, const float (&sc)[2],
+  auto dq_second_half = [&](Acc(&tq)[kDqCols / 2], int pu, const float (&sc)[2],
                             float(&x)[kDqCols / 2]) {
     hopper::wgmma_wait<0>();
     hopper::fence_operands(tq);
 #pragma unroll
-    for (int i = 0; i < kDqCols / 2; ++i) x[i] = i2f_exact(tq[i]) * sc[0];
+    for (int i = 0; i < kDqCols / 2; ++i) x[i] = F::to_float(tq[i]) * sc[0];
     product_dq(tq, pu, 1);
     hopper::wgmma_wait<0>();
     hopper::fence_operands(tq);
     __syncwarp();
     if (lane == 0) hopper::mbarrier_arrive(&bar.ds_empty[pu]);
 #pragma unroll
-    for (int i = 0; i < kDqCols / 2; ++i) x[i] = fmaf(i2f_exact(tq[i]), sc[1], x[i]);
+    for (int i = 0; i < kDqCols / 2; ++i) x[i] = fmaf(F::to_float(tq[i]), sc[1], x[i]);
   };
 
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
@@ -435,29 +441,29 @@ __global__ void __launch_bounds__(kThreads, 1)
     op.j0 = j0;
 
     // Sᵀ, then dPᵀ: two groups, so P is computed while dPᵀ runs.
-    int acc[kNBlocksQ][4];
+    Acc acc[kNBlocksQ][4];
     float dp[kNBlocksQ][4];
-    auto& acc_flat = reinterpret_cast<int32_t(&)[32]>(acc);
+    auto& acc_flat = reinterpret_cast<Acc(&)[32]>(acc);
     auto& dp_flat = reinterpret_cast<float(&)[32]>(dp);
     hopper::wgmma_fence();
     {
       const uint64_t d_q8 = SmemDescs::of<L::kSwI8>(st16 + L::kQ8 / 16);
-      hopper::wgmma_m64n64k32_s8_ss<false>(acc_flat, d_k8, d_q8);
+      F::template wgmma_n64_ss<false>(acc_flat, d_k8, d_q8);
 #pragma unroll
       for (int kk = 1; kk < D / 32; ++kk)
-        hopper::wgmma_m64n64k32_s8_ss<true>(acc_flat, hopper::desc_advance(d_k8, 32 * kk),
-                                            hopper::desc_advance(d_q8, 32 * kk));
+        F::template wgmma_n64_ss<true>(acc_flat, hopper::desc_advance(d_k8, 32 * kk),
+                                       hopper::desc_advance(d_q8, 32 * kk));
     }
     hopper::wgmma_commit();
-    int dpi[kNBlocksQ][4];
-    auto& dpi_flat = reinterpret_cast<int32_t(&)[32]>(dpi);
+    Acc dpi[kNBlocksQ][4];
+    auto& dpi_flat = reinterpret_cast<Acc(&)[32]>(dpi);
     if constexpr (kQuantDov) {
       const uint64_t d_do = SmemDescs::of<L::kSwV>(st16 + L::kDo / 16);
-      hopper::wgmma_m64n64k32_s8_ss<false>(dpi_flat, d_v, d_do);
+      F::template wgmma_n64_ss<false>(dpi_flat, d_v, d_do);
 #pragma unroll
       for (int kk = 1; kk < D / 32; ++kk)
-        hopper::wgmma_m64n64k32_s8_ss<true>(dpi_flat, hopper::desc_advance(d_v, 32 * kk),
-                                            hopper::desc_advance(d_do, 32 * kk));
+        F::template wgmma_n64_ss<true>(dpi_flat, hopper::desc_advance(d_v, 32 * kk),
+                                       hopper::desc_advance(d_do, 32 * kk));
     } else {
       // k-step kk: box kk / 4 (64 channels), 32 bytes per step inside it.
 #pragma unroll
@@ -477,19 +483,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     hopper::wgmma_wait<1>();
     hopper::fence_operands(acc_flat);
     float p[kNBlocksQ][4];
-    scores_to_p(a, op, acc, warp, lane, p);
+    scores_to_p<F>(a, op, acc, warp, lane, p);
     hopper::wgmma_wait<0>();
     if constexpr (kQuantDov) {
       hopper::fence_operands(dpi_flat);
 #pragma unroll
       for (int n = 0; n < kNBlocksQ; ++n)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) dp[n][e] = i2f_exact(dpi[n][e]) * op.s_dov;
+        for (int e = 0; e < 4; ++e) dp[n][e] = F::to_float(dpi[n][e]) * op.s_dov;
     } else {
       hopper::fence_operands(dp_flat);
     }
     TileFrags f;
-    finish_tile(op, p, dp, warp, lane, red + 2 * kWarps * (w & 1), f);  // the warpgroup's own maxima
+    finish_tile<F>(op, p, dp, warp, lane, red + 2 * kWarps * (w & 1), f);  // the warpgroup's own maxima
 
     if constexpr (kAtomicDq) {
       // This warpgroup's half of dŜ (Q-row-major, for dQ = dŜ·K̂) and its scale, into
@@ -513,25 +519,25 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     ld.advance(first, blocks);
 
-    // dV += P̂ᵀ·dÔ, dK += dŜᵀ·Q̂ by 64-column halves; two INT32 temporaries, each merged
+    // dV += P̂ᵀ·dÔ, dK += dŜᵀ·Q̂ by 64-column halves; two temporaries, each merged
     // as soon as its product is done while the next one runs.
     const float sc_dv = f.s_p * s_do, sc_dk = a.sm_scale * (f.s_ds * s_q);
     const uint64_t d_dot = SmemDescs::of<Swizzle::k64B>(st16 + L::kDot / 16);
     const uint64_t d_qt = SmemDescs::of<Swizzle::k64B>(st16 + L::kQt / 16);
-    auto product_kv = [&](int32_t(&tmp)[32], const uint32_t(&af)[2][4], uint64_t d_b, int h) {
+    auto product_kv = [&](Acc(&tmp)[32], const uint32_t(&af)[2][4], uint64_t d_b, int h) {
       // Half h: rows 64h.. of the D × 64 tile (64 bytes each).
       const uint64_t d_h = hopper::desc_advance(d_b, 64 * 64 * h);
       hopper::wgmma_fence();
-      hopper::wgmma_m64n64k32_s8_rs<false>(tmp, af[0], d_h);
-      hopper::wgmma_m64n64k32_s8_rs<true>(tmp, af[1], hopper::desc_advance(d_h, 32));
+      F::template wgmma_n64_rs<false>(tmp, af[0], d_h);
+      F::template wgmma_n64_rs<true>(tmp, af[1], hopper::desc_advance(d_h, 32));
       hopper::wgmma_commit();
     };
-    int32_t ta[32], tb[32];
+    Acc ta[32], tb[32];
     // Step w - 1's dQ, its first half issued under the last dK product. At step 0 there
     // is none: the product then reads buffer 1's unwritten bytes and is not reduced,
     // which keeps every wgmma issue out of a branch (ptxas serializes those).
     const int pu = (w - 1) & 1;
-    int32_t tq[kDqCols / 2];
+    Acc tq[kDqCols / 2];
     float sc_dq[2];
     auto dq_first_half = [&] {
       if constexpr (kAtomicDq) {
@@ -545,37 +551,37 @@ __global__ void __launch_bounds__(kThreads, 1)
       product_kv(tb, f.p, d_dot, 1);
       hopper::wgmma_wait<1>();
       hopper::fence_operands(ta);
-      merge_cols<D>(dv, ta, 0, sc_dv);
+      merge_cols<D, F>(dv, ta, 0, sc_dv);
       product_kv(ta, f.ds, d_qt, 0);
       hopper::wgmma_wait<1>();
       fence_frags(f.p);  // the fragments stay allocated until their last reader is done
       hopper::fence_operands(tb);
-      merge_cols<D>(dv, tb, 1, sc_dv);
+      merge_cols<D, F>(dv, tb, 1, sc_dv);
       product_kv(tb, f.ds, d_qt, 1);
       hopper::wgmma_wait<1>();
       hopper::fence_operands(ta);
-      merge_cols<D>(dk, ta, 0, sc_dk);
+      merge_cols<D, F>(dk, ta, 0, sc_dk);
       dq_first_half();
       hopper::wgmma_wait<kAtomicDq ? 1 : 0>();
       fence_frags(f.ds);
       hopper::fence_operands(tb);
       __syncwarp();
       if (lane == 0) hopper::mbarrier_arrive(&bar.empty[sidx]);  // the stage's last reader
-      merge_cols<D>(dk, tb, 1, sc_dk);
+      merge_cols<D, F>(dk, tb, 1, sc_dk);
     } else {
       product_kv(ta, f.p, d_dot, 0);
       product_kv(tb, f.ds, d_qt, 0);
       hopper::wgmma_wait<1>();
       fence_frags(f.p);
       hopper::fence_operands(ta);
-      merge_cols<D>(dv, ta, 0, sc_dv);
+      merge_cols<D, F>(dv, ta, 0, sc_dv);
       dq_first_half();
       hopper::wgmma_wait<kAtomicDq ? 1 : 0>();
       fence_frags(f.ds);
       hopper::fence_operands(tb);
       __syncwarp();
       if (lane == 0) hopper::mbarrier_arrive(&bar.empty[sidx]);
-      merge_cols<D>(dk, tb, 0, sc_dk);
+      merge_cols<D, F>(dk, tb, 0, sc_dk);
     }
     if constexpr (kAtomicDq) {
       float x[kDqCols / 2];
@@ -593,7 +599,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (work > 0) {
       const int pu = (work - 1) & 1;
       hopper::mbarrier_wait(&bar.ds_full[pu], ((work - 1) >> 1) & 1);
-      int32_t tq[kDqCols / 2];
+      Acc tq[kDqCols / 2];
       float sc_dq[2], x[kDqCols / 2];
       dq_scales(pu, sc_dq);
       product_dq(tq, pu, 0);

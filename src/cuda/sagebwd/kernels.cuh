@@ -93,7 +93,7 @@ struct QSide {
   static constexpr int kDot = kQt + D * S::kQT;
 };
 
-template <typename T, int D, bool kQuantDov>
+template <typename T, int D, bool kQuantDov, typename F>
 __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const Args a) {
   using S = Strides<D>;
   using L = Smem<D, kQuantDov>;
@@ -143,15 +143,15 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const Args a) {
     op.q0 = q0;
     op.j0 = j * kKvTileRows;
     TileFrags f;
-    tile_step<T, D, kQuantDov>(a, op, warp, lane, red, f);
+    tile_step<T, D, kQuantDov, F>(a, op, warp, lane, red, f);
     store_ds_rows(ds_bytes, f.ds, warp, lane,
                   [](int qc, int tok) { return qc * Strides<D>::kKvT + kv_pos_of_token(tok); });
     __syncthreads();  // dŜ and both halves' maxima (red is written again after the loop's
                       // next __syncthreads)
     float s_ds_half[2];
-    ds_half_scales(red, s_ds_half);
+    ds_half_scales<F>(red, s_ds_half);
     const float sc_dq[2] = {a.sm_scale * (s_ds_half[0] * s_k), a.sm_scale * (s_ds_half[1] * s_k)};
-    dq_product<D>(s_ds, st + kKvTileRows * S::kI8, sc_dq, warp, lane,
+    dq_product<D, F>(s_ds, st + kKvTileRows * S::kI8, sc_dq, warp, lane,
                   [&](int n, int e, float x) { dq[n][e] += x; });
   }
   float* out = a.dq_acc + (bhq * a.nq_pad + q0 + 16 * (warp % 4)) * D + (warp / 4) * (D / 2);

@@ -94,25 +94,26 @@ cudaError_t make_q_side_maps(const Args& a, QSideMaps& m) {
   return e;
 }
 
-template <typename T, int D, bool kQuantDov>
+template <typename T, int D, bool kQuantDov, Code8 C>
 cudaError_t run(const Args& a, bool deterministic, cudaStream_t stream) {
+  using F = Format8<C>;
   using L = Smem<D, kQuantDov>;
   using W = WgSmem<D, kQuantDov>;
   QSideMaps maps;  // before anything is enqueued: a failed encode launches nothing
   if (auto e = make_q_side_maps<D, kQuantDov>(a, maps); e != cudaSuccess) return e;
-  if (auto e = launch_prepare<T, D>(a, kQuantDov, stream); e != cudaSuccess) return e;
+  if (auto e = launch_prepare<T, D>(a, kQuantDov, C, stream); e != cudaSuccess) return e;
   const dim3 kv_grid(a.nkv_pad / kKvTileRows, a.heads_kv, a.batch);
   if (deterministic) {
     static std::atomic<unsigned long long> done_kv{0}, done_q{0};
-    auto kv = dkdv_wgmma_kernel<T, D, kQuantDov, false>;
-    auto q = dq_kernel<T, D, kQuantDov>;
+    auto kv = dkdv_wgmma_kernel<T, D, kQuantDov, false, F>;
+    auto q = dq_kernel<T, D, kQuantDov, F>;
     if (auto e = set_smem(kv, W::kBytes, done_kv); e != cudaSuccess) return e;
     if (auto e = set_smem(q, L::kDqBytes, done_q); e != cudaSuccess) return e;
     kv<<<kv_grid, kThreads, W::kBytes, stream>>>(a, maps);
     q<<<dim3(a.nq_pad / kQBlockRows, a.heads_q, a.batch), kThreads, L::kDqBytes, stream>>>(a);
   } else {
     static std::atomic<unsigned long long> done{0};
-    auto kv = dkdv_wgmma_kernel<T, D, kQuantDov, true>;
+    auto kv = dkdv_wgmma_kernel<T, D, kQuantDov, true, F>;
     if (auto e = set_smem(kv, W::kBytes, done); e != cudaSuccess) return e;
     kv<<<kv_grid, kThreads, W::kBytes, stream>>>(a, maps);
   }
@@ -120,10 +121,18 @@ cudaError_t run(const Args& a, bool deterministic, cudaStream_t stream) {
   return launch_dq_finalize<T, D>(a, stream);
 }
 
+template <typename T, Code8 C>
+cudaError_t run_format(const Args& a, int D, bool quant_dov, bool deterministic, cudaStream_t s) {
+  if (D == 64)
+    return quant_dov ? run<T, 64, true, C>(a, deterministic, s) : run<T, 64, false, C>(a, deterministic, s);
+  return quant_dov ? run<T, 128, true, C>(a, deterministic, s) : run<T, 128, false, C>(a, deterministic, s);
+}
+
 template <typename T>
-cudaError_t run_dtype(const Args& a, int D, bool quant_dov, bool deterministic, cudaStream_t s) {
-  if (D == 64) return quant_dov ? run<T, 64, true>(a, deterministic, s) : run<T, 64, false>(a, deterministic, s);
-  return quant_dov ? run<T, 128, true>(a, deterministic, s) : run<T, 128, false>(a, deterministic, s);
+cudaError_t run_dtype(const Args& a, int D, bool e4m3, bool quant_dov, bool deterministic,
+                      cudaStream_t s) {
+  return e4m3 ? run_format<T, Code8::E4M3>(a, D, quant_dov, deterministic, s)
+              : run_format<T, Code8::Int8>(a, D, quant_dov, deterministic, s);
 }
 
 }  // namespace
@@ -131,11 +140,12 @@ cudaError_t run_dtype(const Args& a, int D, bool quant_dov, bool deterministic, 
 int launch_backward(const qattn_bwd_params& p, void* workspace, void* stream) {
   const Args a = make_args(p, workspace);
   const int D = padded_head_dim(p.head_dim);
-  const bool quant_dov = p.dov == QATTN_BWD_DOV_QUANTIZED;
+  const bool quant_dov = p.dov == QATTN_BWD_DOV_QUANTIZED, e4m3 = p.format == QATTN_BWD_E4M3;
   auto s = static_cast<cudaStream_t>(stream);
+  const bool det = p.deterministic != 0;
   const cudaError_t e = p.dtype == QATTN_DTYPE_BF16
-                            ? run_dtype<__nv_bfloat16>(a, D, quant_dov, p.deterministic != 0, s)
-                            : run_dtype<__half>(a, D, quant_dov, p.deterministic != 0, s);
+                            ? run_dtype<__nv_bfloat16>(a, D, e4m3, quant_dov, det, s)
+                            : run_dtype<__half>(a, D, e4m3, quant_dov, det, s);
   return static_cast<int>(e);
 }
 

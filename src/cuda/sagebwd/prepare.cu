@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "cuda/common/quant_math.cuh"
+#include "cuda/sagebwd/format8.cuh"
 #include "cuda/sagebwd/out_stores.cuh"
 #include "cuda/sagebwd/permute.cuh"
 #include "numerics/block_scale.h"
@@ -68,7 +69,14 @@ __device__ __forceinline__ float block_max(float v, float* red) {
   return m;
 }
 
+// Eight values times inv as the format's codes, low byte first: the emulator's
+// (numerics::int8_quantize or e4m3_encode of x·inv).
+template <Code8 C>
 __device__ __forceinline__ uint2 pack8(const float (&x)[8], float inv) {
+  if constexpr (C == Code8::E4M3) {
+    using F = Format8<Code8::E4M3>;
+    return make_uint2(F::pack4(x[0], x[1], x[2], x[3], inv), F::pack4(x[4], x[5], x[6], x[7], inv));
+  }
   uint2 r;
   r.x = 0;
   r.y = 0;
@@ -101,8 +109,9 @@ __global__ void __launch_bounds__(D) k_mean_kernel(Args a) {
       col < a.d ? static_cast<float>(s / static_cast<double>(n)) : 0.0f;
 }
 
-template <typename T, int D, bool kQuantDov>
+template <typename T, int D, bool kQuantDov, Code8 C>
 __global__ void __launch_bounds__(kThreads) k_prepare_kernel(Args a) {
+  constexpr float kMax = Format8<C>::kMax;
   constexpr int kTpr = D / 8, kRpp = kThreads / kTpr, kPasses = kKvTileRows / kRpp;
   constexpr int kBt = D + 8;  // byte tile row stride (8-byte aligned rows)
   __shared__ uint8_t bt[kKvTileRows * kBt];
@@ -139,11 +148,11 @@ __global__ void __launch_bounds__(kThreads) k_prepare_kernel(Args a) {
   }
   amax_k = block_max(amax_k, red);
   if constexpr (kQuantDov) amax_v = block_max(amax_v, red);
-  const float inv_k = numerics::linear_multiplier(amax_k, common::kInt8Max);
-  const float inv_v = numerics::linear_multiplier(amax_v, common::kInt8Max);
+  const float inv_k = numerics::linear_multiplier(amax_k, kMax);
+  const float inv_v = numerics::linear_multiplier(amax_v, kMax);
   if (threadIdx.x == 0) {
-    a.k_scale[bh * tiles + tile] = numerics::linear_scale(amax_k, common::kInt8Max);
-    if constexpr (kQuantDov) a.v_scale[bh * tiles + tile] = numerics::linear_scale(amax_v, common::kInt8Max);
+    a.k_scale[bh * tiles + tile] = numerics::linear_scale(amax_k, kMax);
+    if constexpr (kQuantDov) a.v_scale[bh * tiles + tile] = numerics::linear_scale(amax_v, kMax);
   }
 #pragma unroll
   for (int p = 0; p < kPasses; ++p) {
@@ -154,13 +163,13 @@ __global__ void __launch_bounds__(kThreads) k_prepare_kernel(Args a) {
 #pragma unroll
       for (int i = 0; i < 8; ++i) x[i] = c0 + i < a.d ? x[i] - cm[i] : 0.0f;
     }
-    const uint2 q = pack8(x, inv_k);
+    const uint2 q = pack8<C>(x, inv_k);
     *reinterpret_cast<uint2*>(a.k_i8 + (bh * a.nkv_pad + n) * D + c0) = q;
     *reinterpret_cast<uint2*>(bt + r * kBt + c0) = q;
     if constexpr (kQuantDov) {
       float y[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       if (n < a.nkv) load8(row_ptr<T>(a.v, b, h, n), c0, a.d, y);
-      *reinterpret_cast<uint2*>(a.v_i8 + (bh * a.nkv_pad + n) * D + c0) = pack8(y, inv_v);
+      *reinterpret_cast<uint2*>(a.v_i8 + (bh * a.nkv_pad + n) * D + c0) = pack8<C>(y, inv_v);
     }
   }
   __syncthreads();
@@ -183,8 +192,9 @@ __global__ void __launch_bounds__(kThreads) k_prepare_kernel(Args a) {
 
 // ---- Q side ------------------------------------------------------------------------
 
-template <typename T, int D, bool kQuantDov>
+template <typename T, int D, bool kQuantDov, Code8 C>
 __global__ void __launch_bounds__(kThreads) q_prepare_kernel(Args a) {
+  constexpr float kMax = Format8<C>::kMax;
   constexpr int kTpr = D / 8, kRpp = kThreads / kTpr, kPasses = kQBlockRows / kRpp;
   constexpr int kBt = D + 8;
   __shared__ uint8_t bt_q[kQBlockRows * kBt];
@@ -238,11 +248,11 @@ __global__ void __launch_bounds__(kThreads) q_prepare_kernel(Args a) {
   }
   amax_q = block_max(amax_q, red);
   amax_do = block_max(amax_do, red);
-  const float inv_q = numerics::linear_multiplier(amax_q, common::kInt8Max);
-  const float inv_do = numerics::linear_multiplier(amax_do, common::kInt8Max);
+  const float inv_q = numerics::linear_multiplier(amax_q, kMax);
+  const float inv_do = numerics::linear_multiplier(amax_do, kMax);
   if (threadIdx.x == 0) {
-    a.q_scale[bh * blocks + blk] = numerics::linear_scale(amax_q, common::kInt8Max);
-    a.do_scale[bh * blocks + blk] = numerics::linear_scale(amax_do, common::kInt8Max);
+    a.q_scale[bh * blocks + blk] = numerics::linear_scale(amax_q, kMax);
+    a.do_scale[bh * blocks + blk] = numerics::linear_scale(amax_do, kMax);
   }
 #pragma unroll
   for (int p = 0; p < kPasses; ++p) {
@@ -252,7 +262,7 @@ __global__ void __launch_bounds__(kThreads) q_prepare_kernel(Args a) {
       load8(row_ptr<T>(a.q, b, h, n), c0, a.d, x);
       load8(row_ptr<T>(a.dout, b, h, n), c0, a.d, g);
     }
-    const uint2 qq = pack8(x, inv_q), qd = pack8(g, inv_do);
+    const uint2 qq = pack8<C>(x, inv_q), qd = pack8<C>(g, inv_do);
     *reinterpret_cast<uint2*>(a.q_i8 + (bh * a.nq_pad + n) * D + c0) = qq;
     *reinterpret_cast<uint2*>(bt_q + r * kBt + c0) = qq;
     *reinterpret_cast<uint2*>(bt_do + r * kBt + c0) = qd;
@@ -311,18 +321,24 @@ __global__ void __launch_bounds__(kThreads) dq_finalize_kernel(Args a) {
   }
 }
 
+template <typename T, int D, bool kQuantDov, Code8 C>
+void enqueue_prepare(const Args& a, cudaStream_t stream) {
+  const int tiles = a.nkv_pad / kKvTileRows, blocks = a.nq_pad / kQBlockRows;
+  k_prepare_kernel<T, D, kQuantDov, C><<<dim3(tiles, a.heads_kv, a.batch), kThreads, 0, stream>>>(a);
+  q_prepare_kernel<T, D, kQuantDov, C><<<dim3(blocks, a.heads_q, a.batch), kThreads, 0, stream>>>(a);
+}
+
 }  // namespace
 
 template <typename T, int D>
-cudaError_t launch_prepare(const Args& a, bool quant_dov, cudaStream_t stream) {
-  const int tiles = a.nkv_pad / kKvTileRows, blocks = a.nq_pad / kQBlockRows;
+cudaError_t launch_prepare(const Args& a, bool quant_dov, Code8 code, cudaStream_t stream) {
   k_mean_kernel<T, D><<<a.batch * a.heads_kv, D, 0, stream>>>(a);
-  if (quant_dov) {
-    k_prepare_kernel<T, D, true><<<dim3(tiles, a.heads_kv, a.batch), kThreads, 0, stream>>>(a);
-    q_prepare_kernel<T, D, true><<<dim3(blocks, a.heads_q, a.batch), kThreads, 0, stream>>>(a);
+  if (code == Code8::E4M3) {
+    quant_dov ? enqueue_prepare<T, D, true, Code8::E4M3>(a, stream)
+              : enqueue_prepare<T, D, false, Code8::E4M3>(a, stream);
   } else {
-    k_prepare_kernel<T, D, false><<<dim3(tiles, a.heads_kv, a.batch), kThreads, 0, stream>>>(a);
-    q_prepare_kernel<T, D, false><<<dim3(blocks, a.heads_q, a.batch), kThreads, 0, stream>>>(a);
+    quant_dov ? enqueue_prepare<T, D, true, Code8::Int8>(a, stream)
+              : enqueue_prepare<T, D, false, Code8::Int8>(a, stream);
   }
   return cudaGetLastError();
 }
@@ -334,7 +350,7 @@ cudaError_t launch_dq_finalize(const Args& a, cudaStream_t stream) {
 }
 
 #define QATTN_SAGEBWD_PREPARE(T, D)                                                   \
-  template cudaError_t launch_prepare<T, D>(const Args&, bool, cudaStream_t); \
+  template cudaError_t launch_prepare<T, D>(const Args&, bool, Code8, cudaStream_t); \
   template cudaError_t launch_dq_finalize<T, D>(const Args&, cudaStream_t);
 QATTN_SAGEBWD_PREPARE(__half, 64)
 QATTN_SAGEBWD_PREPARE(__half, 128)

@@ -7,13 +7,15 @@
 #include <cuda_runtime.h>
 
 #include "cuda/sagebwd/args.h"
+#include "cuda/sagebwd/format8.cuh"
 
 namespace qattn::sagebwd {
 
 // Each enqueues its kernel for the 16-bit type T (__half or __nv_bfloat16) and padded
-// head dim D (64 or 128); returns cudaGetLastError().
+// head dim D (64 or 128); returns cudaGetLastError(). launch_prepare writes the 8-bit
+// operands in `code`'s format.
 template <typename T, int D>
-cudaError_t launch_prepare(const Args& a, bool quant_dov, cudaStream_t stream);
+cudaError_t launch_prepare(const Args& a, bool quant_dov, Code8 code, cudaStream_t stream);
 template <typename T, int D>
 cudaError_t launch_dq_finalize(const Args& a, cudaStream_t stream);
 

@@ -3,8 +3,10 @@
 //
 // Every buffer is per (batch, head) slice, contiguous, zero-padded: Q-side rows to
 // Nq_pad (a multiple of the 64-row Q block), K-side rows to Nkv_pad (a multiple of the
-// 128-token KV tile), columns to D (the head dim padded to 64 or 128).
-//   q_i8      int8  (B, Hq, Nq_pad, D)    Q, per Q block (scale amax/127)
+// 128-token KV tile), columns to D (the head dim padded to 64 or 128). The "int8"
+// buffers (*_i8) hold the format's 8-bit codes: INT8 (scales amax/127), or E4M3 (scales
+// amax/448) with QATTN_BWD_E4M3 (format8.cuh).
+//   q_i8      int8  (B, Hq, Nq_pad, D)    Q, per Q block
 //   qt_i8     int8  (B, Hq, D, Nq_pad)    Qᵀ, rows permuted in groups of 16 (the
 //                                         register layout of P̂ᵀ/dŜᵀ, permute.cuh)
 //   do_16     16-bit (B, Hq, Nq_pad, D)   dO in the inputs' format
