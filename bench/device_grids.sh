@@ -7,7 +7,7 @@
 #
 # Binaries: .devrun/q-bins.tar.xz (qattn._C for the device's Python as new_C.so, built
 # off the device, and a COMMIT file), else python/build_on_device.sh builds the binding
-# here (carry .deps: see its header).
+# here (carry .deps: see its header). BINDING=<path of a _C.so> uses that binding instead.
 #   run: bench/device_grids.sh <commit> [grids: forward backward decode ncu]  (carry .devrun .deps)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,9 +16,12 @@ shift
 grids=${*:-forward backward decode ncu}
 source bench/device_bins.sh
 device_setup
-if [[ -f .devrun/q-bins.tar.xz ]]; then
+ext=$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+if [[ -n ${BINDING:-} ]]; then
+  rm -f python/qattn/_C*.so && cp "$BINDING" "python/qattn/_C$ext"
+elif [[ -f .devrun/q-bins.tar.xz ]]; then
   mkdir -p /tmp/qattn-bins && tar -xJf .devrun/q-bins.tar.xz -C /tmp/qattn-bins
-  cp /tmp/qattn-bins/new_C.so "python/qattn/_C$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
+  rm -f python/qattn/_C*.so && cp /tmp/qattn-bins/new_C.so "python/qattn/_C$ext"
 fi
 device_deps
 PYTHONPATH=python python3 -c "import qattn; assert qattn.device_supported()" 2>/dev/null ||
