@@ -4,7 +4,9 @@
 # the small decode cases, the Python KV-cache tests, then bench/decode.py against main's
 # binding in four processes (base, new, new, base) on a grid that BENCH_ARGS may replace
 # (default: B 8, 64 × 8K, 32K × nq 1, 4, the three quantized formats and SDPA's cuDNN).
-# LEAN=1 leaves out the append test and the Python tests (a run with little device time).
+# LEAN=1 leaves out the append test and the Python tests (a run with little device time);
+# SANITIZERS (default "memcheck racecheck") and SIDES (default "base new new base") pick
+# the sanitizers and the benchmark's processes.
 # Files go to $OUT (decode-<side>-<n>.json); logs to $OUT/logs.tgz; a short table last.
 #   Archive, built off the device (.devrun/decode-ab.tar.xz, files at its top level):
 #     base_C.so   main's qattn._C for the device's Python (target qattn_C)
@@ -24,7 +26,7 @@ use() { rm -f python/qattn/_C*.so && cp "$bins/$1_C.so" "python/qattn/_C$ext"; }
 step kv_decode 200 "$bins/gpu_test_kv_decode"
 [[ -n ${LEAN:-} ]] || step kv_append 120 "$bins/gpu_test_kv_append"
 small='KvDecode.ShortSequencesAndEmptyOnes:KvDecode.GqaGroupsQueryCountsAndRowGroups'
-for tool in memcheck racecheck; do
+for tool in ${SANITIZERS-memcheck racecheck}; do
   step "$tool" 200 compute-sanitizer --tool "$tool" --error-exitcode 9 "$bins/gpu_test_kv_decode" \
       --gtest_filter="$small"
 done
@@ -33,7 +35,7 @@ use new
     -p no:cacheprovider test_kv_cache.py"
 grid=${BENCH_ARGS:---batch 8 64 --context 8192 32768 --nq 1 4 --methods qattn_nvfp4 qattn_fp8 qattn_int8 sdpa_cudnn}
 n=0
-for v in base new new base; do
+for v in ${SIDES:-base new new base}; do
   use "$v"
   n=$((n + 1))
   # shellcheck disable=SC2086
