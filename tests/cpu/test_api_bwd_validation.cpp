@@ -89,6 +89,18 @@ Outcome bwd(const qattn_bwd_params& p, void* ws, std::size_t bytes) {
   return {s, s == QATTN_OK ? "" : qattn_last_error_message()};
 }
 
+// A valid call stops at the device: a CPU-only build has no kernels; a CUDA build
+// without a GPU has no device, and one with a GPU refuses the fake addresses.
+void expect_stops_at_the_device(const qattn_bwd_params& p) {
+  const Outcome o = bwd(p, workspace(), need(p));
+  ASSERT_NE(o.status, QATTN_OK);
+  if (!QATTN_HAVE_CUDA) {
+    EXPECT_REJECTS(o, QATTN_ERROR_NO_DEVICE, "qattn_bwd", "no CUDA kernels");
+  } else if (o.status != QATTN_ERROR_NO_DEVICE) {
+    EXPECT_REJECTS(o, QATTN_ERROR_INVALID_ARGUMENT, "is not memory CUDA knows");
+  }
+}
+
 bool contains(const std::string& s, const std::string& word) {
   return s.find(word) != std::string::npos;
 }
@@ -342,13 +354,7 @@ TEST(BwdValidation, E4M3IsRunByTheFamily) {
   const Outcome sized = size_of(p);
   ASSERT_EQ(sized.status, QATTN_OK) << sized.message;
   EXPECT_EQ(need(p), int8_bytes);
-  const Outcome o = bwd(p, workspace(), need(p));
-  ASSERT_NE(o.status, QATTN_OK);
-  if (!QATTN_HAVE_CUDA) {
-    EXPECT_REJECTS(o, QATTN_ERROR_NO_DEVICE, "qattn_bwd", "no CUDA kernels");
-  } else if (o.status != QATTN_ERROR_NO_DEVICE) {
-    EXPECT_REJECTS(o, QATTN_ERROR_INVALID_ARGUMENT, "is not memory CUDA knows");
-  }
+  expect_stops_at_the_device(p);
 }
 
 // ---- tensors -----------------------------------------------------------------------
@@ -473,18 +479,7 @@ TEST(BwdValidation, Workspace) {
   EXPECT_REJECTS(bwd(bad, nullptr, 0), QATTN_ERROR_INVALID_ARGUMENT, "deterministic");
 }
 
-// A valid call stops at the device: a CPU-only build has no kernels; a CUDA build
-// without a GPU has no device, and one with a GPU refuses the fake addresses.
-TEST(BwdValidation, ValidCallStopsAtTheDevice) {
-  const qattn_bwd_params p = valid_params();
-  const Outcome o = bwd(p, workspace(), need(p));
-  ASSERT_NE(o.status, QATTN_OK);
-  if (!QATTN_HAVE_CUDA) {
-    EXPECT_REJECTS(o, QATTN_ERROR_NO_DEVICE, "qattn_bwd", "no CUDA kernels");
-  } else if (o.status != QATTN_ERROR_NO_DEVICE) {
-    EXPECT_REJECTS(o, QATTN_ERROR_INVALID_ARGUMENT, "is not memory CUDA knows");
-  }
-}
+TEST(BwdValidation, ValidCallStopsAtTheDevice) { expect_stops_at_the_device(valid_params()); }
 
 // Fresh random shapes, layouts and options: every valid one sizes as the layout says,
 // and one randomly chosen output placed over a randomly chosen buffer is refused by
