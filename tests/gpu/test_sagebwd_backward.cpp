@@ -61,6 +61,13 @@ constexpr const char* kBwdFamily = "sagebwd";
 // The bounds leave a factor of ~10 on rel L1 over bf16 rounding (fp16 rounds 8x finer)
 // and ~100 on 1 − CosSim: a flipped code next to a row's largest value, in a short row,
 // can still cost more than the average.
+// E4M3 adds one difference: the tensor core sums e4m3 products in FP32 with fewer kept
+// bits (~14 on Hopper, not exact as INT32 is), so a score moves by up to ~2^-14 of its
+// partial sums: ≲ 1e-3 in the log2 logit (|x| ≲ 20), 7e-4 relative in P. An E4M3 step is
+// 1/16 to 1/8 of its value, so ≲ 2·7e-4·16 ≈ 2% of the codes flip, each by one step
+// (≤ 1/8 of its term): over a row of ≥ 77 terms ≲ sqrt(0.02)·(1/8)/sqrt(77) ≈ 2e-3
+// relative, 1 − CosSim ≈ 2e-6 and rel L1 ≈ 2e-3: inside the same bounds (measured on an
+// H100: dQ's CosSim against FP64 within 3e-6 of the emulation's, bench/NOTES.md v83).
 constexpr double kEmuMinCos = 0.9999;
 constexpr double kEmuMaxRelL1 = 1e-2;
 
