@@ -30,6 +30,8 @@ normalize() {
   sed -E -e 's/_GLOBAL__N__[0-9a-f]+_[0-9]+_[A-Za-z0-9_]+_cu_[0-9a-f]+_[0-9]+/_GLOBAL__N__/' \
          -e 's/_GLOBAL__N__[0-9a-f]+_/_GLOBAL__N__/'
 }
+# The digests of every kernel's bytes in cubin $1 (BY_CONTENT).
+digests() { for s in $(sections "$1"); do readelf -x "$s" "$1" 2>/dev/null | tail -n +3 | md5sum | cut -c1-32; done | sort -u; }
 section_of() {  # the section of cubin $1 whose normalized name is $2
   sections "$1" | while read -r s; do if [ "$(echo "$s" | normalize)" = "$2" ]; then echo "$s"; fi; done
 }
@@ -46,7 +48,6 @@ for file in "$@"; do
   done
   pids=()
   if [ -n "${BY_CONTENT:-}" ]; then
-    digests() { for s in $(sections "$1"); do readelf -x "$s" "$1" 2>/dev/null | tail -n +3 | md5sum | cut -c1-32; done | sort -u; }
     missing=$(comm -23 <(digests "$tmp/base.cubin") <(digests "$tmp/new.cubin") | wc -l)
     echo "$file: $(sections "$tmp/base.cubin" | wc -l) kernels at $rev, $(sections "$tmp/new.cubin" | wc -l) now;" \
          "$missing of $rev's machine codes have no byte-identical kernel now"

@@ -12,6 +12,14 @@ device_setup() {
   start=$(date +%s)
 }
 
+#   use_binding <path>: the qattn._C of <path> (a module built for the device's Python)
+# as the package's binding in python/qattn/, in place of any other.
+use_binding() {
+  local ext
+  ext=$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+  rm -f python/qattn/_C*.so && cp "$1" "python/qattn/_C$ext"
+}
+
 #   device_deps: the Debian packages' libraries carried in .deps (libfmt of binaries built
 # off the device) unpacked and put on LD_LIBRARY_PATH.
 device_deps() {

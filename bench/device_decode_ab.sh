@@ -20,8 +20,7 @@ device_setup
 device_deps
 bins=/tmp/qattn-decode-ab
 mkdir -p "$bins" && tar -xJf .devrun/decode-ab.tar.xz -C "$bins" || exit 1
-ext=$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
-use() { rm -f python/qattn/_C*.so && cp "$bins/$1_C.so" "python/qattn/_C$ext"; }
+use() { use_binding "$bins/$1_C.so"; }
 
 step kv_decode 200 "$bins/gpu_test_kv_decode"
 [[ -n ${LEAN:-} ]] || step kv_append 120 "$bins/gpu_test_kv_append"

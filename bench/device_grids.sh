@@ -16,12 +16,11 @@ shift
 grids=${*:-forward backward decode ncu}
 source bench/device_bins.sh
 device_setup
-ext=$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
 if [[ -n ${BINDING:-} ]]; then
-  rm -f python/qattn/_C*.so && cp "$BINDING" "python/qattn/_C$ext"
+  use_binding "$BINDING"
 elif [[ -f .devrun/q-bins.tar.xz ]]; then
   mkdir -p /tmp/qattn-bins && tar -xJf .devrun/q-bins.tar.xz -C /tmp/qattn-bins
-  rm -f python/qattn/_C*.so && cp /tmp/qattn-bins/new_C.so "python/qattn/_C$ext"
+  use_binding /tmp/qattn-bins/new_C.so
 fi
 device_deps
 PYTHONPATH=python python3 -c "import qattn; assert qattn.device_supported()" 2>/dev/null ||

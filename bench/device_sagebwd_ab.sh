@@ -17,8 +17,7 @@ device_setup
 device_deps
 bins=/tmp/qattn-queue
 mkdir -p "$bins" && tar -xJf .devrun/queue-bwd.tar.xz -C "$bins" || exit 1
-ext=$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
-use() { rm -f python/qattn/_C*.so && cp "$bins/$1_C.so" "python/qattn/_C$ext"; }
+use() { use_binding "$bins/$1_C.so"; }
 
 small='SageBwdBackward.SmallBf16Hnd:SageBwdBackward.OneAndTwoStepsPerCta'
 step sagebwd 150 "$bins/gpu_test_sagebwd_backward"
