@@ -106,9 +106,9 @@ class Row:
         return Row(**d)
 
 
-def standard_grid(quick: bool, tokens: int, hidden: int) -> List[Shape]:
+def standard_grid(quick: bool, tokens: int, hidden: int, head_dims: Optional[List[int]] = None) -> List[Shape]:
     ns = [1024, 4096] if quick else [1024, 2048, 4096, 8192, 16384, 32768]
-    ds = [128] if quick else [128, 64]  # d=128 first: the targets, if the time limit cuts
+    ds = head_dims or ([128] if quick else [128, 64])  # d=128 first: the targets, if the time limit cuts
     return [Shape("grid", max(1, tokens // n), hidden // d, hidden // d, n, d, c)
             for d in ds for c in (False, True) for n in ns]
 
@@ -328,6 +328,8 @@ def main() -> int:
     ap.add_argument("--name", default="backward-h200", help="file name stem of the JSON and PNG")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--no-models", action="store_true", help="standard grid only")
+    ap.add_argument("--head-dims", type=int, nargs="+", choices=(64, 128),
+                    help="the grid's head dims (default: 128 with --quick, else 128 64)")
     ap.add_argument("--tokens", type=int, default=16384, help="grid: B = max(1, tokens // N)")
     ap.add_argument("--hidden", type=int, default=2048, help="grid: H = hidden // d")
     ap.add_argument("--warmup", type=int, default=2)
@@ -358,7 +360,7 @@ def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     env = environment(args)
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or fwdbench.L2_FALLBACK_BYTES
-    shapes = standard_grid(args.quick, args.tokens, args.hidden) + ([] if args.no_models else model_shapes(args.quick))
+    shapes = standard_grid(args.quick, args.tokens, args.hidden, args.head_dims) + ([] if args.no_models else model_shapes(args.quick))
 
     t0 = time.time()
     rows: List[Row] = []

@@ -3,7 +3,9 @@
 # series, bench/NOTES.md): its GPU test, compute-sanitizer racecheck and memcheck of the
 # small cases, the Python backward tests, bench/backward.py --quick against main's binding
 # in four processes (base, new, new, base), and ncu's instruction count of the dK/dV
-# kernel at 4K. Logs go to $OUT/logs.tgz; a short table last.
+# kernel at 4K. BENCH_ARGS replaces the benchmark's grid (default --quick: d 128, N 1K and
+# 4K); NCU=0 leaves out the ncu count, NCU_D picks its head dim (default 128). Logs go to
+# $OUT/logs.tgz; a short table last.
 #   Archive, built off the device (.devrun/queue-bwd.tar.xz, files at its top level):
 #     base_C.so   main's qattn._C for the device's Python (cmake -DQATTN_BUILD_PYTHON=ON
 #                 -DPython_EXECUTABLE=<python3.12>, target qattn_C)
@@ -30,18 +32,20 @@ step pytest 200 bash -c "cd python/tests && PYTHONPATH=$PWD/python python3 -m py
     -p no:cacheprovider test_backward.py test_training_route.py"
 for v in base new new base; do
   use "$v"
-  step "backward_$v" 90 env PYTHONPATH=python python3 bench/backward.py --quick --no-plot \
+  # shellcheck disable=SC2086
+  step "backward_$v" 90 env PYTHONPATH=python python3 bench/backward.py ${BENCH_ARGS:---quick} --no-plot \
       --out "$out" --name "backward-$v-$RANDOM" --commit "$commit-$v"
 done
 ncu_k='regex:k_mean_kernel|k_prepare_kernel|q_prepare_kernel|dq_finalize_kernel|dkdv_wgmma_kernel'
 for v in base new; do
+  [[ ${NCU:-1} == 0 ]] && break
   use "$v"
   step "ncu_$v" 120 ncu -k "$ncu_k" --launch-skip 5 --launch-count 5 \
       --metrics gpu__time_duration.sum,smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active \
       python3 -c "
 import sys; sys.path.insert(0, 'python')
 import torch, qattn
-q, k, v = (torch.randn(4, 16, 4096, 128, device='cuda', dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+q, k, v = (torch.randn(4, 16, 4096, ${NCU_D:-128}, device='cuda', dtype=torch.bfloat16).requires_grad_() for _ in range(3))
 for _ in range(2):
     o = qattn.scaled_dot_product_attention(q, k, v)
     torch.autograd.grad(o, (q, k, v), torch.randn_like(o))
