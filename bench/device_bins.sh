@@ -31,7 +31,8 @@ device_deps() {
 }
 
 #   step <name> <timeout> <command...>: runs it, logs it to $logs/<name>.log, records
-# PASS/FAIL with its rc in the status array (and shows a failure's first lines).
+# PASS/FAIL with its rc in the status array (and shows a failure's first lines), and
+# prints that line with the time so far (a run cut short still shows how far it got).
 step() {
   local name=$1 limit=$2
   shift 2
@@ -41,6 +42,7 @@ step() {
     status+=("$name: FAIL (rc $?)")
     grep -E "^\[  FAILED|Failure|Expected|actual|^FAILED" "$logs/$name.log" | head -6
   fi
+  echo "${status[-1]} ($(($(date +%s) - start)) s)"
 }
 
 #   device_bins <archive> <import test> <targets...>

@@ -6,7 +6,8 @@
 # (default: B 8, 64 × 8K, 32K × nq 1, 4, the three quantized formats and SDPA's cuDNN).
 # LEAN=1 leaves out the append test and the Python tests (a run with little device time);
 # SANITIZERS (default "memcheck racecheck") and SIDES (default "base new new base") pick
-# the sanitizers and the benchmark's processes.
+# the sanitizers and the benchmark's processes; SANITIZE_FILTER the sanitized tests (default:
+# the short sequences, every format with one and two n-blocks, and the BF16 paths).
 # Files go to $OUT (decode-<side>-<n>.json); logs to $OUT/logs.tgz; a short table last.
 #   Archive, built off the device (.devrun/decode-ab.tar.xz, files at its top level):
 #     base_C.so   main's qattn._C for the device's Python (target qattn_C)
@@ -24,7 +25,7 @@ use() { use_binding "$bins/$1_C.so"; }
 
 step kv_decode 200 "$bins/gpu_test_kv_decode"
 [[ -n ${LEAN:-} ]] || step kv_append 120 "$bins/gpu_test_kv_append"
-small='KvDecode.ShortSequencesAndEmptyOnes:KvDecode.GqaGroupsQueryCountsAndRowGroups'
+small=${SANITIZE_FILTER:-'KvDecode.ShortSequencesAndEmptyOnes:KvDecode.Bf16CacheOnEveryPathOfTheDirectKernel'}
 for tool in ${SANITIZERS-memcheck racecheck}; do
   step "$tool" 200 compute-sanitizer --tool "$tool" --error-exitcode 9 "$bins/gpu_test_kv_decode" \
       --gtest_filter="$small"
