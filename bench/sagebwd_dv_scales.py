@@ -2,9 +2,11 @@
 """dV = Pᵀ·dO in INT8: SageBwd's per-block scales (one merge per 64-row Q block) against
 a merge-free scheme (P per query row by its row max, known from the forward's LSE; dO
 times that row max, then one scale per channel over all rows, so the INT32 sum runs over
-every Q block and is scaled once). CosSim and relative L1 against FP64, numpy; the
-inputs follow emulate/synthetic.h's Gaussian and AttentionSink recipes (FP64, no FP16
-rounding). bench/NOTES.md v82.
+every Q block and is scaled once), and a merge-free E4M3 scheme (P·448 as E4M3 with no
+per-block scale, as SageAttention2's forward quantizes P, dO per channel over all rows,
+the FP32 sum over every Q block scaled once). CosSim and relative L1 against FP64,
+numpy; the inputs follow emulate/synthetic.h's Gaussian and AttentionSink recipes (FP64,
+no FP16 rounding). bench/NOTES.md v82, v86.
 
     python3 bench/sagebwd_dv_scales.py > bench/results/sagebwd-dv-scales.txt   # ~2 min"""
 import argparse
@@ -13,6 +15,13 @@ import numpy as np
 def q8(x, scale):
     s = np.where(scale > 0, scale, 1.0)
     return np.clip(np.rint(x / s), -127, 127)
+
+def e4m3(x):
+    """x rounded to E4M3 (to nearest even, subnormals from 2^-9, saturating at 448)."""
+    a = np.abs(x)
+    e = np.floor(np.log2(np.where(a > 0, a, 1.0)))
+    step = 2.0 ** (np.maximum(e, -6) - 3)
+    return np.sign(x) * np.minimum(np.rint(a / step) * step, 448.0)
 
 def cos(a, b):
     return float((a * b).sum() / np.sqrt((a * a).sum() * (b * b).sum()))
@@ -56,9 +65,19 @@ def run(n, d, temp, seed, family):
     for i0 in range(0, n, 64):
         gb = g[i0:i0 + 64]; sg = np.abs(gb).max() / 127
         dv_c += (pq[i0:i0 + 64].T @ q8(gb, sg)) * (sg / 127)
+    # D: P·448 in E4M3 (no P scale to merge), dO per channel over all rows in E4M3: the FP32
+    # sum runs over every Q block and is scaled once.
+    sc = np.abs(do).max(0, keepdims=True) / 448
+    dv_d = (e4m3(p * 448).T @ e4m3(do / np.where(sc > 0, sc, 1.0))) * (sc / 448)
+    # E: D's P with dO per 64-row block in E4M3 (a merge per block): what D's dO scale costs.
+    dv_e = np.zeros((n, d))
+    for i0 in range(0, n, 64):
+        gb = do[i0:i0 + 64]; sg = np.abs(gb).max() / 448
+        dv_e += (e4m3(p[i0:i0 + 64] * 448).T @ e4m3(gb / sg)) * (sg / 448)
     return [(name, cos(x, ref), rel_l1(x, ref)) for name, x in
             (("per-block (SageBwd)", dv_a), ("row-max P, per-channel dO (merge-free)", dv_b),
-             ("row-max P, per-block dO", dv_c))]
+             ("row-max P, per-block dO", dv_c), ("E4M3 P·448, per-channel dO (merge-free)", dv_d),
+             ("E4M3 P·448, per-block dO", dv_e))]
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
