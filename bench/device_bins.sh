@@ -20,6 +20,15 @@ use_binding() {
   rm -f python/qattn/_C*.so && cp "$1" "python/qattn/_C$ext"
 }
 
+#   ab_bins <archive> <dir>: an A/B run's binaries, .devrun/<archive> unpacked into <dir>
+# (base_C.so, new_C.so and test binaries), $bins set to it, and `use <side>` making that
+# side's binding the package's.
+ab_bins() {
+  bins=$2
+  mkdir -p "$bins" && tar -xJf ".devrun/$1" -C "$bins" || return 1
+  use() { use_binding "$bins/$1_C.so"; }
+}
+
 #   device_deps: the Debian packages' libraries carried in .deps (libfmt of binaries built
 # off the device) unpacked and put on LD_LIBRARY_PATH.
 device_deps() {

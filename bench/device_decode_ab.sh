@@ -19,9 +19,7 @@ commit=${1:-unknown}
 source bench/device_bins.sh
 device_setup
 device_deps
-bins=/tmp/qattn-decode-ab
-mkdir -p "$bins" && tar -xJf .devrun/decode-ab.tar.xz -C "$bins" || exit 1
-use() { use_binding "$bins/$1_C.so"; }
+ab_bins decode-ab.tar.xz /tmp/qattn-decode-ab || exit 1
 
 step kv_decode 200 "$bins/gpu_test_kv_decode"
 [[ -n ${LEAN:-} ]] || step kv_append 120 "$bins/gpu_test_kv_append"

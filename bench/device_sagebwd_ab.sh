@@ -17,9 +17,7 @@ commit=${1:-unknown}
 source bench/device_bins.sh
 device_setup
 device_deps
-bins=/tmp/qattn-queue
-mkdir -p "$bins" && tar -xJf .devrun/queue-bwd.tar.xz -C "$bins" || exit 1
-use() { use_binding "$bins/$1_C.so"; }
+ab_bins queue-bwd.tar.xz /tmp/qattn-queue || exit 1
 
 small='SageBwdBackward.SmallBf16Hnd:SageBwdBackward.OneAndTwoStepsPerCta'
 step sagebwd 150 "$bins/gpu_test_sagebwd_backward"
