@@ -4,8 +4,10 @@
 # small cases, the Python backward tests, bench/backward.py --quick against main's binding
 # in four processes (base, new, new, base), and ncu's instruction count of the dK/dV
 # kernel at 4K. BENCH_ARGS replaces the benchmark's grid (default --quick: d 128, N 1K and
-# 4K); NCU=0 leaves out the ncu count, NCU_D picks its head dim (default 128). Logs go to
-# $OUT/logs.tgz; a short table last.
+# 4K); NCU=0 leaves out the ncu count, NCU_D picks its head dim (default 128). TESTS=0
+# leaves out the test binary, the sanitizers and pytest (a build made for timing only,
+# whose gradients are not the contract's); ARCHIVE names another archive in .devrun.
+# Logs go to $OUT/logs.tgz; a short table last.
 #   Archive, built off the device (.devrun/queue-bwd.tar.xz, files at its top level):
 #     base_C.so   main's qattn._C for the device's Python (cmake -DQATTN_BUILD_PYTHON=ON
 #                 -DPython_EXECUTABLE=<python3.12>, target qattn_C)
@@ -17,8 +19,9 @@ commit=${1:-unknown}
 source bench/device_bins.sh
 device_setup
 device_deps
-ab_bins queue-bwd.tar.xz /tmp/qattn-queue || exit 1
+ab_bins "${ARCHIVE:-queue-bwd.tar.xz}" /tmp/qattn-queue || exit 1
 
+if [[ ${TESTS:-1} != 0 ]]; then
 small='SageBwdBackward.SmallBf16Hnd:SageBwdBackward.OneAndTwoStepsPerCta'
 step sagebwd 150 "$bins/gpu_test_sagebwd_backward"
 for tool in racecheck memcheck; do
@@ -28,6 +31,7 @@ done
 use new
 step pytest 200 bash -c "cd python/tests && PYTHONPATH=$PWD/python python3 -m pytest -q \
     -p no:cacheprovider test_backward.py test_training_route.py"
+fi
 for v in base new new base; do
   use "$v"
   # shellcheck disable=SC2086
