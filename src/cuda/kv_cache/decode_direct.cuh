@@ -507,12 +507,30 @@ constexpr int merge_bytes() {
   return (NQB * (D / 16) * 4 + NQB * 4) * 32 * 4;
 }
 
+// With two n-blocks, what the loop reads of the query rows lives in shared memory (one
+// copy per CTA, written by warp 0) instead of registers: Q's B fragments (each lane's
+// words of a k-step pair as one 16-byte load; 16 registers a thread per n-block at
+// D = 128) and each lane's column scales and causal limits (a 16-byte record each), and
+// q·c for the end. That is what stands between two n-blocks and one more CTA per SM
+// (bench/NOTES.md v84). One n-block keeps them in registers.
+template <int NQB>
+inline constexpr bool kQInSmem = NQB > 1;
+template <int D, int NQB>
+constexpr int q_frag_bytes() {
+  return NQB * (D / 32) * 32 * 16;
+}
+template <int D, int NQB>
+constexpr int q_smem_bytes() {
+  return kQInSmem<NQB> ? q_frag_bytes<D, NQB>() + 3 * 32 * 16 : 16;
+}
+
 // Stages per warp (blocks in flight: one computed, the rest loading), the most that fit
 // the CTAs per SM in the 227 KB of shared memory an SM gives (1 KB of it per CTA kept by
 // the system), at most four.
 template <KvFormat F, int D, int NQB>
 constexpr int stages_per_warp() {
-  constexpr int kPerCta = 227 * 1024 / ctas_per_sm<F, D>(NQB) - 1024 - 256;  // - static
+  constexpr int kPerCta =
+      227 * 1024 / ctas_per_sm<F, D>(NQB) - 1024 - 256 - q_smem_bytes<D, NQB>();  // - static
   int n = 4;
   while (n > 2 && kWarps * n * Stage<F, D>::kBytes > kPerCta) --n;
   return n;
@@ -545,6 +563,13 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm<F, D>(NQB))
   constexpr int kRegion = warp_region_bytes<F, D, NQB>();
   extern __shared__ __align__(16) uint8_t smem[];  // kWarps regions: stages, then the merge
   __shared__ int s_bad;
+  __shared__ __align__(16) uint8_t s_q[q_smem_bytes<D, NQB>()];  // kQInSmem: Q's fragments
+  // Lane `lane`'s 16 bytes of k-steps 2w, 2w + 1 of n-block qb in s_q.
+  const uint32_t s_q_lane = static_cast<uint32_t>(__cvta_generic_to_shared(s_q)) + 16 * (threadIdx.x % 32);
+  auto q_at = [&](int qb, int w) { return s_q_lane + 16 * 32 * (qb * (D / 32) + w); };
+  // The lane's records after the fragments: column scales, causal limits, q·c.
+  auto q_rec = [&](int i) { return s_q_lane + q_frag_bytes<D, NQB>() + 16 * 32 * i; };
+  static_assert(NQB <= 2, "one 16-byte record holds a lane's two columns of two n-blocks");
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
   // Warp w's merge buffers (w ≥ 1) in its own region: s_o(w, i) and s_ml(w, i) are rows
   // of 32 floats.
@@ -569,7 +594,7 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm<F, D>(NQB))
 
   // Q as the B operand: query row row0 + 8qb + g, the permuted head dimension (above),
   // BF16-rounded as the emulation's, then times 2^e in FP16. q·c of that row.
-  uint32_t qf[NQB][kKd][2];
+  uint32_t qf[NQB][kKd][2];  // with kQInSmem, only until warp 0 has stored them
   float qc[NQB];
   float col_scale[NQB][2];  // score → log2-domain logit of columns 2t, 2t+1
   int lim[NQB][2];          // last visible key of those columns
@@ -606,6 +631,11 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm<F, D>(NQB))
       qf[qb][2 * w][1] = bits_of(__floats2half2_rn(y[1] * up, y[3] * up));
       qf[qb][2 * w + 1][0] = bits_of(__floats2half2_rn(y[4] * up, y[6] * up));
       qf[qb][2 * w + 1][1] = bits_of(__floats2half2_rn(y[5] * up, y[7] * up));
+      if (kQInSmem<NQB> && warp == 0)
+        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(q_at(qb, w)),
+                     "r"(qf[qb][2 * w][0]), "r"(qf[qb][2 * w][1]), "r"(qf[qb][2 * w + 1][0]),
+                     "r"(qf[qb][2 * w + 1][1])
+                     : "memory");
     }
     for (int cc = 0; cc < 2; ++cc) {
       const int ec = __shfl_sync(0xffffffffu, e, 4 * (2 * t + cc));
@@ -613,6 +643,16 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm<F, D>(NQB))
       const int rc = row0 + 8 * qb + 2 * t + cc;
       lim[qb][cc] = a.causal ? (rc < a.rows ? rc % a.nq : 0) + L - a.nq : INT32_MAX;
     }
+  }
+  if (kQInSmem<NQB> && warp == 0) {
+    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(q_rec(0)), "f"(col_scale[0][0]),
+                 "f"(col_scale[0][1]), "f"(col_scale[NQB - 1][0]), "f"(col_scale[NQB - 1][1])
+                 : "memory");
+    asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};\n" ::"r"(q_rec(1)), "r"(lim[0][0]),
+                 "r"(lim[0][1]), "r"(lim[NQB - 1][0]), "r"(lim[NQB - 1][1])
+                 : "memory");
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(q_rec(2)), "f"(qc[0]), "f"(qc[NQB - 1])
+                 : "memory");
   }
 
   float o[NQB][kMt][4];
@@ -637,8 +677,19 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm<F, D>(NQB))
       k_fragments<F, D>(r, w, a0, a1);
 #pragma unroll
       for (int qb = 0; qb < NQB; ++qb) {
-        common::mma_16bit<__half>(s[qb], a0, qf[qb][2 * w][0], qf[qb][2 * w][1]);
-        common::mma_16bit<__half>(s[qb], a1, qf[qb][2 * w + 1][0], qf[qb][2 * w + 1][1]);
+        uint32_t b[4];
+        if constexpr (kQInSmem<NQB>) {
+          // Volatile: read here each block, not hoisted into registers for the loop.
+          asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                       : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
+                       : "r"(q_at(qb, w))
+                       : "memory");
+        } else {
+          b[0] = qf[qb][2 * w][0], b[1] = qf[qb][2 * w][1];
+          b[2] = qf[qb][2 * w + 1][0], b[3] = qf[qb][2 * w + 1][1];
+        }
+        common::mma_16bit<__half>(s[qb], a0, b[0], b[1]);
+        common::mma_16bit<__half>(s[qb], a1, b[2], b[3]);
       }
     }
     // Row-scale formats: the K scale of each score row (keys g, 8 + g); V's scales
@@ -659,6 +710,23 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm<F, D>(NQB))
       }
     }
     // ---- online softmax per query column (keys are rows: j0 + g and j0 + 8 + g) ----
+    float cs[NQB][2];  // col_scale, lim: read back each block with kQInSmem
+    int lm[NQB][2];
+    if constexpr (kQInSmem<NQB>) {
+      asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=f"(cs[0][0]), "=f"(cs[0][1]), "=f"(cs[NQB - 1][0]), "=f"(cs[NQB - 1][1])
+                   : "r"(q_rec(0))
+                   : "memory");
+      asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(lm[0][0]), "=r"(lm[0][1]), "=r"(lm[NQB - 1][0]), "=r"(lm[NQB - 1][1])
+                   : "r"(q_rec(1))
+                   : "memory");
+    } else {
+#pragma unroll
+      for (int qb = 0; qb < NQB; ++qb)
+#pragma unroll
+        for (int cc = 0; cc < 2; ++cc) cs[qb][cc] = col_scale[qb][cc], lm[qb][cc] = lim[qb][cc];
+    }
     uint32_t ph[NQB][2], pl[NQB][2];  // Pᵀ high and low parts in the B layout
 #pragma unroll
     for (int qb = 0; qb < NQB; ++qb) {
@@ -669,8 +737,8 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm<F, D>(NQB))
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int j = j0 + 8 * h + g;
-          const bool vis = j < je && j <= lim[qb][cc];
-          const float x = vis ? s[qb][2 * h + cc] * k_row[h] * col_scale[qb][cc] : kNegInf;
+          const bool vis = j < je && j <= lm[qb][cc];
+          const float x = vis ? s[qb][2 * h + cc] * k_row[h] * cs[qb][cc] : kNegInf;
           s[qb][2 * h + cc] = x;
           mx = fmaxf(mx, x);
         }
@@ -756,6 +824,7 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm<F, D>(NQB))
   };
 #pragma unroll
   for (int s = 0; s < kStages; ++s) refill(warp + s * kWarps, s, entry(warp + s * kWarps));
+  if constexpr (kQInSmem<NQB>) __syncthreads();  // warp 0's Q fragments
   int32_t next = entry(warp + kStages * kWarps);  // the first refill's page
   int s = 0;
   for (int blk = warp; blk < nblocks; blk += kWarps) {
@@ -768,6 +837,11 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm<F, D>(NQB))
   }
   common::cp_async_wait<0>();  // no copy outlives the loop (the region is reused below)
 
+  if constexpr (kQInSmem<NQB>)
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n"
+                 : "=f"(qc[0]), "=f"(qc[NQB - 1])
+                 : "r"(q_rec(2))
+                 : "memory");
   // ---- merge the four warps (same fragment layout: lane by lane) ----
   for (int qb = 0; qb < NQB; ++qb)
     for (int cc = 0; cc < 2; ++cc) {
