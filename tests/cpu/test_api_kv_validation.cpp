@@ -882,10 +882,9 @@ TEST(KvDecodeAbi, WorkspaceSizeIsTheSplitLayout) {
 }
 
 // num_splits = 0: the chunk count S whose waves fill the CTA slots best. slots = 132 SMs ×
-// CTAs per SM (kv_cache::decode_ctas_per_sm: the direct formats at head dim 128 with ≤ 8
-// query rows per KV head 4, NVFP4 with 16 rows 4, FP8 and INT8 with 16 rows 3, BF16 2);
-// with
-// w = batch·heads_kv·S / slots, S maximizes w/⌈w⌉ − 0.02·⌈w⌉ (the smallest S on a tie)
+// CTAs per SM (kv_cache::decode_ctas_per_sm: at head dim 128 NVFP4, FP8 and INT8 with ≤ 8
+// query rows per KV head 4, NVFP4 with 16 rows 4, FP8 and INT8 with 16 rows 3, BF16 3);
+// with w = batch·heads_kv·S / slots, S maximizes w/⌈w⌉ − 0.02·⌈w⌉ (the smallest S on a tie)
 // over 1 ≤ S ≤ min(keys / 256, 4 waves' worth, QATTN_KV_MAX_SPLITS); the keys are
 // max_length when set (capped by the capacity), else the capacity.
 TEST(KvDecodeAbi, AutomaticSplitCountFollowsTheFamilysRule) {
@@ -895,9 +894,8 @@ TEST(KvDecodeAbi, AutomaticSplitCountFollowsTheFamilysRule) {
     int32_t format = QATTN_KV_NVFP4;
     int heads_q = 0, nq = 1;  // heads_q 0: heads_kv
   };
-  // Direct formats (NVFP4, FP8, INT8 at head dim 128) with up to 8 query rows: four CTAs
-  // per SM, 528 slots; BF16 two (264); with 16 rows NVFP4 four (528), FP8 and INT8 three
-  // (396).
+  // At head dim 128, NVFP4, FP8 and INT8 with up to 8 query rows: four CTAs per SM, 528
+  // slots; BF16 three (396); with 16 rows NVFP4 four (528), FP8 and INT8 three (396).
   const std::array<Case, 20> cases{{
       {1, 1, 4096, 0, 128, "528 slots, 65536 / 256 = 256 chunks: capped at 128 (0.24 of a wave)"},
       {1, 8, 256, 0, 16, "128 chunks fill a quarter wave, 4096 / 256 = 16: the length decides"},
@@ -914,8 +912,8 @@ TEST(KvDecodeAbi, AutomaticSplitCountFollowsTheFamilysRule) {
       {2, 2, 4096, 40000, 128, "40000 / 256 = 156 chunks, capped at 128: 512 CTAs, 0.97 of a wave"},
       {4, 8, 2048, 0, 33, "FP8: four CTAs per SM too, 33 chunks: two full waves", QATTN_KV_FP8_E4M3},
       {8, 8, 4096, 0, 8, "INT8: 8 chunks, 512 CTAs in 528 slots", QATTN_KV_INT8},
-      {1, 1, 4096, 0, 128, "BF16: 264 slots, 256 chunks: capped at 128", QATTN_KV_BF16},
-      {16, 8, 4096, 0, 2, "BF16: 128 pairs, 2 chunks: 256 CTAs, 0.97 of 264 slots", QATTN_KV_BF16},
+      {1, 1, 4096, 0, 128, "BF16: 396 slots, 256 chunks: capped at 128", QATTN_KV_BF16},
+      {16, 8, 4096, 0, 3, "BF16: 128 pairs, 3 chunks: 384 CTAs, 0.97 of 396 slots", QATTN_KV_BF16},
       {32, 8, 2048, 0, 2, "INT8: 256 pairs, 2 chunks fill 0.97 of 528 slots", QATTN_KV_INT8},
       {8, 8, 4096, 0, 8, "NVFP4 with 16 query rows: four CTAs per SM, 512 CTAs in 528 slots", QATTN_KV_NVFP4, 32, 4},
       {8, 8, 4096, 0, 6, "FP8 with 16 query rows: three CTAs per SM, 384 CTAs in 396 slots", QATTN_KV_FP8_E4M3, 32, 4},

@@ -346,7 +346,7 @@ TEST(KvDecode, GqaGroupsQueryCountsAndRowGroups) {
   // rows = group × nq: 1, 16, 20 (two row tiles), 48, 64, 128 and 512 (several CTAs).
   const int shapes[][2] = {{1, 1}, {1, 16}, {4, 5}, {8, 6}, {4, 16}, {32, 4}, {32, 16}};
   for (auto [group, nq] : shapes)
-    for (KvFormat f : {KvFormat::NvFp4, KvFormat::Int8}) {
+    for (KvFormat f : {KvFormat::NvFp4, KvFormat::Int8, KvFormat::Bf16}) {
       Case c;
       c.format = f;
       c.group = group;
@@ -374,6 +374,27 @@ TEST(KvDecode, CausalOffPageSizesAndSplits) {
         c.nq = 4;
         c.lengths = {1000, 129, 3};
         run_case(c, seed + page * 7 + splits);
+      }
+}
+
+// A BF16 cache at head dims 64 and 128 runs the direct kernel with BF16 operands: both
+// ways of finding a key's page (page sizes that are not a multiple of 16 look up each
+// key), one and two n-blocks of query rows, both output dtypes.
+TEST(KvDecode, Bf16CacheOnEveryPathOfTheDirectKernel) {
+  QATTN_SKIP_WITHOUT_GPU();
+  const uint32_t seed = test::fresh_seed32();
+  for (int d : {64, 128})
+    for (int page : {1, 7, 16, 64})
+      for (int nq : {1, 4}) {
+        Case c;
+        c.format = KvFormat::Bf16;
+        c.bf16 = (page + nq) % 2 == 0;
+        c.d = d;
+        c.page_size = page;
+        c.nq = nq;  // group 4: 4 or 16 query rows per KV head
+        c.splits = page == 16 ? 0 : 1;
+        c.lengths = {333, 48, 2};
+        run_case(c, seed + d + 3 * page + nq);
       }
 }
 

@@ -758,7 +758,7 @@ cudaError_t run_direct(const DecodeArgs& a, int batch, cudaStream_t stream) {
 template <typename T, int DP, KvFormat F>
 cudaError_t run(const DecodeArgs& a, int batch, cudaStream_t stream) {
   using S = Smem<DP, F>;
-  if constexpr (F != KvFormat::Bf16 && (DP == 64 || DP == 128)) {
+  if constexpr (DP == 64 || DP == 128) {
     if (decode_is_direct(F, a.d)) {  // the direct kernel (decode_direct.cuh)
       // 8 query rows per CTA when the group × new tokens fit (one n-block), else 16.
       cudaError_t e = a.rows <= 8 ? run_direct<T, F, DP, 1>(a, batch, stream)

@@ -1,5 +1,5 @@
-// The direct decode of NVFP4, FP8 E4M3 and INT8 caches at head dim 64 and 128
-// (bench/NOTES.md v24b, v25, v30, v41): no barriers in the key loop. Each warp owns 8 or
+// The direct decode of NVFP4, FP8 E4M3, INT8 and BF16 caches at head dim 64 and 128
+// (bench/NOTES.md v24b, v25, v30, v41, v85): no barriers in the key loop. Each warp owns 8 or
 // 16 query rows and every fourth 16-key block of its chunk; each thread copies the bytes
 // of its own fragments from the pages into its slots of the warp's stages (cp.async, a
 // few blocks ahead), reads them back once they have landed, and the warp runs its own
@@ -23,7 +23,8 @@
 //     element, so thread (g, t) needs elements [g·D/8, (g+1)·D/8) of keys 2t, 2t+1,
 //     8+2t, 9+2t (one scale block, or half of one at D = 64) and ends up owning those
 //     D/8 contiguous output elements of its two query columns.
-// All operands are FP16 and exact. FP8 E4M3 and INT8 codes are FP16 values as they are
+// All operands are FP16 (BF16 for a BF16 cache: its rows and Q as they are, P as a high
+// part and a remainder) and exact. FP8 E4M3 and INT8 codes are FP16 values as they are
 // (a hardware conversion; INT8 by the 1024 + 128 + x bias trick) and keep their FP32
 // per-row scales outside the products, as the tiled kernel does: K's multiplies the
 // score row, V's is folded into P relative to a per-warp running maximum σ of the V
@@ -41,6 +42,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/common/exp2.cuh"
 #include "cuda/common/mma_sync.cuh"
@@ -58,11 +60,10 @@ static_assert(kvcache::kDecodeChunkAlign % kBlock == 0, "decode chunks start on 
 // What a format puts in one thread's registers per 16-key block (bytes per key).
 template <KvFormat F, int D>
 struct Bytes {
-  static_assert(F == KvFormat::NvFp4 || F == KvFormat::Fp8E4M3 || F == KvFormat::Int8,
-                "the direct decode reads NVFP4, FP8 E4M3 and INT8 caches");
   static_assert(D == 64 || D == 128, "the direct decode runs head dims 64 and 128");
-  static constexpr bool kRowScales = F != KvFormat::NvFp4;  // one FP32 scale per row
-  static constexpr int kElemBits = F == KvFormat::NvFp4 ? 4 : 8;
+  static constexpr bool kBf16 = F == KvFormat::Bf16;  // the values as stored, no scales
+  static constexpr bool kRowScales = F == KvFormat::Fp8E4M3 || F == KvFormat::Int8;  // one FP32 scale a row
+  static constexpr int kElemBits = F == KvFormat::NvFp4 ? 4 : kBf16 ? 16 : 8;
   static constexpr int kK = D / 4 * kElemBits / 8;  // D/4 elements of each of keys g, 8+g
   static constexpr int kV = D / 8 * kElemBits / 8;  // elements [g·D/8, (g+1)·D/8)
   // A thread's K bytes are 16-byte pieces p = 0, 1, ... at bytes 16·(4p + t) of the key's
@@ -83,7 +84,10 @@ struct Bytes {
   static constexpr int kOperandExp = F == KvFormat::NvFp4 ? 14 : 0;
   // A (token, head) row's code and scale bytes (kvcache::page_layout; run_direct checks).
   static constexpr int kCodeRow = D * kElemBits / 8;
-  static constexpr int kScaleRow = kRowScales ? 4 : D / 16;
+  static constexpr int kScaleRow = kRowScales ? 4 : kBf16 ? 0 : D / 16;
+  // The products' 16-bit type: BF16 rows are BF16 operands; every other format's codes
+  // (times their NVFP4 scales) are exact in FP16.
+  using Operand = std::conditional_t<kBf16, __nv_bfloat16, __half>;
 };
 
 // The raw bytes one thread holds for one 16-key block, read back from its stage.
@@ -113,7 +117,7 @@ struct Stage {
   using B = Bytes<F, D>;
   static constexpr int kCodeBytes = 2 * B::kK + 4 * B::kV;
   static constexpr int kCodeSlots = kCodeBytes / 16;
-  static constexpr int kScaleWords = B::kRowScales ? 4 : 6;  // K keys' words, then V keys'
+  static constexpr int kScaleWords = B::kBf16 ? 0 : B::kRowScales ? 4 : 6;  // K keys', then V keys'
   static constexpr int kScaleSlots = (kScaleWords + 3) / 4;
   static constexpr int kSlots = kCodeSlots + kScaleSlots;
   static constexpr int kBytes = kSlots * 32 * 16;  // one stage of one warp
@@ -220,7 +224,9 @@ __device__ __forceinline__ ThreadBytes thread_bytes(const uint8_t* k_codes,
   ThreadBytes tb;
   tb.k = k_codes + g * B::kCodeRow + B::k_piece_byte(0, t);
   tb.v = v_codes + 2 * t * B::kCodeRow + B::kV * g;
-  if constexpr (B::kRowScales) {
+  if constexpr (B::kBf16) {
+    tb.ks = tb.vs = nullptr;  // no scales
+  } else if constexpr (B::kRowScales) {
     tb.ks = k_scales + g * B::kScaleRow;
     tb.vs = v_scales + g * B::kScaleRow;
   } else {
@@ -257,7 +263,7 @@ __device__ __forceinline__ bool stage_block_in_page(const DecodeArgs& a, const T
       stage_piece<B::kKPiece>(stage, B::kK * i + B::kKPiece * q, lane,
                               k + 8 * i * kCr + (B::k_piece_byte(q, 0) - B::k_piece_byte(0, 0)),
                               read);
-    stage_piece<4>(stage, kScale0 + 4 * i, lane, ks + 8 * i * kSr, read);
+    if constexpr (!B::kBf16) stage_piece<4>(stage, kScale0 + 4 * i, lane, ks + 8 * i * kSr, read);
     if constexpr (B::kRowScales) stage_piece<4>(stage, kScale0 + 4 * (2 + i), lane, vs + 8 * i * kSr, read);
   }
   constexpr int kRows[4] = {0, 1, 8, 9};  // keys 2t, 2t + 1, 8 + 2t, 9 + 2t
@@ -266,7 +272,7 @@ __device__ __forceinline__ bool stage_block_in_page(const DecodeArgs& a, const T
     const bool read = ok && 2 * t + kRows[i] < kend;
     stage_piece<B::kV>(stage, 2 * B::kK + B::kV * i, S::v_position(lane), v + kRows[i] * kCr,
                        read);
-    if constexpr (!B::kRowScales)
+    if constexpr (F == KvFormat::NvFp4)
       stage_piece<4>(stage, kScale0 + 4 * (2 + i), lane, vs + kRows[i] * kSr, read);
   }
   return !ok;
@@ -304,7 +310,7 @@ __device__ __forceinline__ bool stage_block_by_key(const DecodeArgs& a, const in
       if constexpr (B::kRowScales) {
         stage_piece<4>(stage, kScale0 + 4 * i, lane, k_scales + srow, kp.ok);
         stage_piece<4>(stage, kScale0 + 4 * (2 + i), lane, v_scales + srow, kp.ok);
-      } else {
+      } else if constexpr (F == KvFormat::NvFp4) {
         // Scale bytes 2t, 2t+1 (D = 128) or byte t (D = 64) of the row: the word holding them.
         const int sb = D == 128 ? 2 * t : t;
         stage_piece<4>(stage, kScale0 + 4 * i, lane, k_scales + srow + (sb & ~3), kp.ok);
@@ -317,7 +323,7 @@ __device__ __forceinline__ bool stage_block_by_key(const DecodeArgs& a, const in
       const int64_t row = kp.page_off + in_page(kp.slot, B::kCodeRow);
       stage_piece<B::kV>(stage, 2 * B::kK + B::kV * i, S::v_position(lane),
                          v_codes + row + B::kV * g, kp.ok);
-      if constexpr (!B::kRowScales) {
+      if constexpr (F == KvFormat::NvFp4) {
         const int sb = g * D / 128;  // this thread's element range's scale byte
         const int64_t srow = kp.page_off + in_page(kp.slot, B::kScaleRow);
         stage_piece<4>(stage, kScale0 + 4 * (2 + i), lane, v_scales + srow + (sb & ~3), kp.ok);
@@ -370,7 +376,9 @@ __device__ __forceinline__ void read_block(uint32_t stage, Raw<F, D>& r) {
 #pragma unroll
       for (int e = 0; e < B::kK / 4; ++e) r.k[i][e] = w[(B::kK * i) / 4 + e] ^ kBias;
     constexpr int kW0 = S::kCodeSlots * 4;
-    if constexpr (B::kRowScales) {
+    if constexpr (B::kBf16) {
+      // no scales
+    } else if constexpr (B::kRowScales) {
       r.k_scales[0] = w[kW0], r.k_scales[1] = w[kW0 + 1];
       r.v_scales[0] = w[kW0 + 2], r.v_scales[1] = w[kW0 + 3];
     } else {
@@ -442,6 +450,15 @@ __device__ __forceinline__ void k_fragments(const Raw<F, D>& r, int w, uint32_t 
     a1[1] = scaled(f16_pair<0x3424>(ev[1]), ks[1]);
     a1[2] = scaled(f16_pair<0x3424>(od[0]), ks[0]);
     a1[3] = scaled(f16_pair<0x3424>(od[1]), ks[1]);
+  } else if constexpr (F == KvFormat::Bf16) {
+    // Elements 2j, 2j + 1 are the halves of word 4w + j.
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      a0[i] = __byte_perm(r.k[i][4 * w], r.k[i][4 * w + 1], 0x5410);  // elements 0, 2
+      a0[2 + i] = __byte_perm(r.k[i][4 * w], r.k[i][4 * w + 1], 0x7632);  // 1, 3
+      a1[i] = __byte_perm(r.k[i][4 * w + 2], r.k[i][4 * w + 3], 0x5410);  // 4, 6
+      a1[2 + i] = __byte_perm(r.k[i][4 * w + 2], r.k[i][4 * w + 3], 0x7632);  // 5, 7
+    }
   } else {
     // Elements 0..3 are the bytes of word 2w, 4..7 those of word 2w + 1.
 #pragma unroll
@@ -480,6 +497,12 @@ __device__ __forceinline__ void v_fragment(const Raw<F, D>& r, int mt, uint32_t 
       av[2] = scaled(f16_pair<0x3414>(ev[1]), vs23);
       av[3] = scaled(f16_pair<0x3414>(od[1]), vs23);
     }
+  } else if constexpr (F == KvFormat::Bf16) {
+    // Word mt of each key holds elements 2mt, 2mt + 1; pair the keys per element.
+    av[0] = __byte_perm(r.v[0][mt], r.v[1][mt], 0x5410);  // element 2mt of keys 2t, 2t+1
+    av[1] = __byte_perm(r.v[0][mt], r.v[1][mt], 0x7632);  // element 2mt + 1
+    av[2] = __byte_perm(r.v[2][mt], r.v[3][mt], 0x5410);
+    av[3] = __byte_perm(r.v[2][mt], r.v[3][mt], 0x7632);
   } else {
     // Word mt / 2 of each key holds elements 2mt, 2mt + 1 at bytes 2(mt % 2), +1; the
     // byte-permute interleaves the two keys of a pair: (key 2t, key 2t+1) per element.
@@ -531,6 +554,8 @@ template <KvFormat F, int D, int NQB>
 constexpr int stages_per_warp() {
   constexpr int kPerCta =
       227 * 1024 / ctas_per_sm<F, D>(NQB) - 1024 - 256 - q_smem_bytes<D, NQB>();  // - static
+  static_assert(kWarps * 2 * Stage<F, D>::kBytes <= kPerCta,
+                "two stages a warp fit the CTAs per SM that decode_ctas_per_sm promises");
   int n = 4;
   while (n > 2 && kWarps * n * Stage<F, D>::kBytes > kPerCta) --n;
   return n;
@@ -556,6 +581,8 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm<F, D>(NQB))
     decode_direct_kernel(const DecodeArgs a) {
   constexpr bool kRowScales = Bytes<F, D>::kRowScales;
   constexpr int kOperandExp = Bytes<F, D>::kOperandExp;
+  constexpr bool kBf16Rows = Bytes<F, D>::kBf16;
+  using Op = typename Bytes<F, D>::Operand;
   constexpr int kKd = D / 16;    // k-steps of Sᵀ
   constexpr int kMt = D / 16;    // m-tiles of Oᵀ
   constexpr int kRange = D / 8;  // output elements per thread and column
@@ -593,7 +620,8 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm<F, D>(NQB))
   const uint8_t* v_scales = a.pages + a.v_scales + hk * a.head_scale_bytes;
 
   // Q as the B operand: query row row0 + 8qb + g, the permuted head dimension (above),
-  // BF16-rounded as the emulation's, then times 2^e in FP16. q·c of that row.
+  // BF16-rounded as the emulation's, then times 2^e in FP16 (a BF16 cache: in BF16 as it
+  // is, e = 0). q·c of that row.
   uint32_t qf[NQB][kKd][2];  // with kQInSmem, only until warp 0 has stored them
   float qc[NQB];
   float col_scale[NQB][2];  // score → log2-domain logit of columns 2t, 2t+1
@@ -622,15 +650,18 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm<F, D>(NQB))
     qc[qb] = dot;
     // e with amax·2^e in [2^14, 2^15): 14 minus amax's exponent, kept a normal float.
     const int ex = static_cast<int>((__float_as_uint(amax) >> 23) & 0xFFu) - 127;
-    const int e = max(-112, min(127, 14 - ex));
+    const int e = kBf16Rows ? 0 : max(-112, min(127, 14 - ex));
     const float up = pow2(e);
+    auto pair = [](float lo, float hi) {
+      return kBf16Rows ? bits_of(__floats2bfloat162_rn(lo, hi)) : bits_of(__floats2half2_rn(lo, hi));
+    };
 #pragma unroll
     for (int w = 0; w < D / 32; ++w) {
       const float* y = x + 8 * w;
-      qf[qb][2 * w][0] = bits_of(__floats2half2_rn(y[0] * up, y[2] * up));
-      qf[qb][2 * w][1] = bits_of(__floats2half2_rn(y[1] * up, y[3] * up));
-      qf[qb][2 * w + 1][0] = bits_of(__floats2half2_rn(y[4] * up, y[6] * up));
-      qf[qb][2 * w + 1][1] = bits_of(__floats2half2_rn(y[5] * up, y[7] * up));
+      qf[qb][2 * w][0] = pair(y[0] * up, y[2] * up);
+      qf[qb][2 * w][1] = pair(y[1] * up, y[3] * up);
+      qf[qb][2 * w + 1][0] = pair(y[4] * up, y[6] * up);
+      qf[qb][2 * w + 1][1] = pair(y[5] * up, y[7] * up);
       if (kQInSmem<NQB> && warp == 0)
         asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(q_at(qb, w)),
                      "r"(qf[qb][2 * w][0]), "r"(qf[qb][2 * w][1]), "r"(qf[qb][2 * w + 1][0]),
@@ -688,8 +719,8 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm<F, D>(NQB))
           b[0] = qf[qb][2 * w][0], b[1] = qf[qb][2 * w][1];
           b[2] = qf[qb][2 * w + 1][0], b[3] = qf[qb][2 * w + 1][1];
         }
-        common::mma_16bit<__half>(s[qb], a0, b[0], b[1]);
-        common::mma_16bit<__half>(s[qb], a1, b[2], b[3]);
+        common::mma_16bit<Op>(s[qb], a0, b[0], b[1]);
+        common::mma_16bit<Op>(s[qb], a1, b[2], b[3]);
       }
     }
     // Row-scale formats: the K scale of each score row (keys g, 8 + g); V's scales
@@ -775,10 +806,10 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm<F, D>(NQB))
         }
       }
       uint32_t hi, lo;
-      split_pair<__half>(s[qb][0], s[qb][1], hi, lo);  // key g, queries 2t, 2t+1
+      split_pair<Op>(s[qb][0], s[qb][1], hi, lo);  // key g, queries 2t, 2t+1
       ph[qb][0] = common::movmatrix_trans(hi);
       pl[qb][0] = common::movmatrix_trans(lo);
-      split_pair<__half>(s[qb][2], s[qb][3], hi, lo);  // key 8 + g
+      split_pair<Op>(s[qb][2], s[qb][3], hi, lo);  // key 8 + g
       ph[qb][1] = common::movmatrix_trans(hi);
       pl[qb][1] = common::movmatrix_trans(lo);
     }
@@ -790,8 +821,8 @@ __global__ void __launch_bounds__(kWarps * 32, ctas_per_sm<F, D>(NQB))
       v_fragment<F, D>(r, mt, av);
 #pragma unroll
       for (int qb = 0; qb < NQB; ++qb) {
-        common::mma_16bit<__half>(o[qb][mt], av, ph[qb][0], ph[qb][1]);
-        common::mma_16bit<__half>(o[qb][mt], av, pl[qb][0], pl[qb][1]);
+        common::mma_16bit<Op>(o[qb][mt], av, ph[qb][0], ph[qb][1]);
+        common::mma_16bit<Op>(o[qb][mt], av, pl[qb][0], pl[qb][1]);
       }
     }
   };

@@ -11,17 +11,19 @@
 namespace qattn::kv_cache {
 
 // CTAs of the decode kernel that run at once on one SM, by format, head dim and query
-// rows per (sequence, KV head) (GQA group × new tokens). The direct kernels
-// (NVFP4, FP8 and INT8 at head dims 64 and 128, decode_direct.cuh) stage their keys in
-// shared memory, and with two n-blocks of 8 rows also what they read of Q, which keeps
-// them within 128 registers (four CTAs), except FP8 and INT8 with two n-blocks at head
-// dim 128, within 168 (three); the tiled kernel (BF16, other head dims) runs two. The
-// kernels' launch bounds and the split rule both read it.
-constexpr bool decode_is_direct(kvcache::KvFormat format, int64_t head_dim) {
-  return format != kvcache::KvFormat::Bf16 && (head_dim == 64 || head_dim == 128);
+// rows per (sequence, KV head) (GQA group × new tokens). The direct kernels (every
+// format at head dims 64 and 128, decode_direct.cuh) stage their keys in shared memory,
+// and with two n-blocks of 8 rows also what they read of Q, which keeps them within 128
+// registers (four CTAs), except FP8 and INT8 with two n-blocks at head dim 128, within
+// 168 (three), and BF16 at head dim 128, whose two 8 KB stages a warp fit three CTAs'
+// shared memory; the tiled kernel (other head dims) runs two. The kernels' launch
+// bounds and the split rule both read it.
+constexpr bool decode_is_direct(kvcache::KvFormat /*format*/, int64_t head_dim) {
+  return head_dim == 64 || head_dim == 128;
 }
 constexpr int decode_ctas_per_sm(kvcache::KvFormat format, int64_t head_dim, int64_t rows) {
   if (!decode_is_direct(format, head_dim)) return 2;
+  if (format == kvcache::KvFormat::Bf16) return head_dim == 64 ? 4 : 3;
   if (rows <= 8 || format == kvcache::KvFormat::NvFp4 || head_dim == 64) return 4;
   return 3;
 }
