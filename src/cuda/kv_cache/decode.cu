@@ -1,6 +1,7 @@
 // The decode: attention of a few new query tokens per sequence against its cached
 // tokens, read from the paged cache (docs/kv-cache.md, "Decode"; src/emulate/kv_cache
-// is the contract, to FP32 rounding).
+// is the contract, to FP32 rounding). Head dims 64 and 128 run the direct kernel
+// (decode_direct.cuh); the tiled kernel below runs the other head dims.
 //
 // One CTA per (chunk of keys, group of up to 64 query rows, KV head, sequence). The
 // query rows of a CTA are the GQA group's heads × the nq new tokens, so the group shares
