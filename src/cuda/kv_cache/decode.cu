@@ -760,7 +760,7 @@ template <typename T, int DP, KvFormat F>
 cudaError_t run(const DecodeArgs& a, int batch, cudaStream_t stream) {
   using S = Smem<DP, F>;
   if constexpr (DP == 64 || DP == 128) {
-    if (decode_is_direct(F, a.d)) {  // the direct kernel (decode_direct.cuh)
+    if (decode_is_direct(a.d)) {  // the direct kernel (decode_direct.cuh)
       // 8 query rows per CTA when the group × new tokens fit (one n-block), else 16.
       cudaError_t e = a.rows <= 8 ? run_direct<T, F, DP, 1>(a, batch, stream)
                                   : run_direct<T, F, DP, 2>(a, batch, stream);

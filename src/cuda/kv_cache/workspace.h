@@ -18,11 +18,11 @@ namespace qattn::kv_cache {
 // 168 (three), and BF16 at head dim 128, whose two 8 KB stages a warp fit three CTAs'
 // shared memory; the tiled kernel (other head dims) runs two. The kernels' launch
 // bounds and the split rule both read it.
-constexpr bool decode_is_direct(kvcache::KvFormat /*format*/, int64_t head_dim) {
+constexpr bool decode_is_direct(int64_t head_dim) {
   return head_dim == 64 || head_dim == 128;
 }
 constexpr int decode_ctas_per_sm(kvcache::KvFormat format, int64_t head_dim, int64_t rows) {
-  if (!decode_is_direct(format, head_dim)) return 2;
+  if (!decode_is_direct(head_dim)) return 2;
   if (format == kvcache::KvFormat::Bf16) return head_dim == 64 ? 4 : 3;
   if (rows <= 8 || format == kvcache::KvFormat::NvFp4 || head_dim == 64) return 4;
   return 3;
