@@ -94,6 +94,7 @@ class Row:
     iters: int = 0
     rotation: int = 1
     note: str = ""
+    num_splits: int = 0  # qattn rows: the num_splits passed (0: the library's choice)
     # The same measurement in the units of issue 20's results format (n, us, bytes_read,
     # tbps), derived from the fields above.
     n: int = 0
@@ -235,17 +236,19 @@ def measure_config(c: Config, args, l2_bytes: int) -> List[Row]:
             continue
         assert cache.bytes_per_token == 2 * hkv * ROW_BYTES[fmt](d)
         for nq in args.nq:
-            def dec(r, nq=nq):
-                return qattn.decode(qs[nq][r], cache, seqs=range(r * b, (r + 1) * b), num_splits=args.num_splits)
+            for splits in args.num_splits:
+                def dec(r, nq=nq, splits=splits):
+                    return qattn.decode(qs[nq][r], cache, seqs=range(r * b, (r + 1) * b), num_splits=splits)
 
-            out = dec(0)
-            med_g, med_e, iters = timed([lambda r=r: dec(r) for r in range(r_count)])
-            rr = row(method, nq, med_g, med_e, iters, b * n * cache.bytes_per_token, out, ref_out[nq], ps,
-                     f"num_splits {args.num_splits or 'chosen'}")
-            if ("sdpa_cudnn", nq) in sdpa_ms:
-                rr.speedup_vs_cudnn = sdpa_ms["sdpa_cudnn", nq] / rr.ms
-            if ("sdpa_flash", nq) in sdpa_ms:
-                rr.speedup_vs_flash = sdpa_ms["sdpa_flash", nq] / rr.ms
+                out = dec(0)
+                med_g, med_e, iters = timed([lambda r=r: dec(r) for r in range(r_count)])
+                rr = row(method, nq, med_g, med_e, iters, b * n * cache.bytes_per_token, out, ref_out[nq], ps,
+                         f"num_splits {splits or 'chosen'}")
+                rr.num_splits = splits
+                if ("sdpa_cudnn", nq) in sdpa_ms:
+                    rr.speedup_vs_cudnn = sdpa_ms["sdpa_cudnn", nq] / rr.ms
+                if ("sdpa_flash", nq) in sdpa_ms:
+                    rr.speedup_vs_flash = sdpa_ms["sdpa_flash", nq] / rr.ms
         cache = None  # before the next format's cache is allocated
         torch.cuda.empty_cache()
     return rows
@@ -284,7 +287,9 @@ def main(argv=None) -> int:
     ap.add_argument("--heads-kv", type=int, default=8)
     ap.add_argument("--d", type=int, default=128, choices=(64, 128, 256))
     ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--num-splits", type=int, default=0, help="qattn.decode's num_splits (0: chosen)")
+    ap.add_argument("--num-splits", type=int, nargs="+", default=[0],
+                    help="qattn.decode's num_splits, a row each (0: the library's choice; several: a sweep "
+                         "of the split-KV rule's choices)")
     ap.add_argument("--max-gb", type=float, default=40.0, help="skip a (batch, context) whose BF16 cache is larger")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--min-iters", type=int, default=10)
@@ -296,7 +301,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.heads_q % args.heads_kv != 0:
         ap.error(f"--heads-q {args.heads_q} is not a multiple of --heads-kv {args.heads_kv}")
-    if min(args.batch + args.context) < 1 or args.page_size < 1 or not 0 <= args.num_splits <= 128:
+    if min(args.batch + args.context) < 1 or args.page_size < 1 or not all(0 <= s <= 128 for s in args.num_splits):
         ap.error("--batch, --context and --page-size must be positive, --num-splits in 0..128")
     if args.dry_run:
         return dry_run(args)

@@ -8,6 +8,8 @@
 # SANITIZERS (default "memcheck racecheck") and SIDES (default "base new new base") pick
 # the sanitizers and the benchmark's processes; SANITIZE_FILTER the sanitized tests (default:
 # the short sequences, every format with one and two n-blocks, and the BF16 paths).
+# TESTS=0 leaves out the tests and the sanitizers (a host-side change whose kernels are
+# main's); ARCHIVE names another archive in .devrun.
 # Files go to $OUT (decode-<side>-<n>.json); logs to $OUT/logs.tgz; a short table last.
 #   Archive, built off the device (.devrun/decode-ab.tar.xz, files at its top level):
 #     base_C.so   main's qattn._C for the device's Python (target qattn_C)
@@ -19,8 +21,9 @@ commit=${1:-unknown}
 source bench/device_bins.sh
 device_setup
 device_deps
-ab_bins decode-ab.tar.xz /tmp/qattn-decode-ab || exit 1
+ab_bins "${ARCHIVE:-decode-ab.tar.xz}" /tmp/qattn-decode-ab || exit 1
 
+if [[ ${TESTS:-1} != 0 ]]; then
 step kv_decode 200 "$bins/gpu_test_kv_decode"
 [[ -n ${LEAN:-} ]] || step kv_append 120 "$bins/gpu_test_kv_append"
 small=${SANITIZE_FILTER:-'KvDecode.ShortSequencesAndEmptyOnes:KvDecode.Bf16CacheOnEveryPathOfTheDirectKernel'}
@@ -28,8 +31,9 @@ for tool in ${SANITIZERS-memcheck racecheck}; do
   step "$tool" 200 compute-sanitizer --tool "$tool" --error-exitcode 9 "$bins/gpu_test_kv_decode" \
       --gtest_filter="$small"
 done
+fi
 use new
-[[ -n ${LEAN:-} ]] || step pytest 150 bash -c "cd python/tests && PYTHONPATH=$PWD/python python3 -m pytest -q \
+[[ -n ${LEAN:-} || ${TESTS:-1} == 0 ]] || step pytest 150 bash -c "cd python/tests && PYTHONPATH=$PWD/python python3 -m pytest -q \
     -p no:cacheprovider test_kv_cache.py"
 grid=${BENCH_ARGS:---batch 8 64 --context 8192 32768 --nq 1 4 --methods qattn_nvfp4 qattn_fp8 qattn_int8 sdpa_cudnn}
 n=0

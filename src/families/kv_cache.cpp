@@ -22,14 +22,19 @@ constexpr std::array<api::Arch, 1> kArchs{{{9, 0}}};
 // A decode runs one CTA per (sequence, KV head, chunk), and a CTA's time is set by its
 // own key count (the kernels are latency-bound, bench/NOTES.md v30): a wave that fills a
 // fraction f of the SMs' CTA slots (kv_cache::decode_ctas_per_sm on 132 SMs) wastes
-// 1 − f of them. So the rule picks the chunk count S whose waves are fullest:
-// w = pairs·S / slots waves, efficiency w / ⌈w⌉, minus 0.02 per wave so that fewer,
-// longer chunks win a near tie; S at most 4 waves' worth, each chunk at least kMinChunk
-// keys (the merge stays a small part of the work), at most QATTN_KV_MAX_SPLITS. The
-// sizes alone decide, so the workspace size needs no device.
+// 1 − f of them. So where the pairs need more than one wave, the rule picks the chunk
+// count S whose waves are fullest: w = pairs·S / slots waves, efficiency w / ⌈w⌉, minus
+// 0.02 per wave so that fewer, longer chunks win a near tie, S at most 4 waves' worth.
+// Where the pairs fit one wave, filling every slot does not pay: each chunk has a fixed
+// cost and adds a row to the merge, and the measured best (a sweep of S on the H100,
+// bench/results/decode-splits-h100.json, bench/NOTES.md v89) is about two CTAs an SM, so
+// S is capped at 2·132 / pairs there. Each chunk keeps at least kMinChunk keys, and S is
+// at most QATTN_KV_MAX_SPLITS. The sizes alone decide, so the workspace size needs no
+// device.
 constexpr int64_t kSms = 132;
-constexpr int64_t kMinChunk = 256;
+constexpr int64_t kMinChunk = 128;
 constexpr int64_t kMaxWaves = 4;
+constexpr int64_t kOneWaveCtasPerSm = 2;
 constexpr double kPerWave = 0.02;
 
 int32_t choose_splits(const qattn_kv_decode_params& p, const qattn_kv_cache& c) {
@@ -41,7 +46,8 @@ int32_t choose_splits(const qattn_kv_decode_params& p, const qattn_kv_cache& c) 
       kSms * kv_cache::decode_ctas_per_sm(static_cast<kvcache::KvFormat>(c.format),
                                           c.head_dim, rows);
   const int64_t by_len = std::clamp<int64_t>(len / kMinChunk, 1, QATTN_KV_MAX_SPLITS);
-  const int64_t by_waves = std::max<int64_t>(1, kMaxWaves * slots / pairs);
+  const int64_t by_waves = std::max<int64_t>(
+      1, pairs <= slots ? kOneWaveCtasPerSm * kSms / pairs : kMaxWaves * slots / pairs);
   int64_t best = 1;
   double best_score = -1.0;
   for (int64_t s = 1; s <= std::min(by_len, by_waves); ++s) {
