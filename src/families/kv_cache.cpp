@@ -25,14 +25,16 @@ constexpr std::array<api::Arch, 1> kArchs{{{9, 0}}};
 // 1 − f of them. So where the pairs need more than one wave, the rule picks the chunk
 // count S whose waves are fullest: w = pairs·S / slots waves, efficiency w / ⌈w⌉, minus
 // 0.02 per wave so that fewer, longer chunks win a near tie, S at most 4 waves' worth.
-// Where the pairs fit one wave, filling every slot does not pay: each chunk has a fixed
-// cost and adds a row to the merge, and the measured best (a sweep of S on the H100,
-// bench/results/decode-splits-h100.json, bench/NOTES.md v89) is about two CTAs an SM, so
-// S is capped at 2·132 / pairs there. Each chunk keeps at least kMinChunk keys, and S is
-// at most QATTN_KV_MAX_SPLITS. The sizes alone decide, so the workspace size needs no
-// device.
+// Where the pairs fit one wave, filling every slot does not pay for short chunks: each
+// chunk has a fixed cost and adds a row to the merge, and the measured best (a sweep of S
+// on the H100, bench/results/decode-splits-h100.json, bench/NOTES.md v89) is about two
+// CTAs an SM; chunks of kLongChunk keys or more may fill the wave. So S is capped there at
+// max(2·132 / pairs, min(slots / pairs, keys / kLongChunk)). Each chunk keeps at least
+// kMinChunk keys, and S is at most QATTN_KV_MAX_SPLITS. The sizes alone decide, so the
+// workspace size needs no device.
 constexpr int64_t kSms = 132;
 constexpr int64_t kMinChunk = 128;
+constexpr int64_t kLongChunk = 4096;
 constexpr int64_t kMaxWaves = 4;
 constexpr int64_t kOneWaveCtasPerSm = 2;
 constexpr double kPerWave = 0.02;
@@ -46,8 +48,10 @@ int32_t choose_splits(const qattn_kv_decode_params& p, const qattn_kv_cache& c) 
       kSms * kv_cache::decode_ctas_per_sm(static_cast<kvcache::KvFormat>(c.format),
                                           c.head_dim, rows);
   const int64_t by_len = std::clamp<int64_t>(len / kMinChunk, 1, QATTN_KV_MAX_SPLITS);
-  const int64_t by_waves = std::max<int64_t>(
-      1, pairs <= slots ? kOneWaveCtasPerSm * kSms / pairs : kMaxWaves * slots / pairs);
+  const int64_t by_waves =
+      pairs <= slots ? std::max({int64_t{1}, kOneWaveCtasPerSm * kSms / pairs,
+                                 std::min(slots / pairs, len / kLongChunk)})
+                     : std::max<int64_t>(1, kMaxWaves * slots / pairs);
   int64_t best = 1;
   double best_score = -1.0;
   for (int64_t s = 1; s <= std::min(by_len, by_waves); ++s) {

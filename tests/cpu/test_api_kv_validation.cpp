@@ -864,8 +864,8 @@ TEST(KvDecodeAbi, WorkspaceSizeIsTheSplitLayout) {
       EXPECT_EQ(s, q.num_splits);  // an explicit count is kept
     } else {
       // A chosen count: within 1..128; more than one chunk only when each chunk keeps
-      // 128 keys, and then at most two CTAs an SM (264) where the pairs fit one wave (at
-      // least 396 slots: 132 SMs × 3 or 4 CTAs), else at most 4 waves of at most 528.
+      // 128 keys, and then at most one wave of at most 528 slots where the pairs fit one
+      // (more than two CTAs an SM only with chunks of 4096 keys), else at most 4 waves.
       const int64_t capacity = int64_t{cfg.max_pages_per_seq} * cfg.page_size;
       const int64_t keys = q.max_length > 0 ? std::min<int64_t>(q.max_length, capacity) : capacity;
       const int64_t ctas = int64_t{q.batch} * cfg.heads_kv;
@@ -873,7 +873,11 @@ TEST(KvDecodeAbi, WorkspaceSizeIsTheSplitLayout) {
       EXPECT_LE(s, QATTN_KV_MAX_SPLITS);
       if (s > 1) {
         EXPECT_LE(s * int64_t{128}, keys);
-        EXPECT_LE(s * ctas, ctas <= 264 ? 264 : 4 * 528);
+        if (s * ctas > 264 && ctas <= 396) {
+          EXPECT_LE(s * ctas, 528);
+          EXPECT_LE(s * int64_t{4096}, keys);
+        }
+        EXPECT_LE(s * ctas, 4 * 528);
       }
     }
     EXPECT_EQ(need(q),
@@ -884,10 +888,11 @@ TEST(KvDecodeAbi, WorkspaceSizeIsTheSplitLayout) {
 // num_splits = 0: slots = 132 SMs × CTAs per SM (kv_cache::decode_ctas_per_sm: at head
 // dim 128 NVFP4, FP8 and INT8 with ≤ 8 query rows per KV head 4, NVFP4 with 16 rows 4,
 // FP8 and INT8 with 16 rows 3, BF16 3). S ranges over 1 ≤ S ≤ min(keys / 128, cap,
-// QATTN_KV_MAX_SPLITS), cap = 264 / pairs (two CTAs an SM) when the pairs
-// (batch·heads_kv) fit one wave, else 4 waves' worth; with w = pairs·S / slots, S
-// maximizes w/⌈w⌉ − 0.02·⌈w⌉ (the smallest S on a tie). The keys are max_length when set
-// (capped by the capacity), else the capacity.
+// QATTN_KV_MAX_SPLITS); when the pairs (batch·heads_kv) fit one wave cap = max(264 /
+// pairs (two CTAs an SM), min(slots / pairs, keys / 4096) (a full wave of long chunks)),
+// else 4 waves' worth; with w = pairs·S / slots, S maximizes w/⌈w⌉ − 0.02·⌈w⌉ (the
+// smallest S on a tie). The keys are max_length when set (capped by the capacity), else
+// the capacity.
 TEST(KvDecodeAbi, AutomaticSplitCountFollowsTheFamilysRule) {
   struct Case {
     int batch, heads_kv, max_pages_per_seq, max_length, splits;
@@ -897,12 +902,12 @@ TEST(KvDecodeAbi, AutomaticSplitCountFollowsTheFamilysRule) {
   };
   // At head dim 128, NVFP4, FP8 and INT8 with up to 8 query rows: four CTAs per SM, 528
   // slots; BF16 three (396); with 16 rows NVFP4 four (528), FP8 and INT8 three (396).
-  const std::array<Case, 21> cases{{
+  const std::array<Case, 23> cases{{
       {1, 1, 4096, 0, 128, "one pair, 65536 / 128 = 512 chunks, cap 264: capped at 128"},
       {1, 8, 256, 0, 32, "8 pairs, 4096 / 128 = 32 chunks: the length decides (cap 33)"},
       {4, 8, 2048, 0, 8, "32 pairs in one wave: two CTAs an SM, 264 / 32 = 8 chunks"},
-      {32, 8, 2048, 0, 1, "256 pairs fit one wave: 264 / 256 = 1 chunk"},
-      {33, 8, 2048, 0, 1, "264 pairs: one chunk is two CTAs an SM already"},
+      {32, 8, 2048, 0, 2, "256 pairs, 32768 keys: chunks of 16384 may fill the wave, 2 fill 0.97"},
+      {33, 8, 2048, 0, 2, "264 pairs: 2 chunks are exactly one wave"},
       {64, 8, 2048, 0, 1, "512 pairs: 1 chunk fills 0.97 of a wave"},
       {128, 8, 2048, 0, 1, "1024 pairs: 1.94 waves already"},
       {1, 1, 8, 0, 1, "128 keys: one 128-key chunk"},
@@ -911,12 +916,14 @@ TEST(KvDecodeAbi, AutomaticSplitCountFollowsTheFamilysRule) {
       {1, 1, 4096, 512, 4, "max_length 512: four chunks of 128"},
       {1, 8, 256, 1000000, 32, "max_length beyond the capacity: the capacity (4096) decides"},
       {2, 2, 4096, 40000, 66, "4 pairs: 264 / 4 = 66 chunks of 606 keys"},
+      {8, 8, 512, 0, 4, "64 pairs, 8192 keys: two CTAs an SM, 4 chunks of 2048"},
+      {8, 8, 4096, 0, 8, "64 pairs, 65536 keys: 8 long chunks fill 0.97 of the wave"},
       {4, 8, 2048, 0, 8, "FP8: 32 pairs, 8 chunks, two CTAs an SM", QATTN_KV_FP8_E4M3},
-      {8, 8, 4096, 0, 4, "INT8: 64 pairs, 4 chunks", QATTN_KV_INT8},
+      {8, 8, 4096, 0, 8, "INT8: 64 pairs, 8 long chunks", QATTN_KV_INT8},
       {1, 1, 4096, 0, 128, "BF16: one pair, capped at 128", QATTN_KV_BF16},
-      {16, 8, 4096, 0, 2, "BF16: 128 pairs, 264 / 128 = 2 chunks", QATTN_KV_BF16},
-      {32, 8, 2048, 0, 1, "INT8: 256 pairs, one chunk", QATTN_KV_INT8},
-      {8, 8, 4096, 0, 4, "NVFP4 with 16 query rows: 64 pairs, 4 chunks", QATTN_KV_NVFP4, 32, 4},
+      {16, 8, 4096, 0, 3, "BF16: 128 pairs, 3 long chunks fill 0.97 of 396 slots", QATTN_KV_BF16},
+      {8, 8, 4096, 0, 8, "NVFP4 with 16 query rows: 64 pairs, 8 long chunks", QATTN_KV_NVFP4, 32, 4},
+      {8, 8, 512, 0, 4, "FP8 with 16 query rows: 64 pairs, 8192 keys: 4 chunks", QATTN_KV_FP8_E4M3, 32, 4},
       {64, 8, 512, 0, 3, "FP8 with 16 query rows: 512 pairs, more than 396 slots: 3 chunks fill "
                          "0.97 of 4 waves", QATTN_KV_FP8_E4M3, 32, 4},
       {64, 8, 512, 0, 1, "NVFP4 with 16 query rows: 512 pairs fit 528 slots: one chunk",
