@@ -6,7 +6,10 @@
 # kernel at 4K. BENCH_ARGS replaces the benchmark's grid (default --quick: d 128, N 1K and
 # 4K); NCU=0 leaves out the ncu count, NCU_D picks its head dim (default 128). TESTS=0
 # leaves out the test binary, the sanitizers and pytest (a build made for timing only,
-# whose gradients are not the contract's); ARCHIVE names another archive in .devrun.
+# whose gradients are not the contract's); ARCHIVE names another archive in .devrun;
+# NEW names the side whose binding the tests and ncu use (default new: new_C.so), SIDES
+# the benchmark's processes (default "base NEW NEW base"; an archive may hold more
+# bindings, <side>_C.so each).
 # Logs go to $OUT/logs.tgz; a short table last.
 #   Archive, built off the device (.devrun/queue-bwd.tar.xz, files at its top level):
 #     base_C.so   main's qattn._C for the device's Python (cmake -DQATTN_BUILD_PYTHON=ON
@@ -16,6 +19,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 commit=${1:-unknown}
+NEW=${NEW:-new}
 source bench/device_bins.sh
 device_setup
 device_deps
@@ -28,18 +32,18 @@ for tool in racecheck memcheck; do
   step "$tool" 150 compute-sanitizer --tool "$tool" --error-exitcode 9 \
       "$bins/gpu_test_sagebwd_backward" --gtest_filter="$small"
 done
-use new
+use "$NEW"
 step pytest 200 bash -c "cd python/tests && PYTHONPATH=$PWD/python python3 -m pytest -q \
     -p no:cacheprovider test_backward.py test_training_route.py"
 fi
-for v in base new new base; do
+for v in ${SIDES:-base $NEW $NEW base}; do
   use "$v"
   # shellcheck disable=SC2086
   step "backward_$v" 90 env PYTHONPATH=python python3 bench/backward.py ${BENCH_ARGS:---quick} --no-plot \
       --out "$out" --name "backward-$v-$RANDOM" --commit "$commit-$v"
 done
 ncu_k='regex:k_mean_kernel|k_prepare_kernel|q_prepare_kernel|dq_finalize_kernel|dkdv_wgmma_kernel'
-for v in base new; do
+for v in base "$NEW"; do
   [[ ${NCU:-1} == 0 ]] && break
   use "$v"
   step "ncu_$v" 120 ncu -k "$ncu_k" --launch-skip 5 --launch-count 5 \
@@ -58,6 +62,6 @@ tar -czf "$out/logs.tgz" -C "$logs" . 2>/dev/null
 echo "==== backward --quick (base, new, new, base) ===="
 grep -hE "^grid +[0-9]" "$logs"/backward_*.log | head -24
 echo "==== dK/dV kernel at 4K (base, then new) ===="
-grep -hE "dkdv_wgmma|gpu__time_duration|smsp__inst_executed.sum|issue_active" "$logs"/ncu_base.log "$logs"/ncu_new.log | cut -c1-110
+grep -hE "dkdv_wgmma|gpu__time_duration|smsp__inst_executed.sum|issue_active" "$logs"/ncu_base.log "$logs/ncu_$NEW.log" | cut -c1-110
 echo "==== summary ($commit, $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(($(date +%s) - start)) s) ===="
 printf '%s\n' "${status[@]}"
