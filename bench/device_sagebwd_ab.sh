@@ -9,7 +9,7 @@
 # whose gradients are not the contract's); ARCHIVE names another archive in .devrun;
 # NEW names the side whose binding the tests and ncu use (default new: new_C.so), SIDES
 # the benchmark's processes (default "base NEW NEW base"; an archive may hold more
-# bindings, <side>_C.so each).
+# bindings, <side>_C.so each), TEST_BIN the test binary (default gpu_test_sagebwd_backward).
 # Logs go to $OUT/logs.tgz; a short table last.
 #   Archive, built off the device (.devrun/queue-bwd.tar.xz, files at its top level):
 #     base_C.so   main's qattn._C for the device's Python (cmake -DQATTN_BUILD_PYTHON=ON
@@ -27,10 +27,11 @@ ab_bins "${ARCHIVE:-queue-bwd.tar.xz}" /tmp/qattn-queue || exit 1
 
 if [[ ${TESTS:-1} != 0 ]]; then
 small='SageBwdBackward.SmallBf16Hnd:SageBwdBackward.OneAndTwoStepsPerCta'
-step sagebwd 150 "$bins/gpu_test_sagebwd_backward"
+test_bin=$bins/${TEST_BIN:-gpu_test_sagebwd_backward}
+step sagebwd 150 "$test_bin"
 for tool in racecheck memcheck; do
   step "$tool" 150 compute-sanitizer --tool "$tool" --error-exitcode 9 \
-      "$bins/gpu_test_sagebwd_backward" --gtest_filter="$small"
+      "$test_bin" --gtest_filter="$small"
 done
 use "$NEW"
 step pytest 200 bash -c "cd python/tests && PYTHONPATH=$PWD/python python3 -m pytest -q \
