@@ -105,6 +105,11 @@ void check_options(const char* who, const SageBwdOptions& o) {
     throw std::invalid_argument(std::string(who) +
                                 ": k_smoothing must be None, Mean or SampledMean");
   }
+  if (o.scales == Bwd8Scales::MergeFree && o.format != Bwd8Format::E4M3) {
+    throw std::invalid_argument(std::string(who) +
+                                ": scales = MergeFree needs format = E4M3 (INT8 codes are linear: a "
+                                "scale fixed from a bound leaves them too few)");
+  }
   if (o.pds_block_keys != kKvTile && o.pds_block_keys != kKvTile / 2) {
     throw std::invalid_argument(std::string(who) + ": pds_block_keys = " +
                                 std::to_string(o.pds_block_keys) + "; allowed: 128 or 64");
@@ -236,6 +241,122 @@ void forward_head(const float* q, const float* k, const float* v, float* o_out, 
   }
 }
 
+// E4M3 codes of x / scale, decoded (scale 0: zeros).
+float e4m3_of(float x, float scale) {
+  return scale > 0.0f ? numerics::e4m3_round(x / scale) : 0.0f;
+}
+
+// The MergeFree scales (the header's steps a-d) for one (batch, query head); adds into
+// dk/dv of its KV head.
+void backward_head_merge_free(const float* q, const float* v, const float* dout,
+                              const std::vector<float>& D, const std::vector<float>& lse2,
+                              const HeadQuant& h, float* dq, float* dk, float* dv,
+                              const HeadShape& sh, const SageBwdOptions& opt) {
+  const int nq = sh.nq, nkv = sh.nkv, d = sh.d;
+  const int ntiles = (nkv + kKvTile - 1) / kKvTile;
+  const float scale_log2 = static_cast<float>(sh.sm_scale * kLog2eDouble);
+  constexpr float kMax = numerics::kE4M3Max;
+  std::vector<float> x(static_cast<std::size_t>(kQBlock) * kKvTile);
+
+  // a. Each row's largest score, hence P's row maximum; V's per-channel maximum.
+  std::vector<float> m2(nq, kNegInf);
+  for (int r0 = 0; r0 < nq; r0 += kQBlock) {
+    const int rows = std::min(kQBlock, nq - r0);
+    for (int t = 0; t < ntiles; ++t) {
+      tile_scores(h, r0, rows, t * kKvTile, nq, nkv, d, sh.mask, scale_log2, x);
+      for (int r = 0; r < rows; ++r)
+        for (int jj = 0; jj < kKvTile; ++jj)
+          m2[r0 + r] = nan_max(m2[r0 + r], x[static_cast<std::size_t>(r) * kKvTile + jj]);
+    }
+  }
+  std::vector<float> v_max(d, 0.0f), do16(static_cast<std::size_t>(nq) * d);
+  for (int j = 0; j < nkv; ++j)
+    for (int c = 0; c < d; ++c) v_max[c] = std::max(v_max[c], std::fabs(numerics::fp16_round(v[j * d + c])));
+  for (std::size_t e = 0; e < do16.size(); ++e) do16[e] = numerics::fp16_round(dout[e]);
+
+  // b. The row scales of dS; c, d. the per-channel scales of dO and s·Q, and their codes.
+  std::vector<float> s_row(nq, 0.0f), s_do(d, 0.0f), s_q(d, 0.0f);
+  for (int i = 0; i < nq; ++i) {
+    if (m2[i] == kNegInf) continue;  // a row that sees no key: P = 0, dS = 0
+    double bound = std::fabs(D[i]);
+    for (int c = 0; c < d; ++c) bound += std::fabs(do16[i * d + c]) * static_cast<double>(v_max[c]);
+    s_row[i] = static_cast<float>(bound) * std::exp2(m2[i] - lse2[i]) / kMax;
+  }
+  for (int i = 0; i < nq; ++i)
+    for (int c = 0; c < d; ++c) {
+      s_do[c] = std::max(s_do[c], std::fabs(dout[i * d + c]));
+      s_q[c] = std::max(s_q[c], std::fabs(s_row[i] * q[i * d + c]));
+    }
+  for (int c = 0; c < d; ++c) {
+    s_do[c] /= kMax;
+    s_q[c] /= kMax;
+  }
+  std::vector<float> do8(do16.size()), q8(do16.size());
+  for (int i = 0; i < nq; ++i)
+    for (int c = 0; c < d; ++c) {
+      do8[i * d + c] = e4m3_of(dout[i * d + c], s_do[c]);
+      q8[i * d + c] = e4m3_of(s_row[i] * q[i * d + c], s_q[c]);
+    }
+
+  std::vector<float> dq_acc(static_cast<std::size_t>(nq) * d, 0.0f);
+  std::vector<float> p(x.size()), ds(x.size()), v_tile(static_cast<std::size_t>(kKvTile) * d);
+  std::vector<double> dk_sum(v_tile.size()), dv_sum(v_tile.size()), acc(d);
+  for (int t = 0; t < ntiles; ++t) {
+    const int j0 = t * kKvTile;
+    const int cols = std::min(kKvTile, nkv - j0);
+    std::fill(v_tile.begin(), v_tile.end(), 0.0f);
+    for (int jj = 0; jj < cols; ++jj)
+      for (int c = 0; c < d; ++c) v_tile[jj * d + c] = numerics::fp16_round(v[(j0 + jj) * d + c]);
+    std::fill(dk_sum.begin(), dk_sum.end(), 0.0);
+    std::fill(dv_sum.begin(), dv_sum.end(), 0.0);
+    for (int r0 = 0; r0 < nq; r0 += kQBlock) {
+      const int rows = std::min(kQBlock, nq - r0);
+      tile_scores(h, r0, rows, j0, nq, nkv, d, sh.mask, scale_log2, x);
+      for (int r = 0; r < rows; ++r) {
+        const int i = r0 + r;
+        for (int jj = 0; jj < kKvTile; ++jj) {
+          const std::size_t e = static_cast<std::size_t>(r) * kKvTile + jj;
+          p[e] = x[e] == kNegInf ? 0.0f : std::exp2(x[e] - lse2[i]);
+          if (p[e] == 0.0f) {
+            ds[e] = 0.0f;
+            continue;
+          }
+          float dp = 0.0f;  // FP16 × FP16 products are exact in FP32
+          for (int c = 0; c < d; ++c) dp += do16[i * d + c] * v_tile[jj * d + c];
+          ds[e] = p[e] * (dp - D[i]);
+        }
+      }
+      for (int r = 0; r < rows; ++r) {
+        const int i = r0 + r;
+        float rowsum = 0.0f;
+        std::fill(acc.begin(), acc.end(), 0.0);
+        for (int jj = 0; jj < cols; ++jj) {
+          const std::size_t e = static_cast<std::size_t>(r) * kKvTile + jj;
+          rowsum += ds[e];
+          const float pv = numerics::e4m3_round(p[e] * kMax);  // c. P·448, no scale
+          const float dsv = e4m3_of(ds[e], s_row[i]);         // d. dS / s_i
+          for (int c = 0; c < d; ++c) {
+            dv_sum[jj * d + c] += static_cast<double>(pv) * do8[i * d + c];
+            dk_sum[jj * d + c] += static_cast<double>(dsv) * q8[i * d + c];
+            acc[c] += static_cast<double>(dsv) * h.k8.row(j0 + jj)[c];
+          }
+        }
+        const float sc = s_row[i] * h.k8.row_scale[j0];
+        for (int c = 0; c < d; ++c) {
+          const float term = opt.dq_mean_term ? rowsum * h.c[c] : 0.0f;
+          dq_acc[i * d + c] += sh.sm_scale * (static_cast<float>(acc[c]) * sc + term);
+        }
+      }
+    }
+    for (int jj = 0; jj < cols; ++jj)
+      for (int c = 0; c < d; ++c) {
+        dv[(j0 + jj) * d + c] += static_cast<float>(dv_sum[jj * d + c]) * (s_do[c] / kMax);
+        dk[(j0 + jj) * d + c] += sh.sm_scale * static_cast<float>(dk_sum[jj * d + c]) * s_q[c];
+      }
+  }
+  std::copy(dq_acc.begin(), dq_acc.end(), dq);
+}
+
 // One (batch, query head) of the backward; adds into dk/dv of its KV head.
 void backward_head(const float* q, const float* k, const float* v, const float* o, const float* lse,
                    const float* dout, float* dq, float* dk, float* dv, const HeadShape& sh,
@@ -252,6 +373,10 @@ void backward_head(const float* q, const float* k, const float* v, const float* 
     for (int c = 0; c < d; ++c) acc += dout[i * d + c] * o[i * d + c];
     D[i] = acc;
     lse2[i] = (lse[i] - sh.sm_scale * h.q_dot_c[i]) * static_cast<float>(kLog2eDouble);
+  }
+  if (opt.scales == Bwd8Scales::MergeFree) {
+    backward_head_merge_free(q, v, dout, D, lse2, h, dq, dk, dv, sh, opt);
+    return;
   }
   const std::span<const float> dout_in(dout, static_cast<std::size_t>(nq) * d);
   const Rows8 do8 = quant8(dout_in, nq, d, opt.format, Granularity::PerBlock, Operand::Q);

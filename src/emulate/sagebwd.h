@@ -35,6 +35,21 @@
 //     (the accuracy report's paper rows).
 //  6. dK_j += sm_scale·ψ(dS_ij)ᵀ ψ(Q_i) (line 11).
 // dK and dV of a KV head are summed over the query heads that share it (GQA).
+//
+// Bwd8Scales::MergeFree (E4M3 only; bench/NOTES.md v87): scales that never change from
+// one Q block to the next, so a kernel's accumulators need no merge. The scores (step 1)
+// are as above; then, per (batch, query head):
+//  a. P's row maximum Pmax_i = exp2(m_i − lse2_i), m_i the row's largest score (log2
+//     units) over every visible key — the forward's own m (a kernel gets it from the
+//     forward) — and V's per-channel maximum |V|_c over the KV head's tokens (FP16).
+//  b. s_i = Pmax_i·(Σ_c |dO_ic|·|V|_c + |D_i|) / 448 (dO in FP16): a bound of row i's
+//     largest |dS| (|dS_ij| = P_ij·|dP_ij − D_i|), fixed before any tile.
+//  c. dV_j = (s_dO,c / 448) · Σ_i E4M3(P_ij·448) · E4M3(dO_ic / s_dO,c), s_dO,c = the
+//     channel's amax over the head's rows / 448: one exact sum over every Q block.
+//  d. dŜ_ij = E4M3(dS_ij / s_i) (saturating); dQ_i += sm_scale·s_i·s_K(tile)·Σ_j dŜ_ij·K̂_j
+//     with step 1's K̂; dK_j = sm_scale·s_Q',c · Σ_i dŜ_ij·E4M3(s_i·Q_ic / s_Q',c), s_Q',c
+//     = amax_i |s_i·Q_ic| / 448: one exact sum over every Q block.
+// pds_block_keys does not apply; dq_mean_term does (the same FP32 term).
 #pragma once
 
 #include <vector>
@@ -57,8 +72,14 @@ enum class DoVFormat {
   Quantized,  // the same 8-bit per-block format as the other matmuls (ablation)
 };
 
+// Scales of the backward's 8-bit products.
+enum class Bwd8Scales {
+  PerBlock,   // per Q block, KV tile and (Q block × keys) tile (SageBwd; above)
+  MergeFree,  // fixed before the kernel (the MergeFree steps above); format E4M3 only
+};
 struct SageBwdOptions {
   Bwd8Format format = Bwd8Format::Int8;
+  Bwd8Scales scales = Bwd8Scales::PerBlock;
   DoVFormat dov = DoVFormat::Fp16;
   // None, Mean or SampledMean. SampledMean (the GPU backward's) smooths K with the mean
   // of the training forward's token sample, so the backward's scores are smoothed as the
