@@ -456,6 +456,90 @@ TEST(SageBwdMergeFree, NoScaleDependsOnTheQBlock) {
   }
 }
 
+// The contract of the header's MergeFree steps on one Q block × one KV tile, recomputed
+// flat from the numerics quantizers (as MatchesFlatRecomputationOnOneTile does for the
+// per-block scales): the scores from E4M3 Q̂, K̂, P's row maximum from them and the saved
+// LSE, the row bound s_i, the per-channel scales of dO and s·Q, the E4M3 codes, exact
+// sums. 1e-5 of each gradient's largest magnitude separates it from any other wiring of
+// the scales (without P's row maximum in s_i, say, dŜ's codes move by whole steps).
+TEST(SageBwdMergeFree, MatchesFlatRecomputationOnOneTile) {
+  SyntheticSpec s = small_spec(36);
+  s.heads_q = s.heads_kv = 1;
+  s.seq_q = 64;
+  s.seq_kv = 128;
+  const auto in = emulate::make_synthetic(s);
+  const int nq = 64, nkv = 128, d = s.head_dim;
+  const SageBwdOptions opt = merge_free();
+  const auto f = sagebwd_forward(in.q, in.k, in.v, {}, opt);
+  const auto g = sagebwd_backward(in.q, in.k, in.v, f.o, f.lse, in.dout, {}, opt);
+
+  const float sm = static_cast<float>(1.0 / std::sqrt(double(d)));
+  const float scale_log2 = static_cast<float>(1.0 / std::sqrt(double(d)) * 1.4426950408889634);
+  const float kMax = numerics::kE4M3Max;
+  const auto ks = numerics::smooth_k(in.k.data, nkv, d);
+  const auto q8 = numerics::quantize_fp8(in.q.data, nq, d, numerics::Fp8Format::E4M3,
+                                         Granularity::PerTensor, Operand::Q);
+  const auto k8 = numerics::quantize_fp8(ks.values, nkv, d, numerics::Fp8Format::E4M3,
+                                         Granularity::PerTensor, Operand::K);
+  const auto qc = numerics::dot_rows(in.q.data, nq, d, ks.means);
+  auto e4 = [](float x, float scale) { return scale > 0 ? numerics::e4m3_round(x / scale) : 0.0f; };
+  std::vector<float> p(nq * nkv), s_row(nq), D(nq), vmax(d, 0.0f);
+  for (int j = 0; j < nkv; ++j)
+    for (int c = 0; c < d; ++c) vmax[c] = std::max(vmax[c], std::fabs(numerics::fp16_round(in.v.data[j * d + c])));
+  for (int i = 0; i < nq; ++i) {
+    float acc = 0.0f, mx = -INFINITY;
+    for (int c = 0; c < d; ++c) acc += in.dout.data[i * d + c] * f.o.data[i * d + c];
+    D[i] = acc;
+    const float lse2 = (f.lse[i] - sm * qc[i]) * 1.4426950408889634f;
+    for (int j = 0; j < nkv; ++j) {
+      double dot = 0;
+      for (int c = 0; c < d; ++c)
+        dot += double(numerics::e4m3_decode(q8.codes[i * d + c])) * numerics::e4m3_decode(k8.codes[j * d + c]);
+      const float x = static_cast<float>(dot) * (q8.scales[0] * k8.scales[0]) * scale_log2;
+      mx = std::max(mx, x);
+      p[i * nkv + j] = std::exp2(x - lse2);
+    }
+    double bound = std::fabs(D[i]);
+    for (int c = 0; c < d; ++c) bound += std::fabs(numerics::fp16_round(in.dout.data[i * d + c])) * double(vmax[c]);
+    s_row[i] = static_cast<float>(bound) * std::exp2(mx - lse2) / kMax;
+  }
+  std::vector<float> s_do(d, 0.0f), s_q(d, 0.0f);
+  for (int i = 0; i < nq; ++i)
+    for (int c = 0; c < d; ++c) {
+      s_do[c] = std::max(s_do[c], std::fabs(in.dout.data[i * d + c]) / kMax);
+      s_q[c] = std::max(s_q[c], std::fabs(s_row[i] * in.q.data[i * d + c]) / kMax);
+    }
+  std::vector<float> dsq(nq * nkv);
+  for (int i = 0; i < nq; ++i)
+    for (int j = 0; j < nkv; ++j) {
+      float dp = 0.0f;
+      for (int c = 0; c < d; ++c)
+        dp += numerics::fp16_round(in.dout.data[i * d + c]) * numerics::fp16_round(in.v.data[j * d + c]);
+      dsq[i * nkv + j] = e4(p[i * nkv + j] * (dp - D[i]), s_row[i]);
+    }
+  auto amax = [](const Tensor4& t) {
+    float m = 0.0f;
+    for (float v : t.data) m = std::max(m, std::fabs(v));
+    return double(m);
+  };
+  for (int j = 0; j < nkv; ++j)
+    for (int c = 0; c < d; ++c) {
+      double v_acc = 0, k_acc = 0;
+      for (int i = 0; i < nq; ++i) {
+        v_acc += double(numerics::e4m3_round(p[i * nkv + j] * kMax)) * e4(in.dout.data[i * d + c], s_do[c]);
+        k_acc += double(dsq[i * nkv + j]) * e4(s_row[i] * in.q.data[i * d + c], s_q[c]);
+      }
+      ASSERT_NEAR(v_acc * s_do[c] / kMax, g.dv.at(0, 0, j, c), 1e-5 * amax(g.dv)) << j << "," << c;
+      ASSERT_NEAR(sm * k_acc * s_q[c], g.dk.at(0, 0, j, c), 1e-5 * amax(g.dk)) << j << "," << c;
+    }
+  for (int i = 0; i < nq; ++i)
+    for (int c = 0; c < d; ++c) {
+      double acc = 0;
+      for (int j = 0; j < nkv; ++j) acc += double(dsq[i * nkv + j]) * numerics::e4m3_decode(k8.codes[j * d + c]);
+      ASSERT_NEAR(sm * acc * s_row[i] * k8.scales[0], g.dq.at(0, 0, i, c), 1e-5 * amax(g.dq)) << i << "," << c;
+    }
+}
+
 TEST(SageBwdMergeFree, NeedsE4M3) {
   SyntheticSpec s = small_spec(35);
   s.seq_q = s.seq_kv = 64;
