@@ -31,6 +31,7 @@ REQUIRED = {
     "sagebwd_dov": {"fp16", "int8"},
     "sagebwd_format": {"int8", "fp8"},
     "sagebwd_dq_term": {"paper", "qattn", "qattn_fp8"},
+    "sagebwd_scales": {"fp8_per_block", "fp8_merge_free"},
     "schemes": {"sa2_8b", "sa2_4b", "sa3_nvfp4", "fp8_per_tensor", "sagebwd"},
 }
 # The precision guard's studies (issue 22): every family with each scheme / mode.
@@ -127,6 +128,7 @@ README_COS = {
     ("sagebwd_format", "int8", "dq"): 0.99790, ("sagebwd_format", "fp8", "dq"): 0.99602,
     ("sagebwd_dq_term", "paper", "dq"): 0.99790, ("sagebwd_dq_term", "qattn", "dq"): 0.99858,
     ("sagebwd_dq_term", "qattn_fp8", "dq"): 0.99833,
+    ("sagebwd_scales", "fp8_per_block", "dq"): 0.99833, ("sagebwd_scales", "fp8_merge_free", "dq"): 0.99829,
     ("schemes", "sa2_8b", "o"): 0.99927, ("schemes", "sa2_4b", "o"): 0.97814,
     ("schemes", "sa3_nvfp4", "o"): 0.98160, ("schemes", "fp8_per_tensor", "o"): 0.99654,
     ("schemes", "sagebwd", "o"): 0.99971, ("schemes", "sagebwd", "dq"): 0.99790,

@@ -161,12 +161,14 @@ RunFn sa2(emulate::Sage2Options o) {
 
 // paper_dq: the paper's dQ with the K-smoothing term sm_scale·rowsum(dS)·c (the
 // SageAttention3 reproduction rows); false: qattn's kernel, which leaves it out.
-RunFn sagebwd(emulate::Bwd8Format f, emulate::DoVFormat dov, bool paper_dq = true) {
+RunFn sagebwd(emulate::Bwd8Format f, emulate::DoVFormat dov, bool paper_dq = true,
+              emulate::Bwd8Scales scales = emulate::Bwd8Scales::PerBlock) {
   return [=](const HeadIn& in) {
     emulate::SageBwdOptions o;
     o.format = f;
     o.dov = dov;
     o.dq_mean_term = paper_dq;
+    o.scales = scales;
     const auto fwd = emulate::sagebwd_forward(in.q, in.k, in.v, {}, o);
     auto g = emulate::sagebwd_backward(in.q, in.k, in.v, fwd.o, fwd.lse, in.dout, {}, o);
     HeadOut out;
@@ -502,6 +504,14 @@ void build_plan(Plan& plan, InputSets& sets, const SuiteConfig& config, Traced* 
   plan.row("sagebwd_dq_term", "paper", Which::DQ, bwd);
   plan.row("sagebwd_dq_term", "qattn", Which::DQ, bwd_qattn);
   plan.row("sagebwd_dq_term", "qattn_fp8", Which::DQ, bwd_qattn_fp8);
+  // Scales fixed before the kernel (no merges) against per-block, both E4M3, qattn's dQ.
+  const int bwd_merge_free =
+      plan.run("bwd/fp8/fp16/qattn/merge_free", study_t,
+               sagebwd(Bwd8Format::E4M3, DoVFormat::Fp16, false, emulate::Bwd8Scales::MergeFree));
+  for (Which w : {Which::DQ, Which::DK, Which::DV}) {
+    plan.row("sagebwd_scales", "fp8_per_block", w, bwd_qattn_fp8);
+    plan.row("sagebwd_scales", "fp8_merge_free", w, bwd_merge_free);
+  }
 
   // From diffuse to peaked attention.
   for (int t : sweep_t) {
@@ -634,7 +644,7 @@ const std::vector<std::string>& study_order() {
   static const std::vector<std::string> order = {
       "fp4_format",     "p_scaling",         "p_quant_softmax",     "smoothing_fp4",
       "pv_format",      "pv_format_joint",   "qk_granularity_int4", "sagebwd_dov",
-      "sagebwd_format", "sagebwd_dq_term",   "entropy_sweep",       "p_format_sweep",
+      "sagebwd_format", "sagebwd_dq_term",   "sagebwd_scales",      "entropy_sweep",       "p_format_sweep",
       "schemes",        "precision_schemes", "precision_guard",     "precision_logit_sweep",
       "qk_rotation"};
   return order;
@@ -655,6 +665,8 @@ std::string study_description(const std::string& s) {
   if (s == "sagebwd_format") return "8-bit format of SageBwd's quantized matmuls (dO·Vᵀ FP16)";
   if (s == "sagebwd_dq_term")
     return "SageBwd dQ: the paper's (with sm_scale·rowsum(dS)·c) vs qattn's kernel (without)";
+  if (s == "sagebwd_scales")
+    return "SageBwd E4M3 scales: per block (merged per Q block) vs fixed before the kernel (merge-free)";
   if (s == "entropy_sweep")
     return "SA3 two-level vs direct P as attention sharpens (T: temperature)";
   if (s == "p_format_sweep") {
