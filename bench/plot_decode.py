@@ -28,7 +28,9 @@ def plot(json_path: Path, png_path: Optional[Path] = None) -> Path:
     data = json.loads(Path(json_path).read_text())
     # speedup_vs_sdpa: files before the cuDNN and FlashAttention rows (SDPA's default backend)
     key = "speedup_vs_cudnn" if any(r.get("speedup_vs_cudnn") for r in data["rows"]) else "speedup_vs_sdpa"
-    env, rows = data["env"], [r for r in data["rows"] if r.get(key)]
+    # A sweep of num_splits (bench/decode.py --num-splits 0 1 2 ...) has a row per count:
+    # the library's own choice (0) is the one drawn.
+    env, rows = data["env"], [r for r in data["rows"] if r.get(key) and not r.get("num_splits")]
     nqs = sorted({r["nq"] for r in rows})
     batches = sorted({r["batch"] for r in rows})
     fig, axes = plt.subplots(1, len(nqs), figsize=(6.5 * len(nqs), 4.8), squeeze=False)
