@@ -33,17 +33,23 @@ def cos(a, b):
 def rel_l1(a, ref):
     return float(np.abs(a - ref).sum() / np.abs(ref).sum())
 
-def run(n, d, temp, seed, family):
+def inputs(n, d, temp, seed, family, with_v=False):
+    """q, k, (v,) dO: Gaussian with channel biases, temperature T on q; with the sink, key 0
+    exceeds a typical key's logit by ~ln(N) for every query (emulate/synthetic.h's
+    AttentionSink, along the shared Q bias direction). v is drawn before dO when asked."""
     rng = np.random.default_rng(seed)
     bq = rng.normal(0, 0.5, d); bk = rng.normal(0, 1.0, d)
     q = (rng.normal(size=(n, d)) + bq) / temp
     k = rng.normal(size=(n, d)) + bk
     if family == "sink":
-        # key 0 is a sink: its logit exceeds a typical key's by ~ln(N) for every query
-        # (emulate/synthetic.h's AttentionSink, along the shared Q bias direction).
         u = bq / np.linalg.norm(bq)
         k[0] += np.log(n) * temp * np.sqrt(d) / np.linalg.norm(bq) * u
+    v = rng.normal(size=(n, d)) if with_v else None
     do = rng.normal(size=(n, d))
+    return (q, k, v, do) if with_v else (q, k, do)
+
+def run(n, d, temp, seed, family):
+    q, k, do = inputs(n, d, temp, seed, family)
     s = q @ k.T / np.sqrt(d)
     m = s.max(1, keepdims=True)
     p = np.exp(s - m); p /= p.sum(1, keepdims=True)

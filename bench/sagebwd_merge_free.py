@@ -15,7 +15,7 @@ FP64, numpy; inputs as bench/sagebwd_dv_scales.py. bench/NOTES.md v87.
     python3 bench/sagebwd_merge_free.py > bench/results/sagebwd-merge-free.txt   # ~2 min"""
 import argparse
 import numpy as np
-from sagebwd_dv_scales import cos, e4m3, rel_l1
+from sagebwd_dv_scales import cos, e4m3, inputs, rel_l1
 
 def per_tile(x, rows, cols, fmt):
     """x quantized and dequantized with one scale per (rows × cols) tile (cols 0: whole rows)."""
@@ -34,20 +34,9 @@ def dequant(x, amax, fmt):
 def per_channel(x, fmt):
     return dequant(x, np.abs(x).max(0, keepdims=True), fmt)
 
-def inputs(n, d, temp, seed, family):
-    rng = np.random.default_rng(seed)
-    bq = rng.normal(0, 0.5, d); bk = rng.normal(0, 1.0, d)
-    q = (rng.normal(size=(n, d)) + bq) / temp
-    k = rng.normal(size=(n, d)) + bk
-    if family == "sink":
-        u = bq / np.linalg.norm(bq)
-        k[0] += np.log(n) * temp * np.sqrt(d) / np.linalg.norm(bq) * u
-    v = rng.normal(size=(n, d))
-    do = rng.normal(size=(n, d))
-    return q, k - k.mean(0), v, do   # K smoothed, as every SageBwd product sees it
-
 def run(n, d, temp, seed, family):
-    q, k, v, do = inputs(n, d, temp, seed, family)
+    q, k, v, do = inputs(n, d, temp, seed, family, with_v=True)
+    k = k - k.mean(0)  # K smoothed, as every SageBwd product sees it
     sm = 1 / np.sqrt(d)
     s = q @ k.T * sm
     m = s.max(1, keepdims=True)

@@ -37,6 +37,24 @@ SyntheticSpec small_spec(std::uint64_t seed) {
   return s;
 }
 
+// Causal attention with GQA (4 query heads on 2 KV heads) and fewer queries than keys.
+SyntheticSpec causal_gqa_spec(std::uint64_t seed) {
+  SyntheticSpec s = small_spec(seed);
+  s.heads_q = 4;
+  s.heads_kv = 2;
+  s.seq_q = 200;
+  s.seq_kv = 300;
+  return s;
+}
+
+// A tensor's largest magnitude: the flat recomputations' tolerances are relative to it
+// (elements near zero come out of sums that cancel, where FP32 ordering error is absolute).
+double amax(const Tensor4& t) {
+  float m = 0.0f;
+  for (float v : t.data) m = std::max(m, std::fabs(v));
+  return double(m);
+}
+
 struct Cos {
   double o, dq, dk, dv;
   // Relative L1 errors: CosSim alone cannot see a wrong overall scale (a doubled GQA
@@ -85,13 +103,6 @@ TEST(SageBwd, MatchesFlatRecomputationOnOneTile) {
     double acc = 0;
     for (int c = 0; c < n; ++c) acc += double(a[c]) * b[c];
     return acc;
-  };
-  // Tolerance relative to the largest magnitude of the compared tensor: elements near
-  // zero come out of sums that cancel, where FP32 ordering error is absolute.
-  auto amax = [](const Tensor4& t) {
-    float m = 0.0f;
-    for (float v : t.data) m = std::max(m, std::fabs(v));
-    return double(m);
   };
   auto near = [](double want, double got, double mag) {
     return std::fabs(want - got) <= 1e-5 * mag;
@@ -242,12 +253,7 @@ TEST(SageBwd, LseMatchesReference) {
 }
 
 TEST(SageBwd, CausalGqaAndShorterQueries) {
-  SyntheticSpec s = small_spec(4);
-  s.heads_q = 4;
-  s.heads_kv = 2;
-  s.seq_q = 200;
-  s.seq_kv = 300;
-  const auto in = emulate::make_synthetic(s);
+  const auto in = emulate::make_synthetic(causal_gqa_spec(4));
   AttentionParams p;
   p.mask = Mask::Causal;
   const Cos c = cos_vs_reference(in, {}, p);
@@ -389,12 +395,7 @@ TEST(SageBwdMergeFree, GradientsAreCloseToReference) {
 TEST(SageBwdMergeFree, CausalGqaShorterQueriesAndFreshInputs) {
   const std::uint64_t seed = testutil::fresh_seed();
   SCOPED_TRACE(qattn::test::seed_trace(seed));
-  SyntheticSpec s = small_spec(seed);
-  s.heads_q = 4;
-  s.heads_kv = 2;
-  s.seq_q = 200;
-  s.seq_kv = 300;
-  const auto in = emulate::make_synthetic(s);
+  const auto in = emulate::make_synthetic(causal_gqa_spec(seed));
   AttentionParams p;
   p.mask = Mask::Causal;
   expect_grads_close_to_reference(cos_vs_reference(in, merge_free(), p));
@@ -513,11 +514,6 @@ TEST(SageBwdMergeFree, MatchesFlatRecomputationOnOneTile) {
         dp += numerics::fp16_round(in.dout.data[i * d + c]) * numerics::fp16_round(in.v.data[j * d + c]);
       dsq[i * nkv + j] = e4(p[i * nkv + j] * (dp - D[i]), s_row[i]);
     }
-  auto amax = [](const Tensor4& t) {
-    float m = 0.0f;
-    for (float v : t.data) m = std::max(m, std::fabs(v));
-    return double(m);
-  };
   for (int j = 0; j < nkv; ++j)
     for (int c = 0; c < d; ++c) {
       double v_acc = 0, k_acc = 0;
