@@ -110,6 +110,11 @@ void check_options(const char* who, const SageBwdOptions& o) {
                                 ": scales = MergeFree needs format = E4M3 (INT8 codes are linear: a "
                                 "scale fixed from a bound leaves them too few)");
   }
+  if (o.scales == Bwd8Scales::MergeFree && o.dov != DoVFormat::Fp16) {
+    throw std::invalid_argument(std::string(who) +
+                                ": scales = MergeFree needs dov = Fp16 (its dS bound is built on "
+                                "the 16-bit dO·Vᵀ)");
+  }
   if (o.pds_block_keys != kKvTile && o.pds_block_keys != kKvTile / 2) {
     throw std::invalid_argument(std::string(who) + ": pds_block_keys = " +
                                 std::to_string(o.pds_block_keys) + "; allowed: 128 or 64");

@@ -49,7 +49,8 @@
 //  d. dŜ_ij = E4M3(dS_ij / s_i) (saturating); dQ_i += sm_scale·s_i·s_K(tile)·Σ_j dŜ_ij·K̂_j
 //     with step 1's K̂; dK_j = sm_scale·s_Q',c · Σ_i dŜ_ij·E4M3(s_i·Q_ic / s_Q',c), s_Q',c
 //     = amax_i |s_i·Q_ic| / 448: one exact sum over every Q block.
-// pds_block_keys does not apply; dq_mean_term does (the same FP32 term).
+// dO·Vᵀ is the FP16 product (dov = Quantized is refused); pds_block_keys does not apply;
+// dq_mean_term does (the same FP32 term).
 #pragma once
 
 #include <vector>

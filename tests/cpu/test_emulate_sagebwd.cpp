@@ -547,6 +547,23 @@ TEST(SageBwdMergeFree, NeedsE4M3) {
   }
 }
 
+// dO·Vᵀ in 8 bits would change dP under the bound built from the 16-bit one: refused by
+// name rather than silently computed in FP16.
+TEST(SageBwdMergeFree, RefusesTheQuantizedDoV) {
+  SyntheticSpec s = small_spec(37);
+  s.seq_q = s.seq_kv = 64;
+  const auto in = emulate::make_synthetic(s);
+  SageBwdOptions opt = merge_free();
+  const auto f = sagebwd_forward(in.q, in.k, in.v, {}, opt);
+  opt.dov = DoVFormat::Quantized;
+  try {
+    sagebwd_backward(in.q, in.k, in.v, f.o, f.lse, in.dout, {}, opt);
+    FAIL() << "the quantized dO·Vᵀ with merge-free scales was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("dov = Fp16"), std::string::npos) << e.what();
+  }
+}
+
 // ---- bad inputs --------------------------------------------------------------------------
 
 TEST(SageBwd, RejectsBadArguments) {
