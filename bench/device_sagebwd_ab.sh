@@ -60,9 +60,9 @@ torch.cuda.synchronize()"
 done
 
 tar -czf "$out/logs.tgz" -C "$logs" . 2>/dev/null
-echo "==== backward --quick (base, new, new, base) ===="
+echo "==== backward (${SIDES:-base $NEW $NEW base}) ===="
 grep -hE "^grid +[0-9]" "$logs"/backward_*.log | head -24
-echo "==== dK/dV kernel at 4K (base, then new) ===="
+echo "==== dK/dV kernel at 4K (base, then $NEW) ===="
 grep -hE "dkdv_wgmma|gpu__time_duration|smsp__inst_executed.sum|issue_active" "$logs"/ncu_base.log "$logs/ncu_$NEW.log" | cut -c1-110
 echo "==== summary ($commit, $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(($(date +%s) - start)) s) ===="
 printf '%s\n' "${status[@]}"
