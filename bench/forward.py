@@ -89,7 +89,10 @@ try:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+    # This tree's package, unless PYTHONPATH names a folder holding another qattn (an A/B
+    # run timing a second build with its own package).
+    if not any((Path(p) / "qattn").is_dir() for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p):
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
     import qattn  # noqa: E402
 except ImportError as e:  # --replot needs only matplotlib
     torch = None
