@@ -532,36 +532,35 @@ TEST(SageBwdMergeFree, MatchesFlatRecomputationOnOneTile) {
     }
 }
 
-TEST(SageBwdMergeFree, NeedsE4M3) {
-  SyntheticSpec s = small_spec(35);
+// sagebwd_backward with `bwd` on small inputs (the forward with `fwd`) must throw
+// std::invalid_argument naming `named`; `what` says what was accepted otherwise.
+void expect_backward_refused(std::uint64_t seed, const SageBwdOptions& fwd, const SageBwdOptions& bwd,
+                             const char* named, const char* what) {
+  SyntheticSpec s = small_spec(seed);
   s.seq_q = s.seq_kv = 64;
   const auto in = emulate::make_synthetic(s);
-  const auto f = sagebwd_forward(in.q, in.k, in.v, {});
+  const auto f = sagebwd_forward(in.q, in.k, in.v, {}, fwd);
+  try {
+    sagebwd_backward(in.q, in.k, in.v, f.o, f.lse, in.dout, {}, bwd);
+    FAIL() << what << " was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find(named), std::string::npos) << e.what();
+  }
+}
+
+TEST(SageBwdMergeFree, NeedsE4M3) {
   SageBwdOptions int8 = merge_free();
   int8.format = Bwd8Format::Int8;
-  try {
-    sagebwd_backward(in.q, in.k, in.v, f.o, f.lse, in.dout, {}, int8);
-    FAIL() << "INT8 with merge-free scales was accepted";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("scales = MergeFree"), std::string::npos) << e.what();
-  }
+  expect_backward_refused(35, {}, int8, "scales = MergeFree", "INT8 with merge-free scales");
 }
 
 // dO·Vᵀ in 8 bits would change dP under the bound built from the 16-bit one: refused by
 // name rather than silently computed in FP16.
 TEST(SageBwdMergeFree, RefusesTheQuantizedDoV) {
-  SyntheticSpec s = small_spec(37);
-  s.seq_q = s.seq_kv = 64;
-  const auto in = emulate::make_synthetic(s);
   SageBwdOptions opt = merge_free();
-  const auto f = sagebwd_forward(in.q, in.k, in.v, {}, opt);
   opt.dov = DoVFormat::Quantized;
-  try {
-    sagebwd_backward(in.q, in.k, in.v, f.o, f.lse, in.dout, {}, opt);
-    FAIL() << "the quantized dO·Vᵀ with merge-free scales was accepted";
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("dov = Fp16"), std::string::npos) << e.what();
-  }
+  expect_backward_refused(37, merge_free(), opt, "dov = Fp16",
+                          "the quantized dO·Vᵀ with merge-free scales");
 }
 
 // ---- bad inputs --------------------------------------------------------------------------
