@@ -707,6 +707,9 @@ def _attention_train_op(
     scale: Optional[float],
     layout: str,
     lse_grad: bool,
+    bwd_format: str = "int8",
+    bwd_dov: str = "16bit",
+    bwd_deterministic: bool = False,
     kv_lengths: Optional[torch.Tensor] = None,
     window_left: int = -1,
     window_right: int = -1,
@@ -715,24 +718,32 @@ def _attention_train_op(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The training forward: O and the (B, Hq, Nq) LSE with per-block Q/K groups.
     lse_grad says whether the caller sees the LSE (then its gradient is honoured). The
-    mask arguments as for qattn::attention."""
+    mask arguments as for qattn::attention. bwd_*: the backward options this forward's
+    backward runs with (set_backward_options' when it ran): arguments of the op, so that
+    a graph torch.compile traces holds them and its caches key on them."""
+    _check_backward_options(bwd_format, bwd_dov)
     return _run(q, k, v, is_causal, scale, layout, True, "per_block",
                 **_mask_options(kv_lengths, window_left, window_right, alignment, attn_mask))
 
 
 @_attention_train_op.register_fake
-def _attention_train_fake(q, k, v, is_causal, scale, layout, lse_grad, kv_lengths=None,
+def _attention_train_fake(q, k, v, is_causal, scale, layout, lse_grad, bwd_format="int8",
+                          bwd_dov="16bit", bwd_deterministic=False, kv_lengths=None,
                           window_left=-1, window_right=-1, alignment="bottom_right",
                           attn_mask=None):
+    _check_backward_options(bwd_format, bwd_dov)
     return _attention_fake(q, k, v, is_causal, scale, layout, True, "per_block", kv_lengths,
                            window_left, window_right, alignment, attn_mask)
 
 
 def _train_setup(ctx, inputs, output):
-    q, k, v, is_causal, scale, layout, lse_grad, *mask = inputs
+    q, k, v, is_causal, scale, layout, lse_grad, *rest = inputs
+    (bwd_format, bwd_dov, bwd_deterministic), mask = rest[:3], rest[3:]
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, *_keep_mask(ctx, mask))
     ctx.options = (is_causal, scale, layout, lse_grad)
+    ctx.backward_options = {"format": bwd_format, "dov": bwd_dov,
+                            "deterministic": bwd_deterministic}
 
 
 def _train_backward(ctx, grad_o, grad_lse):
@@ -741,7 +752,8 @@ def _train_backward(ctx, grad_o, grad_lse):
     # An LSE the caller never saw gets a gradient of zeros from autograd: skipping it
     # saves the two extra calls its term costs (see _backward_cuda).
     grads = _call_backward(grad_o, q, k, v, o, lse, grad_lse if lse_grad else None,
-                           is_causal, scale, layout, **_kept_mask(ctx, kv_lengths, attn_mask))
+                           is_causal, scale, layout, options=ctx.backward_options,
+                           **_kept_mask(ctx, kv_lengths, attn_mask))
     return _input_grads(ctx, grads)
 
 
@@ -755,7 +767,7 @@ _BWD_DOVS = {"16bit": _C.BWD_DOV_16BIT, "quantized": _C.BWD_DOV_QUANTIZED}
 _DETERMINISTIC_ENV = "QATTN_BWD_DETERMINISTIC"
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
-# deterministic None: the environment variable decides, read at each backward.
+# deterministic None: the environment variable decides, read with the options.
 _bwd_options = {"format": "int8", "dov": "16bit", "deterministic": None}
 _bwd_lock = threading.Lock()
 
@@ -776,8 +788,14 @@ _KEEP = object()  # an argument of set_backward_options that was not given
 
 
 def set_backward_options(format: str = _KEEP, dov: str = _KEEP, deterministic=_KEEP) -> dict:
-    """Options of qattn's SageBwd backward, for every later backward in this process
-    (read when a backward runs; under torch.compile, when the backward graph is traced).
+    """Options of qattn's SageBwd backward, for the backward of every later training
+    forward in this process: qattn.attention and the SDPA drop-in read them when a
+    forward that autograd records runs, and its backward runs with those (options set
+    between a forward and its backward apply from the next forward on). Under
+    torch.compile they are read when the forward is traced, become part of the graph
+    (a change recompiles it; the compiled-graph caches never answer with a backward
+    traced under other options). A direct caller of torch.ops.qattn.attention under
+    autograd, and qattn.distributed, get the options in force when the backward runs.
     Arguments not given keep their current value. Returns the previous options, so that
     a caller can restore them with set_backward_options(**previous).
 
@@ -788,7 +806,7 @@ def set_backward_options(format: str = _KEEP, dov: str = _KEEP, deterministic=_K
     deterministic: False: dQ is accumulated with FP32 atomics (its low bits may differ
       run to run); True: bitwise-equal results run to run (slower); None (the
       default): the environment variable QATTN_BWD_DETERMINISTIC decides
-      (1/true/yes/on or 0/false/no/off; unset is off), read at each backward.
+      (1/true/yes/on or 0/false/no/off; unset is off), read when the options are.
 
     A backward the library declines with these options (e.g. a format its GPU kernel
     does not run) follows the fallback mode (qattn.set_fallback)."""
@@ -809,6 +827,25 @@ def set_backward_options(format: str = _KEEP, dov: str = _KEEP, deterministic=_K
     return previous
 
 
+def _forward_backward_options() -> dict:
+    """The options in force, as a training forward records them for its backward. Read
+    without the lock (one dict copy, atomic in CPython) so that torch.compile traces the
+    read: the values become constants of the traced graph, guarded, and part of the keys
+    of its compiled-graph caches. A backward graph cached under other options is then
+    never reused."""
+    options = dict(_bwd_options)
+    if options["deterministic"] is None:
+        options["deterministic"] = _env_deterministic()
+    return options
+
+
+def _check_backward_options(format, dov) -> None:
+    if format not in _BWD_FORMATS:
+        raise invalid(f"bwd_format = {format!r}; allowed: {', '.join(map(repr, _BWD_FORMATS))}")
+    if dov not in _BWD_DOVS:
+        raise invalid(f"bwd_dov = {dov!r}; allowed: {', '.join(map(repr, _BWD_DOVS))}")
+
+
 def get_backward_options() -> dict:
     """The backward options in force now: {"format", "dov", "deterministic"}, with
     deterministic read from QATTN_BWD_DETERMINISTIC where it is None (not set)."""
@@ -819,8 +856,11 @@ def get_backward_options() -> dict:
     return options
 
 
-def _call_backward(grad_o, q, k, v, o, lse, grad_lse, is_causal, scale, layout, **mask):
-    options = get_backward_options()
+def _call_backward(grad_o, q, k, v, o, lse, grad_lse, is_causal, scale, layout, options=None,
+                   **mask):
+    """The backward op with `options` (a training forward's recorded ones), or with the
+    options in force now where None."""
+    options = get_backward_options() if options is None else options
     return torch.ops.qattn.attention_backward(
         grad_o, q, k, v, o, lse, grad_lse, is_causal, scale, layout,
         options["format"], options["dov"], options["deterministic"], **mask,
@@ -1088,8 +1128,10 @@ def _forward(q, k, v, is_causal, scale, layout, return_lse, granularity, **mask)
     if _records_autograd(q, k, v):
         if granularity not in _GRANULARITIES:
             raise invalid(f"granularity = {granularity!r}; allowed: {', '.join(_GRANULARITIES)}")
-        o, lse = torch.ops.qattn.attention_train(q, k, v, is_causal, scale, layout, return_lse,
-                                                 **mask)
+        options = _forward_backward_options()
+        o, lse = torch.ops.qattn.attention_train(
+            q, k, v, is_causal, scale, layout, return_lse, options["format"], options["dov"],
+            options["deterministic"], **mask)
         return o, lse
     if _direct_call_ok(q, k, v):
         return _run(q, k, v, is_causal, scale, layout, return_lse, granularity, lse_tensor=False,

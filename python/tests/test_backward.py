@@ -211,6 +211,61 @@ def test_options_reach_the_backward_op():
     assert log.calls[0][1][7:] == (True, 0.25, "HND", "e4m3", "quantized", True)
 
 
+def test_backward_runs_the_options_of_its_forward():
+    # The training forward records the options in force; options set between a forward
+    # and its backward apply from the next forward on.
+    qattn.set_backward_options(format="e4m3", dov="quantized", deterministic=True)
+    q = meta(1, 4, 128, 64)
+    o = qattn.attention(q, q, q, is_causal=True)
+    qattn.set_backward_options(format="int8", dov="16bit", deterministic=False)
+    with OpLog() as log:
+        o.float().sum().backward()
+    assert log.calls[0][1][10:13] == ("e4m3", "quantized", True)
+
+
+def _cpu_training_forward(monkeypatch):
+    """The training forward's launch replaced by exact attention on the CPU (the op runs
+    CUDA only), so that torch.compile's default backend compiles and runs real graphs
+    here; returns the list of (format, dov) each backward op call was given."""
+    def run(q, k, v, is_causal, scale, layout, return_lse, granularity, **_):
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+        return o, torch.zeros(q.shape[:3], dtype=torch.float32)
+
+    seen, check = [], ops._check_backward
+
+    def recording(*args):
+        if not isinstance(args[1], torch._subclasses.FakeTensor):
+            seen.append(args[9:11])
+        return check(*args)
+
+    monkeypatch.setattr(ops, "_run", run)
+    monkeypatch.setattr(ops, "_check_backward", recording)
+    return seen
+
+
+def test_compiled_backward_runs_the_options_of_its_forward(monkeypatch, tmp_path):
+    # torch.compile keeps compiled graphs in caches keyed by the traced forward (on disk,
+    # across processes). The options are arguments of the training forward, so a change of
+    # options is a different graph: never a cached backward traced under other options.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    seen = _cpu_training_forward(monkeypatch)
+
+    def f(q, k, v):
+        return qattn.attention(q, k, v, is_causal=True)
+
+    gen = torch.Generator().manual_seed(FRESH_SEED)
+    q, k, v = (torch.randn(1, 2, 64, 64, generator=gen).bfloat16().requires_grad_()
+               for _ in range(3))
+    compiled = torch.compile(f, fullgraph=True)
+    for fmt, reset in (("int8", True), ("e4m3", True), ("int8", True), ("e4m3", False)):
+        qattn.set_backward_options(format=fmt)
+        if reset:  # a fresh trace, which the caches may answer
+            torch._dynamo.reset()
+        seen.clear()
+        compiled(q, k, v).float().sum().backward()
+        assert seen == [(fmt, "16bit")], (fmt, reset, seen)
+
+
 # ---- named errors of the backward op -----------------------------------------------------
 
 
