@@ -288,6 +288,7 @@ def environment(args) -> dict:
                      f"{args.min_iters}..{args.max_iters} calls (~{args.budget_s}s), ms = lower median; "
                      "bwd = autograd.grad with retain_graph on one forward output")
     env["grid"] = f"B = max(1, {args.tokens} // N), H = {args.hidden} // d, Hq = Hkv"
+    env["backward"] = args.backward
     return env
 
 
@@ -342,6 +343,9 @@ def main() -> int:
                     help="start no new shape after this long (the results so far are written)")
     ap.add_argument("--commit", default="", help="commit id to record (else $QATTN_COMMIT or git)")
     ap.add_argument("--no-plot", action="store_true", help="skip the PNG (bench/plot_backward.py draws it)")
+    ap.add_argument("--backward", choices=("int8", "e4m3", "merge_free"), default="int8",
+                    help="qattn's backward: SageBwd INT8 (default), E4M3 per-block, or E4M3 with "
+                         "the merge-free scales (qattn.set_backward_options)")
     args = ap.parse_args()
     if fwdbench is None or fwdbench.torch is None:
         err = _import_error if fwdbench is None else fwdbench._import_error
@@ -357,6 +361,9 @@ def main() -> int:
         print(f"bench/backward.py: qattn cannot run on {torch.cuda.get_device_name()}; "
               "its rows will say so", file=sys.stderr)
     qattn.set_fallback("raise")  # a qattn row is qattn's kernel or an error, never SDPA's
+    if args.backward != "int8":
+        qattn.set_backward_options(format="e4m3",
+                                   scales="merge_free" if args.backward == "merge_free" else "per_block")
     torch.backends.cuda.matmul.allow_tf32 = False
     env = environment(args)
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or fwdbench.L2_FALLBACK_BYTES

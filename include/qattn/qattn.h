@@ -243,6 +243,16 @@ typedef struct qattn_fwd_params {
    * head_dim (QATTN_ERROR_UNSUPPORTED, the reason named). */
   int32_t head_dim_v;          /* 0 (default): head_dim */
   int32_t reserved2;           /* must be 0 */
+  /* ---- P's row maxima (appended after the head dim of V; 312 bytes on LP64) ----
+   * What the backward's merge-free scales need from the forward (qattn_bwd_params'
+   * scales): each row's largest softmax probability, exp(m_i - lse_i), m_i the row's
+   * largest scaled score as the forward computed it (with its quantization); 0 for a row
+   * that sees no key. The SageAttention2-8b family writes it outside a packed batch; the
+   * other families decline a call that asks for it (QATTN_ERROR_UNSUPPORTED). */
+  float* p_max;                /* optional (B, Hq, Nq) FP32, contiguous, 4-byte aligned;
+                                  NULL (default) = not written */
+  int32_t reserved3;           /* must be 0 */
+  int32_t reserved4;           /* must be 0: the struct ends without tail padding */
 } qattn_fwd_params;
 
 /* The kinds of attn_mask. */
@@ -312,6 +322,17 @@ typedef enum qattn_bwd_format {
   QATTN_BWD_INT8 = 0, /* default: scale amax/127 (SageBwd) */
   QATTN_BWD_E4M3 = 1  /* scale amax/448, E4M3 values (the paper's FP8 comparison) */
 } qattn_bwd_format;
+/* How the backward's 8-bit products are scaled. */
+typedef enum qattn_bwd_scales {
+  QATTN_BWD_SCALES_PER_BLOCK = 0, /* default: per 64-row Q block, per 128-token KV tile and
+                                     per (Q block × 64 keys) tile of P and dS (SageBwd) */
+  QATTN_BWD_SCALES_MERGE_FREE = 1 /* format E4M3 with dov 16-bit only: scales fixed before the
+                                     kernel, so no partial sum is rescaled (faster): P·448
+                                     unscaled; dO and each row's s_i·Q per channel over the
+                                     query heads of a KV head; dS per query row by a bound,
+                                     s_i = p_max_i·(Σ_c |dO_ic|·max|V_c| + |D_i|)/448. Needs
+                                     the forward's p_max (qattn_fwd_params) */
+} qattn_bwd_scales;
 /* Precision of dP = dO·Vᵀ. */
 typedef enum qattn_bwd_dov {
   QATTN_BWD_DOV_16BIT = 0,    /* default: the inputs' FP16/BF16, FP32 accumulation */
@@ -340,6 +361,12 @@ typedef struct qattn_bwd_params {
   int32_t reserved0;          /* must be 0 */
   int32_t reserved1;          /* must be 0: with it the struct (8-byte aligned) ends without
                                  tail padding, as the stability rule asks */
+  /* ---- merge-free scales (appended after 0.1.0; 344 bytes on LP64) ---- */
+  const float* p_max;         /* with QATTN_BWD_SCALES_MERGE_FREE: (B, Hq, Nq) FP32,
+                                 contiguous, the p_max the forward wrote for the same call
+                                 (read); NULL otherwise */
+  int32_t scales;             /* a qattn_bwd_scales; default QATTN_BWD_SCALES_PER_BLOCK */
+  int32_t reserved2;          /* must be 0 */
 } qattn_bwd_params;
 
 /* The smallest struct_size accepted (328 bytes on LP64); it stays this value as fields

@@ -265,6 +265,14 @@ class ForwardParams {
     return *this;
   }
 
+  // Optional (B, Hq, Nq) FP32 output: P's row maxima exp(m_i - lse_i), what the backward's
+  // merge-free scales read (qattn.h; the SageAttention2-8b family writes it outside a
+  // packed batch). nullptr: not written.
+  ForwardParams& p_max(float* data) {
+    p_.p_max = data;
+    return *this;
+  }
+
   const qattn_fwd_params& raw() const { return p_; }
   qattn_fwd_params& raw() { return p_; }
   // The first error the builder met (ok when none); workspace_size and forward return it.
@@ -286,9 +294,14 @@ class ForwardParams {
   Status status_;
 };
 
-// The 8-bit format and the dO·Vᵀ precision of the backward (qattn_bwd_format, qattn_bwd_dov).
+// The 8-bit format, the dO·Vᵀ precision and the scales of the backward (qattn_bwd_format,
+// qattn_bwd_dov, qattn_bwd_scales).
 enum class BackwardFormat { kInt8 = QATTN_BWD_INT8, kE4M3 = QATTN_BWD_E4M3 };
 enum class DoV { k16Bit = QATTN_BWD_DOV_16BIT, kQuantized = QATTN_BWD_DOV_QUANTIZED };
+enum class BackwardScales {
+  kPerBlock = QATTN_BWD_SCALES_PER_BLOCK,
+  kMergeFree = QATTN_BWD_SCALES_MERGE_FREE
+};
 
 // Builder of qattn_bwd_params, as ForwardParams: shapes first, then the buffers (the
 // forward's q, k, v, o and lse, the gradient dout, the outputs dq, dk, dv); nothing is
@@ -336,6 +349,17 @@ class BackwardParams {
   // Bitwise-equal results run to run (no atomics; slower).
   BackwardParams& deterministic(bool on) {
     p_.deterministic = on ? 1 : 0;
+    return *this;
+  }
+  // kMergeFree: format kE4M3 and dov k16Bit only, with the forward's p_max (qattn.h).
+  BackwardParams& scales(BackwardScales s) {
+    p_.scales = static_cast<int32_t>(s);
+    return *this;
+  }
+  // The forward's (B, Hq, Nq) FP32 row maxima (ForwardParams::p_max), read with the
+  // merge-free scales; nullptr otherwise.
+  BackwardParams& p_max(const float* data) {
+    p_.p_max = data;
     return *this;
   }
 

@@ -13,7 +13,9 @@
 // no attn_mask; QATTN_MASK_BOOL: a byte per (query, key); QATTN_MASK_ADDITIVE: a value of
 // the call's dtype); the backward
 // (bwd_workspace_size, bwd) takes the same forms for its tensors; a packed batch (forward
-// only) is (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k). The KV-cache calls
+// only) is (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k). P's row maxima are
+// an FP32 (B, Hq, Nq) device pointer p_max (0 = NULL): the forward's optional output,
+// the backward's input with the merge-free scales (scales, a qattn_bwd_scales). The KV-cache calls
 // take the cache as (format, heads_kv, head_dim, page_size, num_pages,
 // max_pages_per_seq, k_smoothing, pages) and the sequences as (block_tables, lengths,
 // k_mean, host_block_tables, host_lengths), every pointer an integer (0 = NULL; the
@@ -72,10 +74,11 @@ qattn_fwd_params make_params(const TensorArg& q, const TensorArg& k, const Tenso
                              const TensorArg& o, std::uintptr_t lse, int dtype,
                              const ShapeArg& shape, int causal, float sm_scale, int granularity,
                              const MaskArg& mask, int scheme, const VarlenArg& varlen,
-                             int head_dim_v) {
+                             int head_dim_v, std::uintptr_t p_max) {
   qattn_fwd_params p;
   qattn_fwd_params_init(&p);
   p.head_dim_v = head_dim_v;
+  p.p_max = reinterpret_cast<float*>(p_max);
   p.q = tensor(q);
   p.k = tensor(k);
   p.v = tensor(v);
@@ -101,12 +104,14 @@ qattn_fwd_params make_params(const TensorArg& q, const TensorArg& k, const Tenso
   return p;
 }
 
-// The backward's parameters; lse is the forward's (B, Hq, Nq) FP32 natural-log LSE.
+// The backward's parameters; lse is the forward's (B, Hq, Nq) FP32 natural-log LSE,
+// p_max its (B, Hq, Nq) FP32 row maxima (0 = NULL; read with scales = merge-free).
 qattn_bwd_params make_bwd_params(const TensorArg& q, const TensorArg& k, const TensorArg& v,
                                  const TensorArg& o, const TensorArg& dout, std::uintptr_t lse,
                                  const TensorArg& dq, const TensorArg& dk, const TensorArg& dv,
                                  int dtype, const ShapeArg& shape, int causal, float sm_scale,
-                                 int format, int dov, bool deterministic) {
+                                 int format, int dov, bool deterministic, int scales,
+                                 std::uintptr_t p_max) {
   qattn_bwd_params p;
   qattn_bwd_params_init(&p);
   p.q = tensor(q);
@@ -125,6 +130,8 @@ qattn_bwd_params make_bwd_params(const TensorArg& q, const TensorArg& k, const T
   p.format = format;
   p.dov = dov;
   p.deterministic = deterministic ? 1 : 0;
+  p.scales = scales;
+  p.p_max = reinterpret_cast<const float*>(p_max);
   return p;
 }
 
@@ -240,17 +247,21 @@ NB_MODULE(_C, m) {
       [](const TensorArg& q, const TensorArg& k, const TensorArg& v, const TensorArg& o,
          std::uintptr_t lse, int dtype, const ShapeArg& shape, int causal, float sm_scale,
          int granularity, const MaskArg& mask, int scheme, const VarlenArg& varlen,
-         int head_dim_v) {
+         int head_dim_v, std::uintptr_t p_max) {
         const qattn_fwd_params p = make_params(q, k, v, o, lse, dtype, shape, causal, sm_scale,
-                                               granularity, mask, scheme, varlen, head_dim_v);
+                                               granularity, mask, scheme, varlen, head_dim_v,
+                                               p_max);
         std::size_t bytes = 0;
         const int status = qattn_fwd_workspace_size(&p, &bytes);
         return std::make_tuple(status, static_cast<std::uint64_t>(bytes));
       },
       "q"_a, "k"_a, "v"_a, "o"_a, "lse"_a, "dtype"_a, "shape"_a, "causal"_a, "sm_scale"_a,
       "granularity"_a, "mask"_a = kNoMask, "scheme"_a = int{QATTN_SCHEME_SAGE2_8B},
-      "varlen"_a = kNotPacked, "head_dim_v"_a = 0,
+      "varlen"_a = kNotPacked, "head_dim_v"_a = 0, "p_max"_a = std::uintptr_t{0},
       "Validates the parameters; returns (status, workspace bytes). scheme: a qattn_scheme. "
+      "p_max: a device pointer to (B, Hq, Nq) float32 for P's row maxima, written by the "
+      "SageAttention2-8b family outside a packed batch (0: not written; another family "
+      "declines a call that sets it). "
       "head_dim_v: V's and O's head dim when it is below shape's head_dim (0: the same). "
       "varlen: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of a packed batch, "
       "the arrays device int32 pointers; default not packed. "
@@ -266,9 +277,11 @@ NB_MODULE(_C, m) {
          std::uintptr_t lse, int dtype, const ShapeArg& shape, int causal, float sm_scale,
          int granularity, std::uintptr_t workspace, std::uint64_t workspace_bytes,
          std::uintptr_t stream, bool attention_only, const MaskArg& mask, int scheme,
-         const VarlenArg& varlen, bool check_pointers, bool checks_only, int head_dim_v) {
+         const VarlenArg& varlen, bool check_pointers, bool checks_only, int head_dim_v,
+         std::uintptr_t p_max) {
         const qattn_fwd_params p = make_params(q, k, v, o, lse, dtype, shape, causal, sm_scale,
-                                               granularity, mask, scheme, varlen, head_dim_v);
+                                               granularity, mask, scheme, varlen, head_dim_v,
+                                               p_max);
         auto* ws = reinterpret_cast<void*>(workspace);
         auto* st = reinterpret_cast<void*>(stream);
         nb::gil_scoped_release release;  // an enqueue; other Python threads may run
@@ -282,8 +295,9 @@ NB_MODULE(_C, m) {
       "granularity"_a, "workspace"_a, "workspace_bytes"_a, "stream"_a, "attention_only"_a = false,
       "mask"_a = kNoMask, "scheme"_a = int{QATTN_SCHEME_SAGE2_8B}, "varlen"_a = kNotPacked,
       "check_pointers"_a = true, "checks_only"_a = false, "head_dim_v"_a = 0,
+      "p_max"_a = std::uintptr_t{0},
       "Enqueues the forward on the stream (a cudaStream_t as an int); returns the status. "
-      "mask, varlen and head_dim_v as for workspace_size. Bench hooks (src/api/bench_hooks.h): "
+      "mask, varlen, head_dim_v and p_max as for workspace_size. Bench hooks (src/api/bench_hooks.h): "
       "check_pointers=False skips the buffers' allocation queries "
       "(qattn_fwd_pointers_unchecked); checks_only=True makes every check and enqueues "
       "nothing (qattn_fwd_checks_only).");
@@ -293,16 +307,21 @@ NB_MODULE(_C, m) {
       [](const TensorArg& q, const TensorArg& k, const TensorArg& v, const TensorArg& o,
          const TensorArg& dout, std::uintptr_t lse, const TensorArg& dq, const TensorArg& dk,
          const TensorArg& dv, int dtype, const ShapeArg& shape, int causal, float sm_scale,
-         int format, int dov, bool deterministic) {
-        const qattn_bwd_params p = make_bwd_params(q, k, v, o, dout, lse, dq, dk, dv, dtype, shape,
-                                                   causal, sm_scale, format, dov, deterministic);
+         int format, int dov, bool deterministic, int scales, std::uintptr_t p_max) {
+        const qattn_bwd_params p =
+            make_bwd_params(q, k, v, o, dout, lse, dq, dk, dv, dtype, shape, causal, sm_scale,
+                            format, dov, deterministic, scales, p_max);
         std::size_t bytes = 0;
         const int status = qattn_bwd_workspace_size(&p, &bytes);
         return std::make_tuple(status, static_cast<std::uint64_t>(bytes));
       },
       "q"_a, "k"_a, "v"_a, "o"_a, "dout"_a, "lse"_a, "dq"_a, "dk"_a, "dv"_a, "dtype"_a, "shape"_a,
       "causal"_a, "sm_scale"_a, "format"_a, "dov"_a, "deterministic"_a,
-      "Validates the backward's parameters; returns (status, workspace bytes).");
+      "scales"_a = int{QATTN_BWD_SCALES_PER_BLOCK}, "p_max"_a = std::uintptr_t{0},
+      "Validates the backward's parameters; returns (status, workspace bytes). scales: a "
+      "qattn_bwd_scales (BWD_SCALES_PER_BLOCK, the default, or BWD_SCALES_MERGE_FREE: format "
+      "BWD_E4M3 and dov BWD_DOV_16BIT only, with p_max the forward's (B, Hq, Nq) float32 row "
+      "maxima as a device pointer; 0 otherwise).");
 
   m.def(
       "bwd",
@@ -310,9 +329,10 @@ NB_MODULE(_C, m) {
          const TensorArg& dout, std::uintptr_t lse, const TensorArg& dq, const TensorArg& dk,
          const TensorArg& dv, int dtype, const ShapeArg& shape, int causal, float sm_scale,
          int format, int dov, bool deterministic, std::uintptr_t workspace,
-         std::uint64_t workspace_bytes, std::uintptr_t stream) {
-        const qattn_bwd_params p = make_bwd_params(q, k, v, o, dout, lse, dq, dk, dv, dtype, shape,
-                                                   causal, sm_scale, format, dov, deterministic);
+         std::uint64_t workspace_bytes, std::uintptr_t stream, int scales, std::uintptr_t p_max) {
+        const qattn_bwd_params p =
+            make_bwd_params(q, k, v, o, dout, lse, dq, dk, dv, dtype, shape, causal, sm_scale,
+                            format, dov, deterministic, scales, p_max);
         auto* ws = reinterpret_cast<void*>(workspace);
         auto* st = reinterpret_cast<void*>(stream);
         nb::gil_scoped_release release;  // an enqueue; other Python threads may run
@@ -320,9 +340,10 @@ NB_MODULE(_C, m) {
       },
       "q"_a, "k"_a, "v"_a, "o"_a, "dout"_a, "lse"_a, "dq"_a, "dk"_a, "dv"_a, "dtype"_a, "shape"_a,
       "causal"_a, "sm_scale"_a, "format"_a, "dov"_a, "deterministic"_a, "workspace"_a,
-      "workspace_bytes"_a, "stream"_a,
+      "workspace_bytes"_a, "stream"_a, "scales"_a = int{QATTN_BWD_SCALES_PER_BLOCK},
+      "p_max"_a = std::uintptr_t{0},
       "Enqueues the SageBwd backward on the stream (a cudaStream_t as an int); returns the "
-      "status.");
+      "status. scales and p_max as for bwd_workspace_size.");
 
   m.def(
       "kv_cache_page_bytes",
@@ -502,6 +523,8 @@ NB_MODULE(_C, m) {
   m.attr("BWD_E4M3") = static_cast<int>(QATTN_BWD_E4M3);
   m.attr("BWD_DOV_16BIT") = static_cast<int>(QATTN_BWD_DOV_16BIT);
   m.attr("BWD_DOV_QUANTIZED") = static_cast<int>(QATTN_BWD_DOV_QUANTIZED);
+  m.attr("BWD_SCALES_PER_BLOCK") = static_cast<int>(QATTN_BWD_SCALES_PER_BLOCK);
+  m.attr("BWD_SCALES_MERGE_FREE") = static_cast<int>(QATTN_BWD_SCALES_MERGE_FREE);
   m.attr("KV_NVFP4") = static_cast<int>(QATTN_KV_NVFP4);
   m.attr("KV_FP8_E4M3") = static_cast<int>(QATTN_KV_FP8_E4M3);
   m.attr("KV_INT8") = static_cast<int>(QATTN_KV_INT8);

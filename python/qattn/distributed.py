@@ -43,7 +43,10 @@ O and LSE (P = exp(S − lse) is then the block's share of the global softmax, a
 D = rowsum(dO∘O) the global one), dQ stays, and dK, dV travel with their K, V block and
 arrive at its owner after the last step. The default local backward is qattn's backward
 on CUDA tensors and the exact FP32 one (`exact_attention_backward`) on CPU tensors. The
-LSE output carries no gradient.
+LSE output carries no gradient. qattn's merge-free backward scales
+(qattn.set_backward_options(scales="merge_free")) need P's row maxima from one training
+forward, which a merged O and LSE do not come with: that backward runs per-block E4M3
+scales here, with a QattnFallbackWarning once.
 """
 
 from __future__ import annotations

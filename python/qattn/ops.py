@@ -10,10 +10,12 @@ the later ones reuse what it found (see "plans" below).
 
 Training: where autograd records the call (grad mode on and an input that requires
 grad), qattn.attention runs "qattn::attention_train", the training forward (the same
-kernel with the LSE written and per-block Q/K quantization groups, SageBwd's), whose
-autograd formula is the custom op "qattn::attention_backward" (the SageBwd INT8
-backward through the C ABI). Both have fake implementations, so torch.compile traces
-forward and backward. Inference keeps the direct call of "qattn::attention".
+kernel with the LSE and P's row maxima written and per-block Q/K quantization groups,
+SageBwd's), whose autograd formula is the custom op "qattn::attention_backward" (the
+SageBwd backward through the C ABI; with the merge-free scales of
+set_backward_options it reads those row maxima). Both have fake implementations, so
+torch.compile traces forward and backward. Inference keeps the direct call of
+"qattn::attention".
 
 Masks beyond causal (a sliding window, key-padding lengths, top-left alignment, and a
 boolean attn_mask, SDPA's, True = attend) are the last arguments of every op, with
@@ -304,7 +306,7 @@ class _Call:
 
     def __init__(self, q, k, v, is_causal, scale, layout, return_lse, granularity,
                  kv_lengths=None, window_left=-1, window_right=-1, alignment="bottom_right",
-                 attn_mask=None, scheme=_C.SCHEME_SAGE2_8B):
+                 attn_mask=None, scheme=_C.SCHEME_SAGE2_8B, p_max=False):
         _check_inputs(q, k, v, layout, scale, granularity)
         _check_mask(q, k, layout, is_causal, kv_lengths, window_left, window_right, alignment,
                     attn_mask)
@@ -320,6 +322,9 @@ class _Call:
         # The C ABI's head_dim_v: 0 where V has Q's (padded) channels.
         self.head_dim_v = 0 if dv_pad == d_pad else dv_pad
         self.lse = q.new_empty((b, hq, nq) if return_lse else (0,), dtype=torch.float32)
+        # P's row maxima (the merge-free backward's input), where asked for.
+        self.p_max = q.new_empty((b, hq, nq) if p_max else (0,), dtype=torch.float32)
+        self.p_max_ptr = self.p_max.data_ptr() if p_max else 0
         self.args = (
             _tensor_arg(self.q, layout),
             _tensor_arg(self.k, layout),
@@ -360,16 +365,19 @@ class _Call:
         )
         self.scheme = scheme
         status, self.ws_bytes = _C.workspace_size(*self.args, self.mask, scheme,
-                                                  head_dim_v=self.head_dim_v)
+                                                  head_dim_v=self.head_dim_v,
+                                                  p_max=self.p_max_ptr)
         check(status)
         self.device = q.device
         self.workspace = torch.empty(self.ws_bytes, dtype=torch.uint8, device=q.device)
 
     def launch(self, attention_only: bool = False) -> None:
         stream = _current_stream(self.device.index)
+        # p_max only where written: a call without it passes what it always did.
+        extra = {"p_max": self.p_max_ptr} if self.p_max_ptr else {}
         status = _C.forward(
             *self.args, self.workspace.data_ptr(), self.ws_bytes, stream, attention_only, self.mask,
-            self.scheme, head_dim_v=self.head_dim_v,
+            self.scheme, head_dim_v=self.head_dim_v, **extra,
         )
         check(status)
 
@@ -379,10 +387,13 @@ class _Call:
 
 
 def _run(q, k, v, is_causal, scale, layout, return_lse, granularity, scheme=_C.SCHEME_SAGE2_8B,
-         lse_tensor=True, **mask):
+         lse_tensor=True, p_max=False, **mask):
     """One forward through the C ABI; `mask` holds the mask arguments that are not at
     their defaults (_mask_options); `scheme` a qattn_scheme. Returns (o, lse); without
-    return_lse, lse is an empty tensor (lse_tensor, what an op returns) or None.
+    return_lse, lse is an empty tensor (lse_tensor, what an op returns) or None. With
+    p_max=True it returns (o, lse, p_max), p_max P's (B, Hq, Nq) float32 row maxima
+    exp(m_i - lse_i) as the kernel computed them (the SageAttention2-8b family writes
+    them: head dims up to 128, not in a packed batch; _writes_p_max).
     A call whose plan is cached (_plan_key) skips the checks, the workspace query and
     the argument building that its first call made."""
     if q.device.type != "cuda":
@@ -391,7 +402,8 @@ def _run(q, k, v, is_causal, scale, layout, return_lse, granularity, scheme=_C.S
     if "kv_lengths" not in mask and "attn_mask" not in mask:
         key = _plan_key(q, k, v, 1 if is_causal else 0, scale, layout, bool(return_lse),
                         granularity, scheme, mask.get("window_left", -1),
-                        mask.get("window_right", -1), mask.get("alignment", "bottom_right"))
+                        mask.get("window_right", -1), mask.get("alignment", "bottom_right"),
+                        bool(p_max))
     # The C library runs on the current device; switching costs host time, so only when
     # q lives elsewhere.
     index = q.get_device()
@@ -403,23 +415,25 @@ def _run(q, k, v, is_causal, scale, layout, return_lse, granularity, scheme=_C.S
                 if out is not None:
                     return out
         return _run_call(key, q, k, v, is_causal, scale, layout, return_lse, granularity,
-                         scheme, lse_tensor, mask)
+                         scheme, lse_tensor, mask, p_max)
     with torch.cuda.device(q.device):
         return _run_call(key, q, k, v, is_causal, scale, layout, return_lse, granularity, scheme,
-                         lse_tensor, mask)
+                         lse_tensor, mask, p_max)
 
 
 def _run_call(key, q, k, v, is_causal, scale, layout, return_lse, granularity, scheme, lse_tensor,
-              mask):
+              mask, p_max=False):
     """_run through _Call (every check, the C workspace query); keeps the call's plan
     under `key` where it can serve the next call of that key."""
-    call = _Call(q, k, v, is_causal, scale, layout, return_lse, granularity, scheme=scheme, **mask)
+    call = _Call(q, k, v, is_causal, scale, layout, return_lse, granularity, scheme=scheme,
+                 p_max=p_max, **mask)
     call.launch()
     if (key is not None and call.q is q and call.k is k and call.v is v and call.d == call.d_pad
             and call.dv == call.dv_pad):
         _keep_plan(key, _Plan(call))
     o, lse = call.outputs()
-    return o, (lse if return_lse or lse_tensor else None)
+    lse = lse if return_lse or lse_tensor else None
+    return (o, lse, call.p_max) if p_max else (o, lse)
 
 
 # ---- plans: what the first call of a shape computes, for the next ones ----------------
@@ -438,10 +452,10 @@ _PLANS_MAX = 512  # a process with more shapes than this starts the cache again
 
 
 def _plan_key(q, k, v, causal, scale, layout, return_lse, granularity, scheme, window_left,
-              window_right, alignment):
+              window_right, alignment, p_max=False):
     """The plan key of a call, or None where the call takes no plan (an option of a type
     a key cannot hold the way the checks read it: a bool or tensor scale, a non-str
-    layout, ...). causal is 0 or 1, return_lse a bool."""
+    layout, ...). causal is 0 or 1, return_lse and p_max bools."""
     if not (scale is None or type(scale) is float or type(scale) is int) or not (
             type(layout) is str and type(granularity) is str and type(alignment) is str
             and type(window_left) is int and type(window_right) is int):
@@ -450,7 +464,7 @@ def _plan_key(q, k, v, causal, scale, layout, return_lse, granularity, scheme, w
     # backend's device 0).
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
             v.dtype, q.device, k.device, v.device, causal, scale, layout, return_lse,
-            granularity, scheme, window_left, window_right, alignment)
+            granularity, scheme, window_left, window_right, alignment, p_max)
 
 
 def _keep_plan(key, plan) -> None:
@@ -463,7 +477,7 @@ class _Plan:
     """The C ABI's arguments of a _Call but its pointers, and its workspace size."""
 
     __slots__ = ("q_strides", "k_strides", "v_strides", "o_strides", "o_shape", "o_like_q",
-                 "lse_shape", "fixed", "mask", "scheme", "ws_bytes", "head_dim_v")
+                 "lse_shape", "fixed", "mask", "scheme", "ws_bytes", "keywords", "p_max_shape")
 
     def __init__(self, call: "_Call"):
         q, k, v, o, _, *fixed = call.args
@@ -475,12 +489,15 @@ class _Plan:
         self.o_like_q = call.q.stride() == call.o.stride() and call.q.is_contiguous()
         self.fixed = tuple(fixed)  # dtype, shape, causal, sm_scale, granularity
         self.mask, self.scheme, self.ws_bytes = call.mask, call.scheme, call.ws_bytes
-        self.head_dim_v = call.head_dim_v
+        self.keywords = {"head_dim_v": call.head_dim_v}  # the forward's keyword arguments
+        # P's row maxima: their (B, Hq, Nq) shape where the call writes them, else None.
+        self.p_max_shape = tuple(call.p_max.shape) if call.p_max_ptr else None
 
 
 def _launch_plan(plan: _Plan, q, k, v, return_lse, lse_tensor, index):
-    """The call of `plan` on these inputs (q's device current): (o, lse), or None where a
-    pointer is not 16-byte aligned (then _Call copies that input)."""
+    """The call of `plan` on these inputs (q's device current): (o, lse), (o, lse, p_max)
+    for a plan that writes P's row maxima, or None where a pointer is not 16-byte aligned
+    (then _Call copies that input)."""
     qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
     if (qp | kp | vp) % _ALIGN_BYTES != 0:
         return None
@@ -490,24 +507,28 @@ def _launch_plan(plan: _Plan, q, k, v, return_lse, lse_tensor, index):
     ws_bytes = plan.ws_bytes
     args = ((qp,) + plan.q_strides, (kp,) + plan.k_strides, (vp,) + plan.v_strides,
             (o.data_ptr(),) + plan.o_strides, lse.data_ptr() if return_lse else 0, *plan.fixed)
-    dv = plan.head_dim_v
+    p_max = None
+    extra = plan.keywords  # the keywords _Call.launch passes
+    if plan.p_max_shape is not None:
+        p_max = q.new_empty(plan.p_max_shape, dtype=torch.float32)
+        extra = {**extra, "p_max": p_max.data_ptr()}
     if ws_bytes == 0:
-        status = _C.forward(*args, 0, 0, stream, False, plan.mask, plan.scheme, head_dim_v=dv)
+        status = _C.forward(*args, 0, 0, stream, False, plan.mask, plan.scheme, **extra)
     elif _raw_alloc is not None:
         # The caching allocator's block, freed when the call is enqueued: stream-ordered
         # like a tensor's (the next allocation on this stream runs after this call).
         workspace = _raw_alloc(ws_bytes, stream)
         try:
             status = _C.forward(*args, workspace, ws_bytes, stream, False, plan.mask, plan.scheme,
-                                head_dim_v=dv)
+                                **extra)
         finally:
             _raw_delete(workspace)
     else:
         workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=q.device)
         status = _C.forward(*args, workspace.data_ptr(), ws_bytes, stream, False, plan.mask,
-                            plan.scheme, head_dim_v=dv)
+                            plan.scheme, **extra)
     check(status)
-    return o, lse
+    return (o, lse) if p_max is None else (o, lse, p_max)
 
 
 # PyTorch's cheap forms of the current device, the current stream and a stream-ordered
@@ -682,16 +703,22 @@ def _attention_setup(ctx, inputs, output):
 def _attention_backward(ctx, grad_o, grad_lse):
     """Autograd of the inference op, for callers of torch.ops.qattn.attention itself
     (qattn.attention takes qattn::attention_train when autograd records). The backward
-    needs the per-block forward's O and LSE; a call that did not produce them runs that
-    forward again first."""
+    needs the per-block forward's O and LSE, and with the merge-free scales its P row
+    maxima too (which the inference op never writes); a call that did not produce what
+    the backward needs runs the training forward again first."""
     q, k, v, o, lse, kv_lengths, attn_mask = ctx.saved_tensors
     is_causal, scale, layout, return_lse, granularity = ctx.options
     mask = _kept_mask(ctx, kv_lengths, attn_mask)
-    if not (return_lse and granularity == "per_block"):
+    options = get_backward_options()
+    p_max = None
+    if options["scales"] == "merge_free":
+        o, lse, p_max = torch.ops.qattn.attention_train(q, k, v, is_causal, scale, layout, False,
+                                                        **mask)
+    elif not (return_lse and granularity == "per_block"):
         o, lse = torch.ops.qattn.attention(q, k, v, is_causal, scale, layout, True, "per_block",
                                            **mask)
     grads = _call_backward(grad_o, q, k, v, o, lse, grad_lse if return_lse else None,
-                           is_causal, scale, layout, **mask)
+                           is_causal, scale, layout, p_max=p_max, options=options, **mask)
     return _input_grads(ctx, grads)
 
 
@@ -710,49 +737,77 @@ def _attention_train_op(
     bwd_format: str = "int8",
     bwd_dov: str = "16bit",
     bwd_deterministic: bool = False,
+    bwd_scales: str = "per_block",
     kv_lengths: Optional[torch.Tensor] = None,
     window_left: int = -1,
     window_right: int = -1,
     alignment: str = "bottom_right",
     attn_mask: Optional[torch.Tensor] = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The training forward: O and the (B, Hq, Nq) LSE with per-block Q/K groups.
-    lse_grad says whether the caller sees the LSE (then its gradient is honoured). The
-    mask arguments as for qattn::attention. bwd_*: the backward options this forward's
-    backward runs with (set_backward_options' when it ran): arguments of the op, so that
-    a graph torch.compile traces holds them and its caches key on them."""
-    _check_backward_options(bwd_format, bwd_dov)
-    return _run(q, k, v, is_causal, scale, layout, True, "per_block",
-                **_mask_options(kv_lengths, window_left, window_right, alignment, attn_mask))
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The training forward: O, the (B, Hq, Nq) LSE with per-block Q/K groups, and P's
+    (B, Hq, Nq) float32 row maxima p_max = exp(m_i - lse_i) (m_i the row's largest scaled
+    score as the kernel computed it, 0 for a row that sees no key), which the merge-free
+    backward reads; an empty float32 tensor where the forward does not write them (head
+    dims above 128: _writes_p_max). One float a row, written whatever the backward options
+    say, so that a backward of either scales finds what it needs. lse_grad says whether
+    the caller sees the LSE (then its gradient is honoured). The mask arguments as for
+    qattn::attention. bwd_*: the backward options this forward's backward runs with
+    (set_backward_options' when it ran): arguments of the op, so that a graph
+    torch.compile traces holds them and its caches key on them."""
+    _check_backward_options(bwd_format, bwd_dov, bwd_scales)
+    mask = _mask_options(kv_lengths, window_left, window_right, alignment, attn_mask)
+    if _writes_p_max(q, layout):
+        return _run(q, k, v, is_causal, scale, layout, True, "per_block", p_max=True, **mask)
+    o, lse = _run(q, k, v, is_causal, scale, layout, True, "per_block", **mask)
+    return o, lse, _no_p_max(q)
 
 
 @_attention_train_op.register_fake
 def _attention_train_fake(q, k, v, is_causal, scale, layout, lse_grad, bwd_format="int8",
-                          bwd_dov="16bit", bwd_deterministic=False, kv_lengths=None,
-                          window_left=-1, window_right=-1, alignment="bottom_right",
-                          attn_mask=None):
-    _check_backward_options(bwd_format, bwd_dov)
-    return _attention_fake(q, k, v, is_causal, scale, layout, True, "per_block", kv_lengths,
-                           window_left, window_right, alignment, attn_mask)
+                          bwd_dov="16bit", bwd_deterministic=False, bwd_scales="per_block",
+                          kv_lengths=None, window_left=-1, window_right=-1,
+                          alignment="bottom_right", attn_mask=None):
+    _check_backward_options(bwd_format, bwd_dov, bwd_scales)
+    o, lse = _attention_fake(q, k, v, is_causal, scale, layout, True, "per_block", kv_lengths,
+                             window_left, window_right, alignment, attn_mask)
+    return o, lse, (lse.new_empty(lse.shape) if _writes_p_max(q, layout) else _no_p_max(q))
+
+
+# The head dims whose training forward writes P's row maxima: the SageAttention2-8b
+# family that writes them (sage2_fwd_sm90, qattn_fwd_params' p_max) runs head dims up to
+# 128 (padded to a multiple of 8); the head-dim-256 family writes none.
+_P_MAX_HEAD_DIM = 128
+
+
+def _writes_p_max(q, layout) -> bool:
+    """Whether the training forward of q writes P's row maxima: a rule of q's head dim
+    alone, so that the fake implementation gives the real one's shapes."""
+    return -(-q.shape[-1] // _ROW_MULTIPLE) * _ROW_MULTIPLE <= _P_MAX_HEAD_DIM
+
+
+def _no_p_max(q) -> torch.Tensor:
+    """The p_max of a forward that wrote none: an empty float32 tensor on q's device."""
+    return q.new_empty((0,), dtype=torch.float32)
 
 
 def _train_setup(ctx, inputs, output):
     q, k, v, is_causal, scale, layout, lse_grad, *rest = inputs
-    (bwd_format, bwd_dov, bwd_deterministic), mask = rest[:3], rest[3:]
-    o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, *_keep_mask(ctx, mask))
+    (bwd_format, bwd_dov, bwd_deterministic, bwd_scales), mask = rest[:4], rest[4:]
+    o, lse, p_max = output
+    ctx.mark_non_differentiable(p_max)  # an input of the backward, never differentiated
+    ctx.save_for_backward(q, k, v, o, lse, p_max, *_keep_mask(ctx, mask))
     ctx.options = (is_causal, scale, layout, lse_grad)
     ctx.backward_options = {"format": bwd_format, "dov": bwd_dov,
-                            "deterministic": bwd_deterministic}
+                            "deterministic": bwd_deterministic, "scales": bwd_scales}
 
 
-def _train_backward(ctx, grad_o, grad_lse):
-    q, k, v, o, lse, kv_lengths, attn_mask = ctx.saved_tensors
+def _train_backward(ctx, grad_o, grad_lse, grad_p_max):
+    q, k, v, o, lse, p_max, kv_lengths, attn_mask = ctx.saved_tensors
     is_causal, scale, layout, lse_grad = ctx.options
     # An LSE the caller never saw gets a gradient of zeros from autograd: skipping it
     # saves the two extra calls its term costs (see _backward_cuda).
     grads = _call_backward(grad_o, q, k, v, o, lse, grad_lse if lse_grad else None,
-                           is_causal, scale, layout, options=ctx.backward_options,
+                           is_causal, scale, layout, p_max=p_max, options=ctx.backward_options,
                            **_kept_mask(ctx, kv_lengths, attn_mask))
     return _input_grads(ctx, grads)
 
@@ -764,11 +819,12 @@ _attention_train_op.register_autograd(_train_backward, setup_context=_train_setu
 
 _BWD_FORMATS = {"int8": _C.BWD_INT8, "e4m3": _C.BWD_E4M3}
 _BWD_DOVS = {"16bit": _C.BWD_DOV_16BIT, "quantized": _C.BWD_DOV_QUANTIZED}
+_BWD_SCALES = {"per_block": _C.BWD_SCALES_PER_BLOCK, "merge_free": _C.BWD_SCALES_MERGE_FREE}
 _DETERMINISTIC_ENV = "QATTN_BWD_DETERMINISTIC"
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
 # deterministic None: the environment variable decides, read with the options.
-_bwd_options = {"format": "int8", "dov": "16bit", "deterministic": None}
+_bwd_options = {"format": "int8", "dov": "16bit", "deterministic": None, "scales": "per_block"}
 _bwd_lock = threading.Lock()
 
 
@@ -787,7 +843,8 @@ def _env_deterministic() -> bool:
 _KEEP = object()  # an argument of set_backward_options that was not given
 
 
-def set_backward_options(format: str = _KEEP, dov: str = _KEEP, deterministic=_KEEP) -> dict:
+def set_backward_options(format: str = _KEEP, dov: str = _KEEP, deterministic=_KEEP,
+                         scales: str = _KEEP) -> dict:
     """Options of qattn's SageBwd backward, for the backward of every later training
     forward in this process: qattn.attention and the SDPA drop-in read them when a
     forward that autograd records runs, and its backward runs with those (options set
@@ -807,6 +864,22 @@ def set_backward_options(format: str = _KEEP, dov: str = _KEEP, deterministic=_K
       run to run); True: bitwise-equal results run to run (slower); None (the
       default): the environment variable QATTN_BWD_DETERMINISTIC decides
       (1/true/yes/on or 0/false/no/off; unset is off), read when the options are.
+    scales: how the 8-bit products are scaled. "per_block" (default; SageBwd's): per
+      64-row Q block, per 128-key KV tile and per tile of P and dS, partial sums
+      rescaled as the maxima grow. "merge_free": every scale fixed before the kernel
+      runs, so no partial sum is ever rescaled (faster): P·448 unscaled, dO and each
+      row's s_i·Q per channel over a KV head's query heads, dS per query row by a bound
+      s_i = p_max_i·(Σ_c |dO_ic|·max|V_c| + |D_i|)/448, where p_max_i = exp(m_i - lse_i)
+      is P's row maximum, which the training forward writes beside the LSE. For format
+      "e4m3" with dov "16bit" only (INT8's linear codes cannot take a scale fixed from a
+      bound; the bound is built on the 16-bit dO·Vᵀ): a call whose resulting options
+      combine "merge_free" with format "int8" or dov "quantized" raises ValueError
+      naming both, and changes nothing; set them together, e.g.
+      set_backward_options(format="e4m3", scales="merge_free"). Accuracy: about that of
+      per-block E4M3 (gradient CosSim to FP64 within a few 1e-4 of it on Gaussian
+      inputs). A backward whose forward wrote no row maxima (head dims above 128, or an
+      O and LSE merged from several calls, as qattn.distributed's ring attention does)
+      runs with per-block E4M3 scales instead, with a QattnFallbackWarning once.
 
     A backward the library declines with these options (e.g. a format its GPU kernel
     does not run) follows the fallback mode (qattn.set_fallback)."""
@@ -819,11 +892,16 @@ def set_backward_options(format: str = _KEEP, dov: str = _KEEP, deterministic=_K
             f"deterministic = {deterministic!r}; allowed: True, False or None (from "
             f"{_DETERMINISTIC_ENV})"
         )
+    if scales is not _KEEP and scales not in _BWD_SCALES:
+        raise ValueError(f"scales = {scales!r}; allowed: 'per_block' (the default) or "
+                         "'merge_free' (format 'e4m3' with dov '16bit' only)")
+    given = {name: value for name, value in (("format", format), ("dov", dov),
+                                             ("deterministic", deterministic), ("scales", scales))
+             if value is not _KEEP}
     with _bwd_lock:
         previous = dict(_bwd_options)
-        for name, value in (("format", format), ("dov", dov), ("deterministic", deterministic)):
-            if value is not _KEEP:
-                _bwd_options[name] = value
+        _check_scales_combination({**previous, **given}, given)
+        _bwd_options.update(given)
     return previous
 
 
@@ -839,16 +917,37 @@ def _forward_backward_options() -> dict:
     return options
 
 
-def _check_backward_options(format, dov) -> None:
+def _check_backward_options(format, dov, scales="per_block") -> None:
     if format not in _BWD_FORMATS:
         raise invalid(f"bwd_format = {format!r}; allowed: {', '.join(map(repr, _BWD_FORMATS))}")
     if dov not in _BWD_DOVS:
         raise invalid(f"bwd_dov = {dov!r}; allowed: {', '.join(map(repr, _BWD_DOVS))}")
+    if scales not in _BWD_SCALES:
+        raise invalid(f"bwd_scales = {scales!r}; allowed: {', '.join(map(repr, _BWD_SCALES))}")
+
+
+def _check_scales_combination(options: dict, given: dict) -> None:
+    """ValueError where `options` (what set_backward_options would leave in force) combine
+    the merge-free scales with a format or dov they do not run; `given` (the arguments of
+    the call) says which of the named options come from the ones already in force."""
+    if options["scales"] != "merge_free":
+        return
+    named = [name for name, ok in (("format", "e4m3"), ("dov", "16bit")) if options[name] != ok]
+    if not named:
+        return
+    in_force = [name for name in ["scales", *named] if name not in given]
+    raise ValueError(
+        "scales = 'merge_free' with "
+        + " and ".join(f"{name} = {options[name]!r}" for name in named)
+        + (f" ({' and '.join(in_force)} already in force)" if in_force else "")
+        + "; allowed: the merge-free scales with format 'e4m3' and dov '16bit' only (set "
+        "them in one call: set_backward_options(format='e4m3', dov='16bit', "
+        "scales='merge_free')), or scales 'per_block' with any format and dov")
 
 
 def get_backward_options() -> dict:
-    """The backward options in force now: {"format", "dov", "deterministic"}, with
-    deterministic read from QATTN_BWD_DETERMINISTIC where it is None (not set)."""
+    """The backward options in force now: {"format", "dov", "deterministic", "scales"},
+    with deterministic read from QATTN_BWD_DETERMINISTIC where it is None (not set)."""
     with _bwd_lock:
         options = dict(_bwd_options)
     if options["deterministic"] is None:
@@ -856,15 +955,38 @@ def get_backward_options() -> dict:
     return options
 
 
-def _call_backward(grad_o, q, k, v, o, lse, grad_lse, is_causal, scale, layout, options=None,
-                   **mask):
+def _call_backward(grad_o, q, k, v, o, lse, grad_lse, is_causal, scale, layout, p_max=None,
+                   options=None, **mask):
     """The backward op with `options` (a training forward's recorded ones), or with the
-    options in force now where None."""
+    options in force now where None. p_max: the training forward's P row maxima, read
+    with the merge-free scales; None or an empty tensor where the forward wrote none
+    (then those scales give way to per-block ones for this call, _backward_scales)."""
     options = get_backward_options() if options is None else options
     return torch.ops.qattn.attention_backward(
         grad_o, q, k, v, o, lse, grad_lse, is_causal, scale, layout,
         options["format"], options["dov"], options["deterministic"], **mask,
+        **_backward_scales(options, p_max),
     )
+
+
+def _backward_scales(options: dict, p_max) -> dict:
+    """The backward op's scales arguments for these options: none for per-block scales (a
+    call then dispatches the arguments it always had); scales and p_max for the
+    merge-free ones where the forward wrote p_max. Where it wrote none (an empty tensor:
+    head dims above 128; None: an O and LSE that no single training forward produced),
+    the call runs per-block scales in the same format, with a QattnFallbackWarning once:
+    still qattn's backward at per-block E4M3 accuracy, in either fallback mode."""
+    if options.get("scales", "per_block") != "merge_free":
+        return {}
+    if p_max is not None and p_max.numel() > 0:  # a shape fact: no sync, static when traced
+        return {"scales": "merge_free", "p_max": p_max}
+    fallback.warn_once(
+        "backward scales merge_free without p_max", "",
+        "qattn backward: the merge-free scales need P's row maxima (p_max) from the training "
+        "forward, which this call's forward did not write (head dims above 128, or an O and "
+        "LSE merged from several calls); running it with per-block E4M3 scales instead "
+        "(warned once)", stacklevel=3)
+    return {}
 
 
 # ---- the backward op ---------------------------------------------------------------
@@ -885,6 +1007,8 @@ def _attention_backward_op(
     format: str,
     dov: str,
     deterministic: bool,
+    scales: str = "per_block",
+    p_max: Optional[torch.Tensor] = None,
     kv_lengths: Optional[torch.Tensor] = None,
     window_left: int = -1,
     window_right: int = -1,
@@ -893,10 +1017,13 @@ def _attention_backward_op(
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of qattn::attention_train: dq like q, dk and dv like k (summed over
     each KV head's query heads), each contiguous in `layout`. is_causal and the mask
-    arguments as in the forward. On CUDA the SageBwd kernel; off CUDA (and where SageBwd
-    or the library declines, under the fallback mode: any mask beyond bottom-right
-    causal, an attn_mask included) the exact attention gradients in FP32."""
-    _check_backward(grad_o, q, k, v, o, lse, grad_lse, layout, scale, format, dov)
+    arguments as in the forward (last, as in every op). scales: "per_block" (default) or
+    "merge_free" (format "e4m3" and dov "16bit" only), with p_max the training forward's
+    (B, Hq, Nq) float32 row maxima (None with "per_block"); see set_backward_options. On CUDA the SageBwd
+    kernel; off CUDA (and where SageBwd or the library declines, under the fallback mode:
+    any mask beyond bottom-right causal, an attn_mask included) the exact attention
+    gradients in FP32, which need neither scales nor p_max."""
+    _check_backward(grad_o, q, k, v, o, lse, grad_lse, layout, scale, format, dov, scales, p_max)
     _check_mask(q, k, layout, is_causal, kv_lengths, window_left, window_right, alignment,
                 attn_mask)
     mask = _mask_options(kv_lengths, window_left, window_right, alignment, attn_mask)
@@ -905,20 +1032,22 @@ def _attention_backward_op(
     same = q.device.index == torch.cuda.current_device()
     with contextlib.nullcontext() if same else torch.cuda.device(q.device):
         return _backward_cuda(grad_o, q, k, v, o, lse, grad_lse, is_causal, scale, layout,
-                              format, dov, deterministic, **mask)
+                              format, dov, deterministic, scales=scales, p_max=p_max, **mask)
 
 
 @_attention_backward_op.register_fake
 def _attention_backward_fake(grad_o, q, k, v, o, lse, grad_lse, is_causal, scale, layout,
-                             format, dov, deterministic, kv_lengths=None, window_left=-1,
-                             window_right=-1, alignment="bottom_right", attn_mask=None):
-    _check_backward(grad_o, q, k, v, o, lse, grad_lse, layout, scale, format, dov)
+                             format, dov, deterministic, scales="per_block", p_max=None,
+                             kv_lengths=None, window_left=-1, window_right=-1,
+                             alignment="bottom_right", attn_mask=None):
+    _check_backward(grad_o, q, k, v, o, lse, grad_lse, layout, scale, format, dov, scales, p_max)
     _check_mask(q, k, layout, is_causal, kv_lengths, window_left, window_right, alignment,
                 attn_mask)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _check_backward(grad_o, q, k, v, o, lse, grad_lse, layout, scale, format, dov):
+def _check_backward(grad_o, q, k, v, o, lse, grad_lse, layout, scale, format, dov,
+                    scales="per_block", p_max=None):
     _check_inputs(q, k, v, layout, scale, "per_block")
     if v.shape[-1] != k.shape[-1]:
         raise QattnUnsupportedError(
@@ -938,6 +1067,24 @@ def _check_backward(grad_o, q, k, v, o, lse, grad_lse, layout, scale, format, do
         raise invalid(f"format = {format!r}; allowed: {', '.join(map(repr, _BWD_FORMATS))}")
     if dov not in _BWD_DOVS:
         raise invalid(f"dov = {dov!r}; allowed: {', '.join(map(repr, _BWD_DOVS))}")
+    if scales not in _BWD_SCALES:
+        raise invalid(f"scales = {scales!r}; allowed: {', '.join(map(repr, _BWD_SCALES))}")
+    if scales != "merge_free":
+        if p_max is not None:
+            raise invalid(f"p_max is set with scales = {scales!r}; allowed: None (only the "
+                          "merge-free scales read it)")
+        return
+    for name, value, ok in (("format", format, "e4m3"), ("dov", dov, "16bit")):
+        if value != ok:
+            raise invalid(f"scales = 'merge_free' with {name} = {value!r}; allowed: {name} "
+                          f"{ok!r} only with the merge-free scales")
+    if p_max is None:
+        raise invalid("p_max is None with scales = 'merge_free'; allowed: the training "
+                      f"forward's ({b}, {hq}, {nq}) torch.float32 row maxima on q's device")
+    if (tuple(p_max.shape) != (b, hq, nq) or p_max.dtype != torch.float32
+            or p_max.device != q.device):
+        raise invalid(f"p_max is {tuple(p_max.shape)} {p_max.dtype} on {p_max.device}; allowed: "
+                      f"({b}, {hq}, {nq}) torch.float32 on q's device")
 
 
 def _sagebwd_declines(q, k, layout, is_causal, kv_lengths=None, window_left=-1, window_right=-1,
@@ -965,14 +1112,14 @@ def _sagebwd_declines(q, k, layout, is_causal, kv_lengths=None, window_left=-1, 
 
 
 def _backward_cuda(grad_o, q, k, v, o, lse, grad_lse, is_causal, scale, layout, format, dov,
-                   deterministic, **mask):
+                   deterministic, scales="per_block", p_max=None, **mask):
     declined = _sagebwd_declines(q, k, layout, is_causal, **mask)
     if declined is not None:
         fallback.backward_declined(*declined)
         return _backward_math(grad_o, q, k, v, grad_lse, is_causal, scale, layout, **mask)
     try:
         dq, dk, dv = _bwd_run(grad_o, q, k, v, o, lse, is_causal, scale, layout, format, dov,
-                              deterministic)
+                              deterministic, scales=scales, p_max=p_max)
         if grad_lse is not None:
             # The LSE's own gradient g: d lse_i / d S_ij = P_ij, so dS gains g_i·P_ij,
             # dQ gains scale·g_i·Σ_j P_ij·k_j = scale·g ∘ attention(q, k, k), and dK gains
@@ -983,8 +1130,9 @@ def _backward_cuda(grad_o, q, k, v, o, lse, grad_lse, is_causal, scale, layout, 
             pk, _ = _run(q, k, k, is_causal, scale, layout, False, "per_block")
             dq = (dq.float() + sm * g * pk.float()).to(q.dtype)
             gq = (g * q.float()).to(q.dtype)
+            # The same scales: the merge-free bound s_i is built from this call's dO.
             _, _, pq = _bwd_run(gq, q, k, v, o, lse, is_causal, scale, layout, format, dov,
-                                deterministic)
+                                deterministic, scales=scales, p_max=p_max)
             dk = (dk.float() + sm * pq.float()).to(k.dtype)
         return dq, dk, dv
     except QattnError as error:
@@ -996,7 +1144,10 @@ def _backward_cuda(grad_o, q, k, v, o, lse, grad_lse, is_causal, scale, layout, 
         return _backward_math(grad_o, q, k, v, grad_lse, is_causal, scale, layout)
 
 
-def _bwd_run(grad_o, q, k, v, o, lse, is_causal, scale, layout, format, dov, deterministic):
+def _bwd_run(grad_o, q, k, v, o, lse, is_causal, scale, layout, format, dov, deterministic,
+             scales="per_block", p_max=None):
+    """One SageBwd call through the C ABI; p_max (the forward's row maxima) is passed with
+    the merge-free scales only."""
     b, hq, nq, d = _bhnd(q, layout)
     _, hkv, nkv, _ = _bhnd(k, layout)
     # As in the forward: zero columns up to a multiple of 8 change no score and no
@@ -1005,6 +1156,9 @@ def _bwd_run(grad_o, q, k, v, o, lse, is_causal, scale, layout, format, dov, det
     d_pad = -(-d // _ROW_MULTIPLE) * _ROW_MULTIPLE
     qq, kk, vv, oo, gg = (_usable(t, layout, d_pad) for t in (q, k, v, o, grad_o))
     lse = lse.contiguous()
+    merge_free = scales == "merge_free"
+    p_max = p_max.contiguous() if merge_free else None
+    extra = {"scales": _BWD_SCALES[scales], "p_max": p_max.data_ptr() if merge_free else 0}
     dq, dk, dv = qq.new_empty(qq.shape), kk.new_empty(kk.shape), vv.new_empty(vv.shape)
     args = (
         _tensor_arg(qq, layout), _tensor_arg(kk, layout), _tensor_arg(vv, layout),
@@ -1014,11 +1168,11 @@ def _bwd_run(grad_o, q, k, v, o, lse, is_causal, scale, layout, format, dov, det
         float(scale) if scale is not None else 1.0 / math.sqrt(d),  # the caller's d
         _BWD_FORMATS[format], _BWD_DOVS[dov], bool(deterministic),
     )
-    status, ws_bytes = _C.bwd_workspace_size(*args)
+    status, ws_bytes = _C.bwd_workspace_size(*args, **extra)
     check(status)
     workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=q.device)
     stream = _current_stream(q.device.index)
-    check(_C.bwd(*args, workspace.data_ptr(), ws_bytes, stream))
+    check(_C.bwd(*args, workspace.data_ptr(), ws_bytes, stream, **extra))
     if d != d_pad:
         dq, dk, dv = (t[..., :d].contiguous() for t in (dq, dk, dv))
     return dq, dk, dv
@@ -1129,9 +1283,9 @@ def _forward(q, k, v, is_causal, scale, layout, return_lse, granularity, **mask)
         if granularity not in _GRANULARITIES:
             raise invalid(f"granularity = {granularity!r}; allowed: {', '.join(_GRANULARITIES)}")
         options = _forward_backward_options()
-        o, lse = torch.ops.qattn.attention_train(
+        o, lse, _ = torch.ops.qattn.attention_train(
             q, k, v, is_causal, scale, layout, return_lse, options["format"], options["dov"],
-            options["deterministic"], **mask)
+            options["deterministic"], options["scales"], **mask)
         return o, lse
     if _direct_call_ok(q, k, v):
         return _run(q, k, v, is_causal, scale, layout, return_lse, granularity, lse_tensor=False,
@@ -1266,8 +1420,9 @@ def attention(
     the INT8 backward (dk, dv summed over each KV head's query heads). With
     return_lse=True the LSE's gradient is honoured too, at the cost of one more forward
     and backward call. Top-left causal with Nq > Nkv is then two forward calls and one
-    copy of the output. Options: qattn.set_backward_options; a backward the library
-    declines follows qattn.set_fallback's mode. SageBwd runs no window, no kv_lengths and
+    copy of the output. Options: qattn.set_backward_options (its merge-free scales read
+    P's row maxima, which the training forward writes beside the LSE); a backward the
+    library declines follows qattn.set_fallback's mode. SageBwd runs no window, no kv_lengths and
     no attn_mask: a training call with one has qattn's forward, and its backward follows
     that mode ("warn": the exact FP32 gradients with a QattnFallbackWarning once,
     "raise": QattnUnsupportedError).

@@ -31,7 +31,9 @@ the five backward products in INT8 with per-block scales, dO·Vᵀ in 16-bit):
 qattn.attention trains the same way (both layouts, GQA, either causal alignment, and
 the LSE with its gradient when return_lse=True). torch.compile(fullgraph=True) traces
 forward and backward. qattn.set_backward_options also picks the 8-bit format ("int8",
-"e4m3") and dO·Vᵀ's precision ("16bit", "quantized"); QATTN_BWD_DETERMINISTIC=1 in the
+"e4m3"), dO·Vᵀ's precision ("16bit", "quantized") and the scales ("per_block", or
+"merge_free" with "e4m3" and "16bit": scales fixed before the kernel from P's row
+maxima, which the training forward writes); QATTN_BWD_DETERMINISTIC=1 in the
 environment turns on the deterministic mode until set_backward_options sets it. A
 backward the library declines (e.g. an option or head dim its GPU kernel does not
 run) follows the fallback mode: "warn" computes the exact gradients in FP32 from the

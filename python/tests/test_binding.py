@@ -167,6 +167,108 @@ def test_attn_mask_alone_is_the_librarys_rule(causal, mask, what):
     assert "takes an attn_mask alone" in message and what in message, message
 
 
+# ---- P's row maxima (forward) and the backward's scales --------------------------------
+
+
+VARLEN = (10 << 40, 11 << 40, 150, 250)  # a packed batch of 2: (cu_q, cu_k, max_q, max_k)
+P_MAX = 9 << 40
+
+
+def test_forward_p_max_defaults_to_none_and_is_validated():
+    plain = _C.workspace_size(*args())
+    assert _C.workspace_size(*args(), p_max=0) == plain
+    status, nbytes = _C.workspace_size(*args(), p_max=P_MAX)
+    assert status == _C.OK, _C.last_error_message()
+    assert nbytes == plain[1]  # written by the kernel, no workspace of its own
+    for ptr, words in [
+        (P_MAX + 2, ["p_max = ", "is not 4-byte aligned", "(B, Hq, Nq) float array"]),
+        (4 << 40, ["p_max overlaps o"]),
+        (5 << 40, ["p_max overlaps lse"]),
+        (1 << 40, ["p_max overlaps q"]),
+    ]:
+        status, _ = _C.workspace_size(*args(), p_max=ptr)
+        message = _C.last_error_message()
+        assert status == _C.ERROR_INVALID_ARGUMENT, message
+        for w in words:
+            assert w in message, message
+    # The call: the same checks, then the device (none usable here, or fake addresses).
+    status = _C.forward(*args(), 6 << 40, nbytes, 0, False, p_max=P_MAX + 2)
+    assert status == _C.ERROR_INVALID_ARGUMENT and "qattn_fwd: p_max" in _C.last_error_message()
+    status = _C.forward(*args(), 6 << 40, nbytes, 0, False, p_max=P_MAX)
+    assert status in (_C.ERROR_NO_DEVICE, _C.ERROR_INVALID_ARGUMENT), _C.last_error_message()
+
+
+@pytest.mark.parametrize("scheme,varlen,d,words", [
+    (_C.SCHEME_PRECISE16, (0, 0, 0, 0), 64, ["precise16_fwd_sm90: does not write P's row maxima (p_max)"]),
+    (_C.SCHEME_SAGE3_NVFP4, (0, 0, 0, 0), 64, ["sage3_nvfp4_fwd_sm90: does not write P's row maxima"]),
+    (_C.SCHEME_SAGE2_8B_AUTO, (0, 0, 0, 0), 64, ["sage2_auto_sm90: does not write P's row maxima"]),
+    (_C.SCHEME_SAGE2_8B, (0, 0, 0, 0), 192, ["sage2_wide_sm90: does not write P's row maxima"]),
+    (_C.SCHEME_SAGE2_8B, VARLEN, 64, ["sage2_fwd_sm90: writes P's row maxima (p_max) outside a "
+                                      "packed batch only"]),
+])
+def test_forward_p_max_is_declined_by_name_where_not_written(scheme, varlen, d, words):
+    a = args(d=d)
+    status, _ = _C.workspace_size(*a, NO_MASK, scheme, varlen, p_max=P_MAX)
+    message = _C.last_error_message()
+    assert status == _C.ERROR_UNSUPPORTED, message
+    assert "no kernel family runs this call" in message and "p_max written" in message, message
+    for w in words:
+        assert w in message, message
+    status, _ = _C.workspace_size(*a, NO_MASK, scheme, varlen)  # without p_max it runs
+    assert status == _C.OK, _C.last_error_message()
+
+
+def bwd_args(format=None, dov=None, deterministic=False, b=2, hq=8, hkv=2, nq=300, nkv=500, d=64):
+    """The backward's arguments up to deterministic: q, k, v, o, dout at slots 1..5, lse 6,
+    dq, dk, dv 7..9."""
+    return (
+        fake_tensor(1, b, hq, nq, d), fake_tensor(2, b, hkv, nkv, d), fake_tensor(3, b, hkv, nkv, d),
+        fake_tensor(4, b, hq, nq, d), fake_tensor(5, b, hq, nq, d), 6 << 40,
+        fake_tensor(7, b, hq, nq, d), fake_tensor(8, b, hkv, nkv, d), fake_tensor(9, b, hkv, nkv, d),
+        _C.DTYPE_BF16, (b, hq, hkv, nq, nkv, d), 0, 0.0,
+        _C.BWD_E4M3 if format is None else format, _C.BWD_DOV_16BIT if dov is None else dov,
+        deterministic,
+    )
+
+
+MF_P_MAX = 11 << 40
+
+
+def test_backward_scales_constants_and_defaults():
+    assert (_C.BWD_SCALES_PER_BLOCK, _C.BWD_SCALES_MERGE_FREE) == (0, 1)
+    status, plain = _C.bwd_workspace_size(*bwd_args())
+    assert status == _C.OK, _C.last_error_message()
+    assert _C.bwd_workspace_size(*bwd_args(), scales=_C.BWD_SCALES_PER_BLOCK, p_max=0) == (status, plain)
+    status, merge_free = _C.bwd_workspace_size(*bwd_args(), scales=_C.BWD_SCALES_MERGE_FREE,
+                                               p_max=MF_P_MAX)
+    assert status == _C.OK, _C.last_error_message()
+    assert merge_free > 0 and merge_free % 256 == 0
+    status = _C.bwd(*bwd_args(), 12 << 40, merge_free, 0, scales=_C.BWD_SCALES_MERGE_FREE,
+                    p_max=MF_P_MAX)
+    assert status in (_C.ERROR_NO_DEVICE, _C.ERROR_INVALID_ARGUMENT), _C.last_error_message()
+
+
+@pytest.mark.parametrize("change,words", [
+    (dict(scales=2, p_max=0), ["scales = 2", "QATTN_BWD_SCALES_MERGE_FREE (1)"]),
+    (dict(format=0), ["scales = QATTN_BWD_SCALES_MERGE_FREE with format = 0", "QATTN_BWD_E4M3"]),
+    (dict(dov=1), ["scales = QATTN_BWD_SCALES_MERGE_FREE with dov = 1", "QATTN_BWD_DOV_16BIT"]),
+    (dict(p_max=0), ["p_max is NULL", "QATTN_BWD_SCALES_MERGE_FREE"]),
+    (dict(scales=0), ["p_max is set with scales = QATTN_BWD_SCALES_PER_BLOCK"]),
+    (dict(p_max=MF_P_MAX + 2), ["p_max = ", "4-byte aligned"]),
+    (dict(p_max=(7 << 40) + 64), ["dq overlaps p_max"]),
+])
+def test_backward_scales_are_validated_by_name(change, words):
+    opts = {"scales": _C.BWD_SCALES_MERGE_FREE, "p_max": MF_P_MAX, "format": None, "dov": None}
+    opts.update(change)
+    a = bwd_args(opts.pop("format"), opts.pop("dov"))
+    for status in (_C.bwd_workspace_size(*a, **opts)[0],
+                   _C.bwd(*a, 12 << 40, 1 << 30, 0, **opts)):
+        message = _C.last_error_message()
+        assert status == _C.ERROR_INVALID_ARGUMENT, message
+        for w in words:
+            assert w in message, message
+
+
 def test_error_type_carries_status_and_message():
     _C.workspace_size(*args(hkv=3))
     with pytest.raises(qattn.QattnError, match="heads_kv = 3") as info:

@@ -53,18 +53,19 @@ def qkv(b=2, hq=4, hkv=2, nq=100, nkv=130, d=64, layout="HND", dtype=torch.bfloa
 
 
 def key_of(q, k, v, causal=0, scale=None, layout="HND", return_lse=False, granularity="per_thread",
-           scheme=_C.SCHEME_SAGE2_8B, window_left=-1, window_right=-1, alignment="bottom_right"):
+           scheme=_C.SCHEME_SAGE2_8B, window_left=-1, window_right=-1, alignment="bottom_right",
+           p_max=False):
     return ops._plan_key(q, k, v, causal, scale, layout, return_lse, granularity, scheme,
-                         window_left, window_right, alignment)
+                         window_left, window_right, alignment, p_max)
 
 
 def first_call(q, k, v, causal=0, scale=None, layout="HND", return_lse=False,
-               granularity="per_thread", scheme=_C.SCHEME_SAGE2_8B, **mask):
+               granularity="per_thread", scheme=_C.SCHEME_SAGE2_8B, p_max=False, **mask):
     key = key_of(q, k, v, causal, scale, layout, return_lse, granularity, scheme,
                  mask.get("window_left", -1), mask.get("window_right", -1),
-                 mask.get("alignment", "bottom_right"))
+                 mask.get("alignment", "bottom_right"), p_max)
     out = ops._run_call(key, q, k, v, causal, scale, layout, return_lse, granularity, scheme, True,
-                        mask)
+                        mask, p_max)
     return key, out
 
 
@@ -117,6 +118,33 @@ def test_planned_call_passes_what_the_first_call_passed(device, case):
         assert log == [] and planned[10] == 0
 
 
+def p_max_of(call):
+    """The p_max keyword a recorded forward passed (0: none passed)."""
+    return dict(a for a in call if isinstance(a, tuple) and len(a) == 2 and a[0] == "p_max").get("p_max", 0)
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_planned_training_call_writes_p_max_as_the_first_did(device, layout):
+    # The training forward (per-block groups, the LSE and P's row maxima written): its
+    # plan passes a fresh (B, Hq, Nq) float32 p_max each call, as the first call did.
+    c, _ = device
+    q, k, v = qkv(layout=layout)
+    key, (o1, lse1, p1) = first_call(q, k, v, causal=1, layout=layout, return_lse=True,
+                                     granularity="per_block", p_max=True)
+    assert key != key_of(q, k, v, 1, None, layout, True, "per_block")  # its own plan
+    plan = ops._plans[key]
+    o2, lse2, p2 = ops._launch_plan(plan, q, k, v, True, True, 0)
+    first, planned = c.calls
+    assert p1.shape == p2.shape == (2, 4, 100) and p1.dtype == p2.dtype == torch.float32
+    assert p_max_of(first) == p1.data_ptr() and p_max_of(planned) == p2.data_ptr() != 0
+    strip = lambda call: tuple(a for a in without_outputs(call) if not (isinstance(a, tuple) and a[:1] == ("p_max",)))  # noqa: E731
+    assert strip(planned) == strip(first)
+    # A call without p_max passes none, planned or not.
+    key0, _ = first_call(q, k, v, causal=1, layout=layout, return_lse=True, granularity="per_block")
+    assert len(ops._launch_plan(ops._plans[key0], q, k, v, True, True, 0)) == 2
+    assert p_max_of(c.calls[-1]) == 0 and p_max_of(c.calls[-2]) == 0
+
+
 @pytest.mark.parametrize("make", [
     lambda t: t,  # contiguous: O is torch.empty_like(q)
     lambda t: t.transpose(1, 2).contiguous().transpose(1, 2),  # a view in the other layout
@@ -153,7 +181,7 @@ def test_keys_tell_apart_everything_the_checks_read():
         key_of(q, k, v, causal=1), key_of(q, k, v, scale=0.5), key_of(q, k, v, return_lse=True),
         key_of(q, k, v, granularity="per_block"), key_of(q, k, v, scheme=_C.SCHEME_PRECISE16),
         key_of(q, k, v, window_left=8), key_of(q, k, v, window_right=8),
-        key_of(q, k, v, alignment="top_left"),
+        key_of(q, k, v, alignment="top_left"), key_of(q, k, v, p_max=True),
     ]
     assert base not in others and len(set(others)) == len(others)
     # A key may not mistake a value the checks refuse for one they take.

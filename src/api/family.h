@@ -79,6 +79,8 @@ struct ForwardFamily {
   // Whether it takes V (and O) with fewer channels than Q and K (head_dim_v <
   // head_dim), outside a packed batch.
   bool narrower_v;
+  // Whether it writes P's row maxima (qattn_fwd_params' p_max), outside a packed batch.
+  bool writes_p_max;
   // Further limits of its kernels (grid sizes, index widths, ...), checked after the
   // table above matched: "" when the call fits, else why not, in a few words.
   std::string (*check_limits)(const qattn_fwd_params& p);
@@ -92,7 +94,8 @@ struct ForwardFamily {
 // A backward family (qattn_bwd). Its table has the forward's fields (name, archs, head
 // dims, dtypes, masks, same meaning) plus the backward's own choices, each a bit set
 // indexed by the field's value: formats (1 << QATTN_BWD_*), dovs (1 << QATTN_BWD_DOV_*),
-// determinism (bit 0: atomics allowed, bit 1: deterministic).
+// determinism (bit 0: atomics allowed, bit 1: deterministic), scales (1 <<
+// QATTN_BWD_SCALES_*).
 struct BackwardFamily {
   const char* name;  // in messages: "sagebwd_sm90"
   std::span<const Arch> archs;
@@ -102,6 +105,7 @@ struct BackwardFamily {
   uint32_t formats;      // bit (1 << QATTN_BWD_INT8 / QATTN_BWD_E4M3)
   uint32_t dovs;         // bit (1 << QATTN_BWD_DOV_16BIT / QATTN_BWD_DOV_QUANTIZED)
   uint32_t determinism;  // bit (1 << deterministic), deterministic in {0, 1}
+  uint32_t scales;       // bit (1 << QATTN_BWD_SCALES_PER_BLOCK / _MERGE_FREE)
   std::string (*check_limits)(const qattn_bwd_params& p);
   std::size_t (*workspace_bytes)(const qattn_bwd_params& p);  // a multiple of 256
   // Enqueues the call with defaults resolved (sm_scale > 0); returns a cudaError_t and

@@ -29,6 +29,12 @@ const char* dov_name(int32_t d) {
                                         : "?";
 }
 
+const char* scales_name(int32_t s) {
+  return s == QATTN_BWD_SCALES_PER_BLOCK     ? "QATTN_BWD_SCALES_PER_BLOCK"
+         : s == QATTN_BWD_SCALES_MERGE_FREE ? "QATTN_BWD_SCALES_MERGE_FREE"
+                                            : "?";
+}
+
 std::string arch_list(std::span<const Arch> archs) {
   std::string s;
   for (const Arch& a : archs) s += cat(s.empty() ? "" : ", ", "sm_", a.major, a.minor);
@@ -53,6 +59,9 @@ std::string own_reason(const ForwardFamily& f, const qattn_fwd_params& p) {
       return cat("takes head_dim_v = ", head_dim_v(p), " != head_dim = ", p.head_dim,
                  " outside a packed batch only");
   }
+  if (p.p_max != nullptr && (!f.writes_p_max || p.cu_seqlens_q != nullptr))
+    return f.writes_p_max ? "writes P's row maxima (p_max) outside a packed batch only"
+                          : "does not write P's row maxima (p_max)";
   return {};
 }
 
@@ -63,6 +72,8 @@ std::string own_reason(const BackwardFamily& f, const qattn_bwd_params& p) {
     return cat("dov ", dov_name(p.dov),
                " (the precision of dO·Vᵀ) is not implemented by this "
                "family");
+  if (!has_bit(f.scales, p.scales))
+    return cat("scales ", scales_name(p.scales), " are not implemented by this family");
   if (!has_bit(f.determinism, p.deterministic))
     return p.deterministic != 0 ? "has no deterministic kernel (deterministic = 1)"
                                 : "has no atomic kernel (deterministic = 0)";
@@ -131,14 +142,16 @@ std::string describe(const qattn_fwd_params& p) {
              (features & kMaskTopLeft) != 0 ? ", top-left" : "",
              (features & kMaskBool) != 0 ? ", boolean attn_mask" : "",
              (features & kMaskAdditive) != 0 ? ", additive attn_mask" : "",
-             (features & kMaskVarlen) != 0 ? ", packed variable-length batch" : "");
+             (features & kMaskVarlen) != 0 ? ", packed variable-length batch" : "",
+             p.p_max != nullptr ? ", p_max written" : "");
 }
 
 std::string describe(const qattn_bwd_params& p) {
   return cat("backward, format ", format_name(p.format), ", dov ", dov_name(p.dov), ", ",
              dtype_name(p.dtype), ", head_dim ", p.head_dim,
              p.causal != 0 ? ", causal" : ", no mask",
-             p.deterministic != 0 ? ", deterministic" : "");
+             p.deterministic != 0 ? ", deterministic" : "",
+             p.scales == QATTN_BWD_SCALES_MERGE_FREE ? ", merge-free scales" : "");
 }
 
 std::string describe(const KvCall& c) {

@@ -72,7 +72,7 @@ std::size_t attn_mask_bytes(const qattn_fwd_params& p) {
 // The forward's buffers, in the order the checks name them.
 struct ForwardBuffers {
   std::array<Named, 7> inputs;   // q, k, v, kv_lengths, attn_mask, cu_seqlens_q, cu_seqlens_k
-  std::array<Named, 2> outputs;  // o, lse
+  std::array<Named, 3> outputs;  // o, lse, p_max
 };
 
 ForwardBuffers buffers_of(const qattn_fwd_params& p) {
@@ -85,7 +85,9 @@ ForwardBuffers buffers_of(const qattn_fwd_params& p) {
         {"attn_mask", {}, false},
         {"cu_seqlens_q", {}, false},
         {"cu_seqlens_k", {}, false}}},
-      {{{"o", span_of(p.o, vb, p.heads_q, p.seqlen_q, head_dim_v(p))}, {"lse", {}, false}}}};
+      {{{"o", span_of(p.o, vb, p.heads_q, p.seqlen_q, head_dim_v(p))},
+        {"lse", {}, false},
+        {"p_max", {}, false}}}};
   if (p.kv_lengths != nullptr)
     b.inputs[3] = {"kv_lengths", array_span(p.kv_lengths, kv_lengths_bytes(p))};
   if (p.attn_mask_type != QATTN_MASK_NONE)
@@ -95,13 +97,14 @@ ForwardBuffers buffers_of(const qattn_fwd_params& p) {
   if (p.cu_seqlens_k != nullptr)
     b.inputs[6] = {"cu_seqlens_k", array_span(p.cu_seqlens_k, cu_seqlens_bytes(p))};
   if (p.lse != nullptr) b.outputs[1] = {"lse", array_span(p.lse, lse_bytes(p))};
+  if (p.p_max != nullptr) b.outputs[2] = {"p_max", array_span(p.p_max, lse_bytes(p))};
   return b;
 }
 
 // The backward's buffers: everything it reads (which may overlap each other), then
 // what it writes.
 struct BackwardBuffers {
-  std::array<Named, 6> inputs;   // q, k, v, o, dout, lse
+  std::array<Named, 7> inputs;   // q, k, v, o, dout, lse, p_max
   std::array<Named, 3> outputs;  // dq, dk, dv
 };
 
@@ -113,7 +116,8 @@ BackwardBuffers buffers_of(const qattn_bwd_params& p) {
             {"v", span_of(p.v, b, hkv, nkv, d)},
             {"o", span_of(p.o, b, hq, nq, d)},
             {"dout", span_of(p.dout, b, hq, nq, d)},
-            {"lse", array_span(p.lse, lse_bytes(p))}}},
+            {"lse", array_span(p.lse, lse_bytes(p))},
+            {"p_max", array_span(p.p_max, lse_bytes(p)), p.p_max != nullptr}}},
           {{{"dq", span_of(p.dq, b, hq, nq, d)},
             {"dk", span_of(p.dk, b, hkv, nkv, d)},
             {"dv", span_of(p.dv, b, hkv, nkv, d)}}}};
@@ -438,20 +442,23 @@ using namespace checks;
 // ---- the forward -----------------------------------------------------------------------
 
 // The layouts qattn_fwd_params has had: 0.1.0's, then with the masks beyond causal,
-// then with attn_mask.
-constexpr std::array<std::size_t, 5> kFwdParamsLayouts{
+// with attn_mask, with the packed batch, with V's head dim, and with P's row maxima.
+constexpr std::array<std::size_t, 6> kFwdParamsLayouts{
     QATTN_FWD_PARAMS_MIN_SIZE, offsetof(qattn_fwd_params, attn_mask_type),
     offsetof(qattn_fwd_params, cu_seqlens_q), offsetof(qattn_fwd_params, head_dim_v),
-    sizeof(qattn_fwd_params)};
+    offsetof(qattn_fwd_params, p_max), sizeof(qattn_fwd_params)};
 static_assert(offsetof(qattn_fwd_params, cu_seqlens_q) ==
                   offsetof(qattn_fwd_params, attn_mask_stride_k) + sizeof(int64_t),
               "the packed batch's fields start where the third layout ends");
 static_assert(offsetof(qattn_fwd_params, head_dim_v) ==
                   offsetof(qattn_fwd_params, max_seqlen_k) + sizeof(int32_t),
               "V's head dim starts where the fourth layout ends");
-static_assert(sizeof(qattn_fwd_params) ==
+static_assert(offsetof(qattn_fwd_params, p_max) ==
                   offsetof(qattn_fwd_params, reserved2) + sizeof(int32_t),
-              "the fifth layout ends without tail padding");
+              "P's row maxima start where the fifth layout ends");
+static_assert(sizeof(qattn_fwd_params) ==
+                  offsetof(qattn_fwd_params, reserved4) + sizeof(int32_t),
+              "the sixth layout ends without tail padding");
 static_assert(offsetof(qattn_fwd_params, attn_mask_type) ==
                   offsetof(qattn_fwd_params, alignment) + sizeof(int32_t),
               "attn_mask's fields start where the second layout ends");
@@ -478,6 +485,8 @@ qattn_status validate_forward(const char* fn, const qattn_fwd_params& p,
   if (auto s = check_varlen(fn, p); s) return s;
   if (auto s = check_reserved(fn, "reserved0", p.reserved0, "qattn_fwd_params_init"); s) return s;
   if (auto s = check_reserved(fn, "reserved2", p.reserved2, "qattn_fwd_params_init"); s) return s;
+  if (auto s = check_reserved(fn, "reserved3", p.reserved3, "qattn_fwd_params_init"); s) return s;
+  if (auto s = check_reserved(fn, "reserved4", p.reserved4, "qattn_fwd_params_init"); s) return s;
   if (p.head_dim_v < 0)
     return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": head_dim_v = ", p.head_dim_v,
                 "; allowed: 0 (V has head_dim's channels) or 1.. (V's and O's own head dim)");
@@ -500,11 +509,17 @@ qattn_status validate_forward(const char* fn, const qattn_fwd_params& p,
   if (auto st = check_tensor(fn, "v", p.v, vb, p.heads_kv, p.seqlen_kv, dv, false); st) return st;
   if (auto st = check_tensor(fn, "o", p.o, vb, p.heads_q, p.seqlen_q, dv, true); st) return st;
   if (auto st = check_lse(fn, p, p.lse, /*required=*/false); st) return st;
+  if (p.p_max != nullptr)
+    if (auto st = check_array(fn, "p_max", p.p_max, lse_bytes(p), kLseAlign,
+                              "NULL or a (B, Hq, Nq) float array");
+        st)
+      return st;
   if (auto st = check_kv_lengths(fn, p); st) return st;
   const ForwardBuffers b = buffers_of(p);
   return check_overlaps(fn, b.inputs, b.outputs, [](const char* out) {
-    return std::string_view(out) == "lse" ? "a separate (B, Hq, Nq) float buffer"
-                                          : "an output buffer separate from the inputs";
+    const std::string_view name(out);
+    return name == "lse" || name == "p_max" ? "a separate (B, Hq, Nq) float buffer"
+                                            : "an output buffer separate from the inputs";
   });
 }
 
@@ -529,7 +544,7 @@ std::size_t view_span_bytes(const qattn_tensor& t, int64_t batch, int64_t heads,
   return static_cast<std::size_t>((last + 1) * kElemBytes);
 }
 
-std::array<BufferSpan, 10> buffer_spans(const qattn_fwd_params& p, const void* workspace) {
+std::array<BufferSpan, 11> buffer_spans(const qattn_fwd_params& p, const void* workspace) {
   const int64_t vb = view_batch(p);
   return {{{"q.data", p.q.data, view_span_bytes(p.q, vb, p.heads_q, p.seqlen_q, p.head_dim)},
            {"k.data", p.k.data, view_span_bytes(p.k, vb, p.heads_kv, p.seqlen_kv, p.head_dim)},
@@ -540,6 +555,7 @@ std::array<BufferSpan, 10> buffer_spans(const qattn_fwd_params& p, const void* w
            {"cu_seqlens_k", p.cu_seqlens_k, p.cu_seqlens_k != nullptr ? cu_seqlens_bytes(p) : 0},
            {"o.data", p.o.data, view_span_bytes(p.o, vb, p.heads_q, p.seqlen_q, head_dim_v(p))},
            {"lse", p.lse, p.lse != nullptr ? lse_bytes(p) : 0},
+           {"p_max", p.p_max, p.p_max != nullptr ? lse_bytes(p) : 0},
            {"workspace", workspace, forward_workspace_bytes(p)}}};
 }
 
@@ -547,8 +563,16 @@ qattn_fwd_params resolve_defaults(const qattn_fwd_params& p) { return with_defau
 
 // ---- the backward ----------------------------------------------------------------------
 
+// The layouts qattn_bwd_params has had: 0.1.0's, then with the merge-free scales.
+constexpr std::array<std::size_t, 2> kBwdParamsLayouts{QATTN_BWD_PARAMS_MIN_SIZE,
+                                                       sizeof(qattn_bwd_params)};
+static_assert(offsetof(qattn_bwd_params, p_max) == QATTN_BWD_PARAMS_MIN_SIZE,
+              "the merge-free scales' fields start where the first layout ends");
+static_assert(sizeof(qattn_bwd_params) == offsetof(qattn_bwd_params, reserved2) + sizeof(int32_t),
+              "the second layout ends without tail padding");
+
 qattn_status read_params(const char* fn, const qattn_bwd_params* p, qattn_bwd_params* out) {
-  return read_struct(fn, p, out, "qattn_bwd_params", QATTN_BWD_PARAMS_MIN_SIZE,
+  return read_struct(fn, p, out, "qattn_bwd_params", std::span<const std::size_t>(kBwdParamsLayouts),
                      "qattn_bwd_params_init", &qattn_bwd_params_init);
 }
 
@@ -565,6 +589,29 @@ qattn_status validate_backward(const char* fn, const qattn_bwd_params& p) {
   if (auto s = check_flag(fn, "deterministic", p.deterministic); s) return s;
   if (auto s = check_reserved(fn, "reserved0", p.reserved0, "qattn_bwd_params_init"); s) return s;
   if (auto s = check_reserved(fn, "reserved1", p.reserved1, "qattn_bwd_params_init"); s) return s;
+  if (auto s = check_reserved(fn, "reserved2", p.reserved2, "qattn_bwd_params_init"); s) return s;
+  if (p.scales != QATTN_BWD_SCALES_PER_BLOCK && p.scales != QATTN_BWD_SCALES_MERGE_FREE)
+    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": scales = ", p.scales,
+                "; allowed: QATTN_BWD_SCALES_PER_BLOCK (0) or QATTN_BWD_SCALES_MERGE_FREE (1)");
+  if (p.scales == QATTN_BWD_SCALES_MERGE_FREE) {
+    if (p.format != QATTN_BWD_E4M3)
+      return fail(QATTN_ERROR_INVALID_ARGUMENT, fn, ": scales = QATTN_BWD_SCALES_MERGE_FREE with format = ",
+                  p.format, "; allowed: format QATTN_BWD_E4M3 (1) only (INT8 codes are linear: a "
+                  "scale fixed from a bound leaves them too few)");
+    if (p.dov != QATTN_BWD_DOV_16BIT)
+      return fail(QATTN_ERROR_INVALID_ARGUMENT, fn,
+                  ": scales = QATTN_BWD_SCALES_MERGE_FREE with dov = ", p.dov,
+                  "; allowed: dov QATTN_BWD_DOV_16BIT (0) only (dS's bound is built on the 16-bit "
+                  "dO·Vᵀ)");
+    if (p.p_max == nullptr)
+      return fail(QATTN_ERROR_INVALID_ARGUMENT, fn,
+                  ": p_max is NULL; allowed with scales = QATTN_BWD_SCALES_MERGE_FREE: the "
+                  "forward's (B, Hq, Nq) FP32 p_max (qattn_fwd with p_max set)");
+  } else if (p.p_max != nullptr) {
+    return fail(QATTN_ERROR_INVALID_ARGUMENT, fn,
+                ": p_max is set with scales = QATTN_BWD_SCALES_PER_BLOCK; allowed: NULL (only the "
+                "merge-free scales read it)");
+  }
 
   // ---- a kernel family for it (on some device: the device is checked at launch) ----
   qattn_status support = QATTN_OK;
@@ -588,14 +635,20 @@ qattn_status validate_backward(const char* fn, const qattn_bwd_params& p) {
                                    {"dk", &p.dk, hkv, nkv, true},
                                    {"dv", &p.dv, hkv, nkv, true}}};
   for (const View& v : views) {
-    if (v.writes)  // the LSE is an input: checked with them, before the outputs
+    if (v.writes && v.t == &p.dq) {  // the LSE and p_max are inputs: before the outputs
       if (auto st = check_lse(fn, p, p.lse, /*required=*/true); st) return st;
+      if (p.p_max != nullptr)
+        if (auto st = check_array(fn, "p_max", p.p_max, lse_bytes(p), kLseAlign,
+                                  "the forward's (B, Hq, Nq) float array");
+            st)
+          return st;
+    }
     if (auto st = check_tensor(fn, v.name, *v.t, b, v.heads, v.seqlen, d, v.writes); st) return st;
   }
   const BackwardBuffers buf = buffers_of(p);
   return check_overlaps(fn, buf.inputs, buf.outputs, [](const char*) {
-    return "an output buffer of its own, apart from every input (q, k, v, o, dout, lse) and "
-           "the other gradients";
+    return "an output buffer of its own, apart from every input (q, k, v, o, dout, lse, p_max) "
+           "and the other gradients";
   });
 }
 
@@ -608,7 +661,7 @@ qattn_status validate_workspace(const char* fn, const qattn_bwd_params& p, const
                          workspace_bytes, join(b.inputs, b.outputs));
 }
 
-std::array<BufferSpan, 10> buffer_spans(const qattn_bwd_params& p, const void* workspace) {
+std::array<BufferSpan, 11> buffer_spans(const qattn_bwd_params& p, const void* workspace) {
   const int64_t b = p.batch, hq = p.heads_q, hkv = p.heads_kv, nq = p.seqlen_q, nkv = p.seqlen_kv,
                 d = p.head_dim;
   return {{{"q.data", p.q.data, view_span_bytes(p.q, b, hq, nq, d)},
@@ -617,6 +670,7 @@ std::array<BufferSpan, 10> buffer_spans(const qattn_bwd_params& p, const void* w
            {"o.data", p.o.data, view_span_bytes(p.o, b, hq, nq, d)},
            {"dout.data", p.dout.data, view_span_bytes(p.dout, b, hq, nq, d)},
            {"lse", p.lse, lse_bytes(p)},
+           {"p_max", p.p_max, p.p_max != nullptr ? lse_bytes(p) : 0},
            {"dq.data", p.dq.data, view_span_bytes(p.dq, b, hq, nq, d)},
            {"dk.data", p.dk.data, view_span_bytes(p.dk, b, hkv, nkv, d)},
            {"dv.data", p.dv.data, view_span_bytes(p.dv, b, hkv, nkv, d)},

@@ -85,15 +85,15 @@ std::size_t view_span_bytes(const qattn_tensor& t, int64_t batch, int64_t heads,
 // One buffer a call reads or writes: the parameter's name, its start and its length.
 struct BufferSpan {
   const char* name;
-  const void* data;  // NULL for an absent optional buffer (lse, kv_lengths)
+  const void* data;  // NULL for an absent optional buffer (lse, p_max, kv_lengths)
   std::size_t bytes;
 };
 
 // The buffers of a call with validated parameters: q, k, v, kv_lengths, attn_mask,
-// cu_seqlens_q, cu_seqlens_k (the inputs), o, lse, workspace (the bytes the call uses,
-// forward_workspace_bytes, not the size the caller passed).
-std::array<BufferSpan, 10> buffer_spans(const qattn_fwd_params& p, const void* workspace);
-// The backward's: q, k, v, o, dout, lse, dq, dk, dv, workspace.
-std::array<BufferSpan, 10> buffer_spans(const qattn_bwd_params& p, const void* workspace);
+// cu_seqlens_q, cu_seqlens_k (the inputs), o, lse, p_max, workspace (the bytes the call
+// uses, forward_workspace_bytes, not the size the caller passed).
+std::array<BufferSpan, 11> buffer_spans(const qattn_fwd_params& p, const void* workspace);
+// The backward's: q, k, v, o, dout, lse, p_max (inputs), dq, dk, dv, workspace.
+std::array<BufferSpan, 11> buffer_spans(const qattn_bwd_params& p, const void* workspace);
 
 }  // namespace qattn::api

@@ -251,115 +251,152 @@ float e4m3_of(float x, float scale) {
   return scale > 0.0f ? numerics::e4m3_round(x / scale) : 0.0f;
 }
 
-// The MergeFree scales (the header's steps a-d) for one (batch, query head); adds into
-// dk/dv of its KV head.
-void backward_head_merge_free(const float* q, const float* v, const float* dout,
-                              const std::vector<float>& D, const std::vector<float>& lse2,
-                              const HeadQuant& h, float* dq, float* dk, float* dv,
-                              const HeadShape& sh, const SageBwdOptions& opt) {
+// Step 0 and the saved LSE back in the smoothed log2 domain of the scores, per query row.
+void rows_d_lse2(const float* o, const float* lse, const float* dout, const HeadQuant& h,
+                 const HeadShape& sh, std::vector<float>& D, std::vector<float>& lse2) {
+  const int nq = sh.nq, d = sh.d;
+  D.assign(nq, 0.0f);
+  lse2.assign(nq, 0.0f);
+  for (int i = 0; i < nq; ++i) {
+    float acc = 0.0f;
+    for (int c = 0; c < d; ++c) acc += dout[i * d + c] * o[i * d + c];
+    D[i] = acc;
+    lse2[i] = (lse[i] - sh.sm_scale * h.q_dot_c[i]) * static_cast<float>(kLog2eDouble);
+  }
+}
+
+// One query head of a KV head's group under the MergeFree scales: its inputs, the
+// shared quantization, and steps 0, a and b.
+struct MergeFreeHead {
+  const float* q;
+  const float* dout;
+  float* dq;
+  HeadQuant h;
+  std::vector<float> D, lse2, s_row;
+};
+
+// The MergeFree scales (the header's steps a-d) for one (batch, KV head): every query
+// head of its group; adds into dk/dv of the KV head. p_max: the group's first head's
+// row maxima from the forward, or null (recomputed from the scores).
+void backward_group_merge_free(std::vector<MergeFreeHead>& heads, const float* v, const float* p_max,
+                               float* dk, float* dv, const HeadShape& sh, const SageBwdOptions& opt) {
   const int nq = sh.nq, nkv = sh.nkv, d = sh.d;
   const int ntiles = (nkv + kKvTile - 1) / kKvTile;
   const float scale_log2 = static_cast<float>(sh.sm_scale * kLog2eDouble);
   constexpr float kMax = numerics::kE4M3Max;
   std::vector<float> x(static_cast<std::size_t>(kQBlock) * kKvTile);
 
-  // a. Each row's largest score, hence P's row maximum; V's per-channel maximum.
-  std::vector<float> m2(nq, kNegInf);
-  for (int r0 = 0; r0 < nq; r0 += kQBlock) {
-    const int rows = std::min(kQBlock, nq - r0);
-    for (int t = 0; t < ntiles; ++t) {
-      tile_scores(h, r0, rows, t * kKvTile, nq, nkv, d, sh.mask, scale_log2, x);
-      for (int r = 0; r < rows; ++r)
-        for (int jj = 0; jj < kKvTile; ++jj)
-          m2[r0 + r] = nan_max(m2[r0 + r], x[static_cast<std::size_t>(r) * kKvTile + jj]);
-    }
-  }
-  std::vector<float> v_max(d, 0.0f), do16(static_cast<std::size_t>(nq) * d);
+  // a. V's per-channel maximum (FP16); b. each row's P maximum and s_i.
+  std::vector<float> v_max(d, 0.0f);
   for (int j = 0; j < nkv; ++j)
     for (int c = 0; c < d; ++c) v_max[c] = std::max(v_max[c], std::fabs(numerics::fp16_round(v[j * d + c])));
-  for (std::size_t e = 0; e < do16.size(); ++e) do16[e] = numerics::fp16_round(dout[e]);
-
-  // b. The row scales of dS; c, d. the per-channel scales of dO and s·Q, and their codes.
-  std::vector<float> s_row(nq, 0.0f), s_do(d, 0.0f), s_q(d, 0.0f);
-  for (int i = 0; i < nq; ++i) {
-    if (m2[i] == kNegInf) continue;  // a row that sees no key: P = 0, dS = 0
-    double bound = std::fabs(D[i]);
-    for (int c = 0; c < d; ++c) bound += std::fabs(do16[i * d + c]) * static_cast<double>(v_max[c]);
-    s_row[i] = static_cast<float>(bound) * std::exp2(m2[i] - lse2[i]) / kMax;
-  }
-  for (int i = 0; i < nq; ++i)
-    for (int c = 0; c < d; ++c) {
-      s_do[c] = std::max(s_do[c], std::fabs(dout[i * d + c]));
-      s_q[c] = std::max(s_q[c], std::fabs(s_row[i] * q[i * d + c]));
+  std::vector<float> s_do(d, 0.0f), s_q(d, 0.0f);
+  for (std::size_t hh = 0; hh < heads.size(); ++hh) {
+    MergeFreeHead& g = heads[hh];
+    std::vector<float> pmax(nq, 0.0f);
+    if (p_max != nullptr) {
+      std::copy(p_max + hh * nq, p_max + (hh + 1) * nq, pmax.begin());
+    } else {
+      std::vector<float> m2(nq, kNegInf);
+      for (int r0 = 0; r0 < nq; r0 += kQBlock) {
+        const int rows = std::min(kQBlock, nq - r0);
+        for (int t = 0; t < ntiles; ++t) {
+          tile_scores(g.h, r0, rows, t * kKvTile, nq, nkv, d, sh.mask, scale_log2, x);
+          for (int r = 0; r < rows; ++r)
+            for (int jj = 0; jj < kKvTile; ++jj)
+              m2[r0 + r] = nan_max(m2[r0 + r], x[static_cast<std::size_t>(r) * kKvTile + jj]);
+        }
+      }
+      for (int i = 0; i < nq; ++i) pmax[i] = m2[i] == kNegInf ? 0.0f : std::exp2(m2[i] - g.lse2[i]);
     }
+    g.s_row.assign(nq, 0.0f);
+    for (int i = 0; i < nq; ++i) {
+      if (!(pmax[i] > 0.0f)) continue;  // a row that sees no key: P = 0, dS = 0
+      double bound = std::fabs(g.D[i]);
+      for (int c = 0; c < d; ++c)
+        bound += std::fabs(numerics::fp16_round(g.dout[i * d + c])) * static_cast<double>(v_max[c]);
+      g.s_row[i] = static_cast<float>(bound) * pmax[i] / kMax;
+    }
+    // c, d. the per-channel maxima of dO and s·Q over every row of the group.
+    for (int i = 0; i < nq; ++i)
+      for (int c = 0; c < d; ++c) {
+        s_do[c] = std::max(s_do[c], std::fabs(g.dout[i * d + c]));
+        s_q[c] = std::max(s_q[c], std::fabs(g.s_row[i] * g.q[i * d + c]));
+      }
+  }
   for (int c = 0; c < d; ++c) {
     s_do[c] /= kMax;
     s_q[c] /= kMax;
   }
-  std::vector<float> do8(do16.size()), q8(do16.size());
-  for (int i = 0; i < nq; ++i)
-    for (int c = 0; c < d; ++c) {
-      do8[i * d + c] = e4m3_of(dout[i * d + c], s_do[c]);
-      q8[i * d + c] = e4m3_of(s_row[i] * q[i * d + c], s_q[c]);
-    }
 
-  std::vector<float> dq_acc(static_cast<std::size_t>(nq) * d, 0.0f);
   std::vector<float> p(x.size()), ds(x.size()), v_tile(static_cast<std::size_t>(kKvTile) * d);
+  std::vector<float> do16(static_cast<std::size_t>(nq) * d), do8(do16.size()), q8(do16.size());
+  std::vector<float> dq_acc(do16.size());
   std::vector<double> dk_sum(v_tile.size()), dv_sum(v_tile.size()), acc(d);
-  for (int t = 0; t < ntiles; ++t) {
-    const int j0 = t * kKvTile;
-    const int cols = std::min(kKvTile, nkv - j0);
-    std::fill(v_tile.begin(), v_tile.end(), 0.0f);
-    for (int jj = 0; jj < cols; ++jj)
-      for (int c = 0; c < d; ++c) v_tile[jj * d + c] = numerics::fp16_round(v[(j0 + jj) * d + c]);
-    std::fill(dk_sum.begin(), dk_sum.end(), 0.0);
-    std::fill(dv_sum.begin(), dv_sum.end(), 0.0);
-    for (int r0 = 0; r0 < nq; r0 += kQBlock) {
-      const int rows = std::min(kQBlock, nq - r0);
-      tile_scores(h, r0, rows, j0, nq, nkv, d, sh.mask, scale_log2, x);
-      for (int r = 0; r < rows; ++r) {
-        const int i = r0 + r;
-        for (int jj = 0; jj < kKvTile; ++jj) {
-          const std::size_t e = static_cast<std::size_t>(r) * kKvTile + jj;
-          p[e] = x[e] == kNegInf ? 0.0f : std::exp2(x[e] - lse2[i]);
-          if (p[e] == 0.0f) {
-            ds[e] = 0.0f;
-            continue;
-          }
-          float dp = 0.0f;  // FP16 × FP16 products are exact in FP32
-          for (int c = 0; c < d; ++c) dp += do16[i * d + c] * v_tile[jj * d + c];
-          ds[e] = p[e] * (dp - D[i]);
-        }
-      }
-      for (int r = 0; r < rows; ++r) {
-        const int i = r0 + r;
-        float rowsum = 0.0f;
-        std::fill(acc.begin(), acc.end(), 0.0);
-        for (int jj = 0; jj < cols; ++jj) {
-          const std::size_t e = static_cast<std::size_t>(r) * kKvTile + jj;
-          rowsum += ds[e];
-          const float pv = numerics::e4m3_round(p[e] * kMax);  // c. P·448, no scale
-          const float dsv = e4m3_of(ds[e], s_row[i]);         // d. dS / s_i
-          for (int c = 0; c < d; ++c) {
-            dv_sum[jj * d + c] += static_cast<double>(pv) * do8[i * d + c];
-            dk_sum[jj * d + c] += static_cast<double>(dsv) * q8[i * d + c];
-            acc[c] += static_cast<double>(dsv) * h.k8.row(j0 + jj)[c];
-          }
-        }
-        const float sc = s_row[i] * h.k8.row_scale[j0];
-        for (int c = 0; c < d; ++c) {
-          const float term = opt.dq_mean_term ? rowsum * h.c[c] : 0.0f;
-          dq_acc[i * d + c] += sh.sm_scale * (static_cast<float>(acc[c]) * sc + term);
-        }
-      }
-    }
-    for (int jj = 0; jj < cols; ++jj)
+  for (MergeFreeHead& g : heads) {
+    for (int i = 0; i < nq; ++i)
       for (int c = 0; c < d; ++c) {
-        dv[(j0 + jj) * d + c] += static_cast<float>(dv_sum[jj * d + c]) * (s_do[c] / kMax);
-        dk[(j0 + jj) * d + c] += sh.sm_scale * static_cast<float>(dk_sum[jj * d + c]) * s_q[c];
+        const int e = i * d + c;
+        do16[e] = numerics::fp16_round(g.dout[e]);
+        do8[e] = e4m3_of(g.dout[e], s_do[c]);
+        q8[e] = e4m3_of(g.s_row[i] * g.q[e], s_q[c]);
       }
+    std::fill(dq_acc.begin(), dq_acc.end(), 0.0f);
+    for (int t = 0; t < ntiles; ++t) {
+      const int j0 = t * kKvTile;
+      const int cols = std::min(kKvTile, nkv - j0);
+      std::fill(v_tile.begin(), v_tile.end(), 0.0f);
+      for (int jj = 0; jj < cols; ++jj)
+        for (int c = 0; c < d; ++c) v_tile[jj * d + c] = numerics::fp16_round(v[(j0 + jj) * d + c]);
+      std::fill(dk_sum.begin(), dk_sum.end(), 0.0);
+      std::fill(dv_sum.begin(), dv_sum.end(), 0.0);
+      for (int r0 = 0; r0 < nq; r0 += kQBlock) {
+        const int rows = std::min(kQBlock, nq - r0);
+        tile_scores(g.h, r0, rows, j0, nq, nkv, d, sh.mask, scale_log2, x);
+        for (int r = 0; r < rows; ++r) {
+          const int i = r0 + r;
+          for (int jj = 0; jj < kKvTile; ++jj) {
+            const std::size_t e = static_cast<std::size_t>(r) * kKvTile + jj;
+            p[e] = x[e] == kNegInf ? 0.0f : std::exp2(x[e] - g.lse2[i]);
+            if (p[e] == 0.0f) {
+              ds[e] = 0.0f;
+              continue;
+            }
+            float dp = 0.0f;  // FP16 × FP16 products are exact in FP32
+            for (int c = 0; c < d; ++c) dp += do16[i * d + c] * v_tile[jj * d + c];
+            ds[e] = p[e] * (dp - g.D[i]);
+          }
+        }
+        for (int r = 0; r < rows; ++r) {
+          const int i = r0 + r;
+          float rowsum = 0.0f;
+          std::fill(acc.begin(), acc.end(), 0.0);
+          for (int jj = 0; jj < cols; ++jj) {
+            const std::size_t e = static_cast<std::size_t>(r) * kKvTile + jj;
+            rowsum += ds[e];
+            const float pv = numerics::e4m3_round(p[e] * kMax);  // c. P·448, no scale
+            const float dsv = e4m3_of(ds[e], g.s_row[i]);       // d. dS / s_i
+            for (int c = 0; c < d; ++c) {
+              dv_sum[jj * d + c] += static_cast<double>(pv) * do8[i * d + c];
+              dk_sum[jj * d + c] += static_cast<double>(dsv) * q8[i * d + c];
+              acc[c] += static_cast<double>(dsv) * g.h.k8.row(j0 + jj)[c];
+            }
+          }
+          const float sc = g.s_row[i] * g.h.k8.row_scale[j0];
+          for (int c = 0; c < d; ++c) {
+            const float term = opt.dq_mean_term ? rowsum * g.h.c[c] : 0.0f;
+            dq_acc[i * d + c] += sh.sm_scale * (static_cast<float>(acc[c]) * sc + term);
+          }
+        }
+      }
+      for (int jj = 0; jj < cols; ++jj)
+        for (int c = 0; c < d; ++c) {
+          dv[(j0 + jj) * d + c] += static_cast<float>(dv_sum[jj * d + c]) * (s_do[c] / kMax);
+          dk[(j0 + jj) * d + c] += sh.sm_scale * static_cast<float>(dk_sum[jj * d + c]) * s_q[c];
+        }
+    }
+    std::copy(dq_acc.begin(), dq_acc.end(), g.dq);
   }
-  std::copy(dq_acc.begin(), dq_acc.end(), dq);
 }
 
 // One (batch, query head) of the backward; adds into dk/dv of its KV head.
@@ -371,18 +408,8 @@ void backward_head(const float* q, const float* k, const float* v, const float* 
   const int ntiles = (nkv + kKvTile - 1) / kKvTile;
   const float scale_log2 = static_cast<float>(sh.sm_scale * kLog2eDouble);
 
-  // Step 0 and the saved LSE back in the smoothed log2 domain of the scores.
-  std::vector<float> D(nq), lse2(nq);
-  for (int i = 0; i < nq; ++i) {
-    float acc = 0.0f;
-    for (int c = 0; c < d; ++c) acc += dout[i * d + c] * o[i * d + c];
-    D[i] = acc;
-    lse2[i] = (lse[i] - sh.sm_scale * h.q_dot_c[i]) * static_cast<float>(kLog2eDouble);
-  }
-  if (opt.scales == Bwd8Scales::MergeFree) {
-    backward_head_merge_free(q, v, dout, D, lse2, h, dq, dk, dv, sh, opt);
-    return;
-  }
+  std::vector<float> D, lse2;
+  rows_d_lse2(o, lse, dout, h, sh, D, lse2);
   const std::span<const float> dout_in(dout, static_cast<std::size_t>(nq) * d);
   const Rows8 do8 = quant8(dout_in, nq, d, opt.format, Granularity::PerBlock, Operand::Q);
   std::vector<float> do16(dout_in.begin(), dout_in.end());
@@ -552,8 +579,32 @@ EmulatedGrads sagebwd_backward(const Tensor4& q, const Tensor4& k, const Tensor4
   }
   EmulatedGrads g{Tensor4(q.b, q.h, q.n, q.d), Tensor4(k.b, k.h, k.n, k.d),
                   Tensor4(k.b, k.h, k.n, k.d)};
+  if (!options.p_max.empty() && options.p_max.size() != lse.size()) {
+    throw std::invalid_argument(std::string(kWho) + ": options.p_max must hold B·Hq·Nq values");
+  }
   const HeadShape sh{q.n, k.n, q.d, static_cast<float>(sm_scale), params.mask};
   const int group = q.h / k.h;
+  if (options.scales == Bwd8Scales::MergeFree) {
+    for (int b = 0; b < q.b; ++b) {
+      for (int hk = 0; hk < k.h; ++hk) {
+        std::vector<MergeFreeHead> heads;
+        for (int h = hk * group; h < (hk + 1) * group; ++h) {
+          const std::size_t row0 = (static_cast<std::size_t>(b) * q.h + h) * q.n;
+          MergeFreeHead mh{q.row(b, h, 0), dout.row(b, h, 0), g.dq.row(b, h, 0),
+                          quantize_head(q.row(b, h, 0), k.row(b, hk, 0), q.n, k.n, q.d, options),
+                          {}, {}, {}};
+          rows_d_lse2(o.row(b, h, 0), lse.data() + row0, dout.row(b, h, 0), mh.h, sh, mh.D, mh.lse2);
+          heads.push_back(std::move(mh));
+        }
+        const float* pm = options.p_max.empty()
+                              ? nullptr
+                              : options.p_max.data() + (static_cast<std::size_t>(b) * q.h + hk * group) * q.n;
+        backward_group_merge_free(heads, v.row(b, hk, 0), pm, g.dk.row(b, hk, 0), g.dv.row(b, hk, 0),
+                                  sh, options);
+      }
+    }
+    return g;
+  }
   for (int b = 0; b < q.b; ++b) {
     for (int h = 0; h < q.h; ++h) {
       const int hk = h / group;

@@ -38,21 +38,25 @@
 //
 // Bwd8Scales::MergeFree (E4M3 only; bench/NOTES.md v87): scales that never change from
 // one Q block to the next, so a kernel's accumulators need no merge. The scores (step 1)
-// are as above; then, per (batch, query head):
+// are as above; then, per (batch, KV head) and the query heads of its group:
 //  a. P's row maximum Pmax_i = exp2(m_i − lse2_i), m_i the row's largest score (log2
-//     units) over every visible key — the forward's own m (a kernel gets it from the
-//     forward) — and V's per-channel maximum |V|_c over the KV head's tokens (FP16).
+//     units) over every visible key: SageBwdOptions::p_max where given (what the GPU
+//     forward wrote, qattn_fwd_params.p_max), else from the scores above; and V's
+//     per-channel maximum |V|_c over the KV head's tokens (FP16).
 //  b. s_i = Pmax_i·(Σ_c |dO_ic|·|V|_c + |D_i|) / 448 (dO in FP16): a bound of row i's
 //     largest |dS| (|dS_ij| = P_ij·|dP_ij − D_i|), fixed before any tile.
-//  c. dV_j = (s_dO,c / 448) · Σ_i E4M3(P_ij·448) · E4M3(dO_ic / s_dO,c), s_dO,c = the
-//     channel's amax over the head's rows / 448: one exact sum over every Q block.
+//  c. dV_j = Σ_h (s_dO,c / 448) · Σ_i E4M3(P_ij·448) · E4M3(dO_ic / s_dO,c), s_dO,c = the
+//     channel's amax over every row of the group's query heads / 448: one exact sum over
+//     every Q block of a head.
 //  d. dŜ_ij = E4M3(dS_ij / s_i) (saturating); dQ_i += sm_scale·s_i·s_K(tile)·Σ_j dŜ_ij·K̂_j
-//     with step 1's K̂; dK_j = sm_scale·s_Q',c · Σ_i dŜ_ij·E4M3(s_i·Q_ic / s_Q',c), s_Q',c
-//     = amax_i |s_i·Q_ic| / 448: one exact sum over every Q block.
+//     with step 1's K̂; dK_j = Σ_h sm_scale·s_Q',c · Σ_i dŜ_ij·E4M3(s_i·Q_ic / s_Q',c),
+//     s_Q',c = amax |s_i·Q_ic| over the group's rows / 448. One scale per channel for the
+//     whole group, so a kernel sums every head of the group in one accumulator.
 // dO·Vᵀ is the FP16 product (dov = Quantized is refused); pds_block_keys does not apply;
 // dq_mean_term does (the same FP32 term).
 #pragma once
 
+#include <span>
 #include <vector>
 
 #include "emulate/options.h"
@@ -93,6 +97,9 @@ struct SageBwdOptions {
   // to FP64: bench/NOTES.md v58), or 128, the whole tile (the paper's per-block scales);
   // with 64, dQ sums the halves with their own scales.
   int pds_block_keys = 64;
+  // MergeFree only: P's row maxima from the forward, (B, Hq, Nq) in lse's order (the
+  // GPU forward's qattn_fwd_params.p_max); empty: recomputed from the scores (step a).
+  std::span<const float> p_max;
 };
 
 struct EmulatedGrads {

@@ -41,6 +41,7 @@ constexpr api::ForwardFamily kFamily{
     .masks = api::kMaskNone | api::kMaskCausal | api::kMaskWindow | api::kMaskKeyPadding |
              api::kMaskTopLeft | api::kMaskBool,
     .narrower_v = false,
+    .writes_p_max = false,
     .check_limits = &check_limits,
     .workspace_bytes = &workspace_bytes,
     .launch = kLaunch,

@@ -104,6 +104,7 @@ constexpr api::ForwardFamily kFamily{
              api::kMaskTopLeft | api::kMaskBool | api::kMaskAdditive | api::kMaskVarlen,
     // V narrower than Q·K: its passes zero V's channels past head_dim_v, O takes those.
     .narrower_v = true,
+    .writes_p_max = true,
     .check_limits = &check_limits,
     .workspace_bytes = &workspace_bytes,
     .launch = kLaunch,

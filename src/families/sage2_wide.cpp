@@ -75,6 +75,7 @@ constexpr api::ForwardFamily kFamily{
              api::kMaskTopLeft,
     // V narrower than Q·K: its passes zero V's channels past head_dim_v, O takes those.
     .narrower_v = true,
+    .writes_p_max = false,
     .check_limits = &check_limits,
     .workspace_bytes = &workspace_bytes,
     .launch = kLaunch,

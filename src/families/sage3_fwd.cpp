@@ -53,6 +53,7 @@ constexpr api::ForwardFamily kFamily{
     .dtypes = (1u << QATTN_DTYPE_FP16) | (1u << QATTN_DTYPE_BF16),
     .masks = api::kMaskNone | api::kMaskCausal,
     .narrower_v = false,
+    .writes_p_max = false,
     .check_limits = &check_limits,
     .workspace_bytes = &workspace_bytes,
     .launch = kLaunch,

@@ -25,11 +25,12 @@ bool add(int64_t a, int64_t b, int64_t* r) { return !__builtin_add_overflow(a, b
 // Bounds on the bytes workspace_layout (cuda/sagebwd/workspace.h) gives each padded row,
 // with D <= 128: a Q-side row holds q_i8, qt_i8, do_i8, dot_i8 (D each), do_16 (2D),
 // dq_acc (4D), lse2, delta (4 each) and 8/64 bytes of scales: at most 10·128 + 9 =
-// 1289; a KV-side row holds k_i8, kt_i8, v_i8 (D each), v_16 (2D), 8/128 bytes of
-// scales and k_mean's 4D bytes per 128 rows (at most): at most 5·128 + 9 = 649.
-// Each of the 17 buffers rounds up to 256 bytes. The bounds below are looser, so a sum that
+// 1289, and 8 more with the merge-free scales (s_row, inv_s); a KV-side row holds k_i8,
+// kt_i8, v_i8 (D each), v_16 (2D), 8/128 bytes of scales and k_mean's 4D bytes per 128
+// rows (at most; 16D with the merge-free channel maxima): at most 5·128 + 9 + 16 = 665.
+// Each of the 22 buffers rounds up to 256 bytes. The bounds below are looser, so a sum that
 // fits them fits the layout's size_t arithmetic (int64 is narrower than size_t here).
-constexpr int64_t kQRowBound = 2048, kKvRowBound = 1024, kAlignSlack = 18 * 256;
+constexpr int64_t kQRowBound = 2048, kKvRowBound = 1024, kAlignSlack = 23 * 256;
 
 std::string check_limits(const qattn_bwd_params& p) {
   const int64_t q_block = sagebwd::kQBlock, kv_tile = sagebwd::kKvTile;
@@ -75,6 +76,7 @@ constexpr api::BackwardFamily kFamily{
     .formats = (1u << QATTN_BWD_INT8) | (1u << QATTN_BWD_E4M3),
     .dovs = (1u << QATTN_BWD_DOV_16BIT) | (1u << QATTN_BWD_DOV_QUANTIZED),
     .determinism = (1u << 0) | (1u << 1),
+    .scales = (1u << QATTN_BWD_SCALES_PER_BLOCK) | (1u << QATTN_BWD_SCALES_MERGE_FREE),
     .check_limits = &check_limits,
     .workspace_bytes = &workspace_bytes,
     .launch = kLaunch,

@@ -16,6 +16,7 @@
 #include <string>
 #include <string_view>
 #include <tuple>
+#include <vector>
 
 #include "api/family.h"
 #include "api/registry.h"
@@ -175,6 +176,9 @@ TEST(BwdValidation, ParamsInitGivesDefaults) {
   EXPECT_EQ(p.sm_scale, 0.f);
   EXPECT_EQ(p.reserved0, 0);
   EXPECT_EQ(p.reserved1, 0);
+  EXPECT_EQ(p.p_max, nullptr);
+  EXPECT_EQ(p.scales, QATTN_BWD_SCALES_PER_BLOCK);
+  EXPECT_EQ(p.reserved2, 0);
   qattn_bwd_params_init(nullptr);  // no crash
   EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "qattn_bwd_workspace_size", "batch");
 }
@@ -203,6 +207,19 @@ TEST(BwdValidation, StructSizeIsChecked) {
   EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "struct_size");
   EXPECT_REJECTS(bwd(p, workspace(), want), QATTN_ERROR_INVALID_ARGUMENT,
                  "qattn_bwd:", "struct_size");
+  // A size between two layouts ends inside a field (half of p_max, or of the scales'
+  // pair): refused, so no pointer is ever read in part.
+  for (std::size_t size : {QATTN_BWD_PARAMS_MIN_SIZE + 4, sizeof(qattn_bwd_params) - 4,
+                           sizeof(qattn_bwd_params) - 8}) {
+    SCOPED_TRACE(size);
+    p.struct_size = size;
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT,
+                   "struct_size = " + std::to_string(size), "ends inside a field",
+                   std::to_string(QATTN_BWD_PARAMS_MIN_SIZE) + " or " +
+                       std::to_string(sizeof(qattn_bwd_params)));
+    EXPECT_REJECTS(bwd(p, workspace(), want), QATTN_ERROR_INVALID_ARGUMENT, "qattn_bwd:",
+                   "ends inside a field");
+  }
 
   struct Newer {
     qattn_bwd_params base;
@@ -227,11 +244,59 @@ TEST(BwdValidation, StructSizeIsChecked) {
 
 TEST(BwdValidation, LayoutKeepsItsPromises) {
   EXPECT_EQ(offsetof(qattn_bwd_params, struct_size), 0u);
-  // No tail padding: a field appended later cannot land inside an older struct_size.
-  EXPECT_EQ(QATTN_BWD_PARAMS_MIN_SIZE, sizeof(qattn_bwd_params));
+  // No tail padding in either layout: a field appended later cannot land inside an older
+  // struct_size. The merge-free scales' fields start where the first layout (0.1.0's,
+  // QATTN_BWD_PARAMS_MIN_SIZE, which keeps its value) ends.
+  EXPECT_EQ(offsetof(qattn_bwd_params, reserved1) + sizeof(int32_t), QATTN_BWD_PARAMS_MIN_SIZE);
+  EXPECT_EQ(offsetof(qattn_bwd_params, p_max), QATTN_BWD_PARAMS_MIN_SIZE);
+  EXPECT_EQ(offsetof(qattn_bwd_params, p_max) + sizeof(const float*),
+            offsetof(qattn_bwd_params, scales));
+  EXPECT_EQ(offsetof(qattn_bwd_params, reserved2) + sizeof(int32_t), sizeof(qattn_bwd_params));
+  if constexpr (sizeof(void*) == 8) {  // the sizes qattn.h states for LP64
+    EXPECT_EQ(QATTN_BWD_PARAMS_MIN_SIZE, 328u);
+    EXPECT_EQ(sizeof(qattn_bwd_params), 344u);
+  }
   for (std::size_t f : {sizeof(qattn_bwd_params{}.format), sizeof(qattn_bwd_params{}.dov),
-                        sizeof(qattn_bwd_params{}.deterministic)})
+                        sizeof(qattn_bwd_params{}.deterministic),
+                        sizeof(qattn_bwd_params{}.scales), sizeof(qattn_bwd_params{}.reserved2)})
     EXPECT_EQ(f, 4u);
+}
+
+// A caller compiled against the first layout (0.1.0's, QATTN_BWD_PARAMS_MIN_SIZE bytes)
+// passes a shorter struct: whatever lies in memory after it is never read, and the
+// fields it lacks take qattn_bwd_params_init's defaults (per-block scales, no p_max).
+TEST(BwdValidation, FirstLayoutGetsThePerBlockScales) {
+  const qattn_bwd_params current = valid_params();
+  const std::size_t want = need(current);
+  qattn_bwd_params old = valid_params();
+  old.struct_size = QATTN_BWD_PARAMS_MIN_SIZE;
+  // Bytes past the old struct_size: not the caller's (a misaligned p_max, scales and
+  // reserved2 out of range, were they read).
+  std::memset(reinterpret_cast<char*>(&old) + QATTN_BWD_PARAMS_MIN_SIZE, 0xA5,
+              sizeof(old) - QATTN_BWD_PARAMS_MIN_SIZE);
+  qattn_bwd_params got;
+  std::memset(&got, 0x5A, sizeof(got));
+  ASSERT_EQ(qattn::api::read_params("t", &old, &got), QATTN_OK) << qattn_last_error_message();
+  EXPECT_EQ(got.struct_size, sizeof(qattn_bwd_params));
+  EXPECT_EQ(got.p_max, nullptr);
+  EXPECT_EQ(got.scales, QATTN_BWD_SCALES_PER_BLOCK);
+  EXPECT_EQ(got.reserved2, 0);
+  // The caller's prefix is kept as it was (past struct_size, which is the library's own).
+  EXPECT_EQ(std::memcmp(reinterpret_cast<const char*>(&got) + sizeof(std::size_t),
+                        reinterpret_cast<const char*>(&current) + sizeof(std::size_t),
+                        QATTN_BWD_PARAMS_MIN_SIZE - sizeof(std::size_t)),
+            0);
+  ASSERT_EQ(size_of(old).status, QATTN_OK) << size_of(old).message;
+  std::size_t bytes = 0;
+  ASSERT_EQ(qattn_bwd_workspace_size(&old, &bytes), QATTN_OK);
+  EXPECT_EQ(bytes, want);
+  expect_stops_at_the_device(old);
+  // An old E4M3 caller keeps its meaning too: per-block scales, no p_max needed.
+  old.format = QATTN_BWD_E4M3;
+  EXPECT_EQ(size_of(old).status, QATTN_OK) << size_of(old).message;
+  // The same bytes in a current struct are read, and refused by name.
+  old.struct_size = sizeof(qattn_bwd_params);
+  EXPECT_REJECTS(size_of(old), QATTN_ERROR_INVALID_ARGUMENT, "reserved2");
 }
 
 // ---- scalars -----------------------------------------------------------------------
@@ -266,6 +331,19 @@ TEST(BwdValidation, EnumsAndFlags) {
     p.reserved1 = bad;
     EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "reserved1 = ", "allowed: 0",
                    "qattn_bwd_params_init");
+    p = valid_params();
+    p.reserved2 = bad;
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT,
+                   "reserved2 = " + std::to_string(bad), "allowed: 0", "qattn_bwd_params_init");
+    EXPECT_REJECTS(bwd(p, workspace(), 1 << 30), QATTN_ERROR_INVALID_ARGUMENT,
+                   "qattn_bwd: reserved2 = ");
+    p = valid_params();
+    p.scales = bad;
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT,
+                   "qattn_bwd_workspace_size: scales = " + std::to_string(bad),
+                   "QATTN_BWD_SCALES_PER_BLOCK (0)", "QATTN_BWD_SCALES_MERGE_FREE (1)");
+    EXPECT_REJECTS(bwd(p, workspace(), 1 << 30), QATTN_ERROR_INVALID_ARGUMENT,
+                   "qattn_bwd: scales = " + std::to_string(bad));
   }
 }
 
@@ -355,6 +433,177 @@ TEST(BwdValidation, E4M3IsRunByTheFamily) {
   ASSERT_EQ(sized.status, QATTN_OK) << sized.message;
   EXPECT_EQ(need(p), int8_bytes);
   expect_stops_at_the_device(p);
+}
+
+// ---- merge-free scales ---------------------------------------------------------------
+
+// A valid merge-free call: E4M3, 16-bit dO·Vᵀ, the forward's p_max (slot 11).
+qattn_bwd_params merge_free_params(const Shape& s = {},
+                                   qattn::Layout layout = qattn::Layout::kHND) {
+  qattn_bwd_params p = valid_params(s, layout);
+  p.format = QATTN_BWD_E4M3;
+  p.dov = QATTN_BWD_DOV_16BIT;
+  p.scales = QATTN_BWD_SCALES_MERGE_FREE;
+  p.p_max = static_cast<const float*>(fake(11));
+  return p;
+}
+
+// The family runs it: a valid call sizes a workspace and gets as far as the device, in
+// either layout, causal or not, deterministic or not, with GQA and Nq != Nkv.
+TEST(BwdMergeFree, ValidCallsAreRunByTheFamily) {
+  for (auto layout : {qattn::Layout::kHND, qattn::Layout::kNHD}) {
+    for (int det : {0, 1}) {
+      for (int causal : {0, 1}) {
+        qattn_bwd_params p = merge_free_params({}, layout);
+        p.deterministic = det;
+        p.causal = causal;
+        const Outcome o = size_of(p);
+        ASSERT_EQ(o.status, QATTN_OK) << o.message;
+        EXPECT_EQ(need(p) % 256, 0u);
+        expect_stops_at_the_device(p);
+      }
+    }
+  }
+  const Arch hopper{9, 0};
+  qattn_status s = QATTN_ERROR_INTERNAL;
+  const BackwardFamily* f = qattn::api::select_family("t", merge_free_params(), &hopper, &s);
+  ASSERT_NE(f, nullptr) << qattn_last_error_message();
+  EXPECT_STREQ(f->name, "sagebwd_sm90");
+  EXPECT_NE(f->scales & (1u << QATTN_BWD_SCALES_MERGE_FREE), 0u);
+  EXPECT_NE(f->scales & (1u << QATTN_BWD_SCALES_PER_BLOCK), 0u);
+}
+
+// Each rule of the merge-free scales refused by name, by the workspace query and by the
+// call alike (the call's checks come before any device work).
+TEST(BwdMergeFree, RulesAreNamed) {
+  struct Case {
+    const char* what;
+    void (*change)(qattn_bwd_params&);
+    std::vector<std::string> words;
+  };
+  const Case cases[] = {
+      {"INT8 format", [](qattn_bwd_params& p) { p.format = QATTN_BWD_INT8; },
+       {"scales = QATTN_BWD_SCALES_MERGE_FREE with format = 0",
+        "allowed: format QATTN_BWD_E4M3 (1) only"}},
+      {"quantized dO·Vᵀ", [](qattn_bwd_params& p) { p.dov = QATTN_BWD_DOV_QUANTIZED; },
+       {"scales = QATTN_BWD_SCALES_MERGE_FREE with dov = 1",
+        "allowed: dov QATTN_BWD_DOV_16BIT (0) only"}},
+      {"INT8 and quantized: the format is named first",
+       [](qattn_bwd_params& p) {
+         p.format = QATTN_BWD_INT8;
+         p.dov = QATTN_BWD_DOV_QUANTIZED;
+       },
+       {"with format = 0"}},
+      {"no p_max", [](qattn_bwd_params& p) { p.p_max = nullptr; },
+       {"p_max is NULL", "QATTN_BWD_SCALES_MERGE_FREE", "the forward's (B, Hq, Nq) FP32 p_max"}},
+      {"p_max with per-block scales",
+       [](qattn_bwd_params& p) { p.scales = QATTN_BWD_SCALES_PER_BLOCK; },
+       {"p_max is set with scales = QATTN_BWD_SCALES_PER_BLOCK", "allowed: NULL"}},
+      {"p_max with per-block INT8 scales",
+       [](qattn_bwd_params& p) {
+         p.scales = QATTN_BWD_SCALES_PER_BLOCK;
+         p.format = QATTN_BWD_INT8;
+       },
+       {"p_max is set with scales = QATTN_BWD_SCALES_PER_BLOCK"}},
+      {"scales out of range", [](qattn_bwd_params& p) { p.scales = 2; },
+       {"scales = 2", "QATTN_BWD_SCALES_PER_BLOCK (0) or QATTN_BWD_SCALES_MERGE_FREE (1)"}},
+      {"reserved2", [](qattn_bwd_params& p) { p.reserved2 = 7; },
+       {"reserved2 = 7", "qattn_bwd_params_init"}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    qattn_bwd_params p = merge_free_params();
+    c.change(p);
+    const Outcome sized = size_of(p);
+    EXPECT_EQ(sized.status, QATTN_ERROR_INVALID_ARGUMENT) << sized.message;
+    EXPECT_TRUE(contains(sized.message, "qattn_bwd_workspace_size: ")) << sized.message;
+    for (const std::string& w : c.words)
+      EXPECT_TRUE(contains(sized.message, w)) << "no '" << w << "' in: " << sized.message;
+    const Outcome called = bwd(p, workspace(), 1 << 30);
+    EXPECT_EQ(called.status, QATTN_ERROR_INVALID_ARGUMENT) << called.message;
+    EXPECT_TRUE(contains(called.message, "qattn_bwd: ")) << called.message;
+    for (const std::string& w : c.words)
+      EXPECT_TRUE(contains(called.message, w)) << "no '" << w << "' in: " << called.message;
+  }
+}
+
+TEST(BwdMergeFree, PMaxIsAlignedAndInTheAddressSpace) {
+  qattn_bwd_params p = merge_free_params();
+  p.p_max = reinterpret_cast<const float*>(static_cast<char*>(fake(11)) + 4);
+  EXPECT_EQ(size_of(p).status, QATTN_OK) << size_of(p).message;
+  for (std::uintptr_t off : {1u, 2u, 3u, 5u}) {
+    SCOPED_TRACE(off);
+    p.p_max = reinterpret_cast<const float*>(static_cast<char*>(fake(11)) + off);
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "p_max = ", "is not 4-byte aligned",
+                   "the forward's (B, Hq, Nq) float array");
+    EXPECT_REJECTS(bwd(p, workspace(), 1 << 30), QATTN_ERROR_INVALID_ARGUMENT, "qattn_bwd: p_max",
+                   "4-byte aligned");
+  }
+  p.p_max = reinterpret_cast<const float*>(~std::uintptr_t{0} & ~std::uintptr_t{3});
+  EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "p_max runs past the end");
+  // p_max is checked with the inputs: a bad p_max is named before a bad output.
+  p = merge_free_params();
+  p.p_max = reinterpret_cast<const float*>(static_cast<char*>(fake(11)) + 2);
+  p.dq.data = nullptr;
+  EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "p_max");
+}
+
+// p_max is an input: no gradient may overlap it (it is read while they are written),
+// while the other inputs may share its memory; nor may the workspace.
+TEST(BwdMergeFree, OutputsMayNotOverlapPMax) {
+  const Shape sh;
+  const std::size_t p_max_bytes = std::size_t{4} * sh.batch * sh.heads_q * sh.seqlen_q;
+  for (const TensorField& out : kTensors) {
+    if (!out.output) continue;
+    SCOPED_TRACE(out.name);
+    qattn_bwd_params p = merge_free_params();
+    // p_max starts inside the output's last 16 bytes.
+    (p.*out.member).data = static_cast<char*>(fake(11)) - span_bytes(p, out) + 16;
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT,
+                   std::string(out.name) + " overlaps p_max",
+                   "apart from every input (q, k, v, o, dout, lse, p_max)");
+    EXPECT_REJECTS(bwd(p, workspace(), 1 << 30), QATTN_ERROR_INVALID_ARGUMENT,
+                   "qattn_bwd: " + std::string(out.name) + " overlaps p_max");
+    // The output's start inside p_max's last float.
+    p = merge_free_params();
+    (p.*out.member).data = static_cast<char*>(fake(11)) + (p_max_bytes - 4) / 16 * 16;
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT,
+                   std::string(out.name) + " overlaps p_max");
+    // Touching (the output ends where p_max starts) is fine.
+    p = merge_free_params();
+    (p.*out.member).data = static_cast<char*>(fake(11)) - span_bytes(p, out);
+    EXPECT_EQ(size_of(p).status, QATTN_OK) << size_of(p).message;
+  }
+  // Inputs may share memory with it: p_max inside q's buffer, or right on the LSE.
+  qattn_bwd_params p = merge_free_params();
+  p.p_max = static_cast<const float*>(p.q.data);
+  EXPECT_EQ(size_of(p).status, QATTN_OK) << size_of(p).message;
+  p.p_max = p.lse;
+  EXPECT_EQ(size_of(p).status, QATTN_OK) << size_of(p).message;
+  // The workspace may not cover it.
+  p = merge_free_params();
+  const std::size_t n = need(p);
+  EXPECT_REJECTS(bwd(p, fake(11), n), QATTN_ERROR_INVALID_ARGUMENT, "workspace overlaps p_max",
+                 "a buffer of its own");
+  // Ending inside it (the workspace's last 256 bytes over p_max's first).
+  void* ws = reinterpret_cast<void*>((reinterpret_cast<std::uintptr_t>(fake(11)) - n + 256) / 256 * 256);
+  EXPECT_REJECTS(bwd(p, ws, n), QATTN_ERROR_INVALID_ARGUMENT, "workspace overlaps p_max");
+}
+
+TEST(BwdMergeFree, BufferSpansNameIt) {
+  const Shape sh;
+  const qattn_bwd_params p = merge_free_params();
+  const auto spans = qattn::api::buffer_spans(p, workspace());
+  EXPECT_STREQ(spans[5].name, "lse");
+  EXPECT_STREQ(spans[6].name, "p_max");
+  EXPECT_EQ(spans[6].data, fake(11));
+  EXPECT_EQ(spans[6].bytes, std::size_t{4} * sh.batch * sh.heads_q * sh.seqlen_q);
+  EXPECT_STREQ(spans[7].name, "dq.data");
+  EXPECT_STREQ(spans[10].name, "workspace");
+  const auto per_block = qattn::api::buffer_spans(valid_params(), workspace());
+  EXPECT_STREQ(per_block[6].name, "p_max");
+  EXPECT_EQ(per_block[6].data, nullptr);
+  EXPECT_EQ(per_block[6].bytes, 0u);
 }
 
 // ---- tensors -----------------------------------------------------------------------
@@ -503,6 +752,12 @@ TEST(BwdValidation, RandomCallsSizeAsTheLayoutAndRefuseOverlaps) {
     p.dov = pick(0, 1);
     p.deterministic = pick(0, 1);
     p.dtype = pick(0, 1);
+    if (pick(0, 3) == 0) {  // the merge-free scales, with the p_max they read (slot 11)
+      p.format = QATTN_BWD_E4M3;
+      p.dov = QATTN_BWD_DOV_16BIT;
+      p.scales = QATTN_BWD_SCALES_MERGE_FREE;
+      p.p_max = static_cast<const float*>(fake(11));
+    }
     SCOPED_TRACE("iteration " + std::to_string(i));
     ASSERT_EQ(size_of(p).status, QATTN_OK) << size_of(p).message;
     const std::size_t n = need(p);
@@ -603,10 +858,10 @@ std::size_t ws_4k(const qattn_bwd_params&) { return 4096; }
 
 constexpr uint32_t kBoth = 3u;
 constexpr BackwardFamily kE4m3Only{"fake_e4m3",          kSm80, 1,     256,     kBoth,  kBoth,
-                                   1u << QATTN_BWD_E4M3, kBoth, kBoth, nullptr, &ws_1k, nullptr};
+                                   1u << QATTN_BWD_E4M3, kBoth, kBoth, 1u, nullptr, &ws_1k, nullptr};
 constexpr BackwardFamily kAtomicOnly{"fake_atomic", kSm80,   1,      256,
                                      kBoth,         kBoth,   kBoth,  1u << QATTN_BWD_DOV_16BIT,
-                                     1u << 0,       nullptr, &ws_1k, nullptr};
+                                     1u << 0,       1u,      nullptr, &ws_1k, nullptr};
 constexpr BackwardFamily kFp16Unmasked{"fake_fp16",
                                        kSm80,
                                        1,
@@ -616,11 +871,19 @@ constexpr BackwardFamily kFp16Unmasked{"fake_fp16",
                                        kBoth,
                                        kBoth,
                                        kBoth,
+                                       1u,
                                        nullptr,
                                        &ws_1k,
                                        nullptr};
 constexpr BackwardFamily kShortKv{"fake_short_kv", kSm90And100, 64,    64,        kBoth,  kBoth,
-                                  kBoth,           kBoth,       kBoth, &short_kv, &ws_4k, nullptr};
+                                  kBoth,           kBoth,       kBoth, 1u, &short_kv, &ws_4k, nullptr};
+// Per-block scales only (as kE4m3Only, kAtomicOnly, ...), and one with both.
+constexpr BackwardFamily kPerBlockOnly{"fake_per_block", kSm80, 1,     256,    kBoth,  kBoth,
+                                       kBoth,            kBoth, kBoth, 1u << QATTN_BWD_SCALES_PER_BLOCK,
+                                       nullptr,          &ws_1k, nullptr};
+constexpr BackwardFamily kMergeFreeToo{"fake_merge_free", kSm80, 1,     256,    kBoth,  kBoth,
+                                       kBoth,             kBoth, kBoth, kBoth,  nullptr, &ws_4k,
+                                       nullptr};
 
 TEST(BwdRegistry, EveryDeclineReasonIsNamed) {
   const std::array<const BackwardFamily*, 4> families{&kE4m3Only, &kAtomicOnly, &kFp16Unmasked,
@@ -661,6 +924,48 @@ TEST(BwdRegistry, EveryDeclineReasonIsNamed) {
   EXPECT_EQ(qattn::api::select_family("f", p, &sm80, &s, families), &kAtomicOnly);
   EXPECT_EQ(qattn::api::select_family("f", p, &sm90, &s, {}), nullptr);
   EXPECT_TRUE(contains(qattn_last_error_message(), "considered 0")) << qattn_last_error_message();
+}
+
+// A family without the merge-free bit declines a merge-free call by name; one with it
+// runs it; a per-block call runs on either.
+TEST(BwdRegistry, MergeFreeScalesAreDeclinedByAFamilyWithoutThem) {
+  const Arch sm80{8, 0};
+  qattn_bwd_params p = merge_free_params();
+  qattn_status s = QATTN_OK;
+  const std::array<const BackwardFamily*, 1> per_block_only{&kPerBlockOnly};
+  EXPECT_EQ(qattn::api::select_family("f", p, &sm80, &s, per_block_only), nullptr);
+  EXPECT_EQ(s, QATTN_ERROR_UNSUPPORTED);
+  std::string m = qattn_last_error_message();
+  for (const char* w : {"f: no kernel family runs this call (backward, format QATTN_BWD_E4M3",
+                        "merge-free scales; device sm_80)",
+                        "fake_per_block: scales QATTN_BWD_SCALES_MERGE_FREE are not implemented "
+                        "by this family"})
+    EXPECT_TRUE(contains(m, w)) << "no '" << w << "' in: " << m;
+  EXPECT_EQ(qattn::api::workspace_bytes_for(p, per_block_only), 0u);  // none accepts
+  // The families made up above declare per-block scales only: each declines it by name.
+  const std::array<const BackwardFamily*, 4> others{&kE4m3Only, &kAtomicOnly, &kFp16Unmasked,
+                                                    &kPerBlockOnly};
+  EXPECT_EQ(qattn::api::select_family("f", p, &sm80, &s, others), nullptr);
+  m = qattn_last_error_message();
+  for (const char* w : {"fake_e4m3: scales QATTN_BWD_SCALES_MERGE_FREE",
+                        "fake_atomic: scales QATTN_BWD_SCALES_MERGE_FREE"})
+    EXPECT_TRUE(contains(m, w)) << "no '" << w << "' in: " << m;
+  // One that has them wins, and sizes the workspace alone.
+  const std::array<const BackwardFamily*, 2> both{&kPerBlockOnly, &kMergeFreeToo};
+  EXPECT_EQ(qattn::api::select_family("f", p, &sm80, &s, both), &kMergeFreeToo);
+  EXPECT_EQ(s, QATTN_OK);
+  EXPECT_EQ(qattn::api::workspace_bytes_for(p, both), 4096u);
+  // A per-block call: the first family takes it, the largest workspace counts.
+  qattn_bwd_params per_block = valid_params();
+  EXPECT_EQ(qattn::api::select_family("f", per_block, &sm80, &s, both), &kPerBlockOnly);
+  EXPECT_EQ(qattn::api::workspace_bytes_for(per_block, both), 4096u);
+  // Off Hopper, this build's family declines the merge-free call for the device, and the
+  // call's description names the scales.
+  EXPECT_EQ(qattn::api::select_family("qattn_bwd", p, &sm80, &s), nullptr);
+  m = qattn_last_error_message();
+  EXPECT_TRUE(contains(m, "merge-free scales; device sm_80); considered 1; sagebwd_sm90: the "
+                          "device has compute capability 8.0"))
+      << m;
 }
 
 TEST(BwdRegistry, WorkspaceIsTheLargestOverAcceptingFamilies) {
@@ -719,6 +1024,33 @@ TEST(BwdBuilder, FillsTheSameStructAsTheCalls) {
   EXPECT_EQ(bp.raw().dov, QATTN_BWD_DOV_QUANTIZED);
   EXPECT_EQ(bp.raw().deterministic, 1);
   EXPECT_EQ(bp.raw().dtype, QATTN_DTYPE_FP16);
+  EXPECT_EQ(bp.raw().scales, QATTN_BWD_SCALES_PER_BLOCK);
+  EXPECT_EQ(bp.raw().p_max, nullptr);
+  bp.dov(qattn::DoV::k16Bit).scales(qattn::BackwardScales::kMergeFree)
+      .p_max(static_cast<const float*>(fake(11)));
+  EXPECT_EQ(bp.raw().scales, QATTN_BWD_SCALES_MERGE_FREE);
+  EXPECT_EQ(bp.raw().p_max, fake(11));
+  // The builder's merge-free call is the hand-filled one.
+  const int64_t row = (s.head_dim + 7) / 8 * 8;
+  qattn::BackwardParams mf(qattn::DType::kBF16, s.batch, s.heads_q, s.heads_kv, s.seqlen_q,
+                           s.seqlen_kv, s.head_dim);
+  mf.q(fake(1), qattn::Layout::kHND, row).k(fake(2), qattn::Layout::kHND, row)
+      .v(fake(3), qattn::Layout::kHND, row).o(fake(4), qattn::Layout::kHND, row)
+      .dout(fake(5), qattn::Layout::kHND, row).lse(static_cast<const float*>(fake(6)))
+      .dq(fake(7), qattn::Layout::kHND, row).dk(fake(8), qattn::Layout::kHND, row)
+      .dv(fake(9), qattn::Layout::kHND, row).format(qattn::BackwardFormat::kE4M3)
+      .scales(qattn::BackwardScales::kMergeFree).p_max(static_cast<const float*>(fake(11)));
+  std::size_t a = 0, b = 0;
+  ASSERT_TRUE(qattn::workspace_size(mf, &a).ok());
+  const qattn_bwd_params want = merge_free_params(s);
+  ASSERT_EQ(qattn_bwd_workspace_size(&want, &b), QATTN_OK) << qattn_last_error_message();
+  EXPECT_EQ(a, b);
+  EXPECT_EQ(std::memcmp(&mf.raw(), &want, sizeof(want)), 0);
+  // Without p_max the C ABI's named error comes back through the builder.
+  mf.p_max(nullptr);
+  const qattn::Status e = qattn::workspace_size(mf, &a);
+  EXPECT_EQ(e.code(), qattn::StatusCode::kInvalidArgument);
+  EXPECT_NE(e.message().find("p_max is NULL"), std::string::npos) << e.message();
 }
 
 // A stride the builder cannot represent is the first error reported, by name, before

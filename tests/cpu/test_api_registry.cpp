@@ -11,6 +11,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <thread>
 #include <vector>
@@ -42,6 +43,13 @@ qattn_fwd_params valid_params(int head_dim = 64) {
 bool contains(const std::string& s, const std::string& word) {
   return s.find(word) != std::string::npos;
 }
+
+// Made-up families for the p_max tests below (the registry's logic section has more).
+constexpr std::array<Arch, 1> kSm80Only{{{8, 0}}};
+std::size_t ws_2k(const qattn_fwd_params&) { return 2048; }
+std::size_t ws_4k_no_p_max(const qattn_fwd_params&) { return 4096; }
+constexpr ForwardFamily kNoPMax{"fake_no_p_max", QATTN_SCHEME_SAGE2_8B, kSm80Only, 1, 256, ~0u,
+                                ~0u, false, false, nullptr, &ws_4k_no_p_max, nullptr};
 
 // ---- the registry with this build's families, on fake devices ----------------------
 
@@ -113,6 +121,103 @@ TEST(Registry, NarrowerVRunsOnTheSage2FamiliesOnly) {
     EXPECT_TRUE(contains(qattn_last_error_message(), "head_dim's channels or fewer only"))
         << qattn_last_error_message();
   }
+}
+
+// P's row maxima (p_max): the SageAttention2-8b family writes them outside a packed
+// batch; every other family, and a packed batch, declines the call by name, on any
+// device and through qattn_fwd_workspace_size alike.
+TEST(Registry, PMaxIsWrittenBySage2OutsideAPackedBatchOnly) {
+  const Arch hopper{9, 0};
+  for (bool causal : {false, true}) {
+    qattn_fwd_params p = valid_params(128);
+    p.causal = causal ? 1 : 0;
+    p.p_max = static_cast<float*>(fake(9));
+    qattn_status s = QATTN_ERROR_INTERNAL;
+    const ForwardFamily* f = qattn::api::select_family("t", p, &hopper, &s);
+    ASSERT_NE(f, nullptr) << qattn_last_error_message();
+    EXPECT_STREQ(f->name, "sage2_fwd_sm90");
+    EXPECT_TRUE(f->writes_p_max);
+    // p_max needs no workspace of its own: the size is the one without it.
+    qattn_fwd_params without = p;
+    without.p_max = nullptr;
+    std::size_t with_bytes = 1, without_bytes = 0;
+    ASSERT_EQ(qattn_fwd_workspace_size(&p, &with_bytes), QATTN_OK) << qattn_last_error_message();
+    ASSERT_EQ(qattn_fwd_workspace_size(&without, &without_bytes), QATTN_OK);
+    EXPECT_EQ(with_bytes, without_bytes);
+  }
+  // Only sage2_fwd_sm90 declares it.
+  for (const ForwardFamily* f : qattn::api::forward_families())
+    EXPECT_EQ(f->writes_p_max, std::string(f->name) == "sage2_fwd_sm90") << f->name;
+
+  struct Case {
+    const char* what;
+    void (*change)(qattn_fwd_params&);
+    std::vector<std::string> words;  // in the message, besides the entry point
+  };
+  const Case cases[] = {
+      {"precise", [](qattn_fwd_params& p) { p.scheme = QATTN_SCHEME_PRECISE16; },
+       {"precise16_fwd_sm90: does not write P's row maxima (p_max)", "scheme 2", "p_max written"}},
+      {"auto", [](qattn_fwd_params& p) { p.scheme = QATTN_SCHEME_SAGE2_8B_AUTO; },
+       {"sage2_auto_sm90: does not write P's row maxima (p_max)", "scheme 3"}},
+      {"sa3", [](qattn_fwd_params& p) { p.scheme = QATTN_SCHEME_SAGE3_NVFP4; },
+       {"sage3_nvfp4_fwd_sm90: does not write P's row maxima (p_max)", "scheme 1"}},
+      {"head dim 192", [](qattn_fwd_params&) {},
+       {"sage2_wide_sm90: does not write P's row maxima (p_max)",
+        "sage2_fwd_sm90: head_dim = 192"}},
+      {"packed batch",
+       [](qattn_fwd_params& p) {
+         p.cu_seqlens_q = static_cast<const int32_t*>(fake(10));
+         p.cu_seqlens_k = static_cast<const int32_t*>(fake(11));
+         p.max_seqlen_q = p.seqlen_q;
+         p.max_seqlen_k = p.seqlen_kv;
+       },
+       {"sage2_fwd_sm90: writes P's row maxima (p_max) outside a packed batch only",
+        "packed variable-length batch"}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    qattn_fwd_params p = valid_params(std::string_view(c.what) == "head dim 192" ? 192 : 128);
+    c.change(p);
+    p.p_max = static_cast<float*>(fake(9));
+    qattn_status s = QATTN_OK;
+    EXPECT_EQ(qattn::api::select_family("f", p, &hopper, &s), nullptr);
+    EXPECT_EQ(s, QATTN_ERROR_UNSUPPORTED);
+    std::string m = qattn_last_error_message();
+    for (const std::string& w : c.words) EXPECT_TRUE(contains(m, w)) << "no '" << w << "' in: " << m;
+    std::size_t bytes = 0;
+    EXPECT_EQ(qattn_fwd_workspace_size(&p, &bytes), QATTN_ERROR_UNSUPPORTED);
+    m = qattn_last_error_message();
+    EXPECT_TRUE(contains(m, "qattn_fwd_workspace_size: no kernel family runs this call")) << m;
+    for (const std::string& w : c.words) EXPECT_TRUE(contains(m, w)) << "no '" << w << "' in: " << m;
+    EXPECT_EQ(qattn_fwd(&p, fake(12), 1 << 30, nullptr), QATTN_ERROR_UNSUPPORTED);
+    EXPECT_TRUE(contains(qattn_last_error_message(), c.words.front())) << qattn_last_error_message();
+    // The same call without p_max runs (the packed one on the packed-batch family).
+    p.p_max = nullptr;
+    EXPECT_EQ(qattn_fwd_workspace_size(&p, &bytes), QATTN_OK) << qattn_last_error_message();
+  }
+}
+
+// A made-up family that writes p_max is chosen over one that does not only for a call
+// that asks for it.
+TEST(Registry, PMaxPicksAFamilyThatWritesIt) {
+  constexpr ForwardFamily kWrites{"fake_writes_p_max", QATTN_SCHEME_SAGE2_8B, kSm80Only, 1, 256,
+                                  ~0u, ~0u, false, true, nullptr, &ws_2k, nullptr};
+  const std::array<const ForwardFamily*, 2> families{&kNoPMax, &kWrites};
+  qattn_fwd_params p = valid_params();
+  const Arch sm80{8, 0};
+  qattn_status s = QATTN_ERROR_INTERNAL;
+  EXPECT_EQ(qattn::api::select_family("f", p, &sm80, &s, families), &kNoPMax);
+  EXPECT_EQ(qattn::api::workspace_bytes_for(p, families), 4096u);  // both accept
+  p.p_max = static_cast<float*>(fake(9));
+  EXPECT_EQ(qattn::api::select_family("f", p, &sm80, &s, families), &kWrites);
+  EXPECT_EQ(s, QATTN_OK);
+  EXPECT_EQ(qattn::api::workspace_bytes_for(p, families), 2048u);  // only the writer's
+  const std::array<const ForwardFamily*, 1> none{&kNoPMax};
+  EXPECT_EQ(qattn::api::select_family("f", p, &sm80, &s, none), nullptr);
+  EXPECT_EQ(s, QATTN_ERROR_UNSUPPORTED);
+  EXPECT_TRUE(contains(qattn_last_error_message(),
+                       "fake_no_p_max: does not write P's row maxima (p_max)"))
+      << qattn_last_error_message();
 }
 
 // Head dims 129..256 run on the head-dim-256 family (sage2_wide_sm90); above 256 no
@@ -188,8 +293,8 @@ std::size_t ws_1k(const qattn_fwd_params&) { return 1024; }
 std::size_t ws_4k(const qattn_fwd_params&) { return 4096; }
 
 constexpr ForwardFamily kFp16Only{"fake_fp16_sm80", QATTN_SCHEME_SAGE2_8B, kSm80, 1, 256,
-                                  1u << QATTN_DTYPE_FP16, qattn::api::kMaskNone, false, nullptr,
-                                  &ws_1k, nullptr};
+                                  1u << QATTN_DTYPE_FP16, qattn::api::kMaskNone, false, false,
+                                  nullptr, &ws_1k, nullptr};
 constexpr ForwardFamily kShortKv{"fake_short_kv",
                                  QATTN_SCHEME_SAGE2_8B,
                                  kSm90And100,
@@ -198,11 +303,12 @@ constexpr ForwardFamily kShortKv{"fake_short_kv",
                                  (1u << QATTN_DTYPE_FP16) | (1u << QATTN_DTYPE_BF16),
                                  qattn::api::kMaskNone | qattn::api::kMaskCausal,
                                  false,
+                                 false,
                                  &too_long,
                                  &ws_4k,
                                  nullptr};
 constexpr ForwardFamily kOtherScheme{"fake_other_scheme", 7, kSm80, 1, 512, ~0u, ~0u, false,
-                                     nullptr, &ws_1k, nullptr};
+                                     false, nullptr, &ws_1k, nullptr};
 
 TEST(Registry, EveryDeclineReasonIsNamed) {
   const std::array<const ForwardFamily*, 3> families{&kFp16Only, &kShortKv, &kOtherScheme};
@@ -327,6 +433,7 @@ constexpr ForwardFamily kCausalOnly{"fake_causal_only",
                                     (1u << QATTN_DTYPE_FP16) | (1u << QATTN_DTYPE_BF16),
                                     qattn::api::kMaskNone | qattn::api::kMaskCausal,
                                     false,
+                                    false,
                                     nullptr,
                                     &ws_1k,
                                     nullptr};
@@ -448,7 +555,7 @@ TEST(Abi, StructSizeIsChecked) {
   // A size between two layouts ends inside a field (here half of kv_lengths): refused,
   // so no pointer is ever read in part.
   for (std::size_t size : {QATTN_FWD_PARAMS_MIN_SIZE + 4, offsetof(qattn_fwd_params, attn_mask) + 4,
-                           sizeof(qattn_fwd_params) - 4}) {
+                           offsetof(qattn_fwd_params, p_max) + 4, sizeof(qattn_fwd_params) - 4}) {
     p.struct_size = size;
     EXPECT_EQ(qattn_fwd_workspace_size(&p, &bytes), QATTN_ERROR_INVALID_ARGUMENT) << size;
     EXPECT_TRUE(contains(qattn_last_error_message(), "ends inside a field"))
@@ -533,13 +640,20 @@ TEST(Abi, LayoutKeepsItsPromises) {
   // V's head dim starts where the fourth layout (with the packed batch) ends.
   EXPECT_EQ(offsetof(qattn_fwd_params, max_seqlen_k) + sizeof(int32_t),
             offsetof(qattn_fwd_params, head_dim_v));
-  EXPECT_EQ(offsetof(qattn_fwd_params, reserved2) + sizeof(int32_t), sizeof(qattn_fwd_params));
+  // P's row maxima start where the fifth layout (with V's head dim) ends, and the sixth
+  // ends with reserved4, without tail padding.
+  EXPECT_EQ(offsetof(qattn_fwd_params, reserved2) + sizeof(int32_t),
+            offsetof(qattn_fwd_params, p_max));
+  EXPECT_EQ(offsetof(qattn_fwd_params, p_max) + sizeof(float*),
+            offsetof(qattn_fwd_params, reserved3));
+  EXPECT_EQ(offsetof(qattn_fwd_params, reserved4) + sizeof(int32_t), sizeof(qattn_fwd_params));
   if constexpr (sizeof(void*) == 8) {  // the sizes qattn.h states for LP64
     EXPECT_EQ(QATTN_FWD_PARAMS_MIN_SIZE, 192u);
     EXPECT_EQ(offsetof(qattn_fwd_params, attn_mask_type), 216u);
     EXPECT_EQ(offsetof(qattn_fwd_params, cu_seqlens_q), 264u);
     EXPECT_EQ(offsetof(qattn_fwd_params, head_dim_v), 288u);
-    EXPECT_EQ(sizeof(qattn_fwd_params), 296u);
+    EXPECT_EQ(offsetof(qattn_fwd_params, p_max), 296u);
+    EXPECT_EQ(sizeof(qattn_fwd_params), 312u);
   }
   qattn_fwd_params p = valid_params();
   p.reserved0 = 1;
@@ -550,6 +664,20 @@ TEST(Abi, LayoutKeepsItsPromises) {
   p.reserved2 = 1;
   EXPECT_EQ(qattn_fwd_workspace_size(&p, &bytes), QATTN_ERROR_INVALID_ARGUMENT);
   EXPECT_TRUE(contains(qattn_last_error_message(), "reserved2")) << qattn_last_error_message();
+  for (int32_t qattn_fwd_params::*field : {&qattn_fwd_params::reserved3, &qattn_fwd_params::reserved4}) {
+    const std::string name = field == &qattn_fwd_params::reserved3 ? "reserved3" : "reserved4";
+    for (int32_t bad : {1, -1}) {
+      p = valid_params();
+      p.*field = bad;
+      EXPECT_EQ(qattn_fwd_workspace_size(&p, &bytes), QATTN_ERROR_INVALID_ARGUMENT) << name;
+      const std::string m = qattn_last_error_message();
+      EXPECT_TRUE(contains(m, name + " = " + std::to_string(bad) + "; allowed: 0")) << m;
+      EXPECT_TRUE(contains(m, "qattn_fwd_params_init")) << m;
+      EXPECT_EQ(qattn_fwd(&p, fake(6), 1 << 30, nullptr), QATTN_ERROR_INVALID_ARGUMENT);
+      EXPECT_TRUE(contains(qattn_last_error_message(), "qattn_fwd: " + name))
+          << qattn_last_error_message();
+    }
+  }
   p = valid_params();
   p.head_dim_v = -1;
   EXPECT_EQ(qattn_fwd_workspace_size(&p, &bytes), QATTN_ERROR_INVALID_ARGUMENT);
@@ -565,8 +693,39 @@ TEST(Abi, LayoutKeepsItsPromises) {
        {sizeof(qattn_fwd_params{}.window), sizeof(qattn_fwd_params{}.window_left),
         sizeof(qattn_fwd_params{}.window_right), sizeof(qattn_fwd_params{}.alignment),
         sizeof(qattn_fwd_params{}.max_seqlen_q), sizeof(qattn_fwd_params{}.max_seqlen_k),
-        sizeof(qattn_fwd_params{}.head_dim_v)})
+        sizeof(qattn_fwd_params{}.head_dim_v), sizeof(qattn_fwd_params{}.reserved3),
+        sizeof(qattn_fwd_params{}.reserved4)})
     EXPECT_EQ(size, 4u);
+}
+
+// A caller compiled against the layout before P's row maxima (296 bytes on LP64, ending
+// with reserved2) is never read past its struct: whatever lies after it (a misaligned
+// pointer, nonzero reserved fields, were they read), the call writes no p_max.
+TEST(Abi, LayoutBeforePMaxWritesNoPMax) {
+  std::size_t want = 0, bytes = 0;
+  const qattn_fwd_params current = valid_params();
+  ASSERT_EQ(qattn_fwd_workspace_size(&current, &want), QATTN_OK) << qattn_last_error_message();
+  qattn_fwd_params old = valid_params();
+  constexpr std::size_t kOld = offsetof(qattn_fwd_params, p_max);
+  old.struct_size = kOld;
+  std::memset(reinterpret_cast<char*>(&old) + kOld, 0xA5, sizeof(old) - kOld);
+  qattn_fwd_params got;
+  std::memset(&got, 0x5A, sizeof(got));
+  ASSERT_EQ(qattn::api::read_params("t", &old, &got), QATTN_OK) << qattn_last_error_message();
+  EXPECT_EQ(got.struct_size, sizeof(qattn_fwd_params));
+  EXPECT_EQ(got.p_max, nullptr);
+  EXPECT_EQ(got.reserved3, 0);
+  EXPECT_EQ(got.reserved4, 0);
+  EXPECT_EQ(std::memcmp(reinterpret_cast<const char*>(&got) + sizeof(std::size_t),
+                        reinterpret_cast<const char*>(&current) + sizeof(std::size_t),
+                        kOld - sizeof(std::size_t)),
+            0);
+  ASSERT_EQ(qattn_fwd_workspace_size(&old, &bytes), QATTN_OK) << qattn_last_error_message();
+  EXPECT_EQ(bytes, want);
+  // The same bytes in a current struct are read, and refused by name.
+  old.struct_size = sizeof(qattn_fwd_params);
+  EXPECT_EQ(qattn_fwd_workspace_size(&old, &bytes), QATTN_ERROR_INVALID_ARGUMENT);
+  EXPECT_TRUE(contains(qattn_last_error_message(), "reserved3")) << qattn_last_error_message();
 }
 
 // ---- the C++ builder: a stride that does not fit is named, not wrapped --------------

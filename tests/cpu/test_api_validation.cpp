@@ -712,6 +712,64 @@ TEST(ApiValidation, LseMustNotOverlap) {
   EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "lse overlaps k");
 }
 
+// P's row maxima (p_max, written by the SageAttention2-8b family): optional, 4-byte
+// aligned (B, Hq, Nq) floats inside the address space, an output apart from every input
+// and from o and lse; the forward's checks name it, through the workspace query and the
+// call alike.
+TEST(ApiValidation, PMaxPointer) {
+  qattn_fwd_params p = valid_params();
+  p.p_max = static_cast<float*>(fake(9));
+  EXPECT_EQ(size_of(p).status, QATTN_OK) << size_of(p).message;
+  p.p_max = static_cast<float*>(fake(9, 4));  // 4-byte aligned is enough
+  EXPECT_EQ(size_of(p).status, QATTN_OK) << size_of(p).message;
+  for (std::uintptr_t off : {1u, 2u, 3u, 6u}) {
+    SCOPED_TRACE(off);
+    p.p_max = static_cast<float*>(fake(9, off));
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "qattn_fwd_workspace_size: p_max = ",
+                   "is not 4-byte aligned", "NULL or a (B, Hq, Nq) float array");
+    EXPECT_REJECTS(fwd(p, fake(6), need(valid_params())), QATTN_ERROR_INVALID_ARGUMENT,
+                   "qattn_fwd: p_max = ", "4-byte aligned");
+  }
+  p.p_max = reinterpret_cast<float*>(~std::uintptr_t{0} & ~std::uintptr_t{3});
+  EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "p_max runs past the end");
+}
+
+TEST(ApiValidation, PMaxMustNotOverlap) {
+  const Shape sh;
+  const std::size_t rows = std::size_t{4} * sh.batch * sh.heads_q * sh.seqlen_q;  // bytes
+  // An output of the call (o, lse) or an input under it: refused, naming both.
+  for (auto [what, at, msg] :
+       {std::tuple{"o", fake(4, 64), "p_max overlaps o"},
+        std::tuple{"lse", fake(5, rows - 4), "p_max overlaps lse"},
+        std::tuple{"q", fake(1, 256), "p_max overlaps q"},
+        std::tuple{"k", static_cast<void*>(static_cast<char*>(fake(2)) - rows + 4),
+                   "p_max overlaps k"}}) {
+    SCOPED_TRACE(what);
+    qattn_fwd_params p = valid_params();
+    p.p_max = static_cast<float*>(at);
+    EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, msg,
+                   "allowed: a separate (B, Hq, Nq) float buffer");
+    EXPECT_REJECTS(fwd(p, fake(6), 1 << 30), QATTN_ERROR_INVALID_ARGUMENT, "qattn_fwd: ", msg);
+  }
+  // The same address as lse: one of them would be overwritten.
+  qattn_fwd_params p = valid_params();
+  p.p_max = p.lse;
+  EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "p_max overlaps lse");
+  // Right after the LSE (touching) is fine, and so is any place of its own.
+  p.p_max = static_cast<float*>(fake(5, rows));
+  EXPECT_EQ(size_of(p).status, QATTN_OK) << size_of(p).message;
+  // Key-padding lengths are an input too.
+  p = valid_params();
+  p.kv_lengths = static_cast<const int32_t*>(fake(7));
+  p.p_max = static_cast<float*>(fake(7, 4));
+  EXPECT_REJECTS(size_of(p), QATTN_ERROR_INVALID_ARGUMENT, "p_max overlaps kv_lengths");
+  // The workspace may not cover it either.
+  p = valid_params();
+  p.p_max = static_cast<float*>(fake(9));
+  EXPECT_REJECTS(fwd(p, fake(9), need(p)), QATTN_ERROR_INVALID_ARGUMENT,
+                 "workspace overlaps p_max", "a buffer of its own");
+}
+
 // ---- workspace ---------------------------------------------------------------------
 
 TEST(ApiValidation, Workspace) {
@@ -885,7 +943,7 @@ TEST(ApiSpans, EveryBufferOfACall) {
   const std::size_t q_bytes = std::size_t{2} * s.batch * s.heads_q * s.seqlen_q * s.head_dim;
   const std::size_t kv_bytes = std::size_t{2} * s.batch * s.heads_kv * s.seqlen_kv * s.head_dim;
   const std::size_t lse_bytes = std::size_t{4} * s.batch * s.heads_q * s.seqlen_q;
-  const std::array<std::tuple<const char*, const void*, std::size_t>, 10> want{{
+  const std::array<std::tuple<const char*, const void*, std::size_t>, 11> want{{
       {"q.data", fake(1), q_bytes},
       {"k.data", fake(2), kv_bytes},
       {"v.data", fake(3), kv_bytes},
@@ -895,6 +953,7 @@ TEST(ApiSpans, EveryBufferOfACall) {
       {"cu_seqlens_k", nullptr, 0},
       {"o.data", fake(4), q_bytes},
       {"lse", fake(5), lse_bytes},
+      {"p_max", nullptr, 0},  // not asked for
       {"workspace", fake(6), need(p)},  // what the call uses, not what the caller passed
   }};
   for (std::size_t i = 0; i < spans.size(); ++i) {
@@ -910,6 +969,13 @@ TEST(ApiSpans, EveryBufferOfACall) {
   EXPECT_STREQ(without[8].name, "lse");
   EXPECT_EQ(without[8].data, nullptr);
   EXPECT_EQ(without[8].bytes, 0u);
+  // P's row maxima: (B, Hq, Nq) floats, as the LSE.
+  qattn_fwd_params with_p_max = p;
+  with_p_max.p_max = static_cast<float*>(fake(9));
+  const auto p_max_spans = qattn::api::buffer_spans(with_p_max, fake(6));
+  EXPECT_STREQ(p_max_spans[9].name, "p_max");
+  EXPECT_EQ(p_max_spans[9].data, fake(9));
+  EXPECT_EQ(p_max_spans[9].bytes, lse_bytes);
   // Key-padding lengths: batch int32, checked on the device like every other buffer.
   qattn_fwd_params padded = p;
   padded.kv_lengths = static_cast<const int32_t*>(fake(7));
@@ -1010,6 +1076,12 @@ TEST(ApiCpp, BuilderSetsEveryField) {
   EXPECT_EQ(p.attn_mask_stride_k, 1);
   fp.bool_mask(nullptr, 0, 0, 0, 0);
   EXPECT_EQ(p.attn_mask_type, QATTN_MASK_NONE);
+  // P's row maxima: not written by default.
+  EXPECT_EQ(p.p_max, nullptr);
+  fp.p_max(static_cast<float*>(fake(9)));
+  EXPECT_EQ(p.p_max, fake(9));
+  EXPECT_EQ(p.reserved3, 0);
+  EXPECT_EQ(p.reserved4, 0);
 }
 
 }  // namespace

@@ -532,6 +532,62 @@ TEST(SageBwdMergeFree, MatchesFlatRecomputationOnOneTile) {
     }
 }
 
+// P's row maxima given (what the GPU forward writes, SageBwdOptions::p_max): the true
+// maxima give the accuracy of the recomputed ones (within 1e-3 of CosSim); maxima twice
+// too large only loosen every s_i by one binade (E4M3 keeps its 3 bits down to 2^-6 of
+// 448), so the gradients stay within the same bounds; a thousandth saturates dS and
+// costs dQ accuracy (so the option is read); a wrong count of values is refused.
+TEST(SageBwdMergeFree, TakesTheForwardsRowMaxima) {
+  const auto in = emulate::make_synthetic(small_spec(35));
+  const SageBwdOptions base = merge_free();
+  const auto f = sagebwd_forward(in.q, in.k, in.v, {}, base);
+  // P's row maxima 1 / Σ_j exp(x_ij − max_j x_ij) from FP64 scores: the E4M3 scores'
+  // own differ by their quantization only, so the gradients match to tolerance, not bits.
+  const int hq = in.q.h, nq = in.q.n;
+  std::vector<float> pmax(f.lse.size());
+  const double scale = 1.0 / std::sqrt(double(in.q.d));
+  const int group = hq / in.k.h;
+  for (int b = 0; b < in.q.b; ++b)
+    for (int h = 0; h < hq; ++h)
+      for (int i = 0; i < nq; ++i) {
+        std::vector<double> x(in.k.n);
+        double mx = -1e300, sum = 0.0;
+        for (int j = 0; j < in.k.n; ++j) {
+          double dot = 0.0;
+          for (int c = 0; c < in.q.d; ++c) dot += double(in.q.at(b, h, i, c)) * in.k.at(b, h / group, j, c);
+          x[j] = dot * scale;
+          mx = std::max(mx, x[j]);
+        }
+        for (double v : x) sum += std::exp(v - mx);
+        pmax[(std::size_t(b) * hq + h) * nq + i] = static_cast<float>(1.0 / sum);
+      }
+  SageBwdOptions given = base;
+  given.p_max = pmax;
+  const Cos c_given = cos_vs_reference(in, given), c_own = cos_vs_reference(in, base);
+  expect_grads_close_to_reference(c_given);
+  EXPECT_NEAR(c_given.dq, c_own.dq, 1e-3);
+  EXPECT_NEAR(c_given.dk, c_own.dk, 1e-3);
+  EXPECT_NEAR(c_given.dv, c_own.dv, 1e-3);
+  std::vector<float> twice(pmax);
+  for (float& v : twice) v *= 2.0f;
+  SageBwdOptions loose = base;
+  loose.p_max = twice;
+  const Cos c_loose = cos_vs_reference(in, loose);
+  expect_grads_close_to_reference(c_loose);
+  EXPECT_NEAR(c_loose.dk, c_own.dk, 1e-3);
+  // The option is read: a thousandth of the true maxima saturates dS (the bound is 27–110×
+  // the true row maximum, bench/NOTES.md v87: values up to ~40× 448 saturate).
+  std::vector<float> tiny(pmax);
+  for (float& v : tiny) v *= 1e-3f;
+  SageBwdOptions tight = base;
+  tight.p_max = tiny;
+  EXPECT_LT(cos_vs_reference(in, tight).dq, c_own.dq - 1e-2);
+  std::vector<float> short_pmax(pmax.begin(), pmax.end() - 1);
+  SageBwdOptions bad = base;
+  bad.p_max = short_pmax;
+  EXPECT_THROW(sagebwd_backward(in.q, in.k, in.v, f.o, f.lse, in.dout, {}, bad), std::invalid_argument);
+}
+
 // sagebwd_backward with `bwd` on small inputs (the forward with `fwd`) must throw
 // std::invalid_argument naming `named`; `what` says what was accepted otherwise.
 void expect_backward_refused(std::uint64_t seed, const SageBwdOptions& fwd, const SageBwdOptions& bwd,

@@ -95,6 +95,7 @@ struct BwdCase {
   int32_t format = QATTN_BWD_INT8;
   int32_t dov = QATTN_BWD_DOV_16BIT;
   int32_t deterministic = 0;
+  int32_t scales = QATTN_BWD_SCALES_PER_BLOCK;  // merge-free: format E4M3, dov 16-bit
   int runs = 1;
   uint64_t seed = 1;
 
@@ -106,7 +107,8 @@ struct BwdCase {
            (layout == Layout::NHD ? " NHD" : " HND") + " row_pad=" + std::to_string(row_pad) +
            (format == QATTN_BWD_E4M3 ? " E4M3" : " INT8") +
            (dov == QATTN_BWD_DOV_QUANTIZED ? " dov=8bit" : " dov=16bit") +
-           (deterministic ? " deterministic" : "") + " seed=" + std::to_string(seed);
+           (deterministic ? " deterministic" : "") +
+           (scales == QATTN_BWD_SCALES_MERGE_FREE ? " merge-free" : "") + " seed=" + std::to_string(seed);
   }
 };
 
@@ -221,12 +223,14 @@ class BwdSetup {
                                          row + kOutGap, kGuard, l);
     lse_count_ = std::size_t(c.batch) * c.heads_q * c.seqlen_q;
     lse_ = std::make_unique<DeviceBuffer<float>>(lse_count_);
+    p_max_ = std::make_unique<DeviceBuffer<float>>(lse_count_);
     q_->upload(in_.q, c.bf16, test::kInputPoison);
     k_->upload(in_.k, c.bf16, test::kInputPoison);
     v_->upload(in_.v, c.bf16, test::kInputPoison);
     do_->upload(in_.dout, c.bf16, test::kInputPoison);
     for (DeviceTensor* t : {o_.get(), dq_.get(), dk_.get(), dv_.get()}) t->poison();
     cudaMemset(lse_->ptr, 0xFF, lse_count_ * sizeof(float));
+    cudaMemset(p_max_->ptr, 0xFF, lse_count_ * sizeof(float));
   }
 
   // The fields the forward's and the backward's parameters share.
@@ -242,7 +246,7 @@ class BwdSetup {
     p.causal = c_.causal ? 1 : 0;
   }
 
-  // The training forward: o and the LSE, per-block Q/K groups.
+  // The training forward: o, the LSE and P's row maxima, per-block Q/K groups.
   qattn_status forward() {
     qattn_fwd_params p;
     qattn_fwd_params_init(&p);
@@ -251,6 +255,7 @@ class BwdSetup {
     p.v = v_->view;
     p.o = o_->view;
     p.lse = lse_->ptr;
+    p.p_max = p_max_->ptr;
     set_shape(p);
     p.sage2.granularity = QATTN_QK_PER_BLOCK;
     std::size_t bytes = 0;
@@ -261,6 +266,8 @@ class BwdSetup {
     o = o_->values(o_->buf->download(), c_.bf16);
     lse = lse_->download();
     lse.resize(lse_count_);
+    p_max = p_max_->download();
+    p_max.resize(lse_count_);
     return QATTN_OK;
   }
 
@@ -281,6 +288,8 @@ class BwdSetup {
     p.format = c_.format;
     p.dov = c_.dov;
     p.deterministic = c_.deterministic;
+    p.scales = c_.scales;
+    if (c_.scales == QATTN_BWD_SCALES_MERGE_FREE) p.p_max = p_max_->ptr;
     return p;
   }
 
@@ -347,13 +356,14 @@ class BwdSetup {
   const BwdCase& spec() const { return c_; }
   Tensor4 o;               // the GPU forward's output (16-bit values)
   std::vector<float> lse;  // and its LSE
+  std::vector<float> p_max;  // and P's row maxima
   std::string message;     // qattn_last_error_message of the last failed backward
 
  private:
   BwdCase c_;
   Inputs in_;
   std::unique_ptr<DeviceTensor> q_, k_, v_, do_, o_, dq_, dk_, dv_;
-  std::unique_ptr<DeviceBuffer<float>> lse_;
+  std::unique_ptr<DeviceBuffer<float>> lse_, p_max_;
   std::size_t lse_count_ = 0;
   std::unique_ptr<DeviceBuffer<uint8_t>> ws_;
   std::size_t ws_bytes_ = 0;
@@ -371,6 +381,7 @@ emulate::SageBwdOptions emulation_options(const BwdCase& c) {
   o.dov = c.dov == QATTN_BWD_DOV_QUANTIZED ? emulate::DoVFormat::Quantized : emulate::DoVFormat::Fp16;
   o.k_smoothing = kKernelKSmoothing;
   o.pds_block_keys = kKernelPdsBlockKeys;
+  if (c.scales == QATTN_BWD_SCALES_MERGE_FREE) o.scales = emulate::Bwd8Scales::MergeFree;
   return o;
 }
 
@@ -401,8 +412,9 @@ Checked check_backward(BwdSetup& s, const reference::BackwardResult* ref = nullp
   EXPECT_EQ(result.out.problem, "");
   const Inputs& in = s.inputs();
   const AttentionParams ap = attention_params(c);
-  const auto emu =
-      emulate::sagebwd_backward(in.q, in.k, in.v, s.o, s.lse, in.dout, ap, emulation_options(c));
+  emulate::SageBwdOptions opt = emulation_options(c);
+  opt.p_max = s.p_max;  // the merge-free contract takes P's row maxima from the forward
+  const auto emu = emulate::sagebwd_backward(in.q, in.k, in.v, s.o, s.lse, in.dout, ap, opt);
   reference::BackwardResult own_ref;
   if (ref == nullptr) {
     own_ref = reference::attention_backward(in.q, in.k, in.v, in.dout, ap);
@@ -493,6 +505,102 @@ TEST(SageBwdBackward, FixedCasesEachSwitch) {
   c.head_dim = 64;
   c.bf16 = true;
   c.row_pad = 0;
+  check_case(c);
+}
+
+// The merge-free scales on the default case (the compute-sanitizer run's).
+TEST(SageBwdMergeFree, SmallBf16Hnd) {
+  QATTN_SKIP_WITHOUT_GPU();
+  BwdCase c;
+  c.format = QATTN_BWD_E4M3;
+  c.scales = QATTN_BWD_SCALES_MERGE_FREE;
+  check_case(c);
+}
+
+// The merge-free scales (QATTN_BWD_SCALES_MERGE_FREE; the emulator's Bwd8Scales::MergeFree
+// fed with the GPU forward's p_max): fixed cases over head dims, dtypes, layouts, causal
+// GQA with Nq != Nkv, both dQ modes; tolerances as above (E4M3 codes).
+TEST(SageBwdMergeFree, FixedCasesEachSwitch) {
+  QATTN_SKIP_WITHOUT_GPU();
+  BwdCase c;
+  c.seed = test::fresh_seed();
+  c.format = QATTN_BWD_E4M3;
+  c.scales = QATTN_BWD_SCALES_MERGE_FREE;
+  check_case(c);
+  c.head_dim = 64;
+  c.causal = true;
+  c.seqlen_q = 200;
+  c.seqlen_kv = 333;
+  c.heads_q = 4;
+  c.heads_kv = 1;
+  check_case(c);
+  c.bf16 = false;
+  c.layout = Layout::NHD;
+  c.head_dim = 128;
+  c.row_pad = 16;
+  check_case(c);
+  c.deterministic = 1;
+  c.runs = 2;
+  const auto runs = check_case(c);
+  ASSERT_EQ(runs.size(), 2u);
+  EXPECT_EQ(runs[0], runs[1]) << "deterministic merge-free runs differ";
+}
+
+// P's row maxima the forward writes: exp(m_i − lse_i) of its own scores, so within the
+// quantized scores' error of the FP64 value: the LSE's bound per row (|log ratio| ≤ 0.08,
+// the per-block INT8 scores' error at these scales; measured up to 0.037 on an H100) and
+// 2% on average; never 0 for a row that sees a key.
+TEST(SageBwdMergeFree, ForwardWritesRowMaxima) {
+  QATTN_SKIP_WITHOUT_GPU();
+  BwdCase c;
+  c.seed = test::fresh_seed();
+  c.causal = true;
+  c.seqlen_q = 190;
+  c.seqlen_kv = 300;
+  BwdSetup s(c, random_inputs(c));
+  ASSERT_EQ(s.forward(), QATTN_OK) << qattn_last_error_message();
+  const Inputs& in = s.inputs();
+  const double scale = 1.0 / std::sqrt(double(c.head_dim));
+  int checked = 0;
+  double mean_err = 0.0;
+  for (int h = 0; h < c.heads_q; ++h)
+    for (int i = 0; i < c.seqlen_q; ++i) {
+      double mx = -1e300, sum = 0.0;
+      std::vector<double> x(c.seqlen_kv, -1e300);
+      for (int j = 0; j < c.seqlen_kv; ++j) {
+        if (j > i + c.seqlen_kv - c.seqlen_q) continue;  // causal, bottom-right
+        double dot = 0.0;
+        for (int e = 0; e < c.head_dim; ++e)
+          dot += double(in.q.row(0, h, i)[e]) * in.k.row(0, h, j)[e];
+        x[j] = dot * scale;
+        mx = std::max(mx, x[j]);
+      }
+      for (int j = 0; j < c.seqlen_kv; ++j)
+        if (x[j] > -1e299) sum += std::exp(x[j] - mx);
+      const double want = 1.0 / sum;
+      const float got = s.p_max[(std::size_t(h)) * c.seqlen_q + i];
+      ASSERT_TRUE(std::isfinite(got) && got > 0.0f) << "row " << i << " head " << h;
+      EXPECT_LE(std::fabs(std::log(got / want)), 0.08) << "row " << i << " head " << h;
+      mean_err += std::fabs(got / want - 1.0);
+      ++checked;
+    }
+  EXPECT_EQ(checked, c.heads_q * c.seqlen_q);
+  EXPECT_LE(mean_err / checked, 0.02);
+}
+
+// A long sequence: the kernel sums dV and dK over 32 Q blocks in its accumulators (the
+// merge-free point); the E4M3 tensor core keeps fewer bits in its sums than FP32, so
+// this checks the accumulation against the emulation's exact sums over a whole head.
+TEST(SageBwdMergeFree, LongSequence) {
+  QATTN_SKIP_WITHOUT_GPU();
+  BwdCase c;
+  c.seed = test::fresh_seed();
+  c.format = QATTN_BWD_E4M3;
+  c.scales = QATTN_BWD_SCALES_MERGE_FREE;
+  c.heads_q = 1;
+  c.heads_kv = 1;
+  c.seqlen_q = 2048;
+  c.seqlen_kv = 2048;
   check_case(c);
 }
 

@@ -17,6 +17,11 @@ namespace qattn::hopper {
 cudaError_t make_tensor_map_u8_3d(CUtensorMap* map, const void* base, uint64_t dim0, uint64_t dim1,
                                   uint64_t dim2, uint32_t box0, uint32_t box1, Swizzle swizzle);
 
+// A 3-D map over a contiguous FP32 tensor (dim0 innermost, in elements), with box (box0,
+// box1, 1) and 128-byte swizzle (box0 = 32 elements): the target of TMA reductions.
+cudaError_t make_tensor_map_f32_3d(CUtensorMap* map, const void* base, uint64_t dim0, uint64_t dim1,
+                                   uint64_t dim2, uint32_t box0, uint32_t box1);
+
 // A 4-D map over a strided 16-bit tensor (a caller's q, k, v or o: dims innermost first,
 // strides of dims 1..3 in elements, each a multiple of 8), with box (box0, box1, 1, 1)
 // and 128-byte swizzle (box0 = 64 elements). Out-of-range elements read as zero and are

@@ -150,17 +150,21 @@ __device__ __forceinline__ float lse_of_row(const Softmax& sm, int r, const floa
 }
 
 // Writes the natural-log LSE of a thread's two rows (block rows row_in_block, + 8),
-// corrected for the K smoothing by q·c (in shared memory).
+// corrected for the K smoothing by q·c (in shared memory), and where asked P's row maximum
+// exp2(m − lse2) = 448 / l (l carries P's factor 448; 0 for a row that saw no key).
 template <typename Params, typename Softmax>
 __device__ __forceinline__ void store_lse(const Params& p, const Softmax& sm, common::FragCoord fc,
                                           int64_t bh_q, int block_row0, int row_in_block,
                                           const float* q_dot_c) {
-  if (p.lse == nullptr || fc.t != 0) return;
+  if ((p.lse == nullptr && p.p_max == nullptr) || fc.t != 0) return;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = block_row0 + row_in_block + 8 * r;
     if (row >= p.seqlen_q) continue;
-    p.lse[bh_q * p.seqlen_q + row] = lse_of_row(sm, r, q_dot_c + row_in_block + 8 * r);
+    if (p.lse != nullptr)
+      p.lse[bh_q * p.seqlen_q + row] = lse_of_row(sm, r, q_dot_c + row_in_block + 8 * r);
+    if (p.p_max != nullptr)
+      p.p_max[bh_q * p.seqlen_q + row] = sm.l[r] > 0.f ? common::kE4M3Max / sm.l[r] : 0.f;
   }
 }
 

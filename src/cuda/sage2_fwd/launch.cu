@@ -156,6 +156,7 @@ cudaError_t launch_attention_d(const qattn_fwd_params& p, const WorkspaceLayout&
   ap.o_stride_n = p.o.stride_n;
   ap.o_tma_cols = o_tma_cols;
   ap.lse = p.lse;
+  ap.p_max = p.p_max;
   ap.heads_q = p.heads_q;
   ap.heads_kv = p.heads_kv;
   ap.seqlen_q = p.seqlen_q;

@@ -28,6 +28,7 @@ struct AttentionParams {
   int64_t o_stride_b, o_stride_h, o_stride_n;
   int o_tma_cols;
   float* lse;  // (B, Hq, Nq) or null
+  float* p_max;  // (B, Hq, Nq) or null: each row's largest P, exp2(m − lse2) (qattn.h)
   int heads_q, heads_kv, seqlen_q, seqlen_kv;
   int head_dim_v;  // O's columns: V's head dim (Q·K's may be larger)
   int nq_pad, nkv_pad;

@@ -27,6 +27,11 @@ struct Args {
   int8_t *q_i8, *qt_i8, *do_i8, *dot_i8, *k_i8, *kt_i8, *v_i8;
   void *do_16, *v_16;
   float *q_scale, *do_scale, *lse2, *delta, *dq_acc, *k_scale, *v_scale, *k_mean;
+  // The merge-free scales only (null otherwise): the forward's P row maxima, each row's
+  // s_i and 1/s_i (0 for a row without keys), and the per-channel maxima of |V|, |dO|
+  // and |s_i·Q| of each (batch, KV head).
+  const float* p_max;
+  float *s_row, *inv_s, *v_max, *do_max, *sq_max;
 };
 
 }  // namespace qattn::sagebwd

@@ -81,9 +81,20 @@ __device__ __forceinline__ void copy_tile(uint32_t dst, const void* src, int64_t
     common::cp_async_16(to + i * kRowsPerPass * kSpan, from + i * step);
 }
 
-inline constexpr int kQStages = 3;  // Q-side stages in flight
+// Q-side stages in flight: three; two at D = 128 with dQ's staging tile (below), which
+// takes the third's shared memory.
+inline constexpr int kMaxQStages = 3;
+template <int D, bool kDqTile>
+inline constexpr int kQStagesOf = kDqTile && D == 128 ? 2 : kMaxQStages;
+// With the merge-free scales dQ leaves the kernel as TMA reductions of boxes of 32 FP32
+// columns × 64 rows (128-byte rows, 128-byte swizzle) from a staging tile in shared
+// memory (bench/NOTES.md v91, v93: with the per-block merges' registers in use the tile
+// costs more than it saves; without them it gains 15%).
+inline constexpr int kDqBoxCols = 32;
+inline constexpr int kDqBoxBytes = kDqBoxCols * 4 * kQBlockRows;
 
-template <int D, bool kQuantDov>
+// kDqTile: the layout with dQ's staging tile (the merge-free kernel's).
+template <int D, bool kQuantDov, bool kDqTile = false>
 struct WgSmem {
   static constexpr int kRowI8 = D;                       // bytes of an 8-bit row of D
   static constexpr int kRowV = kQuantDov ? D : 2 * D;    // bytes of a V or dO row
@@ -104,11 +115,14 @@ struct WgSmem {
   // The 16-byte words of q_scale and do_scale holding the block's s_q and s_dO (bulk
   // copies move 16-byte multiples; workspace arrays are padded to 256 bytes).
   static constexpr int kScales = kDelta + kQBlockRows * 4;
-  static constexpr int kStage = (kScales + 32 + 1023) / 1024 * 1024;
-  // What one stage's copies deliver (its `full` barrier's transaction bytes).
+  static constexpr int kInvS = kScales + 32;                     // 64 floats (merge-free)
+  static constexpr int kStage = (kInvS + kQBlockRows * 4 + 1023) / 1024 * 1024;
+  // What one stage's copies deliver (its `full` barrier's transaction bytes); the
+  // merge-free scales add 1/s_i.
   static constexpr uint32_t kStageTx = kQBlockRows * D + kQBlockRows * kRowV + 2 * D * kQBlockRows +
                                        2 * kQBlockRows * 4 + 32;
-  static constexpr int kStages = kQStages;
+  static constexpr uint32_t kStageTxMergeFree = kStageTx + kQBlockRows * 4;
+  static constexpr int kStages = kQStagesOf<D, kDqTile>;
   static constexpr int kQSide = kKSide;                          // first stage
   // dŜ, two by step parity: step w's is read by both warpgroups' dQ at step w + 1, while
   // step w + 1's is written into the other.
@@ -116,9 +130,14 @@ struct WgSmem {
   static constexpr int kDs = kQSide + kStages * kStage;          // 2 × kDsBytes
   static constexpr int kRed = kDs + 2 * kDsBytes;                // each warp's maxima, 2 × 2·kWarps floats
   static constexpr int kBars = kRed + 4 * kWarps * 4;            // mbarriers (Barriers below)
-  static constexpr int kDsScale = kBars + 8 * (2 * kStages + 4); // dS scales [parity][half]
+  static constexpr int kDsScale = kBars + 8 * (2 * kMaxQStages + 4);  // dS scales [parity][half]
   static_assert(kBars % 8 == 0, "mbarriers on 8-byte bounds");
-  static constexpr int kBytes = kDsScale + 4 * 4 + 1024;         // + alignment slack
+  // dQ's staging tile: 64 rows × D FP32 as D / 32 swizzled boxes (kDqBoxBytes each), the
+  // image of one step's dQ for the TMA reductions; each warpgroup owns its half.
+  static constexpr int kDqStage = (kDsScale + 4 * 4 + 1023) / 1024 * 1024;
+  static constexpr int kBytes =
+      (kDqTile ? kDqStage + D / kDqBoxCols * kDqBoxBytes : kDsScale + 4 * 4) + 1024;  // + slack
+  static_assert(kBytes <= 227 * 1024, "one CTA an SM");
   static_assert(kKSide % 1024 == 0 && kStage % 1024 == 0, "wgmma tiles on 1024-byte bounds");
 };
 
@@ -141,8 +160,10 @@ __device__ __forceinline__ void wg_load_k_side(const Args& a, uint32_t base, int
 //   dov  do_16 as bytes (2D, Nq_pad, B·Hq), box (128, 64), 128-byte swizzle (two boxes at
 //        D = 128); do_i8 (quantized dO·Vᵀ) as q8
 //   qt   qt_i8 (Nq_pad, D, B·Hq), box (64, D), 64-byte swizzle; dot likewise for dot_i8
+//   dq   dq_acc as FP32 (D, Nq_pad, B·Hq), box (32, 64), 128-byte swizzle: the merge-free
+//        kernel's dQ reductions (unused otherwise)
 struct QSideMaps {
-  CUtensorMap q8, dov, qt, dot;
+  CUtensorMap q8, dov, qt, dot, dq;
 };
 
 // Block `blk` of query head `bhq` in q_scale and do_scale (one float a Q block). A stage
@@ -155,13 +176,13 @@ __device__ __forceinline__ int64_t q_scale_index(const Args& a, int64_t bhq, int
 // Issues the copies of block `blk` of query head `bhq` into the stage at `st`, completing
 // on `full`: one thread, after the stage's previous readers have released it. Q-side
 // rows are re-read by every KV tile of the head: kept in L2 (evict_last).
-template <int D, bool kQuantDov>
+template <int D, bool kQuantDov, bool kMergeFree>
 __device__ __forceinline__ void wg_issue_q_side(const Args& a, const QSideMaps& m, uint8_t* st,
                                                 uint64_t* full, int64_t bhq, int blk) {
   using L = WgSmem<D, kQuantDov>;
   const int q0 = blk * kQBlockRows, h = static_cast<int>(bhq);
   const uint64_t keep = hopper::policy_evict_last();
-  hopper::mbarrier_arrive_expect_tx(full, L::kStageTx);
+  hopper::mbarrier_arrive_expect_tx(full, kMergeFree ? L::kStageTxMergeFree : L::kStageTx);
   hopper::tma_load_3d(st + L::kQ8, &m.q8, full, 0, q0, h, keep);
 #pragma unroll
   for (int box = 0; box < (kQuantDov ? 1 : L::kRowV / 128); ++box)
@@ -173,6 +194,7 @@ __device__ __forceinline__ void wg_issue_q_side(const Args& a, const QSideMaps& 
   hopper::bulk_load(st + L::kDelta, a.delta + row, kQBlockRows * 4, full);
   hopper::bulk_load(st + L::kScales, a.q_scale + (sidx & ~int64_t{3}), 16, full);
   hopper::bulk_load(st + L::kScales + 16, a.do_scale + (sidx & ~int64_t{3}), 16, full);
+  if constexpr (kMergeFree) hopper::bulk_load(st + L::kInvS, a.inv_s + row, kQBlockRows * 4, full);
 }
 
 // wgmma shared-memory descriptors of K-major swizzled tiles (hopper::make_smem_desc's
@@ -264,7 +286,7 @@ __device__ __forceinline__ void fence_frags(uint32_t (&af)[2][4]) {
 // `ds_empty` when both have read it for dQ. The warpgroups meet only through these, so
 // one may run up to a step ahead of the other.
 struct Barriers {
-  uint64_t full[kQStages], empty[kQStages];
+  uint64_t full[kMaxQStages], empty[kMaxQStages];
   uint64_t ds_full[2], ds_empty[2];
 };
 
@@ -275,7 +297,7 @@ struct Barriers {
 template <typename T, int D, bool kQuantDov, bool kAtomicDq, typename F>
 __global__ void __launch_bounds__(kThreads, 1)
     dkdv_wgmma_kernel(const Args a, const __grid_constant__ QSideMaps maps) {
-  using L = WgSmem<D, kQuantDov>;
+  using L = WgSmem<D, kQuantDov, F::kMergeFree && kAtomicDq>;
   using Acc = typename F::Acc;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   constexpr int kHalves = D / 64;   // 64-column halves of dK, dV
@@ -309,7 +331,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < L::kStages; ++s) {
       hopper::mbarrier_init(&bar.full[s], 1);  // the issuing thread's, plus the bytes
-      hopper::mbarrier_init(&bar.empty[s], kWarps);
+      // Merge-free: every thread's arrival (no per-half barrier orders its warp's reads of
+      // the stage before lane 0's, as racecheck requires).
+      hopper::mbarrier_init(&bar.empty[s], F::kMergeFree ? kThreads : kWarps);
     }
     for (int p = 0; p < 2; ++p) {
       hopper::mbarrier_init(&bar.ds_full[p], kWarps);
@@ -324,18 +348,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Thread 0 issues a stage's copies (TMA and bulk copies); its `full` barrier completes
   // when their bytes have landed.
   auto load_q = [&](int st, const WorkCursor& c) {
-    wg_issue_q_side<D, kQuantDov>(a, maps, smem + stage_off(st), &bar.full[st], bh0 + c.h, c.blk);
+    wg_issue_q_side<D, kQuantDov, F::kMergeFree>(a, maps, smem + stage_off(st), &bar.full[st],
+                                                 bh0 + c.h, c.blk);
   };
-  // The K side and stages 0 and 1 before the loop; step w loads step w + 2's stage (step
-  // w - 1's) once both warpgroups have released it.
+  // The K side and stages 0..S-2 before the loop (S = L::kStages); step w loads step
+  // w + S - 1's stage (step w - 1's) once both warpgroups have released it.
   WorkCursor cur{0, first}, ld = cur;
-  if (threadIdx.x == 0) {
-    if (work > 0) load_q(0, ld);
-    ld.advance(first, blocks);
-    if (work > 1) load_q(1, ld);
-    ld.advance(first, blocks);
-  } else {
-    ld.advance(first, blocks);
+  for (int s = 0; s < L::kStages - 1; ++s) {
+    if (threadIdx.x == 0 && work > s) load_q(s, ld);
     ld.advance(first, blocks);
   }
   wg_load_k_side<D, kQuantDov>(a, s_base, bhk, tile);
@@ -357,11 +377,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   // (by lane 0, the lane that releases the buffer, then shuffled: racecheck does not order
   // other lanes' reads through __syncwarp before its arrival); dq_reduce adds the FP32
   // values into rows q0.. of query head bhq.
+  // With the merge-free scales dŜ has one scale, so half 0's product runs over all 128 tokens.
   auto product_dq = [&](Acc(&tq)[kDqCols / 2], int pu, int h) {
     const uint64_t d_ds = hopper::desc_advance(d_ds0, pu * L::kDsBytes);
     hopper::wgmma_fence();
+    constexpr int kSteps = F::kMergeFree ? kKvTileRows / 32 : kKvTileRows / 64;
 #pragma unroll
-    for (int k2 = 0; k2 < kKvTileRows / 64; ++k2) {
+    for (int k2 = 0; k2 < kSteps; ++k2) {
       const int kk = h * (kKvTileRows / 64) + k2;
       const uint64_t da = hopper::desc_advance(d_ds, 32 * kk);
       const uint64_t db = hopper::desc_advance(d_kt, 32 * kk);
@@ -380,6 +402,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     hopper::wgmma_commit();
   };
   auto dq_scales = [&](int pu, float (&sc)[2]) {
+    if constexpr (F::kMergeFree) {  // s_i is dq_finalize's
+      sc[0] = sc[1] = a.sm_scale * s_k;
+      return;
+    }
     float s0 = 0.0f, s1 = 0.0f;
     if (lane == 0) {
       s0 = ds_scale[2 * pu];
@@ -388,11 +414,51 @@ __global__ void __launch_bounds__(kThreads, 1)
     sc[0] = a.sm_scale * (__shfl_sync(0xffffffffu, s0, 0) * s_k);
     sc[1] = a.sm_scale * (__shfl_sync(0xffffffffu, s1, 0) * s_k);
   };
-  // dQ rows 16·w4 + g (+8) of the block, columns kDqCols·wg + 8j + 2t (+1). Every value
-  // first, then the reductions, all values live until the last: a reduction reads its
-  // registers late, and a register rewritten after it waits for that read.
+  // dQ rows 16·w4 + g (+8) of the block, columns kDqCols·wg + 8j + 2t (+1).
+  // Merge-free: into this warpgroup's boxes of the staging tile (128-byte swizzle: chunk c
+  // of row r at c ^ (r mod 8)), then one thread adds them to rows q0.. of query head bhq
+  // with TMA reductions, off the warps' path. The tile is rewritten only after the
+  // previous step's reductions have read it (that thread waits, a named barrier tells the
+  // rest).
+  const bool wg_leader = threadIdx.x % 128 == 0;
+  auto dq_stage_free = [&] {  // before the values are formed: fewer registers live
+    if constexpr (F::kMergeFree) {
+      if (wg_leader) hopper::bulk_wait_group_read<0>();
+      hopper::named_barrier_sync(3 + wg, 128);  // 1 and 2: tile.cuh's maxima
+    }
+  };
+  // Otherwise every value first, then the reductions, all values live until the last: a
+  // reduction reads its registers late, and a register rewritten after it waits for that
+  // read.
   auto dq_reduce = [&](float(&x)[kDqCols / 2], int64_t bhq, int q0) {
     hopper::fence_operands(x);
+    if constexpr (F::kMergeFree) {
+      // Column 8j + 2t of the half is box j / 4, chunk 2(j mod 4) + t / 2, word 2(t mod 2);
+      // rows 16·w4 + g (+8) are g mod 8, so the chunk's swizzle is ^ g.
+      uint8_t* stage = smem + L::kDqStage;
+      const uint32_t base = (kDqCols * wg / kDqBoxCols) * kDqBoxBytes + (16 * w4 + g) * 128 +
+                            ((((t >> 1) ^ (g & 1)) << 4) | ((t & 1) * 8));
+#pragma unroll
+      for (int j = 0; j < kDqCols / 8; ++j)
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+          const uint32_t off =
+              base + (j / 4) * kDqBoxBytes + h2 * 8 * 128 + (((2 * (j % 4)) ^ (g & 6)) << 4);
+          *reinterpret_cast<float2*>(stage + off) = make_float2(x[4 * j + 2 * h2], x[4 * j + 2 * h2 + 1]);
+        }
+      hopper::fence_proxy_async();  // the tile, before the reductions read it
+      hopper::named_barrier_sync(3 + wg, 128);
+      if (wg_leader) {
+#pragma unroll
+        for (int bx = 0; bx < kDqCols / kDqBoxCols; ++bx) {
+          const int b0 = kDqCols * wg / kDqBoxCols + bx;
+          hopper::tma_reduce_add_3d(&maps.dq, stage + b0 * kDqBoxBytes, b0 * kDqBoxCols, q0,
+                                    static_cast<int>(bhq));
+        }
+        hopper::bulk_commit_group();
+      }
+      return;
+    }
     float* dq = a.dq_acc + (bhq * a.nq_pad + q0 + 16 * w4 + g) * D + kDqCols * wg + 2 * t;
 #pragma unroll
     for (int j = 0; j < kDqCols / 8; ++j)
@@ -405,6 +471,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   // the buffer.
   auto dq_second_half = [&](Acc(&tq)[kDqCols / 2], int pu, const float (&sc)[2],
                             float(&x)[kDqCols / 2]) {
+    if constexpr (F::kMergeFree) {  // one product over every token: x is done
+      hopper::wgmma_wait<0>();
+      hopper::fence_operands(tq);
+      __syncwarp();
+      if (lane == 0) hopper::mbarrier_arrive(&bar.ds_empty[pu]);
+#pragma unroll
+      for (int i = 0; i < kDqCols / 2; ++i) x[i] = F::to_float(tq[i]) * sc[0];
+      return;
+    }
     hopper::wgmma_wait<0>();
     hopper::fence_operands(tq);
 #pragma unroll
@@ -435,6 +510,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     TileOperands op{};
     op.lse2 = st_f + L::kLse2 / 4;
     op.delta = st_f + L::kDelta / 4;
+    op.inv_s = st_f + L::kInvS / 4;
     op.s_qk = s_q * s_k;
     op.s_dov = s_do * s_v;
     op.q0 = blk * kQBlockRows;
@@ -511,9 +587,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       __syncwarp();
       if (lane == 0) hopper::mbarrier_arrive(&bar.ds_full[pw]);
     }
-    // Step w + 2's stage is step w - 1's: refill it once both warpgroups are done with it.
-    if (threadIdx.x == 0 && w + 2 < work) {
-      const int ls = sidx == 0 ? L::kStages - 1 : sidx - 1;  // (w + 2) mod 3
+    // Step w + S - 1's stage is step w - 1's: refill it once both warpgroups are done
+    // with it.
+    if (threadIdx.x == 0 && w + L::kStages - 1 < work) {
+      const int ls = sidx == 0 ? L::kStages - 1 : sidx - 1;  // (w - 1) mod S
       if (w >= 1) hopper::mbarrier_wait(&bar.empty[ls], (sidx == 0 ? round - 1 : round) & 1);
       load_q(ls, ld);
     }
@@ -546,7 +623,38 @@ __global__ void __launch_bounds__(kThreads, 1)
         product_dq(tq, pu, 0);
       }
     };
-    if constexpr (kHalves == 2) {
+    if constexpr (F::kMergeFree) {
+      // Fixed scales: dV and dK accumulate in place, every product in one group.
+      auto& dv_flat = reinterpret_cast<float(&)[D / 2]>(dv);
+      auto& dk_flat = reinterpret_cast<float(&)[D / 2]>(dk);
+      hopper::fence_operands_f32(dv_flat);
+      hopper::fence_operands_f32(dk_flat);
+      hopper::wgmma_fence();
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h) {
+        auto& dvh = reinterpret_cast<float(&)[32]>(dv[8 * h]);
+        const uint64_t d_h = hopper::desc_advance(d_dot, 64 * 64 * h);
+        F::template wgmma_n64_rs<true>(dvh, f.p[0], d_h);
+        F::template wgmma_n64_rs<true>(dvh, f.p[1], hopper::desc_advance(d_h, 32));
+      }
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h) {
+        auto& dkh = reinterpret_cast<float(&)[32]>(dk[8 * h]);
+        const uint64_t d_h = hopper::desc_advance(d_qt, 64 * 64 * h);
+        F::template wgmma_n64_rs<true>(dkh, f.ds[0], d_h);
+        F::template wgmma_n64_rs<true>(dkh, f.ds[1], hopper::desc_advance(d_h, 32));
+      }
+      hopper::wgmma_commit();
+      hopper::fence_operands_f32(dv_flat);
+      hopper::fence_operands_f32(dk_flat);
+      dq_first_half();
+      hopper::wgmma_wait<kAtomicDq ? 1 : 0>();
+      fence_frags(f.p);
+      fence_frags(f.ds);
+      hopper::fence_operands_f32(dv_flat);
+      hopper::fence_operands_f32(dk_flat);
+      hopper::mbarrier_arrive(&bar.empty[sidx]);  // the stage's last reads, every thread's
+    } else if constexpr (kHalves == 2) {
       product_kv(ta, f.p, d_dot, 0);
       product_kv(tb, f.p, d_dot, 1);
       hopper::wgmma_wait<1>();
@@ -585,6 +693,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     if constexpr (kAtomicDq) {
       float x[kDqCols / 2];
+      if (w > 0) dq_stage_free();
       dq_second_half(tq, pu, sc_dq, x);
       if (w > 0) dq_reduce(x, prev_bhq, prev_q0);
     }
@@ -603,11 +712,31 @@ __global__ void __launch_bounds__(kThreads, 1)
       float sc_dq[2], x[kDqCols / 2];
       dq_scales(pu, sc_dq);
       product_dq(tq, pu, 0);
+      dq_stage_free();
       dq_second_half(tq, pu, sc_dq, x);
       dq_reduce(x, prev_bhq, prev_q0);
     }
+    if constexpr (F::kMergeFree)
+      if (wg_leader) hopper::bulk_wait_group<0>();  // the reductions, before the CTA exits
   }
 
+  if constexpr (F::kMergeFree) {
+    // The group's channel scales (the emulator's steps c, d): dV·s_dO,c/448 and
+    // dK·sm_scale·s_Q',c, s = the channel's maximum / 448.
+    const float* do_max = a.do_max + bhk * D;
+    const float* sq_max = a.sq_max + bhk * D;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = 8 * n + 2 * t + e;
+        const float sv = do_max[col] / F::kMax / F::kMax, sk = sq_max[col] / F::kMax;
+        dv[n][e] *= sv;
+        dv[n][e + 2] *= sv;
+        dk[n][e] = a.sm_scale * dk[n][e] * sk;
+        dk[n][e + 2] = a.sm_scale * dk[n][e + 2] * sk;
+      }
+  }
   // dK_j, dV_j: rows 16·warp + g (+8), columns 8n + 2t (+1), a column pair per store
   // where the rows are 4-byte aligned.
   const bool pairs = rows_aligned<T, 4>(a.dk) && rows_aligned<T, 4>(a.dv);

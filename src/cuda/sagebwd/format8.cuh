@@ -16,7 +16,10 @@
 
 namespace qattn::sagebwd {
 
-enum class Code8 { Int8, E4M3 };
+// E4M3MergeFree: the E4M3 codes with the merge-free scales (qattn_bwd_scales; the
+// emulator's Bwd8Scales::MergeFree): fixed before the kernel, so every product adds into
+// its accumulator in place.
+enum class Code8 { Int8, E4M3, E4M3MergeFree };
 
 // An INT32 accumulator as float, exactly, for |i| < 2^22 (an IADD and an FADD on the full-
 // rate pipes instead of I2F at a quarter rate). Every accumulator here is a sum of at
@@ -40,6 +43,7 @@ struct Format8<Code8::Int8> {
   using Acc = int32_t;
   static constexpr float kMax = common::kInt8Max;
   static constexpr bool kIntegerSums = true;
+  static constexpr bool kMergeFree = false;
   static __device__ __forceinline__ float to_float(int32_t i) { return i2f_exact(i); }
   // Four values times inv as codes, low byte first: the emulator's clamp_rne codes,
   // since |x| <= amax makes |x·inv| round to at most 127 (common::quantize_int8x4_rn).
@@ -70,6 +74,7 @@ struct Format8<Code8::E4M3> {
   using Acc = float;
   static constexpr float kMax = common::kE4M3Max;
   static constexpr bool kIntegerSums = false;
+  static constexpr bool kMergeFree = false;
   static __device__ __forceinline__ float to_float(float x) { return x; }
   // Four values times inv as E4M3 codes (round to nearest even, saturating), low byte
   // first: numerics::e4m3_encode(x·inv), the product rounded on its own as there.
@@ -95,6 +100,11 @@ struct Format8<Code8::E4M3> {
                                                       uint64_t db) {
     hopper::wgmma_m64n64k32_e4m3_rs<kAcc>(d, a, db);
   }
+};
+
+template <>
+struct Format8<Code8::E4M3MergeFree> : Format8<Code8::E4M3> {
+  static constexpr bool kMergeFree = true;
 };
 
 }  // namespace qattn::sagebwd

@@ -23,7 +23,7 @@ struct Smem {
   using S = Strides<D>;
   static constexpr int kV = kQuantDov ? S::kI8 : S::k16;  // row stride of V and dO
   static constexpr int kKSide = kKvTileRows * S::kI8 + D * S::kKvT + kKvTileRows * kV;
-  static constexpr int kQSideDq = kQBlockRows * S::kI8 + kQBlockRows * kV + 2 * kQBlockRows * 4;
+  static constexpr int kQSideDq = kQBlockRows * S::kI8 + kQBlockRows * kV + 3 * kQBlockRows * 4;
   static constexpr int kDs = kQBlockRows * S::kKvT;
   static constexpr int kRed = 2 * kWarps * 4;
   static constexpr int kDqBytes = 2 * kKSide + kQSideDq + kDs + kRed;
@@ -56,7 +56,8 @@ __device__ __forceinline__ void load_k_side(const Args& a, uint32_t base, int64_
             D * es);
 }
 
-// The Q side of block `blk` of (b, h): Q̂, dO, lse2, delta, and with `transposed` Q̂ᵀ, dÔᵀ.
+// The Q side of block `blk` of (b, h): Q̂, dO, lse2, delta, 1/s_i (merge-free scales), and
+// with `transposed` Q̂ᵀ, dÔᵀ.
 template <int D, bool kQuantDov>
 __device__ __forceinline__ void load_q_side(const Args& a, uint32_t base, int64_t bhq, int blk,
                                             bool transposed) {
@@ -73,7 +74,9 @@ __device__ __forceinline__ void load_q_side(const Args& a, uint32_t base, int64_
   at += kQBlockRows * L::kV;
   copy_rows(at, 0, a.lse2 + bhq * a.nq_pad + q0, 0, 1, kQBlockRows * 4);
   copy_rows(at + kQBlockRows * 4, 0, a.delta + bhq * a.nq_pad + q0, 0, 1, kQBlockRows * 4);
-  at += 2 * kQBlockRows * 4;
+  if (a.inv_s != nullptr)
+    copy_rows(at + 2 * kQBlockRows * 4, 0, a.inv_s + bhq * a.nq_pad + q0, 0, 1, kQBlockRows * 4);
+  at += 3 * kQBlockRows * 4;
   if (transposed) {
     copy_rows(at, S::kQT, a.qt_i8 + bhq * D * a.nq_pad + q0, a.nq_pad, D, kQBlockRows);
     copy_rows(at + D * S::kQT, S::kQT, a.dot_i8 + bhq * D * a.nq_pad + q0, a.nq_pad, D, kQBlockRows);
@@ -89,7 +92,8 @@ struct QSide {
   static constexpr int kDo = kQBlockRows * S::kI8;
   static constexpr int kLse2 = kDo + kQBlockRows * L::kV;
   static constexpr int kDelta = kLse2 + kQBlockRows * 4;
-  static constexpr int kQt = kDelta + kQBlockRows * 4;
+  static constexpr int kInvS = kDelta + kQBlockRows * 4;
+  static constexpr int kQt = kInvS + kQBlockRows * 4;
   static constexpr int kDot = kQt + D * S::kQT;
 };
 
@@ -137,6 +141,7 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const Args a) {
     op.dov = s_q + Q::kDo;
     op.lse2 = q_f + Q::kLse2 / 4;
     op.delta = q_f + Q::kDelta / 4;
+    op.inv_s = q_f + Q::kInvS / 4;
     const float s_k = a.k_scale[bhk * tiles + j];
     op.s_qk = s_qv * s_k;
     op.s_dov = kQuantDov ? s_do * a.v_scale[bhk * tiles + j] : 0.0f;
@@ -148,8 +153,8 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const Args a) {
                   [](int qc, int tok) { return qc * Strides<D>::kKvT + kv_pos_of_token(tok); });
     __syncthreads();  // dŜ and both halves' maxima (red is written again after the loop's
                       // next __syncthreads)
-    float s_ds_half[2];
-    ds_half_scales<F>(red, s_ds_half);
+    float s_ds_half[2] = {1.0f, 1.0f};  // merge-free: dŜ unscaled (s_i applied by dq_finalize)
+    if constexpr (!F::kMergeFree) ds_half_scales<F>(red, s_ds_half);
     const float sc_dq[2] = {a.sm_scale * (s_ds_half[0] * s_k), a.sm_scale * (s_ds_half[1] * s_k)};
     dq_product<D, F>(s_ds, st + kKvTileRows * S::kI8, sc_dq, warp, lane,
                   [&](int n, int e, float x) { dq[n][e] += x; });

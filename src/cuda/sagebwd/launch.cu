@@ -66,6 +66,14 @@ Args make_args(const qattn_bwd_params& p, void* workspace) {
   a.k_scale = f(w.k_scale);
   a.v_scale = f(w.v_scale);
   a.k_mean = f(w.k_mean);
+  if (p.scales == QATTN_BWD_SCALES_MERGE_FREE) {
+    a.p_max = p.p_max;
+    a.s_row = f(w.s_row);
+    a.inv_s = f(w.inv_s);
+    a.v_max = f(w.v_max);
+    a.do_max = f(w.do_max);
+    a.sq_max = f(w.sq_max);
+  }
   return a;
 }
 
@@ -76,8 +84,9 @@ cudaError_t set_smem(Kernel kernel, int bytes, std::atomic<unsigned long long>& 
   });
 }
 
-// The dK/dV kernel's Q-side tensor maps over the workspace (QSideMaps).
-template <int D, bool kQuantDov>
+// The dK/dV kernel's Q-side tensor maps over the workspace (QSideMaps); dQ's with the
+// merge-free scales.
+template <int D, bool kQuantDov, bool kDqMap>
 cudaError_t make_q_side_maps(const Args& a, QSideMaps& m) {
   using W = WgSmem<D, kQuantDov>;
   const uint64_t rows = static_cast<uint64_t>(a.nq_pad), heads = static_cast<uint64_t>(a.batch) * a.heads_q;
@@ -91,6 +100,8 @@ cudaError_t make_q_side_maps(const Args& a, QSideMaps& m) {
     e = hopper::make_tensor_map_u8_3d(&m.qt, a.qt_i8, rows, D, heads, blk, D, hopper::Swizzle::k64B);
   if (e == cudaSuccess)
     e = hopper::make_tensor_map_u8_3d(&m.dot, a.dot_i8, rows, D, heads, blk, D, hopper::Swizzle::k64B);
+  if (e == cudaSuccess && kDqMap)
+    e = hopper::make_tensor_map_f32_3d(&m.dq, a.dq_acc, D, rows, heads, kDqBoxCols, blk);
   return e;
 }
 
@@ -98,18 +109,19 @@ template <typename T, int D, bool kQuantDov, Code8 C>
 cudaError_t run(const Args& a, bool deterministic, cudaStream_t stream) {
   using F = Format8<C>;
   using L = Smem<D, kQuantDov>;
-  using W = WgSmem<D, kQuantDov>;
-  QSideMaps maps;  // before anything is enqueued: a failed encode launches nothing
-  if (auto e = make_q_side_maps<D, kQuantDov>(a, maps); e != cudaSuccess) return e;
+  using W = WgSmem<D, kQuantDov, F::kMergeFree>;
+  QSideMaps maps{};  // before anything is enqueued: a failed encode launches nothing
+  if (auto e = make_q_side_maps<D, kQuantDov, F::kMergeFree>(a, maps); e != cudaSuccess) return e;
   if (auto e = launch_prepare<T, D>(a, kQuantDov, C, stream); e != cudaSuccess) return e;
   const dim3 kv_grid(a.nkv_pad / kKvTileRows, a.heads_kv, a.batch);
   if (deterministic) {
     static std::atomic<unsigned long long> done_kv{0}, done_q{0};
+    using Wd = WgSmem<D, kQuantDov, false>;  // no dQ here: no staging tile
     auto kv = dkdv_wgmma_kernel<T, D, kQuantDov, false, F>;
     auto q = dq_kernel<T, D, kQuantDov, F>;
-    if (auto e = set_smem(kv, W::kBytes, done_kv); e != cudaSuccess) return e;
+    if (auto e = set_smem(kv, Wd::kBytes, done_kv); e != cudaSuccess) return e;
     if (auto e = set_smem(q, L::kDqBytes, done_q); e != cudaSuccess) return e;
-    kv<<<kv_grid, kThreads, W::kBytes, stream>>>(a, maps);
+    kv<<<kv_grid, kThreads, Wd::kBytes, stream>>>(a, maps);
     q<<<dim3(a.nq_pad / kQBlockRows, a.heads_q, a.batch), kThreads, L::kDqBytes, stream>>>(a);
   } else {
     static std::atomic<unsigned long long> done{0};
@@ -129,10 +141,13 @@ cudaError_t run_format(const Args& a, int D, bool quant_dov, bool deterministic,
 }
 
 template <typename T>
-cudaError_t run_dtype(const Args& a, int D, bool e4m3, bool quant_dov, bool deterministic,
+cudaError_t run_dtype(const Args& a, int D, Code8 code, bool quant_dov, bool deterministic,
                       cudaStream_t s) {
-  return e4m3 ? run_format<T, Code8::E4M3>(a, D, quant_dov, deterministic, s)
-              : run_format<T, Code8::Int8>(a, D, quant_dov, deterministic, s);
+  if (code == Code8::E4M3MergeFree)  // dov 16-bit only (validated)
+    return D == 64 ? run<T, 64, false, Code8::E4M3MergeFree>(a, deterministic, s)
+                   : run<T, 128, false, Code8::E4M3MergeFree>(a, deterministic, s);
+  return code == Code8::E4M3 ? run_format<T, Code8::E4M3>(a, D, quant_dov, deterministic, s)
+                             : run_format<T, Code8::Int8>(a, D, quant_dov, deterministic, s);
 }
 
 }  // namespace
@@ -140,12 +155,15 @@ cudaError_t run_dtype(const Args& a, int D, bool e4m3, bool quant_dov, bool dete
 int launch_backward(const qattn_bwd_params& p, void* workspace, void* stream) {
   const Args a = make_args(p, workspace);
   const int D = padded_head_dim(p.head_dim);
-  const bool quant_dov = p.dov == QATTN_BWD_DOV_QUANTIZED, e4m3 = p.format == QATTN_BWD_E4M3;
+  const bool quant_dov = p.dov == QATTN_BWD_DOV_QUANTIZED;
+  const Code8 code = p.scales == QATTN_BWD_SCALES_MERGE_FREE ? Code8::E4M3MergeFree
+                     : p.format == QATTN_BWD_E4M3          ? Code8::E4M3
+                                                           : Code8::Int8;
   auto s = static_cast<cudaStream_t>(stream);
   const bool det = p.deterministic != 0;
   const cudaError_t e = p.dtype == QATTN_DTYPE_BF16
-                            ? run_dtype<__nv_bfloat16>(a, D, e4m3, quant_dov, det, s)
-                            : run_dtype<__half>(a, D, e4m3, quant_dov, det, s);
+                            ? run_dtype<__nv_bfloat16>(a, D, code, quant_dov, det, s)
+                            : run_dtype<__half>(a, D, code, quant_dov, det, s);
   return static_cast<int>(e);
 }
 

@@ -69,12 +69,42 @@ __device__ __forceinline__ float block_max(float v, float* red) {
   return m;
 }
 
+// max into a float that holds a non-negative value (merge-free channel maxima, zeroed by
+// k_mean_kernel): non-negative floats order as their bit patterns.
+__device__ __forceinline__ void atomic_max_nonneg(float* at, float v) {
+  atomicMax(reinterpret_cast<int*>(at), __float_as_int(v));
+}
+
+// Raises out[c0..c0+7] to the CTA's maxima of its threads' v (threads of equal c0 hold
+// other rows): reduced in `scratch` (kThreads·8 floats) first, so a CTA sends one atomic a
+// column, not one a thread and column; those pile onto a head's few cache lines, where
+// they serialize (bench/NOTES.md v94). Every thread calls it.
+template <int D>
+__device__ __forceinline__ void cta_column_max(const float (&v)[8], int c0, float* out,
+                                               float* scratch) {
+  constexpr int kRows = kThreads / (D / 8);  // threads a column
+  const int r = threadIdx.x / (D / 8);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) scratch[r * D + c0 + i] = v[i];
+  __syncthreads();
+  if (threadIdx.x < D) {
+    float m = scratch[threadIdx.x];
+#pragma unroll 4
+    for (int k = 1; k < kRows; ++k) m = fmaxf(m, scratch[k * D + threadIdx.x]);
+    atomic_max_nonneg(out + threadIdx.x, m);
+  }
+  __syncthreads();  // scratch may be written again
+}
+
+// |x| as FP16 (the emulator's fp16_round: the merge-free bound reads dO and V in FP16).
+__device__ __forceinline__ float abs_fp16(float x) { return fabsf(__half2float(__float2half_rn(x))); }
+
 // Eight values times inv as the format's codes, low byte first: the emulator's
 // (numerics::int8_quantize or e4m3_encode of x·inv).
 template <Code8 C>
 __device__ __forceinline__ uint2 pack8(const float (&x)[8], float inv) {
-  if constexpr (C == Code8::E4M3) {
-    using F = Format8<Code8::E4M3>;
+  if constexpr (!Format8<C>::kIntegerSums) {
+    using F = Format8<C>;
     return make_uint2(F::pack4(x[0], x[1], x[2], x[3], inv), F::pack4(x[4], x[5], x[6], x[7], inv));
   }
   uint2 r;
@@ -87,6 +117,22 @@ __device__ __forceinline__ uint2 pack8(const float (&x)[8], float inv) {
            << (8 * i);
   }
   return r;
+}
+
+// Column `col` of rows 16g..16g+15 of an 8-bit tile in shared memory (row stride kBt),
+// the rows in the order at(0..15) names (permute.cuh's), as one 16-byte word: a row of a
+// transposed operand.
+template <typename At>
+__device__ __forceinline__ uint4 column_word(const uint8_t* tile, int kBt, int g, int col, At&& at) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    w[i] = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      w[i] |= static_cast<uint32_t>(tile[(16 * g + at(4 * i + k)) * kBt + col]) << (8 * k);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
 // ---- K side ------------------------------------------------------------------------
@@ -107,6 +153,11 @@ __global__ void __launch_bounds__(D) k_mean_kernel(Args a) {
   }
   a.k_mean[static_cast<int64_t>(blockIdx.x) * D + col] =
       col < a.d ? static_cast<float>(s / static_cast<double>(n)) : 0.0f;
+  if (a.v_max != nullptr) {  // merge-free: the channel maxima the prepare passes raise
+    a.v_max[static_cast<int64_t>(blockIdx.x) * D + col] = 0.0f;
+    a.do_max[static_cast<int64_t>(blockIdx.x) * D + col] = 0.0f;
+    a.sq_max[static_cast<int64_t>(blockIdx.x) * D + col] = 0.0f;
+  }
 }
 
 template <typename T, int D, bool kQuantDov, Code8 C>
@@ -125,7 +176,7 @@ __global__ void __launch_bounds__(kThreads) k_prepare_kernel(Args a) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) cm[i] = c[c0 + i];
 
-  float amax_k = 0.0f, amax_v = 0.0f;
+  float amax_k = 0.0f, amax_v = 0.0f, vmax[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 #pragma unroll
   for (int p = 0; p < kPasses; ++p) {
     const int r = r_in + p * kRpp, n = j0 + r;
@@ -137,6 +188,12 @@ __global__ void __launch_bounds__(kThreads) k_prepare_kernel(Args a) {
       for (int i = 0; i < 8; ++i) amax_k = fmaxf(amax_k, fabsf(x[i] - cm[i]));
       const T* vrow = row_ptr<T>(a.v, b, h, n);
       vraw = load8_raw(vrow, c0, a.d);
+      if constexpr (Format8<C>::kMergeFree) {
+        float y[8];
+        load8(vrow, c0, a.d, y);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) vmax[i] = fmaxf(vmax[i], abs_fp16(y[i]));
+      }
       if constexpr (kQuantDov) {
         float y[8];
         load8(vrow, c0, a.d, y);
@@ -145,6 +202,10 @@ __global__ void __launch_bounds__(kThreads) k_prepare_kernel(Args a) {
       }
     }
     *reinterpret_cast<uint4*>(static_cast<T*>(a.v_16) + (bh * a.nkv_pad + n) * D + c0) = vraw;
+  }
+  if constexpr (Format8<C>::kMergeFree) {
+    __shared__ float scratch[kThreads * 8];
+    cta_column_max<D>(vmax, c0, a.v_max + bh * D, scratch);
   }
   amax_k = block_max(amax_k, red);
   if constexpr (kQuantDov) amax_v = block_max(amax_v, red);
@@ -177,20 +238,27 @@ __global__ void __launch_bounds__(kThreads) k_prepare_kernel(Args a) {
   // (permute.cuh).
   for (int chunk = threadIdx.x; chunk < D * (kKvTileRows / 16); chunk += kThreads) {
     const int col = chunk / (kKvTileRows / 16), g = chunk % (kKvTileRows / 16);
-    uint32_t w[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      w[i] = 0;
-#pragma unroll
-      for (int k = 0; k < 4; ++k)
-        w[i] |= static_cast<uint32_t>(bt[(16 * g + kv_token_at(4 * i + k)) * kBt + col]) << (8 * k);
-    }
     *reinterpret_cast<uint4*>(a.kt_i8 + (bh * D + col) * a.nkv_pad + j0 + 16 * g) =
-        make_uint4(w[0], w[1], w[2], w[3]);
+        column_word(bt, kBt, g, col, [](int r) { return kv_token_at(r); });
   }
 }
 
 // ---- Q side ------------------------------------------------------------------------
+
+// Qᵀ and dOᵀ of Q block r0 of (b, h) from its 8-bit rows in shared memory (row stride
+// kBt), rows permuted in groups of 16 (permute.cuh). After a barrier on the rows.
+template <int D>
+__device__ __forceinline__ void store_q_transposes(const Args& a, const uint8_t* bt_q,
+                                                   const uint8_t* bt_do, int64_t bh, int r0) {
+  constexpr int kBt = D + 8;
+  for (int chunk = threadIdx.x; chunk < 2 * D * (kQBlockRows / 16); chunk += kThreads) {
+    const int which = chunk / (D * (kQBlockRows / 16)), rest = chunk % (D * (kQBlockRows / 16));
+    const int col = rest / (kQBlockRows / 16), g = rest % (kQBlockRows / 16);
+    int8_t* dst = which == 0 ? a.qt_i8 : a.dot_i8;
+    *reinterpret_cast<uint4*>(dst + (bh * D + col) * a.nq_pad + r0 + 16 * g) =
+        column_word(which == 0 ? bt_q : bt_do, kBt, g, col, [](int r) { return k_slot_row(r); });
+  }
+}
 
 template <typename T, int D, bool kQuantDov, Code8 C>
 __global__ void __launch_bounds__(kThreads) q_prepare_kernel(Args a) {
@@ -209,14 +277,25 @@ __global__ void __launch_bounds__(kThreads) q_prepare_kernel(Args a) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) cm[i] = c[c0 + i];
 
+  constexpr bool kMergeFree = Format8<C>::kMergeFree;
   float amax_q = 0.0f, amax_do = 0.0f;
+  // Merge-free: V's channel maxima (k_prepare_kernel's), and this thread's maxima of |dO|
+  // and |s_i·Q| over its rows, for the group's (atomics below).
+  float vmax[8] = {0, 0, 0, 0, 0, 0, 0, 0}, domax[8] = {0, 0, 0, 0, 0, 0, 0, 0},
+        sqmax[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  const int64_t bhk = static_cast<int64_t>(b) * a.heads_kv + hk;
+  if constexpr (kMergeFree) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) vmax[i] = a.v_max[bhk * D + c0 + i];
+  }
 #pragma unroll
   for (int p = 0; p < kPasses; ++p) {
     const int r = r_in + p * kRpp, n = r0 + r;
-    float qc = 0.0f, dsum = 0.0f;
+    float qc = 0.0f, dsum = 0.0f, bound = 0.0f;
+    float x[8] = {0, 0, 0, 0, 0, 0, 0, 0}, g[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     uint4 doraw = make_uint4(0, 0, 0, 0);
     if (n < a.nq) {
-      float x[8], g[8], o[8];
+      float o[8];
       load8(row_ptr<T>(a.q, b, h, n), c0, a.d, x);
       const T* dorow = row_ptr<T>(a.dout, b, h, n);
       load8(dorow, c0, a.d, g);
@@ -228,12 +307,29 @@ __global__ void __launch_bounds__(kThreads) q_prepare_kernel(Args a) {
         amax_do = fmaxf(amax_do, fabsf(g[i]));
         qc = fmaf(x[i], cm[i], qc);
         dsum = fmaf(g[i], o[i], dsum);
+        if constexpr (kMergeFree) bound = fmaf(abs_fp16(g[i]), vmax[i], bound);
       }
     }
 #pragma unroll
     for (int off = 1; off < kTpr; off <<= 1) {
       qc += __shfl_xor_sync(0xffffffffu, qc, off);
       dsum += __shfl_xor_sync(0xffffffffu, dsum, off);
+      if constexpr (kMergeFree) bound += __shfl_xor_sync(0xffffffffu, bound, off);
+    }
+    if constexpr (kMergeFree) {
+      // s_i: the bound of row i's largest |dS| (the emulator's step b); 0 for a padding
+      // row and for a row whose P is 0 everywhere (p_max 0: it sees no key).
+      const float pm = n < a.nq ? a.p_max[bh * a.nq + n] : 0.0f;
+      const float s = pm > 0.0f ? (bound + fabsf(dsum)) * pm / Format8<C>::kMax : 0.0f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        domax[i] = fmaxf(domax[i], fabsf(g[i]));
+        sqmax[i] = fmaxf(sqmax[i], fabsf(s * x[i]));
+      }
+      if (threadIdx.x % kTpr == 0) {
+        a.s_row[bh * a.nq_pad + n] = s;
+        a.inv_s[bh * a.nq_pad + n] = s > 0.0f ? 1.0f / s : 0.0f;
+      }
     }
     if (threadIdx.x % kTpr == 0) {
       float l2 = INFINITY;  // padding rows: P = exp2(x - inf) = 0
@@ -245,6 +341,11 @@ __global__ void __launch_bounds__(kThreads) q_prepare_kernel(Args a) {
     float4* acc = reinterpret_cast<float4*>(a.dq_acc + (bh * a.nq_pad + n) * D + c0);
     acc[0] = make_float4(0, 0, 0, 0);
     acc[1] = make_float4(0, 0, 0, 0);
+  }
+  if constexpr (kMergeFree) {
+    __shared__ float scratch[kThreads * 8];
+    cta_column_max<D>(domax, c0, a.do_max + bhk * D, scratch);
+    cta_column_max<D>(sqmax, c0, a.sq_max + bhk * D, scratch);
   }
   amax_q = block_max(amax_q, red);
   amax_do = block_max(amax_do, red);
@@ -268,24 +369,52 @@ __global__ void __launch_bounds__(kThreads) q_prepare_kernel(Args a) {
     *reinterpret_cast<uint2*>(bt_do + r * kBt + c0) = qd;
     if constexpr (kQuantDov) *reinterpret_cast<uint2*>(a.do_i8 + (bh * a.nq_pad + n) * D + c0) = qd;
   }
+  if constexpr (Format8<C>::kMergeFree) return;  // q_codes_kernel writes Qᵀ and dOᵀ
   __syncthreads();
-  // Qᵀ and dOᵀ, rows permuted in groups of 16 (permute.cuh).
-  for (int chunk = threadIdx.x; chunk < 2 * D * (kQBlockRows / 16); chunk += kThreads) {
-    const int which = chunk / (D * (kQBlockRows / 16)), rest = chunk % (D * (kQBlockRows / 16));
-    const int col = rest / (kQBlockRows / 16), g = rest % (kQBlockRows / 16);
-    const uint8_t* src = which == 0 ? bt_q : bt_do;
-    uint32_t w[4];
+  store_q_transposes<D>(a, bt_q, bt_do, bh, r0);
+}
+
+// The merge-free Qᵀ and dOᵀ (workspace.h): E4M3(s_i·Q_ic / s_Q',c) and E4M3(dO_ic / s_dO,c)
+// with the group's channel maxima q_prepare_kernel left, as the emulator's steps c, d
+// (the same products and quotients, so the same codes).
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) q_codes_kernel(Args a) {
+  using F = Format8<Code8::E4M3MergeFree>;
+  constexpr int kTpr = D / 8, kRpp = kThreads / kTpr, kPasses = kQBlockRows / kRpp;
+  constexpr int kBt = D + 8;
+  __shared__ uint8_t bt_q[kQBlockRows * kBt];
+  __shared__ uint8_t bt_do[kQBlockRows * kBt];
+  const int blk = blockIdx.x, h = blockIdx.y, b = blockIdx.z, hk = h / a.group;
+  const int r0 = blk * kQBlockRows;
+  const int64_t bh = static_cast<int64_t>(b) * a.heads_q + h;
+  const int64_t bhk = static_cast<int64_t>(b) * a.heads_kv + hk;
+  const int c0 = (threadIdx.x % kTpr) * 8, r_in = threadIdx.x / kTpr;
+  float s_q[8], s_do[8];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      w[i] = 0;
-#pragma unroll
-      for (int k = 0; k < 4; ++k)
-        w[i] |= static_cast<uint32_t>(src[(16 * g + k_slot_row(4 * i + k)) * kBt + col]) << (8 * k);
-    }
-    int8_t* dst = which == 0 ? a.qt_i8 : a.dot_i8;
-    *reinterpret_cast<uint4*>(dst + (bh * D + col) * a.nq_pad + r0 + 16 * g) =
-        make_uint4(w[0], w[1], w[2], w[3]);
+  for (int i = 0; i < 8; ++i) {
+    s_q[i] = a.sq_max[bhk * D + c0 + i] / F::kMax;
+    s_do[i] = a.do_max[bhk * D + c0 + i] / F::kMax;
   }
+  auto code_of = [](float x, float scale) { return scale > 0.0f ? __fdiv_rn(x, scale) : 0.0f; };
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    const int r = r_in + p * kRpp, n = r0 + r;
+    float x[8] = {0, 0, 0, 0, 0, 0, 0, 0}, g[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    if (n < a.nq) {
+      load8(row_ptr<T>(a.q, b, h, n), c0, a.d, x);
+      load8(row_ptr<T>(a.dout, b, h, n), c0, a.d, g);
+    }
+    const float s = a.s_row[bh * a.nq_pad + n];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      x[i] = code_of(__fmul_rn(s, x[i]), s_q[i]);
+      g[i] = code_of(g[i], s_do[i]);
+    }
+    *reinterpret_cast<uint2*>(bt_q + r * kBt + c0) = pack8<Code8::E4M3MergeFree>(x, 1.0f);
+    *reinterpret_cast<uint2*>(bt_do + r * kBt + c0) = pack8<Code8::E4M3MergeFree>(g, 1.0f);
+  }
+  __syncthreads();
+  store_q_transposes<D>(a, bt_q, bt_do, bh, r0);
 }
 
 // ---- dQ ----------------------------------------------------------------------------
@@ -303,14 +432,21 @@ __global__ void __launch_bounds__(kThreads) dq_finalize_kernel(Args a) {
     const int n = blk * kQBlockRows + r_in + p * kRpp;
     if (n >= a.nq) continue;
     // Already sm_scale·Σ ψ(dS)ψ(K)·s; 32-byte aligned (D floats a row, c0 a multiple of 8).
-    const float* acc = a.dq_acc + (bh * a.nq_pad + n) * D + c0;
+    // The merge-free scales leave the row's s_i to apply here.
+    const float* acc_in = a.dq_acc + (bh * a.nq_pad + n) * D + c0;
+    const float4 lo = *reinterpret_cast<const float4*>(acc_in);
+    const float4 hi = *reinterpret_cast<const float4*>(acc_in + 4);
+    float acc[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    if (a.s_row != nullptr) {
+      const float s_i = a.s_row[bh * a.nq_pad + n];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] *= s_i;
+    }
     T* out = static_cast<T*>(a.dq.data) + b * a.dq.sb + h * a.dq.sh + static_cast<int64_t>(n) * a.dq.sn;
     if (whole) {
-      const float4 lo = *reinterpret_cast<const float4*>(acc);
-      const float4 hi = *reinterpret_cast<const float4*>(acc + 4);
       *reinterpret_cast<uint4*>(out + c0) = make_uint4(
-          pack2<T>(lo.x, lo.y), pack2<T>(lo.z, lo.w), pack2<T>(hi.x, hi.y),
-          pack2<T>(hi.z, hi.w));
+          pack2<T>(acc[0], acc[1]), pack2<T>(acc[2], acc[3]), pack2<T>(acc[4], acc[5]),
+          pack2<T>(acc[6], acc[7]));
       continue;
     }
 #pragma unroll
@@ -326,6 +462,8 @@ void enqueue_prepare(const Args& a, cudaStream_t stream) {
   const int tiles = a.nkv_pad / kKvTileRows, blocks = a.nq_pad / kQBlockRows;
   k_prepare_kernel<T, D, kQuantDov, C><<<dim3(tiles, a.heads_kv, a.batch), kThreads, 0, stream>>>(a);
   q_prepare_kernel<T, D, kQuantDov, C><<<dim3(blocks, a.heads_q, a.batch), kThreads, 0, stream>>>(a);
+  if constexpr (Format8<C>::kMergeFree)
+    q_codes_kernel<T, D><<<dim3(blocks, a.heads_q, a.batch), kThreads, 0, stream>>>(a);
 }
 
 }  // namespace
@@ -333,7 +471,9 @@ void enqueue_prepare(const Args& a, cudaStream_t stream) {
 template <typename T, int D>
 cudaError_t launch_prepare(const Args& a, bool quant_dov, Code8 code, cudaStream_t stream) {
   k_mean_kernel<T, D><<<a.batch * a.heads_kv, D, 0, stream>>>(a);
-  if (code == Code8::E4M3) {
+  if (code == Code8::E4M3MergeFree) {
+    enqueue_prepare<T, D, false, Code8::E4M3MergeFree>(a, stream);  // dov 16-bit only
+  } else if (code == Code8::E4M3) {
     quant_dov ? enqueue_prepare<T, D, true, Code8::E4M3>(a, stream)
               : enqueue_prepare<T, D, false, Code8::E4M3>(a, stream);
   } else {

@@ -126,6 +126,7 @@ struct TileOperands {
   uint32_t k8, v, q8, dov;   // K̂_j, V_j (16-bit or 8-bit), Q̂_i, dO_i (16-bit or 8-bit) rows
   const float* lse2;         // 64 values of block i
   const float* delta;
+  const float* inv_s;        // 64 values of 1/s_i (the merge-free scales only)
   float s_qk;                // s_q(i)·s_k(j)
   float s_dov;               // s_dO(i)·s_V(j) (quantized dO·Vᵀ only)
   int q0, j0;                // first query row / token of the tile
@@ -169,7 +170,9 @@ __device__ __forceinline__ void scores_to_p(const Args& a, const TileOperands& o
 
 // Steps 2-4's element-wise part: dS = P ∘ (dP − delta), the P and |dS| maxima of the
 // warp's half of the tile (warps 0-3, 4-7; `red`: 2·kWarps floats, one named barrier of
-// the half's 128 threads), their scales and P̂ᵀ, dŜᵀ as 8-bit A fragments.
+// the half's 128 threads), their scales and P̂ᵀ, dŜᵀ as 8-bit A fragments. With the
+// merge-free scales (F::kMergeFree) no maxima: P̂ = E4M3(P·448), dŜ = E4M3(dS/s_i)
+// (saturating), both scales fixed (the emulator's steps c, d).
 template <typename F>
 __device__ __forceinline__ void finish_tile(const TileOperands& op, const float (&p)[kNBlocksQ][4],
                                             const float (&dp)[kNBlocksQ][4], int warp, int lane,
@@ -180,12 +183,25 @@ __device__ __forceinline__ void finish_tile(const TileOperands& op, const float 
 #pragma unroll
   for (int n = 0; n < kNBlocksQ; ++n) {
     const float2 dl = *reinterpret_cast<const float2*>(op.delta + 8 * n + 2 * t);
+    float2 iv = make_float2(1.0f, 1.0f);  // 1/s_i of the thread's two query rows
+    if constexpr (F::kMergeFree) iv = *reinterpret_cast<const float2*>(op.inv_s + 8 * n + 2 * t);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       ds[n][e] = p[n][e] * (dp[n][e] - ((e & 1) ? dl.y : dl.x));
-      amax_p = fmaxf(amax_p, p[n][e]);
-      amax_ds = fmaxf(amax_ds, fabsf(ds[n][e]));
+      if constexpr (F::kMergeFree) {
+        ds[n][e] *= (e & 1) ? iv.y : iv.x;
+      } else {
+        amax_p = fmaxf(amax_p, p[n][e]);
+        amax_ds = fmaxf(amax_ds, fabsf(ds[n][e]));
+      }
     }
+  }
+  if constexpr (F::kMergeFree) {
+    f.s_p = 1.0f / F::kMax;
+    f.s_ds = 1.0f;
+    to_a_frags<F>(p, F::kMax, f.p);
+    to_a_frags<F>(ds, 1.0f, f.ds);
+    return;
   }
   amax_p = warp_max(amax_p);
   amax_ds = warp_max(amax_ds);

@@ -27,6 +27,13 @@
 //   k_scale, v_scale  float (B, Hkv, Nkv_pad / 128)
 //   k_mean    float (B, Hkv, D)           the smoothing vector c: the mean of the
 //                                         forward's token sample (numerics/token_sample.h)
+// With the merge-free scales (QATTN_BWD_SCALES_MERGE_FREE; 0 bytes otherwise; qt_i8 and
+// dot_i8 then hold E4M3(s_i·Q / s_Q') and E4M3(dO / s_dO) per channel, q_scale's and
+// do_scale's dO part unused):
+//   s_row, inv_s  float (B, Hq, Nq_pad)   s_i = p_max_i·(Σ_c |dO_ic|·max|V_c| + |D_i|)/448
+//                                         and 1/s_i (0 for padding and keyless rows)
+//   v_max, do_max, sq_max  float (B, Hkv, D)  channel maxima of |V| (FP16), |dO| and
+//                                         |s_i·Q| over the KV head's group
 #pragma once
 
 #include <cstddef>
@@ -46,7 +53,8 @@ struct WorkspaceLayout {
   int nq_pad = 0, nkv_pad = 0;
   std::size_t q_i8 = 0, qt_i8 = 0, do_16 = 0, do_i8 = 0, dot_i8 = 0, q_scale = 0, do_scale = 0,
               lse2 = 0, delta = 0, dq_acc = 0, k_i8 = 0, kt_i8 = 0, v_16 = 0,
-              v_i8 = 0, k_scale = 0, v_scale = 0, k_mean = 0, total = 0;
+              v_i8 = 0, k_scale = 0, v_scale = 0, k_mean = 0, s_row = 0, inv_s = 0, v_max = 0,
+              do_max = 0, sq_max = 0, total = 0;
 };
 
 inline int padded_head_dim(int d) { return d <= 64 ? 64 : 128; }
@@ -84,6 +92,13 @@ inline WorkspaceLayout workspace_layout(const qattn_bwd_params& p) {
   w.k_scale = take(rk / kKvTile * sizeof(float));
   w.v_scale = take(rk / kKvTile * sizeof(float));
   w.k_mean = take(static_cast<std::size_t>(p.batch) * p.heads_kv * D * sizeof(float));
+  const bool merge_free = p.scales == QATTN_BWD_SCALES_MERGE_FREE;
+  const std::size_t channels = static_cast<std::size_t>(p.batch) * p.heads_kv * D * sizeof(float);
+  w.s_row = take(merge_free ? rq * sizeof(float) : 0);
+  w.inv_s = take(merge_free ? rq * sizeof(float) : 0);
+  w.v_max = take(merge_free ? channels : 0);
+  w.do_max = take(merge_free ? channels : 0);
+  w.sq_max = take(merge_free ? channels : 0);
   w.total = off;
   return w;
 }
