@@ -867,7 +867,8 @@ def set_backward_options(format: str = _KEEP, dov: str = _KEEP, deterministic=_K
     scales: how the 8-bit products are scaled. "per_block" (default; SageBwd's): per
       64-row Q block, per 128-key KV tile and per tile of P and dS, partial sums
       rescaled as the maxima grow. "merge_free": every scale fixed before the kernel
-      runs, so no partial sum is ever rescaled (faster): P·448 unscaled, dO and each
+      runs, so no partial sum is ever rescaled (on an H200 at d 128: 25% faster than
+      INT8 at 4K tokens, 11% causal; 2-13% slower at 1K): P·448 unscaled, dO and each
       row's s_i·Q per channel over a KV head's query heads, dS per query row by a bound
       s_i = p_max_i·(Σ_c |dO_ic|·max|V_c| + |D_i|)/448, where p_max_i = exp(m_i - lse_i)
       is P's row maximum, which the training forward writes beside the LSE. For format
