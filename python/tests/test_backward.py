@@ -695,23 +695,36 @@ def test_gpu_deterministic_mode_is_bitwise_stable(gpu):
             assert torch.equal(a, b)
 
 
-def test_gpu_compile_fullgraph_equals_eager(gpu):
+def check_compiled_equals_eager(seed, seen_scales=None):
+    """torch.compile(fullgraph=True) of a causal top-left call with Nq > Nkv (two training
+    forwards) gives the eager output and gradients bitwise, in the deterministic mode;
+    eager is bitwise stable run to run too. seen_scales: the merge_free_gpu record, whose
+    every backward call must have run the merge-free scales."""
     qattn.set_backward_options(deterministic=True)  # so that equal means bitwise
-    q, k, v, go = cuda_inputs(1, 8, 2, 1000, 700, 128, "NHD", torch.bfloat16, 15)
+    q, k, v, go = cuda_inputs(1, 8, 2, 1000, 700, 128, "NHD", torch.bfloat16, seed)
 
     def f(q, k, v):
         return qattn.attention(q, k, v, is_causal=True, layout="NHD")
 
     eager_o = f(q, k, v)
     eager = run_backward(q, k, v, go, is_causal=True, layout="NHD")
+    for a, b in zip(eager, run_backward(q, k, v, go, is_causal=True, layout="NHD")):
+        assert torch.equal(a, b)
+    torch._dynamo.reset()
     compiled = torch.compile(f, fullgraph=True)
     for t in (q, k, v):
         t.grad = None
     o = compiled(q, k, v)
     o.backward(go)
+    if seen_scales is not None:  # a backward with other options names itself here
+        assert set(seen_scales) == {"merge_free"}, seen_scales
     assert torch.equal(o, eager_o)
     for a, b in zip([t.grad for t in (q, k, v)], eager):
         assert torch.equal(a, b)
+
+
+def test_gpu_compile_fullgraph_equals_eager(gpu):
+    check_compiled_equals_eager(15)
 
 
 def test_gpu_inference_path_is_unchanged(gpu, monkeypatch):
@@ -938,27 +951,7 @@ def test_gpu_merge_free_sdpa_drop_in(merge_free_gpu):
 
 
 def test_gpu_merge_free_compile_fullgraph_equals_eager(merge_free_gpu):
-    qattn.set_backward_options(deterministic=True)  # so that equal means bitwise
-    q, k, v, go = cuda_inputs(1, 8, 2, 1000, 700, 128, "NHD", torch.bfloat16, 26)
-
-    def f(q, k, v):
-        return qattn.attention(q, k, v, is_causal=True, layout="NHD")
-
-    eager_o = f(q, k, v)
-    eager = run_backward(q, k, v, go, is_causal=True, layout="NHD")
-    again = run_backward(q, k, v, go, is_causal=True, layout="NHD")
-    for a, b in zip(eager, again):  # deterministic merge-free: bitwise stable run to run
-        assert torch.equal(a, b)
-    torch._dynamo.reset()
-    compiled = torch.compile(f, fullgraph=True)
-    for t in (q, k, v):
-        t.grad = None
-    o = compiled(q, k, v)
-    o.backward(go)
-    assert torch.equal(o, eager_o)
-    for a, b in zip([t.grad for t in (q, k, v)], eager):
-        assert torch.equal(a, b)
-    assert set(merge_free_gpu) == {"merge_free"}
+    check_compiled_equals_eager(26, merge_free_gpu)
 
 
 def test_gpu_merge_free_above_head_dim_128_runs_per_block(gpu):
