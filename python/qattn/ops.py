@@ -912,19 +912,24 @@ def _forward_backward_options() -> dict:
     read: the values become constants of the traced graph, guarded, and part of the keys
     of its compiled-graph caches. A backward graph cached under other options is then
     never reused."""
-    options = dict(_bwd_options)
+    return _resolved(dict(_bwd_options))
+
+
+def _resolved(options: dict) -> dict:
+    """`options` (a copy of _bwd_options) with deterministic None read from the environment."""
     if options["deterministic"] is None:
         options["deterministic"] = _env_deterministic()
     return options
 
 
-def _check_backward_options(format, dov, scales="per_block") -> None:
-    if format not in _BWD_FORMATS:
-        raise invalid(f"bwd_format = {format!r}; allowed: {', '.join(map(repr, _BWD_FORMATS))}")
-    if dov not in _BWD_DOVS:
-        raise invalid(f"bwd_dov = {dov!r}; allowed: {', '.join(map(repr, _BWD_DOVS))}")
-    if scales not in _BWD_SCALES:
-        raise invalid(f"bwd_scales = {scales!r}; allowed: {', '.join(map(repr, _BWD_SCALES))}")
+def _check_backward_options(format, dov, scales="per_block", prefix="bwd_") -> None:
+    """Named errors for option values outside their sets; `prefix` names the arguments as
+    the calling op spells them."""
+    for name, value, allowed in (("format", format, _BWD_FORMATS), ("dov", dov, _BWD_DOVS),
+                                 ("scales", scales, _BWD_SCALES)):
+        if value not in allowed:
+            raise invalid(f"{prefix}{name} = {value!r}; allowed: "
+                          f"{', '.join(map(repr, allowed))}")
 
 
 def _check_scales_combination(options: dict, given: dict) -> None:
@@ -950,10 +955,7 @@ def get_backward_options() -> dict:
     """The backward options in force now: {"format", "dov", "deterministic", "scales"},
     with deterministic read from QATTN_BWD_DETERMINISTIC where it is None (not set)."""
     with _bwd_lock:
-        options = dict(_bwd_options)
-    if options["deterministic"] is None:
-        options["deterministic"] = _env_deterministic()
-    return options
+        return _resolved(dict(_bwd_options))
 
 
 def _call_backward(grad_o, q, k, v, o, lse, grad_lse, is_causal, scale, layout, p_max=None,
@@ -1064,12 +1066,7 @@ def _check_backward(grad_o, q, k, v, o, lse, grad_lse, layout, scale, format, do
                               or t.device != q.device):
             raise invalid(f"{name} is {tuple(t.shape)} {t.dtype} on {t.device}; allowed: "
                           f"({b}, {hq}, {nq}) torch.float32 on q's device")
-    if format not in _BWD_FORMATS:
-        raise invalid(f"format = {format!r}; allowed: {', '.join(map(repr, _BWD_FORMATS))}")
-    if dov not in _BWD_DOVS:
-        raise invalid(f"dov = {dov!r}; allowed: {', '.join(map(repr, _BWD_DOVS))}")
-    if scales not in _BWD_SCALES:
-        raise invalid(f"scales = {scales!r}; allowed: {', '.join(map(repr, _BWD_SCALES))}")
+    _check_backward_options(format, dov, scales, prefix="")
     if scales != "merge_free":
         if p_max is not None:
             raise invalid(f"p_max is set with scales = {scales!r}; allowed: None (only the "
